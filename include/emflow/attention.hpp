@@ -1,0 +1,89 @@
+// emflow: the EMF contextual update (REFERENCE.md §1), one call for every backend.
+//
+// For a batch of B clouds X_b (N x d, row-major) and a layer of H heads (M_h, F_h, u_h) plus
+// one content offset c:
+//
+//   s_ij    = beta * (x_i^T M_h x_j + u_h^T x_j)          (-inf where masked)
+//   p_ij    = softmax_j(s_ij)                             lse_i = log sum_j exp(s_ij)
+//   H_i     = lse_i - sum_j p_ij s_ij                     (attention entropy, nats)
+//   delta_i = sum_h sum_j p^h_ij F_h x_j + c              (0 for a query with no visible key)
+//
+// All arrays are dense and row-major. Pointers are host pointers for attend(); for
+// emflow::cuda::attend_async (cuda.hpp) they are device pointers.
+#pragma once
+
+#include <cstdint>
+
+#include "emflow/types.hpp"
+
+namespace emflow {
+
+/// The operators of one attention layer of `heads` heads in R^dim.
+template <class T>
+struct LayerOperators {
+  std::int64_t heads = 1;
+  const T* relevance = nullptr;  ///< M: (heads, dim, dim), bilinear form q^T M_h t. Required.
+  const T* content = nullptr;    ///< F: (heads, dim, dim), content operator F_h t. Required.
+  const T* key_bias = nullptr;   ///< u: (heads, dim), adds u_h^T x_j to every score. Optional.
+  const T* offset = nullptr;     ///< c: (dim), added to every visible query's update. Optional.
+};
+
+/// Everything the contextual update reads.
+template <class T>
+struct AttentionInput {
+  const T* cloud = nullptr;  ///< X: (batch, tokens, dim). Required.
+  std::int64_t batch = 1;    ///< B >= 1
+  std::int64_t tokens = 0;   ///< N >= 1
+  std::int64_t dim = 0;      ///< d >= 1
+  LayerOperators<T> layer;
+  double beta = 1.0;  ///< inverse temperature; finite
+  Mask mask;
+  /// Optional per-cloud key lengths L_b in [0, N] (host memory, `batch` entries): only keys
+  /// j < L_b are visible; queries i >= L_b are padding and get a zero update and lse = -inf.
+  const std::int64_t* key_lengths = nullptr;
+};
+
+/// Where the contextual update writes. Only `update` is required.
+template <class T>
+struct AttentionOutput {
+  T* update = nullptr;   ///< Delta: (batch, tokens, dim)
+  T* lse = nullptr;      ///< (batch, heads, tokens); -inf for a query with no visible key
+  T* entropy = nullptr;  ///< (batch, heads, tokens); 0 for a query with no visible key
+  T* weights = nullptr;  ///< (batch, heads, tokens, tokens); needs the N x N matrix
+};
+
+/// How an operation runs.
+struct ExecutionOptions {
+  Device device = Device::automatic;
+  int threads = 0;  ///< CPU threads; 0 means all available (OpenMP default)
+};
+
+/// Checks shapes, sizes, pointers, beta, the mask and the key lengths; throws emflow::Error
+/// (ErrorCode::invalid_argument) naming the first offending argument. Every backend calls it.
+template <class T>
+void validate(const AttentionInput<T>& input, const AttentionOutput<T>& output,
+              const char* operation = "attend");
+
+/// Computes the contextual update on host arrays and returns when the outputs are written.
+/// float inputs are computed in float32 by cpu/cuda backends (accumulation in float, softmax
+/// in float with a running max) and in double by Device::reference; double inputs are computed
+/// in double on the CPU. Device::cuda copies to and from the GPU and synchronises its own stream.
+/// Throws emflow::Error on invalid input or backend failure; outputs are then unspecified.
+template <class T>
+void attend(const AttentionInput<T>& input, const AttentionOutput<T>& output,
+            const ExecutionOptions& options = {});
+
+/// Resolves Device::automatic to Device::cuda or Device::cpu for this process; checks that a
+/// requested cuda device exists (throws ErrorCode::unsupported with the reason otherwise).
+Device resolve_device(Device requested);
+
+extern template void validate<float>(const AttentionInput<float>&, const AttentionOutput<float>&,
+                                     const char*);
+extern template void validate<double>(const AttentionInput<double>&,
+                                      const AttentionOutput<double>&, const char*);
+extern template void attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&,
+                                   const ExecutionOptions&);
+extern template void attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&,
+                                    const ExecutionOptions&);
+
+}  // namespace emflow

@@ -1,0 +1,100 @@
+// Validation and backend dispatch for emflow::attend: each operation is specified once here and
+// implemented by the backends behind src/core/backends.hpp.
+#include "emflow/attention.hpp"
+
+#include <cmath>
+
+#include "backends.hpp"
+#include "check.hpp"
+
+namespace emflow {
+
+template <class T>
+void validate(const AttentionInput<T>& in, const AttentionOutput<T>& out, const char* op) {
+  using detail::checked_multiply;
+  using detail::expect_not_null;
+  using detail::expect_positive;
+  using detail::fail_argument;
+
+  expect_positive(op, "batch", in.batch);
+  expect_positive(op, "tokens", in.tokens);
+  expect_positive(op, "dim", in.dim);
+  expect_positive(op, "heads", in.layer.heads);
+  // Every size product a backend forms must fit in int64 (and hence in size_t on 64-bit hosts).
+  const std::int64_t cloud = checked_multiply(
+      op, "cloud", checked_multiply(op, "cloud", in.batch, in.tokens), in.dim);
+  checked_multiply(op, "relevance", checked_multiply(op, "relevance", in.layer.heads, in.dim),
+                   in.dim);
+  const std::int64_t rows = checked_multiply(
+      op, "lse", checked_multiply(op, "lse", in.batch, in.layer.heads), in.tokens);
+  if (out.weights != nullptr) checked_multiply(op, "weights", rows, in.tokens);
+  (void)cloud;
+
+  expect_not_null(op, "cloud", in.cloud);
+  expect_not_null(op, "relevance", in.layer.relevance);
+  expect_not_null(op, "content", in.layer.content);
+  expect_not_null(op, "update", out.update);
+
+  if (!std::isfinite(in.beta)) fail_argument(op, "beta", "must be finite, got ", in.beta);
+  if (in.mask.kind == MaskKind::window && in.mask.window < 1) {
+    fail_argument(op, "mask", "window width must be >= 1, got ", in.mask.window);
+  }
+  if (in.key_lengths != nullptr) {
+    for (std::int64_t b = 0; b < in.batch; ++b) {
+      const std::int64_t length = in.key_lengths[b];
+      if (length < 0 || length > in.tokens) {
+        fail_argument(op, "key_lengths", "entry ", b, " must be in [0, ", in.tokens, "], got ",
+                      length);
+      }
+    }
+  }
+}
+
+Device resolve_device(Device requested) {
+  std::string reason;
+  switch (requested) {
+    case Device::automatic:
+      return detail::cuda_device_available(&reason) ? Device::cuda : Device::cpu;
+    case Device::cuda:
+      if (!detail::cuda_device_available(&reason)) {
+        detail::fail(ErrorCode::unsupported, "device 'cuda' requested but unavailable: ", reason);
+      }
+      return Device::cuda;
+    case Device::cpu:
+    case Device::reference:
+      return requested;
+  }
+  return Device::cpu;
+}
+
+template <class T>
+void attend(const AttentionInput<T>& input, const AttentionOutput<T>& output,
+            const ExecutionOptions& options) {
+  validate(input, output, "attend");
+  if (options.threads < 0) {
+    detail::fail_argument("attend", "threads", "must be >= 0, got ", options.threads);
+  }
+  switch (resolve_device(options.device)) {
+    case Device::reference:
+      detail::reference_attend(input, output);
+      return;
+    case Device::cuda:
+      detail::cuda_attend(input, output);
+      return;
+    case Device::cpu:
+    case Device::automatic:
+      detail::cpu_attend(input, output, options.threads);
+      return;
+  }
+}
+
+template void validate<float>(const AttentionInput<float>&, const AttentionOutput<float>&,
+                              const char*);
+template void validate<double>(const AttentionInput<double>&, const AttentionOutput<double>&,
+                               const char*);
+template void attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&,
+                            const ExecutionOptions&);
+template void attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&,
+                             const ExecutionOptions&);
+
+}  // namespace emflow

@@ -1,0 +1,20 @@
+// Compiled only when emflow is built without CUDA: the CUDA backend reports that it is absent.
+#include "backends.hpp"
+#include "check.hpp"
+
+namespace emflow::detail {
+
+bool cuda_device_available(std::string* reason) {
+  if (reason) *reason = "emflow was built without CUDA (EMFLOW_WITH_CUDA=OFF)";
+  return false;
+}
+
+template <class T>
+void cuda_attend(const AttentionInput<T>&, const AttentionOutput<T>&) {
+  fail(ErrorCode::unsupported, "attend: emflow was built without CUDA (EMFLOW_WITH_CUDA=OFF)");
+}
+
+template void cuda_attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&);
+template void cuda_attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&);
+
+}  // namespace emflow::detail

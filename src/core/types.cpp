@@ -1,0 +1,96 @@
+#include "emflow/types.hpp"
+
+#include <cerrno>
+#include <cstdlib>
+
+#include "check.hpp"
+
+namespace emflow {
+
+Mask parse_mask(const std::string& text, const char* argument) {
+  if (text == "none") return Mask::none();
+  if (text == "causal") return Mask::causal();
+  const std::string prefix = "window:";
+  if (text.compare(0, prefix.size(), prefix) == 0) {
+    const std::string width = text.substr(prefix.size());
+    char* end = nullptr;
+    errno = 0;
+    const long long w = std::strtoll(width.c_str(), &end, 10);
+    if (width.empty() || *end != '\0' || errno == ERANGE || w < 1) {
+      detail::fail_argument("parse_mask", argument,
+                            "expects window:W with an integer W >= 1, got '", text, "'");
+    }
+    return Mask::sliding_window(w);
+  }
+  detail::fail_argument("parse_mask", argument, "expects none, causal or window:W, got '", text,
+                        "'");
+}
+
+std::string to_string(const Mask& mask) {
+  switch (mask.kind) {
+    case MaskKind::causal:
+      return "causal";
+    case MaskKind::window:
+      return "window:" + std::to_string(mask.window);
+    case MaskKind::none:
+    default:
+      return "none";
+  }
+}
+
+Device parse_device(const std::string& text, const char* argument) {
+  if (text == "auto") return Device::automatic;
+  if (text == "cpu") return Device::cpu;
+  if (text == "cuda") return Device::cuda;
+  if (text == "reference") return Device::reference;
+  detail::fail_argument("parse_device", argument, "expects auto, cpu, cuda or reference, got '",
+                        text, "'");
+}
+
+const char* to_string(Device device) noexcept {
+  switch (device) {
+    case Device::automatic:
+      return "auto";
+    case Device::cpu:
+      return "cpu";
+    case Device::cuda:
+      return "cuda";
+    case Device::reference:
+      return "reference";
+  }
+  return "unknown";
+}
+
+std::string to_string(const Shape& shape) {
+  std::string out = "(";
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(shape[i]);
+  }
+  if (shape.size() == 1) out += ",";
+  return out + ")";
+}
+
+namespace detail {
+
+std::int64_t checked_multiply(const char* operation, const char* argument, std::int64_t a,
+                              std::int64_t b) {
+  std::int64_t product = 0;
+  if (__builtin_mul_overflow(a, b, &product)) {
+    fail_argument(operation, argument, "has a size product that overflows 64 bits (", a, " x ",
+                  b, ")");
+  }
+  return product;
+}
+
+std::int64_t checked_product(const char* operation, const char* argument, const Shape& shape) {
+  std::int64_t n = 1;
+  for (std::int64_t e : shape) {
+    if (e < 0) fail_argument(operation, argument, "has a negative extent in ", to_string(shape));
+    n = checked_multiply(operation, argument, n, e);
+  }
+  return n;
+}
+
+}  // namespace detail
+}  // namespace emflow
