@@ -1,0 +1,16 @@
+// Each emflow subcommand lives in its own file and registers itself on the app here.
+// A command's callback throws emflow::Error on failure; main() turns that into a one-line
+// message on stderr and a non-zero exit.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace emflow::cli {
+
+void add_attend_command(CLI::App& app);  // cmd_attend.cpp
+void add_demo_command(CLI::App& app);    // cmd_demo.cpp
+void add_bench_command(CLI::App& app);   // cmd_bench.cpp
+void add_flow_command(CLI::App& app);    // cmd_flow.cpp
+void add_phase_command(CLI::App& app);   // cmd_phase.cpp
+
+}  // namespace emflow::cli
