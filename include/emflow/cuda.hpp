@@ -1,0 +1,150 @@
+// emflow::cuda: the stream-ordered GPU form of the EMF contextual update (attention.hpp).
+//
+// The caller owns every byte of device memory: inputs, outputs and a workspace whose size
+// attend_workspace_size() returns. attend_async() only enqueues work on the caller's stream:
+// it allocates nothing, never synchronises the device, and returns before the GPU has finished.
+//
+//   using namespace emflow;
+//   cuda::DeviceBuffer<float> cloud(B * N * d), relevance(H * d * d), content(H * d * d),
+//       update(B * N * d);
+//   ...copy inputs with DeviceBuffer::copy_from_host or cudaMemcpyAsync...
+//   const std::size_t bytes = cuda::attend_workspace_size(input, output);
+//   cuda::DeviceBuffer<unsigned char> workspace(bytes);      // once, outside the hot loop
+//   cuda::attend_async(input, output, workspace.data(), bytes, stream);
+//
+// The functions here exist when emflow is built with CUDA (EMFLOW_WITH_CUDA is then defined for
+// every target that links emflow). This header does not include cuda_runtime.h: a stream is
+// passed as the runtime's own handle type, `cudaStream_t`, which is `CUstream_st*`.
+//
+// Algorithms:
+//   fused    float only, dim <= 256, no weights. One kernel streams key tiles through shared
+//            memory with an online softmax; memory is O(B H N d), never N x N. Deterministic.
+//   unfused  float or double. cuBLAS strided-batched products R = X M, C = X F^T, S = R X^T,
+//            Delta = sum_h P_h C_h and a masked row-softmax kernel; stores the N x N scores per
+//            cloud and head (in `weights` when requested, else in the workspace).
+//   automatic: fused for float when no weights are requested and dim <= 256, else unfused.
+//
+// cuBLAS: each host thread keeps one cuBLAS handle per device, created on the first call that
+// needs it on that device (cublasCreate allocates and synchronises, once) and destroyed when the
+// thread exits. Every call binds it to the caller's stream (cublasSetStream) and then points
+// cuBLAS's own workspace into the caller's workspace (cublasSetWorkspace), so calls on different
+// streams never share scratch memory and nothing is allocated per call.
+//
+// Errors: emflow::Error. Invalid shapes, null or host-only pointers, or a workspace that is too
+// small or misaligned: ErrorCode::invalid_argument. No usable device, or a configuration the
+// chosen algorithm cannot run (e.g. fused with weights): ErrorCode::unsupported. A failing CUDA
+// or cuBLAS call: ErrorCode::device, or ErrorCode::out_of_memory; the message names the call.
+// Errors of kernels that have already been enqueued surface at the caller's next synchronisation.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "emflow/attention.hpp"
+
+struct CUstream_st;
+
+namespace emflow::cuda {
+
+/// The CUDA runtime's stream handle (cudaStream_t). nullptr is the legacy default stream.
+using Stream = CUstream_st*;
+
+/// True when a CUDA device can be used; otherwise `reason` (if given) says why.
+bool device_available(std::string* reason = nullptr) noexcept;
+
+/// Which GPU algorithm computes the update (see the header comment).
+enum class Algorithm { automatic, fused, unfused };
+
+/// Bytes of device workspace attend_async needs for these shapes, outputs and algorithm.
+/// Reads only the shapes, `mask`, and which output pointers are non-null (no memory is touched,
+/// no device is needed). Throws emflow::Error for invalid shapes or an algorithm that cannot run
+/// this configuration.
+template <class T>
+std::size_t attend_workspace_size(const AttentionInput<T>& input, const AttentionOutput<T>& output,
+                                  Algorithm algorithm = Algorithm::automatic);
+
+/// Enqueues the contextual update on `stream`. Every pointer in `input` and `output` is a device
+/// pointer (or null where optional), including `input.key_lengths`: `batch` int64 entries on the
+/// device that the caller guarantees are in [0, tokens]. Their values are not checked here (that
+/// would need a synchronisation); the kernels clamp each to [0, tokens]. The blocking form
+/// emflow::attend(..., {Device::cuda}) checks them on the host.
+/// `workspace` must be at least attend_workspace_size(input, output, algorithm) bytes, aligned
+/// to 256 bytes (cudaMalloc's alignment), and must not be used by other work until this call's
+/// work on `stream` is complete. Outputs are written only by the enqueued work.
+template <class T>
+void attend_async(const AttentionInput<T>& input, const AttentionOutput<T>& output, void* workspace,
+                  std::size_t workspace_bytes, Stream stream,
+                  Algorithm algorithm = Algorithm::automatic);
+
+extern template std::size_t attend_workspace_size<float>(const AttentionInput<float>&,
+                                                         const AttentionOutput<float>&, Algorithm);
+extern template std::size_t attend_workspace_size<double>(const AttentionInput<double>&,
+                                                          const AttentionOutput<double>&,
+                                                          Algorithm);
+extern template void attend_async<float>(const AttentionInput<float>&,
+                                         const AttentionOutput<float>&, void*, std::size_t, Stream,
+                                         Algorithm);
+extern template void attend_async<double>(const AttentionInput<double>&,
+                                          const AttentionOutput<double>&, void*, std::size_t,
+                                          Stream, Algorithm);
+
+namespace detail {
+/// cudaMalloc of `bytes` (nullptr for 0); throws ErrorCode::out_of_memory or device.
+void* device_allocate(std::size_t bytes);
+/// cudaFree; never throws (a failure here cannot be acted upon).
+void device_free(void* pointer) noexcept;
+/// cudaMemcpyAsync on `stream`, host to device / device to host; throws on failure.
+void copy_host_to_device(void* device, const void* host, std::size_t bytes, Stream stream);
+void copy_device_to_host(void* host, const void* device, std::size_t bytes, Stream stream);
+/// Throws ErrorCode::invalid_argument when a copy of `count` elements exceeds `size`.
+void check_copy_count(std::size_t count, std::size_t size);
+}  // namespace detail
+
+/// Owning device array of `size` elements of T (uninitialised), freed on destruction.
+/// Allocation is cudaMalloc: do it outside hot loops.
+template <class T>
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(std::size_t size)
+      : data_(static_cast<T*>(detail::device_allocate(size * sizeof(T)))), size_(size) {}
+  ~DeviceBuffer() { detail::device_free(data_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    if (this != &other) {
+      detail::device_free(data_);
+      data_ = std::exchange(other.data_, nullptr);
+      size_ = std::exchange(other.size_, 0);
+    }
+    return *this;
+  }
+
+  T* data() noexcept { return data_; }
+  const T* data() const noexcept { return data_; }
+  std::size_t size() const noexcept { return size_; }
+  std::size_t bytes() const noexcept { return size_ * sizeof(T); }
+
+  /// Copies `count` <= size() elements from host memory, ordered on `stream`. With pageable host
+  /// memory the call returns once the source has been staged, so `host` may be reused at once.
+  void copy_from_host(const T* host, std::size_t count, Stream stream) {
+    detail::check_copy_count(count, size_);
+    detail::copy_host_to_device(data_, host, count * sizeof(T), stream);
+  }
+  /// Copies `count` <= size() elements to host memory, ordered on `stream`; the values are there
+  /// once `stream` has been synchronised.
+  void copy_to_host(T* host, std::size_t count, Stream stream) const {
+    detail::check_copy_count(count, size_);
+    detail::copy_device_to_host(host, data_, count * sizeof(T), stream);
+  }
+
+ private:
+  T* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+}  // namespace emflow::cuda

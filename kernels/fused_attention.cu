@@ -1,0 +1,361 @@
+// Fused EMF attention in float32: per cloud b, head h and block of 64 queries,
+//
+//   delta_i = sum_j softmax_j(<q_i, x_j>) c_j,   q_i = beta log2(e) (M_h^T x_i + u_h),
+//   c_j = F_h x_j,
+//
+// streaming 64-key tiles of the cloud X (the keys) and of C through shared memory with an online
+// softmax in base 2 (exp2f; log2(e) is folded into q by the GEMM that forms it, so a score costs
+// one FFMA chain and the exponent one subtraction). The N x N matrix is never stored.
+//
+// Kernels:
+//   fused_attention_kernel<64|128|256>  the attention itself; the template argument is the
+//       head-dim tile, the true dim is a run-time value <= tile (zero-padded in shared memory).
+//   sum_heads_kernel  adds the per-head partial updates in head order, plus the offset, so the
+//       result is bitwise identical run to run (no atomics anywhere).
+//
+// Layout of one block (256 threads = 16 x 16; thread (ty, tx)):
+//   scores: rows ty*4 + i (i < 4), keys tx + 16 j (j < 4): a 4 x 4 register tile; the 16 threads
+//     sharing a row are one half-warp, so row max and row sums are half-warp shuffles.
+//   update: rows ty*4 + i, columns 64 c + tx*4 + e (c < tile/64, e < 4): tile/4 accumulators.
+//   shared memory: Qs[64][tile+4] (queries), KVs[64][tile+4] (the key tile, then the content
+//     tile), Ps[64][64+4] (probabilities, transposed: Ps[key][query]). Rows are padded by 4 floats
+//     so float4 accesses stay aligned and a half-warp's 16 rows fall in distinct bank groups.
+//
+// Masks: key tiles wholly outside the block's visible band (beyond L_b, above the causal
+// diagonal, before the window) are skipped; inside a tile each score is masked individually.
+// A row with no visible key so far keeps max = -inf; the reference point for exp2 is then 0 and
+// the rescale factor 0, so no -inf - -inf appears. Entropy is tracked online as
+// a = sum_j w_j (t_j - m) (w_j = 2^(t_j - m)), rescaled with the max: H = ln2 (log2 Z - a / Z).
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "attention_kernels.hpp"
+#include "cuda_support.hpp"
+#include "mask.cuh"
+
+namespace emflow::detail {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kBlockQueries = 64;
+constexpr int kBlockKeys = 64;
+constexpr int kProbabilityRow = kBlockQueries + 4;
+constexpr float kLn2 = 0.693147180559945309f;
+
+template <int Tile>
+struct FusedLayout {
+  static constexpr int row = Tile + 4;  // floats per padded row of Qs and KVs
+  static constexpr std::size_t floats = static_cast<std::size_t>(kBlockQueries + kBlockKeys) * row +
+                                        static_cast<std::size_t>(kBlockKeys) * kProbabilityRow;
+  static constexpr std::size_t bytes = floats * sizeof(float);
+};
+
+// Copies rows [row0, row0 + 64) of a (rows x dim) row-major matrix into a [64][Tile+4] shared
+// tile, zero-filling columns >= dim and rows >= rows. `vector_loads`: dim % 4 == 0 and `src` is
+// 16-byte aligned, so whole float4s can be read.
+template <int Tile>
+__device__ __forceinline__ void load_tile(float* __restrict__ dst, const float* __restrict__ src,
+                                          int row0, int rows, int dim, bool vector_loads) {
+  constexpr int kRow = FusedLayout<Tile>::row;
+  if (vector_loads) {
+    constexpr int kPerRow = Tile / 4;
+    constexpr int kSteps = kBlockKeys * kPerRow / kThreads;
+#pragma unroll
+    for (int step = 0; step < kSteps; ++step) {
+      const int index = static_cast<int>(threadIdx.x) + step * kThreads;
+      const int r = index / kPerRow;
+      const int col = (index % kPerRow) * 4;
+      float4 value = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (row0 + r < rows && col < dim) {
+        value =
+            *reinterpret_cast<const float4*>(src + static_cast<std::size_t>(row0 + r) * dim + col);
+      }
+      *reinterpret_cast<float4*>(dst + r * kRow + col) = value;
+    }
+  } else {
+    constexpr int kSteps = kBlockKeys * Tile / kThreads;
+#pragma unroll 8
+    for (int step = 0; step < kSteps; ++step) {
+      const int index = static_cast<int>(threadIdx.x) + step * kThreads;
+      const int r = index / Tile;
+      const int col = index % Tile;
+      float value = 0.f;
+      if (row0 + r < rows && col < dim) value = src[static_cast<std::size_t>(row0 + r) * dim + col];
+      dst[r * kRow + col] = value;
+    }
+  }
+}
+
+template <int Tile>
+__global__ void __launch_bounds__(kThreads)
+    fused_attention_kernel(const FusedAttentionArgs args, int query_blocks, bool vector_loads) {
+  constexpr int kRow = FusedLayout<Tile>::row;
+  constexpr int kChunks = Tile / 64;  // 64-column chunks of the update a thread accumulates
+  extern __shared__ float4 shared_storage[];
+  float* const Qs = reinterpret_cast<float*>(shared_storage);
+  float* const KVs = Qs + kBlockQueries * kRow;
+  float* const Ps = KVs + kBlockKeys * kRow;
+
+  const int tx = static_cast<int>(threadIdx.x) & 15;
+  const int ty = static_cast<int>(threadIdx.x) >> 4;
+  // Query blocks of one (cloud, head) are adjacent in launch order (their key and content tiles
+  // share L2), and the last query blocks, which see the most keys under a causal mask, go first.
+  const int block_in_head = static_cast<int>(blockIdx.x % static_cast<unsigned>(query_blocks));
+  const int query_block = query_blocks - 1 - block_in_head;
+  const int cloud_head = static_cast<int>(blockIdx.x / static_cast<unsigned>(query_blocks));
+  const int h = cloud_head % args.heads;
+  const int b = cloud_head / args.heads;
+  const int N = args.tokens;
+  const int dim = args.dim;
+  const int m0 = query_block * kBlockQueries;
+  const int length = visible_length(args.mask, b, N);
+
+  const std::size_t slice =
+      (static_cast<std::size_t>(h) * args.batch + b) * static_cast<std::size_t>(N) * dim;
+  const float* const query = args.query + slice;
+  const float* const content = args.content + slice;
+  const float* const keys = args.cloud + static_cast<std::size_t>(b) * N * dim;
+
+  // Key tiles that can hold a visible key for some query of this block: [first_key, last_key).
+  int last_key = 0;
+  int first_key = 0;
+  if (m0 < length) {
+    last_key = args.mask.kind == 0 ? length : min(length, m0 + kBlockQueries);
+    if (args.mask.kind == 2) first_key = max(0, m0 - args.mask.window + 1);
+  }
+  first_key = (first_key / kBlockKeys) * kBlockKeys;
+  const int dim_padded = (dim + 3) & ~3;  // the tiles are zero beyond dim
+
+  float row_max[4], row_sum[4], row_moment[4];
+  float acc[4][kChunks * 4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    row_max[i] = -INFINITY;
+    row_sum[i] = 0.f;
+    row_moment[i] = 0.f;
+#pragma unroll
+    for (int e = 0; e < kChunks * 4; ++e) acc[i][e] = 0.f;
+  }
+
+  load_tile<Tile>(Qs, query, m0, N, dim, vector_loads);
+
+  for (int n0 = first_key; n0 < last_key; n0 += kBlockKeys) {
+    __syncthreads();  // the previous tile's content and probabilities have been read
+    load_tile<Tile>(KVs, keys, n0, N, dim, vector_loads);
+    __syncthreads();  // key tile (and, on the first pass, the queries) in place
+
+    // t_ij = <q_i, x_j> in base-2 units.
+    float t[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) t[i][j] = 0.f;
+    }
+#pragma unroll 2
+    for (int k = 0; k < dim_padded; k += 4) {
+      float4 q[4], x[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        q[i] = *reinterpret_cast<const float4*>(Qs + (ty * 4 + i) * kRow + k);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        x[j] = *reinterpret_cast<const float4*>(KVs + (tx + 16 * j) * kRow + k);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          t[i][j] = fmaf(q[i].x, x[j].x, t[i][j]);
+          t[i][j] = fmaf(q[i].y, x[j].y, t[i][j]);
+          t[i][j] = fmaf(q[i].z, x[j].z, t[i][j]);
+          t[i][j] = fmaf(q[i].w, x[j].w, t[i][j]);
+        }
+      }
+    }
+
+    // Mask, then the online softmax update of each of the thread's 4 rows.
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int qi = m0 + ty * 4 + i;
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (!key_visible(qi, n0 + tx + 16 * j, length, args.mask)) t[i][j] = -INFINITY;
+        tile_max = fmaxf(tile_max, t[i][j]);
+      }
+#pragma unroll
+      for (int lane_mask = 8; lane_mask > 0; lane_mask >>= 1) {
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, lane_mask));
+      }
+      const float new_max = fmaxf(row_max[i], tile_max);
+      // Reference point of the exponent: 0 while the row has seen no visible key (all its
+      // weights are then 0), so -inf - -inf never occurs.
+      const float reference = new_max == -INFINITY ? 0.f : new_max;
+      float rescale = 0.f;
+      float shift = 0.f;
+      if (row_max[i] != -INFINITY) {
+        shift = row_max[i] - reference;  // <= 0
+        rescale = exp2f(shift);
+      }
+      row_moment[i] = rescale * (row_moment[i] + shift * row_sum[i]);
+      row_sum[i] *= rescale;
+      row_max[i] = new_max;
+#pragma unroll
+      for (int e = 0; e < kChunks * 4; ++e) acc[i][e] *= rescale;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float weight = 0.f;
+        if (t[i][j] != -INFINITY) {
+          const float centred = t[i][j] - reference;
+          weight = exp2f(centred);
+          row_sum[i] += weight;
+          row_moment[i] = fmaf(weight, centred, row_moment[i]);
+        }
+        t[i][j] = weight;
+      }
+    }
+    // Probabilities (unnormalised), transposed so the update loop reads 4 query rows at once.
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      *reinterpret_cast<float4*>(Ps + (tx + 16 * j) * kProbabilityRow + ty * 4) =
+          make_float4(t[0][j], t[1][j], t[2][j], t[3][j]);
+    }
+    __syncthreads();  // every thread is done with the key tile; probabilities visible
+    load_tile<Tile>(KVs, content, n0, N, dim, vector_loads);
+    __syncthreads();  // content tile in place
+
+    // acc += P C over the tile's 64 keys (masked and missing keys have weight 0, content 0).
+#pragma unroll 4
+    for (int n = 0; n < kBlockKeys; ++n) {
+      const float4 p = *reinterpret_cast<const float4*>(Ps + n * kProbabilityRow + ty * 4);
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        if (c * 64 < dim) {
+          const float4 v = *reinterpret_cast<const float4*>(KVs + n * kRow + c * 64 + tx * 4);
+          const float pr[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            acc[i][c * 4 + 0] = fmaf(pr[i], v.x, acc[i][c * 4 + 0]);
+            acc[i][c * 4 + 1] = fmaf(pr[i], v.y, acc[i][c * 4 + 1]);
+            acc[i][c * 4 + 2] = fmaf(pr[i], v.z, acc[i][c * 4 + 2]);
+            acc[i][c * 4 + 3] = fmaf(pr[i], v.w, acc[i][c * 4 + 3]);
+          }
+        }
+      }
+    }
+  }
+
+  // Row totals over the half-warp (fixed shuffle order: deterministic), then normalise and write.
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int lane_mask = 8; lane_mask > 0; lane_mask >>= 1) {
+      row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], lane_mask);
+      row_moment[i] += __shfl_xor_sync(0xffffffffu, row_moment[i], lane_mask);
+    }
+  }
+  const bool add_offset = args.offset != nullptr && args.heads == 1;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int qi = m0 + ty * 4 + i;
+    if (qi >= N) continue;
+    const bool any_key = row_sum[i] > 0.f;  // the row's max key alone contributes 1
+    const float inverse = any_key ? 1.f / row_sum[i] : 0.f;
+    float* const out =
+        args.out +
+        (static_cast<std::size_t>(h) * args.batch + b) * static_cast<std::size_t>(N) * dim +
+        static_cast<std::size_t>(qi) * dim;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = c * 64 + tx * 4 + e;
+        if (col < dim) {
+          float value = acc[i][c * 4 + e] * inverse;
+          if (add_offset && any_key) value += args.offset[col];
+          out[col] = value;
+        }
+      }
+    }
+    if (tx == 0) {
+      const std::size_t stat = (static_cast<std::size_t>(b) * args.heads + h) * N + qi;
+      const float log2_sum = any_key ? log2f(row_sum[i]) : 0.f;
+      if (args.lse != nullptr)
+        args.lse[stat] = any_key ? (row_max[i] + log2_sum) * kLn2 : -INFINITY;
+      if (args.entropy != nullptr) {
+        args.entropy[stat] = any_key ? kLn2 * (log2_sum - row_moment[i] * inverse) : 0.f;
+      }
+    }
+  }
+}
+
+__global__ void sum_heads_kernel(const float* __restrict__ partial,
+                                 const float* __restrict__ offset, float* __restrict__ update,
+                                 int batch, int heads, int tokens, int dim, KernelMask mask) {
+  const std::size_t per_cloud = static_cast<std::size_t>(tokens) * dim;
+  const std::size_t total = per_cloud * batch;
+  for (std::size_t index = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+       index < total; index += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const int b = static_cast<int>(index / per_cloud);
+    const std::size_t within = index - static_cast<std::size_t>(b) * per_cloud;
+    const int i = static_cast<int>(within / dim);
+    const int a = static_cast<int>(within - static_cast<std::size_t>(i) * dim);
+    float value = 0.f;
+    for (int h = 0; h < heads; ++h) value += partial[static_cast<std::size_t>(h) * total + index];
+    if (offset != nullptr && i < visible_length(mask, b, tokens)) value += offset[a];
+    update[index] = value;
+  }
+}
+
+template <int Tile>
+void launch_tile(const FusedAttentionArgs& args, cudaStream_t stream, const char* operation) {
+  const std::size_t bytes = FusedLayout<Tile>::bytes;
+  check_cuda(
+      cudaFuncSetAttribute(fused_attention_kernel<Tile>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+      operation, "cudaFuncSetAttribute(fused_attention_kernel)");
+  const int query_blocks = (args.tokens + kBlockQueries - 1) / kBlockQueries;
+  const unsigned blocks = static_cast<unsigned>(query_blocks) * static_cast<unsigned>(args.heads) *
+                          static_cast<unsigned>(args.batch);
+  const bool vector_loads = args.dim % 4 == 0 &&
+                            reinterpret_cast<std::uintptr_t>(args.cloud) % 16 == 0 &&
+                            reinterpret_cast<std::uintptr_t>(args.query) % 16 == 0 &&
+                            reinterpret_cast<std::uintptr_t>(args.content) % 16 == 0;
+  fused_attention_kernel<Tile>
+      <<<blocks, kThreads, bytes, stream>>>(args, query_blocks, vector_loads);
+  check_launch(operation, "fused_attention_kernel");
+}
+
+}  // namespace
+
+std::size_t fused_shared_bytes(int dim) {
+  if (dim <= 64) return FusedLayout<64>::bytes;
+  if (dim <= 128) return FusedLayout<128>::bytes;
+  return FusedLayout<256>::bytes;
+}
+
+void launch_fused_attention(const FusedAttentionArgs& args, cudaStream_t stream,
+                            const char* operation) {
+  if (args.dim <= 64) {
+    launch_tile<64>(args, stream, operation);
+  } else if (args.dim <= 128) {
+    launch_tile<128>(args, stream, operation);
+  } else {
+    launch_tile<256>(args, stream, operation);
+  }
+}
+
+void launch_sum_heads(const float* partial, const float* offset, float* update, int batch,
+                      int heads, int tokens, int dim, const KernelMask& mask, cudaStream_t stream,
+                      const char* operation) {
+  const std::size_t total = static_cast<std::size_t>(batch) * tokens * dim;
+  const std::size_t wanted = (total + 255) / 256;
+  const unsigned blocks = static_cast<unsigned>(wanted < 65536 ? wanted : 65536);
+  sum_heads_kernel<<<blocks, 256, 0, stream>>>(partial, offset, update, batch, heads, tokens, dim,
+                                               mask);
+  check_launch(operation, "sum_heads_kernel");
+}
+
+}  // namespace emflow::detail

@@ -1,0 +1,176 @@
+// The small kernels of the unfused path (the products themselves are cuBLAS calls made in
+// attend_cuda.cpp), in float and double:
+//
+//   broadcast_bias_kernel  writes beta u_h into every row of a head's relevance buffer, so that one
+//       GEMM with a nonzero C coefficient forms beta (X M_h + 1 u_h^T).
+//   row_softmax_kernel     one block per score row (cloud, head, query): max, then
+//       Z = sum exp(s - m) and a = sum exp(s - m)(s - m) over the visible keys, then the row is
+//       overwritten in place by p = exp(s - lse) (0 where masked); lse = m + log Z and
+//       H = log Z - a / Z. A row with no visible key becomes zeros, lse = -inf, H = 0.
+//       Reductions use a fixed tree, so the result is deterministic.
+//   add_offset_kernel      adds c to the update of every visible query.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "attention_kernels.hpp"
+#include "cuda_support.hpp"
+#include "mask.cuh"
+
+namespace emflow::detail {
+
+namespace {
+
+constexpr int kSoftmaxThreads = 256;
+constexpr int kWarps = kSoftmaxThreads / 32;
+
+__device__ __forceinline__ float exp_of(float x) { return expf(x); }
+__device__ __forceinline__ double exp_of(double x) { return exp(x); }
+__device__ __forceinline__ float log_of(float x) { return logf(x); }
+__device__ __forceinline__ double log_of(double x) { return log(x); }
+
+unsigned grid_for(std::size_t total) {
+  const std::size_t wanted = (total + 255) / 256;
+  return static_cast<unsigned>(wanted < 65536 ? (wanted > 0 ? wanted : 1) : 65536);
+}
+
+template <class T>
+__global__ void broadcast_bias_kernel(T* __restrict__ rows, const T* __restrict__ bias, T scale,
+                                      int heads, std::int64_t rows_per_head, int dim) {
+  const std::size_t per_head = static_cast<std::size_t>(rows_per_head) * dim;
+  const std::size_t total = per_head * heads;
+  for (std::size_t index = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+       index < total; index += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const std::size_t h = index / per_head;
+    const std::size_t a = index % dim;
+    rows[index] = scale * bias[h * dim + a];
+  }
+}
+
+// Reduces `value` over the block (max when `is_max`, else sum) in a fixed order; every thread
+// gets the result. `scratch` holds kWarps values; the call begins and ends with a barrier so
+// the scratch can be reused at once.
+template <class T>
+__device__ T block_reduce(T value, bool is_max, T* scratch) {
+#pragma unroll
+  for (int lane_mask = 16; lane_mask > 0; lane_mask >>= 1) {
+    const T other = __shfl_xor_sync(0xffffffffu, value, lane_mask);
+    value = is_max ? (other > value ? other : value) : value + other;
+  }
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) scratch[warp] = value;
+  __syncthreads();
+  T result = scratch[0];
+  for (int w = 1; w < kWarps; ++w) {
+    result = is_max ? (scratch[w] > result ? scratch[w] : result) : result + scratch[w];
+  }
+  __syncthreads();
+  return result;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kSoftmaxThreads)
+    row_softmax_kernel(T* __restrict__ scores, T* __restrict__ lse, T* __restrict__ entropy,
+                       int heads, int tokens, KernelMask mask) {
+  __shared__ T scratch[kWarps];
+  const std::size_t row = blockIdx.x;  // (b * heads + h) * tokens + i
+  const int i = static_cast<int>(row % static_cast<std::size_t>(tokens));
+  const int b = static_cast<int>(row / (static_cast<std::size_t>(tokens) * heads));
+  T* const s = scores + row * static_cast<std::size_t>(tokens);
+  int first = 0, last = 0;
+  visible_keys(i, visible_length(mask, b, tokens), mask, &first, &last);
+
+  if (first >= last) {  // no visible key
+    for (int j = static_cast<int>(threadIdx.x); j < tokens; j += kSoftmaxThreads) s[j] = T(0);
+    if (threadIdx.x == 0) {
+      if (lse != nullptr) lse[row] = -INFINITY;
+      if (entropy != nullptr) entropy[row] = T(0);
+    }
+    return;
+  }
+
+  T local_max = -INFINITY;
+  for (int j = first + static_cast<int>(threadIdx.x); j < last; j += kSoftmaxThreads) {
+    local_max = s[j] > local_max ? s[j] : local_max;
+  }
+  const T row_max = block_reduce(local_max, true, scratch);
+
+  T local_sum = 0, local_moment = 0;
+  for (int j = first + static_cast<int>(threadIdx.x); j < last; j += kSoftmaxThreads) {
+    const T centred = s[j] - row_max;
+    const T weight = exp_of(centred);
+    local_sum += weight;
+    local_moment += weight * centred;
+  }
+  const T sum = block_reduce(local_sum, false, scratch);
+  const T moment = block_reduce(local_moment, false, scratch);
+  const T log_sum = log_of(sum);
+  const T row_lse = row_max + log_sum;
+
+  for (int j = static_cast<int>(threadIdx.x); j < tokens; j += kSoftmaxThreads) {
+    s[j] = (j >= first && j < last) ? exp_of(s[j] - row_lse) : T(0);
+  }
+  if (threadIdx.x == 0) {
+    if (lse != nullptr) lse[row] = row_lse;
+    if (entropy != nullptr) entropy[row] = log_sum - moment / sum;
+  }
+}
+
+template <class T>
+__global__ void add_offset_kernel(T* __restrict__ update, const T* __restrict__ offset, int batch,
+                                  int tokens, int dim, KernelMask mask) {
+  const std::size_t per_cloud = static_cast<std::size_t>(tokens) * dim;
+  const std::size_t total = per_cloud * batch;
+  for (std::size_t index = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+       index < total; index += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const int b = static_cast<int>(index / per_cloud);
+    const std::size_t within = index - static_cast<std::size_t>(b) * per_cloud;
+    const int i = static_cast<int>(within / dim);
+    const int a = static_cast<int>(within - static_cast<std::size_t>(i) * dim);
+    if (i < visible_length(mask, b, tokens)) update[index] += offset[a];
+  }
+}
+
+}  // namespace
+
+template <class T>
+void launch_broadcast_bias(T* rows, const T* bias, T scale, int heads, std::int64_t rows_per_head,
+                           int dim, cudaStream_t stream, const char* operation) {
+  const std::size_t total = static_cast<std::size_t>(rows_per_head) * dim * heads;
+  broadcast_bias_kernel<T>
+      <<<grid_for(total), 256, 0, stream>>>(rows, bias, scale, heads, rows_per_head, dim);
+  check_launch(operation, "broadcast_bias_kernel");
+}
+
+template <class T>
+void launch_row_softmax(T* scores, T* lse, T* entropy, int batch, int heads, int tokens,
+                        const KernelMask& mask, cudaStream_t stream, const char* operation) {
+  const std::size_t rows = static_cast<std::size_t>(batch) * heads * tokens;
+  row_softmax_kernel<T><<<static_cast<unsigned>(rows), kSoftmaxThreads, 0, stream>>>(
+      scores, lse, entropy, heads, tokens, mask);
+  check_launch(operation, "row_softmax_kernel");
+}
+
+template <class T>
+void launch_add_offset(T* update, const T* offset, int batch, int tokens, int dim,
+                       const KernelMask& mask, cudaStream_t stream, const char* operation) {
+  const std::size_t total = static_cast<std::size_t>(batch) * tokens * dim;
+  add_offset_kernel<T>
+      <<<grid_for(total), 256, 0, stream>>>(update, offset, batch, tokens, dim, mask);
+  check_launch(operation, "add_offset_kernel");
+}
+
+#define EMFLOW_INSTANTIATE_UNFUSED(T)                                                              \
+  template void launch_broadcast_bias<T>(T*, const T*, T, int, std::int64_t, int, cudaStream_t,    \
+                                         const char*);                                             \
+  template void launch_row_softmax<T>(T*, T*, T*, int, int, int, const KernelMask&, cudaStream_t,  \
+                                      const char*);                                                \
+  template void launch_add_offset<T>(T*, const T*, int, int, int, const KernelMask&, cudaStream_t, \
+                                     const char*);
+EMFLOW_INSTANTIATE_UNFUSED(float)
+EMFLOW_INSTANTIATE_UNFUSED(double)
+#undef EMFLOW_INSTANTIATE_UNFUSED
+
+}  // namespace emflow::detail
