@@ -1,8 +1,177 @@
-// emflow attend: not implemented yet.
+// emflow attend: the contextual update of one layer (REFERENCE.md §1) on .npy files.
+//
+// The cloud's dtype decides the precision: float64 files are computed and written in float64,
+// float32 in float32, and every other float input must match it. Every input is read and
+// checked, the update is computed, and only then are the outputs written, all or none.
+#include <cmath>
+#include <memory>
+#include <string>
+
 #include "commands.hpp"
+#include "common.hpp"
+#include "emflow/attention.hpp"
 
 namespace emflow::cli {
+namespace {
 
-void add_attend_command(CLI::App&) {}
+struct AttendArguments {
+  std::string cloud, relevance, content, key_bias, offset, key_lengths;
+  std::string update, lse, entropy, weights;
+  double beta = 1.0;
+  std::string mask = "none";
+  std::string device = "auto";
+  int threads = 0;
+};
+
+template <class T>
+void run_attend(const AttendArguments& args, Dtype dtype) {
+  const Mask mask = parse_mask(args.mask, "--mask");
+  if (!std::isfinite(args.beta)) fail_option("--beta", "must be finite, got ", args.beta);
+  const ExecutionOptions options = execution_options(args.device, args.threads);
+
+  Outputs outputs;
+  outputs.declare("--out", args.update);
+  if (!args.lse.empty()) outputs.declare("--lse", args.lse);
+  if (!args.entropy.empty()) outputs.declare("--entropy", args.entropy);
+  if (!args.weights.empty()) outputs.declare("--weights", args.weights);
+
+  // The cloud: (N, d) is one cloud, (B, N, d) a batch.
+  const Tensor<T> cloud = read_float_input<T>("--x", args.cloud, dtype, "--x", 2, 3);
+  const bool batched = cloud.rank() == 3;
+  const std::int64_t batch = batched ? cloud.extent(0) : 1;
+  const std::int64_t tokens = cloud.extent(cloud.rank() - 2);
+  const std::int64_t dim = cloud.extent(cloud.rank() - 1);
+  const std::string from_x = "(d = " + std::to_string(dim) + " from --x)";
+
+  // The operators: (d, d) is one head, (H, d, d) a layer of H heads.
+  const Tensor<T> relevance = read_float_input<T>("--m", args.relevance, dtype, "--x", 2, 3);
+  const std::int64_t heads = relevance.rank() == 3 ? relevance.extent(0) : 1;
+  if (relevance.extent(relevance.rank() - 1) != dim ||
+      relevance.extent(relevance.rank() - 2) != dim) {
+    fail_option("--m", "'", args.relevance, "' has shape ", to_string(relevance.shape()),
+                ", expected (", dim, ", ", dim, ") or (H, ", dim, ", ", dim, ") ", from_x);
+  }
+  const Tensor<T> content = read_float_input<T>("--f", args.content, dtype, "--x", 2, 3);
+  expect_shape("--f", args.content, content.shape(), relevance.shape(), "(the shape of --m)");
+
+  Tensor<T> key_bias, offset;
+  if (!args.key_bias.empty()) {
+    key_bias = read_float_input<T>("--key-bias", args.key_bias, dtype, "--x", 1, 2);
+    // One row per head; a single head may also give the bare vector (d).
+    if (!(heads == 1 && key_bias.shape() == Shape{dim})) {
+      expect_shape(
+          "--key-bias", args.key_bias, key_bias.shape(), {heads, dim},
+          heads == 1 ? "or (" + std::to_string(dim) + ",) " + from_x : "(H from --m, d from --x)");
+    }
+  }
+  if (!args.offset.empty()) {
+    offset = read_float_input<T>("--offset", args.offset, dtype, "--x", 1, 1);
+    expect_shape("--offset", args.offset, offset.shape(), {dim}, from_x);
+  }
+  Tensor<std::int64_t> key_lengths;
+  if (!args.key_lengths.empty()) {
+    key_lengths = read_integer_input("--key-lengths", args.key_lengths, 1, 1);
+    expect_shape("--key-lengths", args.key_lengths, key_lengths.shape(), {batch},
+                 "(one length per cloud of --x)");
+    for (std::int64_t b = 0; b < batch; ++b) {
+      if (key_lengths[b] < 0 || key_lengths[b] > tokens) {
+        fail_option("--key-lengths", "'", args.key_lengths, "' entry ", b, " is ", key_lengths[b],
+                    ", expected a length in [0, ", tokens, "] (N from --x)");
+      }
+    }
+  }
+
+  AttentionInput<T> input;
+  input.cloud = cloud.data();
+  input.batch = batch;
+  input.tokens = tokens;
+  input.dim = dim;
+  input.layer.heads = heads;
+  input.layer.relevance = relevance.data();
+  input.layer.content = content.data();
+  input.layer.key_bias = key_bias.size() > 0 ? key_bias.data() : nullptr;
+  input.layer.offset = offset.size() > 0 ? offset.data() : nullptr;
+  input.beta = args.beta;
+  input.mask = mask;
+  input.key_lengths = key_lengths.size() > 0 ? key_lengths.data() : nullptr;
+
+  // Validate before allocating the outputs (the weights can be large).
+  Tensor<T> update(cloud.shape()), lse, entropy, weights;
+  AttentionOutput<T> output;
+  output.update = update.data();
+  if (!args.weights.empty()) {
+    using detail::checked_multiply;
+    checked_multiply("attend", "weights",
+                     checked_multiply("attend", "weights",
+                                      checked_multiply("attend", "weights", batch, heads), tokens),
+                     tokens);
+    weights = Tensor<T>(Shape{batch, heads, tokens, tokens});
+    output.weights = weights.data();
+  }
+  if (!args.lse.empty()) {
+    lse = Tensor<T>(Shape{batch, heads, tokens});
+    output.lse = lse.data();
+  }
+  if (!args.entropy.empty()) {
+    entropy = Tensor<T>(Shape{batch, heads, tokens});
+    output.entropy = entropy.data();
+  }
+  attend(input, output, options);
+
+  outputs.stage_npy(args.update, update);
+  if (!args.lse.empty()) outputs.stage_npy(args.lse, lse);
+  if (!args.entropy.empty()) outputs.stage_npy(args.entropy, entropy);
+  if (!args.weights.empty()) outputs.stage_npy(args.weights, weights);
+  outputs.commit();
+}
+
+}  // namespace
+
+void add_attend_command(CLI::App& app) {
+  auto args = std::make_shared<AttendArguments>();
+  CLI::App* command = app.add_subcommand(
+      "attend",
+      "Contextual update of one attention layer on .npy files: for each query x_i and head h,\n"
+      "  s_ij = beta (x_i^T M_h x_j + u_h^T x_j),  p_ij = softmax_j(s_ij),\n"
+      "  delta_i = sum_h sum_j p_ij F_h x_j + c.\n"
+      "Inputs are float32 or float64 (all alike); outputs have the cloud's dtype. Outputs are\n"
+      "written only when the whole run succeeds.");
+  command->add_option("--x", args->cloud, "cloud X (.npy): (N, d), or a batch (B, N, d)")
+      ->required();
+  command
+      ->add_option("--m", args->relevance, "relevance M (.npy): (d, d), or (H, d, d) for H heads")
+      ->required();
+  command->add_option("--f", args->content, "content F (.npy): the shape of M")->required();
+  command->add_option("--key-bias", args->key_bias,
+                      "key bias u (.npy): (H, d), or (d) for one head; adds beta u_h^T x_j");
+  command->add_option("--offset", args->offset, "content offset c (.npy): (d)");
+  command->add_option("--beta", args->beta, "inverse temperature, finite")->capture_default_str();
+  command
+      ->add_option("--mask", args->mask,
+                   "none, causal (keys j <= i) or window:W (keys i-W < j <= i)")
+      ->capture_default_str();
+  command->add_option("--key-lengths", args->key_lengths,
+                      "key lengths L (.npy, int32 or int64): (B), one per cloud (1 for an (N, d) "
+                      "cloud); keys j >= L_b are hidden and queries i >= L_b get a zero update");
+  add_device_option(*command, args->device);
+  add_threads_option(*command, args->threads);
+  command->add_option("--out", args->update, "output: the update Delta (.npy), X's shape")
+      ->required();
+  command->add_option("--lse", args->lse,
+                      "output: log-sum-exp of the scores (.npy), (B, H, N); -inf for a query "
+                      "with no visible key");
+  command->add_option("--entropy", args->entropy,
+                      "output: attention entropy in nats (.npy), (B, H, N)");
+  command->add_option("--weights", args->weights,
+                      "output: attention weights P (.npy), (B, H, N, N); needs B H N^2 numbers");
+  command->callback([args] {
+    const Dtype dtype = float_dtype("--x", args->cloud);
+    if (dtype == Dtype::float32) {
+      run_attend<float>(*args, dtype);
+    } else {
+      run_attend<double>(*args, dtype);
+    }
+  });
+}
 
 }  // namespace emflow::cli

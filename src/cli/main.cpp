@@ -1,6 +1,6 @@
 // The emflow command-line tool: one subcommand per file (commands.hpp).
 #include <CLI/CLI.hpp>
-
+#include <algorithm>
 #include <exception>
 #include <iostream>
 #include <new>
@@ -12,6 +12,12 @@ int main(int argc, char** argv) {
   CLI::App app{"emflow: EMF attention and the flow of token clouds", "emflow"};
   app.set_version_flag("--version", std::string("emflow ") + EMFLOW_CLI_VERSION);
   app.require_subcommand(1);
+  // Usage errors read like every other error: one line, "emflow: error: ...".
+  app.failure_message([](const CLI::App*, const CLI::Error& e) {
+    std::string message = e.what();
+    std::replace(message.begin(), message.end(), '\n', ' ');
+    return "emflow: error: " + message + " (see --help)\n";
+  });
   emflow::cli::add_attend_command(app);
   emflow::cli::add_demo_command(app);
   emflow::cli::add_bench_command(app);
