@@ -1,12 +1,66 @@
-// Fast CPU backend: placeholder that forwards to the reference until the fused float32 path
-// lands (see the fast CPU backend issue).
+// Fast CPU backend of emflow::attend for the dense form of a layer (M_h, F_h, u_h, c).
+//
+// float: the fused engine (engine.hpp) with the relevance folded into the queries,
+//   s_ij = <beta (r_i + u_h), x_j>,  r_i = M_h^T x_i,
+// so the keys are the cloud itself, shared by all heads, and the content C_h = X F_h^T is the
+// engine's values. Nothing N x N is stored unless the weights are requested.
+// double: the double-precision reference (src/reference/attend.cpp), single-threaded. Double
+// inputs are for checking, not for speed; the reference is exact to double rounding.
+#include <type_traits>
+#include <vector>
+
 #include "../core/backends.hpp"
+#include "engine.hpp"
 
 namespace emflow::detail {
 
+namespace {
+
+void attend_float(const AttentionInput<float>& in, const AttentionOutput<float>& out, int threads) {
+  const std::int64_t H = in.layer.heads, d = in.dim;
+  const std::int64_t stride = cpu::padded_columns(d);
+  const float beta = static_cast<float>(in.beta);
+
+  // query_map_h = beta M_h (R = X M_h), query_bias_h = beta u_h, value_map_h = F_h^T.
+  std::vector<float> query_map(static_cast<std::size_t>(H * d * stride), 0.0f);
+  std::vector<float> value_map(query_map.size(), 0.0f);
+  std::vector<float> query_bias;
+  if (in.layer.key_bias != nullptr) query_bias.assign(static_cast<std::size_t>(H * stride), 0.0f);
+  for (std::int64_t h = 0; h < H; ++h) {
+    const float* M = in.layer.relevance + h * d * d;
+    const float* F = in.layer.content + h * d * d;
+    for (std::int64_t k = 0; k < d; ++k) {
+      for (std::int64_t a = 0; a < d; ++a) {
+        query_map[static_cast<std::size_t>((h * d + k) * stride + a)] = beta * M[k * d + a];
+        value_map[static_cast<std::size_t>((h * d + k) * stride + a)] = F[a * d + k];
+      }
+    }
+    if (!query_bias.empty()) {
+      for (std::int64_t a = 0; a < d; ++a) {
+        query_bias[static_cast<std::size_t>(h * stride + a)] = beta * in.layer.key_bias[h * d + a];
+      }
+    }
+  }
+
+  cpu::EngineLayer layer;
+  layer.heads = H;
+  layer.dim = layer.score_dim = layer.value_dim = d;
+  layer.query_map = query_map.data();
+  layer.query_bias = query_bias.empty() ? nullptr : query_bias.data();
+  layer.value_map = value_map.data();
+  layer.offset = in.layer.offset;
+  cpu::fused_attend(in.cloud, in.batch, in.tokens, layer, in.mask, in.key_lengths, out, threads);
+}
+
+}  // namespace
+
 template <class T>
-void cpu_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output, int) {
-  reference_attend(input, output);
+void cpu_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output, int threads) {
+  if constexpr (std::is_same_v<T, float>) {
+    attend_float(input, output, threads);
+  } else {
+    reference_attend(input, output);
+  }
 }
 
 template void cpu_attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&, int);

@@ -1,0 +1,51 @@
+// The fused float32 engine behind the fast CPU backend: softmax attention of a batch of clouds
+// against one layer of heads, in O(N d) memory, for both forms of a layer.
+//
+// A layer reaches the engine as four per-head linear maps of the cloud, already transposed and
+// padded to whole vectors by the caller (attend.cpp for the dense form, factored.cpp for the
+// factored form):
+//
+//   queries  Q_h = X query_map_h + 1 query_bias_h^T        (N x score_dim), beta folded in
+//   keys     K_h = X key_map_h, or X itself when key_map is null (score_dim == dim)
+//   values   V_h = X value_map_h                             (N x value_dim)
+//   update   delta_i = sum_h (softmax_j(<q_i, k_j>) V_h)_i output_map_h  (+ offset)
+//            with output_map null meaning the identity (value_dim == dim)
+//
+// Dense EMF: query_map = beta M_h, query_bias = beta u_h, keys = X, value_map = F_h^T.
+// Factored:  query_map = [beta A_h^T | 0], query_bias = e_r, key_map = [B_h^T | beta u_h],
+//            value_map = V_h^T, output_map = U_h^T.
+#pragma once
+
+#include <cstdint>
+
+#include "emflow/attention.hpp"
+
+namespace emflow::detail::cpu {
+
+/// One layer in the engine's terms. Maps are row-major, heads one after another, each row padded
+/// with zeros to padded_columns(columns) floats.
+struct EngineLayer {
+  std::int64_t heads = 1;
+  std::int64_t dim = 1;               ///< d: columns of the cloud and of the update
+  std::int64_t score_dim = 1;         ///< columns of queries and keys
+  std::int64_t value_dim = 1;         ///< columns of the values
+  const float* query_map = nullptr;   ///< (heads, dim, padded(score_dim))
+  const float* query_bias = nullptr;  ///< (heads, padded(score_dim)), or null
+  const float* key_map = nullptr;     ///< (heads, dim, padded(score_dim)), or null: keys = cloud
+  const float* value_map = nullptr;   ///< (heads, dim, padded(value_dim))
+  const float* output_map = nullptr;  ///< (heads, value_dim, padded(dim)), or null: identity
+  const float* offset = nullptr;      ///< (dim), or null
+};
+
+/// Row length of a padded map with `columns` columns.
+std::int64_t padded_columns(std::int64_t columns);
+
+/// Writes output.update (and lse, entropy, weights when not null) for `batch` clouds of `tokens`
+/// points of `layer.dim` coordinates, on `threads` OpenMP threads (0: the OpenMP default).
+/// Results do not depend on the thread count: every output element is computed by one thread
+/// in a fixed order (heads summed in order 0..H-1).
+void fused_attend(const float* cloud, std::int64_t batch, std::int64_t tokens,
+                  const EngineLayer& layer, const Mask& mask, const std::int64_t* key_lengths,
+                  const AttentionOutput<float>& output, int threads);
+
+}  // namespace emflow::detail::cpu

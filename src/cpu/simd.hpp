@@ -1,0 +1,201 @@
+// The vector layer of the fast CPU backend: one float vector type whose width is chosen for the
+// build host at compile time (AVX-512: 16 lanes, AVX: 8, otherwise 4), the register-blocked
+// GEMM micro-kernel the fused attention is built from, and a vectorised exp.
+//
+// Vec is a GCC/Clang vector type, so +, *, comparisons and ?: work on it directly; on x86 it is
+// the intrinsic type itself. A build without SSE/AVX (another architecture, or EMFLOW_NATIVE=OFF
+// with a baseline target) keeps the 4-lane generic vector, which the compiler lowers to whatever
+// the target has, down to scalar code: that is the portable fallback.
+//
+// Only src/cpu/*.cpp include this header; they are all compiled with the same flags.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+namespace emflow::detail::cpu {
+
+#if defined(__AVX512F__)
+#define EMFLOW_CPU_LANES 16
+using Vec = __m512;
+/// Vector registers the micro-kernel may use as accumulators (of 32).
+inline constexpr int kAccumulators = 16;
+#elif defined(__AVX__)
+#define EMFLOW_CPU_LANES 8
+using Vec = __m256;
+inline constexpr int kAccumulators = 8;  // of 16
+#elif defined(__SSE2__)
+#define EMFLOW_CPU_LANES 4
+using Vec = __m128;
+inline constexpr int kAccumulators = 8;  // of 16
+#else
+#define EMFLOW_CPU_LANES 4
+typedef float Vec __attribute__((vector_size(16)));
+inline constexpr int kAccumulators = 8;
+#endif
+
+/// Integer lanes of the same width, for the exponent arithmetic of exp.
+typedef std::int32_t VecInt __attribute__((vector_size(EMFLOW_CPU_LANES * 4)));
+
+inline constexpr int kLanes = EMFLOW_CPU_LANES;
+
+/// The name of the instruction set the backend was compiled for (for benchmark reports).
+inline const char* instruction_set() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2+fma";
+#elif defined(__AVX__)
+  return "avx";
+#elif defined(__SSE2__)
+  return "sse2";
+#else
+  return "generic";
+#endif
+}
+
+/// n rounded up to a whole number of vectors.
+inline constexpr std::int64_t round_to_lanes(std::int64_t n) {
+  return (n + kLanes - 1) / kLanes * kLanes;
+}
+
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+inline Vec splat(float x) { return Vec{} + x; }
+
+/// a * b + c with one rounding where the target has FMA. (The build is ISO C++, which turns off
+/// floating-point contraction, so a * b + c would never become an FMA by itself.)
+inline Vec fma(Vec a, Vec b, Vec c) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, c);
+#elif defined(__FMA__) && EMFLOW_CPU_LANES == 8
+  return _mm256_fmadd_ps(a, b, c);
+#elif defined(__FMA__)
+  return _mm_fmadd_ps(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline Vec max(Vec a, Vec b) { return a > b ? a : b; }
+
+inline float horizontal_max(Vec v) {
+  float lanes[kLanes];
+  store(lanes, v);
+  for (int width = kLanes / 2; width >= 1; width /= 2) {
+    for (int i = 0; i < width; ++i)
+      lanes[i] = lanes[i + width] > lanes[i] ? lanes[i + width] : lanes[i];
+  }
+  return lanes[0];
+}
+
+/// Sum of the lanes in a fixed order (pairwise halving), so the result is reproducible.
+inline float horizontal_sum(Vec v) {
+  float lanes[kLanes];
+  store(lanes, v);
+  for (int width = kLanes / 2; width >= 1; width /= 2) {
+    for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
+  }
+  return lanes[0];
+}
+
+/// exp(x) for x <= 0, including -inf; results below FLT_MIN (x < -87.3) are flushed to 0, so a
+/// masked score gives a weight of exactly 0. Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2,
+/// exp(r) by a degree-7 polynomial, 2^n built in the exponent bits. Relative error ~2 ulp.
+inline Vec exp_nonpositive(Vec x) {
+  const Vec lowest = splat(-87.33654f);
+  const Vec xc = x < lowest ? lowest : x;
+  // Round x / ln2 to the nearest integer with the 1.5 * 2^23 trick (exact for |t| < 2^22).
+  const Vec magic = splat(12582912.0f);
+  const Vec n = (xc * splat(1.44269504088896341f) + magic) - magic;
+  Vec r = fma(n, splat(-0.693359375f), xc);  // ln2 in two parts so n * ln2 is exact
+  r = fma(n, splat(2.12194440e-4f), r);
+  Vec p = splat(1.9875691500e-4f);
+  p = fma(p, r, splat(1.3981999507e-3f));
+  p = fma(p, r, splat(8.3334519073e-3f));
+  p = fma(p, r, splat(4.1665795894e-2f));
+  p = fma(p, r, splat(1.6666665459e-1f));
+  p = fma(p, r, splat(5.0000001201e-1f));
+  p = fma(p, r * r, r) + splat(1.0f);
+  const VecInt exponent = (__builtin_convertvector(n, VecInt) + 127) << 23;
+  const Vec scale = (Vec)exponent;  // the same bits read as floats
+  const Vec result = p * scale;
+  return x < lowest ? Vec{} : result;
+}
+
+/// Register-blocked micro-kernel: C[MR x NV*kLanes] (+)= A[MR x K] B[K x NV*kLanes].
+/// A is read one scalar at a time (broadcast), B one row of NV vectors at a time; the MR x NV
+/// accumulators stay in registers for the whole K loop, as in a GEMM micro-kernel.
+template <int MR, int NV>
+inline void micro_kernel(std::int64_t K, const float* A, std::int64_t lda, const float* B,
+                         std::int64_t ldb, float* C, std::int64_t ldc, bool accumulate) {
+  Vec acc[MR][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? load(C + r * ldc + v * kLanes) : Vec{};
+  }
+  for (std::int64_t k = 0; k < K; ++k) {
+    const float* b = B + k * ldb;
+    Vec bk[NV];
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) bk[v] = load(b + v * kLanes);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const Vec a = splat(A[r * lda + k]);
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[r][v] = fma(a, bk[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) store(C + r * ldc + v * kLanes, acc[r][v]);
+  }
+}
+
+/// The widest micro-kernel of MR rows that fits the accumulator registers.
+inline constexpr int max_vectors(int rows) {
+  return kAccumulators / rows > 0 ? kAccumulators / rows : 1;
+}
+
+template <int MR, int NV>
+inline void micro_kernel_remainder(std::int64_t vectors, std::int64_t K, const float* A,
+                                   std::int64_t lda, const float* B, std::int64_t ldb, float* C,
+                                   std::int64_t ldc, bool accumulate) {
+  if constexpr (NV >= 1) {
+    if (vectors == NV) {
+      micro_kernel<MR, NV>(K, A, lda, B, ldb, C, ldc, accumulate);
+    } else {
+      micro_kernel_remainder<MR, NV - 1>(vectors, K, A, lda, B, ldb, C, ldc, accumulate);
+    }
+  }
+}
+
+/// C[MR x columns] (+)= A[MR x K] B[K x columns] for `columns` a multiple of kLanes, as strips
+/// of the widest micro-kernel and one narrower strip for the remainder.
+template <int MR>
+inline void row_block_gemm(std::int64_t K, const float* A, std::int64_t lda, const float* B,
+                           std::int64_t ldb, std::int64_t columns, float* C, std::int64_t ldc,
+                           bool accumulate) {
+  constexpr int kWidest = max_vectors(MR);
+  const std::int64_t vectors = columns / kLanes;
+  std::int64_t v = 0;
+  for (; v + kWidest <= vectors; v += kWidest) {
+    micro_kernel<MR, kWidest>(K, A, lda, B + v * kLanes, ldb, C + v * kLanes, ldc, accumulate);
+  }
+  if (v < vectors) {
+    micro_kernel_remainder<MR, kWidest - 1>(vectors - v, K, A, lda, B + v * kLanes, ldb,
+                                            C + v * kLanes, ldc, accumulate);
+  }
+}
+
+}  // namespace emflow::detail::cpu
