@@ -1,5 +1,6 @@
 // The double-precision reference of the EMF contextual update, written for clarity: each line
 // is a formula of REFERENCE.md §1. It is the ground truth every backend is tested against.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>

@@ -193,6 +193,28 @@ TEST(HandWorked, FusedReferenceBackendMatchesPaper) {
       tensors_near(out.entropy, T({1, 1, 3}, {1.5 * kLn2, kLn5 - 0.8 * kLn2, 1.5 * kLn2}), kTight));
 }
 
+// The fused backend on the key-length case above (see KeyLengthsInABatch): padding queries get
+// no offset, hidden keys no weight.
+TEST(HandWorked, FusedReferenceBackendKeyLengths) {
+  Layer layer = case2_layer();
+  layer.offset = T({2}, {1, -1});
+  std::vector<double> twice = kCloud.values();
+  twice.insert(twice.end(), kCloud.values().begin(), kCloud.values().end());
+  const reference::Attention out =
+      testing::attend_via_api(T({2, 3, 2}, twice), layer, kLn2, {}, {2, 0}, true);
+  EXPECT_TRUE(tensors_near(
+      out.update, T({2, 3, 2}, {5.0 / 3 + 1, 2.0 / 3 - 1, 2.5, -0.5, 0, 0, 0, 0, 0, 0, 0, 0}),
+      kTight));
+  EXPECT_TRUE(
+      tensors_near(out.lse, T({2, 1, 3}, {kLn3, kLn2, -kInf, -kInf, -kInf, -kInf}), kTight));
+  EXPECT_TRUE(
+      tensors_near(out.entropy, T({2, 1, 3}, {kLn3 - 2.0 / 3 * kLn2, kLn2, 0, 0, 0, 0}), kTight));
+  EXPECT_TRUE(tensors_near(
+      out.weights,
+      T({2, 1, 3, 3}, {1.0 / 3, 2.0 / 3, 0, 0.5, 0.5, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}),
+      kTight));
+}
+
 // to_emf on hand-picked weights: H = 1, d = 2, d_k = 4 (so 1/sqrt(d_k) = 1/2), d_v = 1.
 //   W_Q rows: [1, 0], 0, 0, 0;  W_K rows: [0, 1], 0, 0, 0
 //     M = W_Q^T W_K / 2 = [[0, 1], [0, 0]] / 2 = [[0, 1/2], [0, 0]]
