@@ -28,6 +28,8 @@ void run_attend(const AttendArguments& args, Dtype dtype) {
   const Mask mask = parse_mask(args.mask, "--mask");
   if (!std::isfinite(args.beta)) fail_option("--beta", "must be finite, got ", args.beta);
   const ExecutionOptions options = execution_options(args.device, args.threads);
+  // Fail before reading anything when the requested device is absent.
+  naming_option("--device", [&] { return resolve_device(options.device); });
 
   Outputs outputs;
   outputs.declare("--out", args.update);

@@ -45,7 +45,8 @@ Tensor<T> read_float_input(const std::string& option, const std::string& path, D
   const Dtype dtype = float_dtype(option, path);
   if (dtype != expected) {
     fail_option(option, "'", path, "' holds ", to_string(dtype), " data but ", main_option,
-                " holds ", to_string(expected), "; all inputs must share its precision");
+                " holds ", to_string(expected), "; every float input must have the precision of ",
+                main_option);
   }
   Tensor<T> array = naming_option(option, [&] { return read_npy<T>(path); });
   expect_rank(option, path, array.shape(), min_rank, max_rank);
