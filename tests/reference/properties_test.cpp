@@ -257,6 +257,65 @@ TEST(Properties, EntropyIsShannonEntropyOfTheWeights) {
   EXPECT_NEAR(flat.entropy[0], std::log(4.0), 1e-15);
 }
 
+// Why softmax (REFERENCE.md §1): p_i minimises the free energy G(q) = -sum_j q_j s_ij +
+// sum_j q_j log q_j over the simplex, with minimum -lse_i; any other distribution does worse.
+TEST(Properties, WeightsMinimiseTheFreeEnergy) {
+  const std::int64_t N = 7;
+  const Tensor<double> S = random_scores(1, N, 3, 15, Mask::causal());
+  const reference::Softmax sm = reference::masked_softmax(S);
+  auto free_energy = [&](std::int64_t i, const std::vector<double>& q) {
+    double g = 0.0;
+    for (std::int64_t j = 0; j <= i; ++j) g += q[j] * (std::log(q[j]) - S[i * N + j]);
+    return g;
+  };
+  for (std::int64_t i = 0; i < N; ++i) {
+    std::vector<double> p(sm.weights.data() + i * N, sm.weights.data() + i * N + i + 1);
+    EXPECT_NEAR(free_energy(i, p), -sm.lse[i], 1e-13) << "query " << i;
+    if (i == 0) continue;  // one key: the simplex is a point
+    const std::vector<double> noise = testing::uniform(static_cast<std::size_t>(i + 1), 40 + i);
+    std::vector<double> q(p.size());
+    double total = 0.0;
+    for (std::size_t j = 0; j < q.size(); ++j) {
+      q[j] = p[j] * std::exp(0.3 * noise[j]);
+      total += q[j];
+    }
+    for (double& v : q) v /= total;
+    EXPECT_GT(free_energy(i, q), free_energy(i, p)) << "query " << i;
+  }
+}
+
+// Why the weighted average (REFERENCE.md §1): for one head without offset, delta_i minimises
+// sum_j p_ij ||y - F x_j||^2 over y; the minimum is the weighted variance of the content, and
+// moving y by e costs exactly ||e||^2.
+TEST(Properties, UpdateIsTheWeightedLeastSquaresPoint) {
+  const std::int64_t N = 6, d = 3;
+  const Tensor<double> X = random_tensor({N, d}, 16);
+  const Layer layer = random_layer(1, d, 16, true, false);
+  const reference::Attention out = reference::attend(X, layer, 1.0, {}, {}, true);
+  const Tensor<double> F({d, d}, layer.content.values());
+  const Tensor<double> C = reference::content(X, F);
+  const std::vector<double> e = testing::uniform(static_cast<std::size_t>(d), 17);
+  for (std::int64_t i = 0; i < N; ++i) {
+    auto cost = [&](const std::vector<double>& y) {
+      double sum = 0.0;
+      for (std::int64_t j = 0; j < N; ++j) {
+        for (std::int64_t a = 0; a < d; ++a) {
+          sum += out.weights[i * N + j] * std::pow(y[a] - C[j * d + a], 2);
+        }
+      }
+      return sum;
+    };
+    std::vector<double> y(out.update.data() + i * d, out.update.data() + (i + 1) * d);
+    const double at_update = cost(y);
+    double norm2 = 0.0;
+    for (std::int64_t a = 0; a < d; ++a) {
+      y[a] += e[a];
+      norm2 += e[a] * e[a];
+    }
+    EXPECT_NEAR(cost(y), at_update + norm2, 1e-13) << "query " << i;
+  }
+}
+
 // With beta = 0 every visible key weighs the same: delta_i is F times the mean of the keys.
 TEST(Properties, ZeroBetaAveragesTheContent) {
   const std::int64_t N = 5, d = 3;
