@@ -69,7 +69,19 @@ inline Vec load(const float* p) {
   return v;
 }
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
-inline Vec splat(float x) { return Vec{} + x; }
+inline Vec splat(float x) {
+#if defined(__AVX512F__)
+  return _mm512_set1_ps(x);
+#elif defined(__AVX__)
+  return _mm256_set1_ps(x);
+#elif defined(__SSE2__)
+  return _mm_set1_ps(x);
+#else
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = x;
+  return v;
+#endif
+}
 
 /// a * b + c with one rounding where the target has FMA. (The build is ISO C++, which turns off
 /// floating-point contraction, so a * b + c would never become an FMA by itself.)
@@ -182,10 +194,13 @@ inline void micro_kernel_remainder(std::int64_t vectors, std::int64_t K, const f
 
 /// C[MR x columns] (+)= A[MR x K] B[K x columns] for `columns` a multiple of kLanes, as strips
 /// of the widest micro-kernel and one narrower strip for the remainder.
+/// Not inlined: inside a large caller GCC runs short of general registers and spills the
+/// micro-kernel's operands; a call costs nothing next to the K x MR x columns FMAs.
 template <int MR>
-inline void row_block_gemm(std::int64_t K, const float* A, std::int64_t lda, const float* B,
-                           std::int64_t ldb, std::int64_t columns, float* C, std::int64_t ldc,
-                           bool accumulate) {
+__attribute__((noinline)) void row_block_gemm(std::int64_t K, const float* A, std::int64_t lda,
+                                              const float* B, std::int64_t ldb,
+                                              std::int64_t columns, float* C, std::int64_t ldc,
+                                              bool accumulate) {
   constexpr int kWidest = max_vectors(MR);
   const std::int64_t vectors = columns / kLanes;
   std::int64_t v = 0;
