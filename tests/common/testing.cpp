@@ -36,7 +36,8 @@ Buffers<T>::Buffers(const Problem& p, bool with_weights, bool with_stats)
       relevance(p.relevance.begin(), p.relevance.end()),
       content(p.content.begin(), p.content.end()),
       bias(p.bias.begin(), p.bias.end()),
-      shift(p.shift.begin(), p.shift.end()) {
+      shift(p.shift.begin(), p.shift.end()),
+      key_lengths(p.key_lengths) {
   const auto rows = static_cast<std::size_t>(p.batch * p.heads * p.tokens);
   update.resize(static_cast<std::size_t>(p.batch * p.tokens * p.dim));
   if (with_stats) {
@@ -55,7 +56,7 @@ Buffers<T>::Buffers(const Problem& p, bool with_weights, bool with_stats)
   input.layer.offset = p.offset ? shift.data() : nullptr;
   input.beta = p.beta;
   input.mask = p.mask;
-  input.key_lengths = p.key_lengths.empty() ? nullptr : p.key_lengths.data();
+  input.key_lengths = key_lengths.empty() ? nullptr : key_lengths.data();
   output.update = update.data();
   output.lse = lse.empty() ? nullptr : lse.data();
   output.entropy = entropy.empty() ? nullptr : entropy.data();

@@ -37,6 +37,7 @@ template <class T>
 struct Buffers {
   std::vector<T> cloud, relevance, content, bias, shift;
   std::vector<T> update, lse, entropy, weights;
+  std::vector<std::int64_t> key_lengths;  // a copy, so a Buffers outlives its Problem
   AttentionInput<T> input;
   AttentionOutput<T> output;
 
