@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# Device check of the CUDA backend: one call, under 8 minutes, on a machine with an NVIDIA GPU.
+#
+#   bash scripts/device-check.sh             # on the GPU machine, from the repository root
+#   bash scripts/device-check.sh --prepare   # on a build machine without a GPU (see below)
+#
+# It builds the GPU tests and benchmarks for sm_90 (Release, -j16), runs the GPU tests, runs
+# compute-sanitizer memcheck and racecheck on small cases, runs the GPU benchmarks briefly, and
+# prints a short table last. Everything is also written to $OUT/device-check.log when OUT is set
+# (else to ./device-check.log), with the date, the GPU and the commit at the top, ready to be
+# committed under bench/results/ (see bench/results/README.md).
+#
+# The build needs CMake, a CUDA toolkit, OpenMP, GoogleTest and Google Benchmark on the GPU
+# machine (DEPS_PREFIX=/path adds a prefix where they are installed). Where they are missing, run
+# `--prepare` on a machine that has them: it builds the same binaries for sm_90 into
+# build-device-prebuilt/ (bin/, lib/ with the Google Benchmark shared library, COMMIT); carry that
+# folder to the GPU machine and the check uses it when its own build is not possible.
+#
+# Environment: JOBS (16), BUILD (build-device), PREBUILT (build-device-prebuilt),
+# BENCH_MIN_TIME (0.05 seconds per benchmark), BENCH_FILTER (all), DEPS_PREFIX (none).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+JOBS=${JOBS:-16}
+BUILD=${BUILD:-build-device}
+PREBUILT=${PREBUILT:-build-device-prebuilt}
+BENCH_MIN_TIME=${BENCH_MIN_TIME:-0.05}
+BENCH_FILTER=${BENCH_FILTER:-.}
+BUDGET_S=450  # later steps are skipped once this much time has gone, to stay under 8 minutes
+
+configure_and_build() {  # $1: build folder
+  local prefix=()
+  [[ -n "${DEPS_PREFIX:-}" ]] && prefix=(-DCMAKE_PREFIX_PATH="$DEPS_PREFIX")
+  local generator=()
+  command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
+  cmake -S . -B "$1" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DEMFLOW_WITH_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DEMFLOW_BUILD_CLI=OFF -DEMFLOW_BUILD_TESTS=ON \
+    -DEMFLOW_BUILD_BENCHMARKS=ON "${prefix[@]}" &&
+    cmake --build "$1" --target emflow_cuda_tests emflow_bench_cuda -j "$JOBS"
+}
+
+if [[ "${1:-}" == "--prepare" ]]; then
+  set -e
+  configure_and_build "$PREBUILT/build"
+  mkdir -p "$PREBUILT/bin" "$PREBUILT/lib"
+  cp "$PREBUILT/build/tests/emflow_cuda_tests" "$PREBUILT/build/bench/emflow_bench_cuda" \
+    "$PREBUILT/bin/"
+  # Google Benchmark is a shared library on Debian; GoogleTest is linked statically.
+  ldd "$PREBUILT/bin/emflow_bench_cuda" | awk '/libbenchmark/ {print $3}' |
+    xargs -r -I{} cp -L {} "$PREBUILT/lib/"
+  git rev-parse --short HEAD >"$PREBUILT/COMMIT" 2>/dev/null || echo unknown >"$PREBUILT/COMMIT"
+  rm -rf "$PREBUILT/build"
+  echo "prepared $PREBUILT ($(du -sh "$PREBUILT" | cut -f1)); carry it to the GPU machine"
+  exit 0
+fi
+
+LOG_DIR=${OUT:-.}
+mkdir -p "$LOG_DIR"
+LOG="$LOG_DIR/device-check.log"
+exec > >(tee "$LOG") 2>&1
+
+START=$(date +%s)
+elapsed() { echo $(($(date +%s) - START)); }
+declare -a TABLE
+record() { TABLE+=("$(printf '%-22s %-44s %6ss' "$1" "$2" "$3")"); }
+over_budget() { (($(elapsed) > BUDGET_S)); }
+
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || cat "$PREBUILT/COMMIT" 2>/dev/null || echo unknown)
+echo "# emflow device check"
+echo "date:   $(date -u '+%Y-%m-%d %H:%M UTC')"
+echo "gpu:    $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo 'nvidia-smi unavailable')"
+echo "commit: $COMMIT"
+echo "nvcc:   $(nvcc --version 2>/dev/null | tail -1 || echo 'not found')"
+echo
+
+# 1. Build (or fall back to carried binaries).
+step_start=$(elapsed)
+TESTS="$BUILD/tests/emflow_cuda_tests"
+BENCH="$BUILD/bench/emflow_bench_cuda"
+echo "== build for sm_90 in $BUILD"
+export -f configure_and_build
+export JOBS DEPS_PREFIX
+# shellcheck disable=SC2016  # $0 is expanded by the inner shell
+if timeout 300 bash -c 'configure_and_build "$0"' "$BUILD"; then
+  record "build (sm_90)" "ok" $(($(elapsed) - step_start))
+elif [[ -x "$PREBUILT/bin/emflow_cuda_tests" ]]; then
+  TESTS="$PREBUILT/bin/emflow_cuda_tests"
+  BENCH="$PREBUILT/bin/emflow_bench_cuda"
+  export LD_LIBRARY_PATH="$PWD/$PREBUILT/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  echo "build failed here; using the carried binaries in $PREBUILT (commit $(cat "$PREBUILT/COMMIT"))"
+  record "build (sm_90)" "failed; using $PREBUILT" $(($(elapsed) - step_start))
+else
+  record "build (sm_90)" "FAILED (see log; try --prepare)" $(($(elapsed) - step_start))
+fi
+
+run_step() {  # $1 name, $2 timeout seconds, rest: command
+  local name=$1 limit=$2
+  shift 2
+  if over_budget; then
+    record "$name" "skipped (time budget)" 0
+    return
+  fi
+  if [[ ! -x "$TESTS" ]]; then
+    record "$name" "skipped (no binary)" 0
+    return
+  fi
+  echo
+  echo "== $name: $*"
+  local t0 status summary
+  t0=$(elapsed)
+  timeout "$limit" "$@" 2>&1 | tee "$LOG_DIR/.step.out"
+  status=${PIPESTATUS[0]}
+  summary=$(grep -E '^\[ +(PASSED|FAILED|SKIPPED) +\] [0-9]+ test' "$LOG_DIR/.step.out" |
+    sed -E 's/^\[ *([A-Z]+) *\] ([0-9]+) tests?.*/\2 \1/' | tr '\n' ' ' | tr '[:upper:]' '[:lower:]')
+  grep -q "ERROR SUMMARY" "$LOG_DIR/.step.out" &&
+    summary="$summary$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG_DIR/.step.out" | tail -1 |
+      sed -E 's/.*SUMMARY: /; /')"
+  if ((status == 0)); then
+    record "$name" "ok ${summary}" $(($(elapsed) - t0))
+  elif ((status == 124)); then
+    record "$name" "TIMED OUT after ${limit}s ${summary}" $(($(elapsed) - t0))
+  else
+    record "$name" "FAILED (exit $status) ${summary}" $(($(elapsed) - t0))
+  fi
+}
+
+# 2. The GPU tests (the CPU reference they compare with runs on the host).
+run_step "gpu tests" 180 "$TESTS" --gtest_color=no
+
+# 3. compute-sanitizer on small cases: both algorithms, every tile width, masks, heads.
+SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+SMALL='Fused/CudaFloat.MatchesReference/n7_d3*:Fused/CudaFloat.MatchesReference/n101_d128*'
+SMALL+=':Fused/CudaFloat.MatchesReference/n33_d255*:Fused/CudaFloat.MatchesReference/n33_d64*'
+SMALL+=':Unfused/CudaFloat.MatchesReference/n33_d64*:Unfused/CudaDouble.MatchesReference/n7_d3*'
+SMALL+=':CudaAsync.*'
+run_step "memcheck" 120 "$SANITIZER" --tool memcheck --error-exitcode 1 "$TESTS" \
+  --gtest_filter="$SMALL" --gtest_color=no
+run_step "racecheck" 120 "$SANITIZER" --tool racecheck --error-exitcode 1 "$TESTS" \
+  --gtest_filter="$SMALL" --gtest_color=no
+
+# 4. Benchmarks, briefly.
+BENCH_JSON="$LOG_DIR/device-check-bench.json"
+run_step "benchmarks" 180 "$BENCH" --benchmark_min_time="$BENCH_MIN_TIME" \
+  --benchmark_filter="$BENCH_FILTER" --benchmark_out="$BENCH_JSON" --benchmark_out_format=json
+rm -f "$LOG_DIR/.step.out"
+
+# 5. The table, last.
+echo
+echo "== device check summary ($(elapsed) s in all; commit $COMMIT)"
+printf '%s\n' "${TABLE[@]}"
+if [[ -s "$BENCH_JSON" ]] && command -v python3 >/dev/null 2>&1; then
+  echo
+  python3 - "$BENCH_JSON" <<'EOF'
+import json, sys
+rows = {}
+for b in json.load(open(sys.argv[1]))["benchmarks"]:
+    if b.get("run_type") == "aggregate" or "error_message" in b:
+        continue
+    kind, _, args = b["name"].partition("/")
+    key = tuple(int(p.split(":")[1]) for p in args.split("/")[:3])
+    rows.setdefault(key, {})[kind] = (b["real_time"], b.get("TFLOP/s", 0.0))
+print("attention-equivalent TFLOP/s (fp32; ms per call in brackets)")
+print(f"{'N':>6} {'d':>4} {'causal':>6} {'fused':>16} {'unfused':>16} {'cuBLAS only':>16} {'fused/unfused':>14}")
+def cell(r, k):
+    return f"{r[k][1]:7.1f} ({r[k][0]:6.2f})" if k in r else f"{'-':>16}"
+for (n, d, causal), r in sorted(rows.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+    speedup = (f"{r['BM_Unfused'][0] / r['BM_Fused'][0]:14.2f}"
+               if "BM_Fused" in r and "BM_Unfused" in r else f"{'-':>14}")
+    print(f"{n:>6} {d:>4} {causal:>6} {cell(r, 'BM_Fused'):>16} {cell(r, 'BM_Unfused'):>16} "
+          f"{cell(r, 'BM_CublasProducts'):>16} {speedup}")
+EOF
+fi
