@@ -1,0 +1,44 @@
+// Pieces of src/flow shared between its files (not part of the public API).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "emflow/flow.hpp"
+
+namespace emflow::flow::detail {
+
+/// A seed for stream `stream` of `seed` (splitmix64 twice): independent streams per cloud,
+/// per operator, per layer.
+std::uint64_t mix_seed(std::uint64_t seed, std::uint64_t stream) noexcept;
+
+/// Scratch space of one continuous-time step (the RK4 stages).
+template <class T>
+struct StepWorkspace {
+  std::vector<T> k1, k2, k3, k4, stage;
+  void resize(std::size_t size);
+};
+
+/// One continuous-time step of length h from `cloud` (B, N, d), in place. mean_entropy: null or
+/// B entries, the mean attention entropy at the state before the step.
+template <class T>
+void continuous_step(T* cloud, std::int64_t batch, std::int64_t tokens, std::int64_t dim,
+                     const FlowLayer<T>& layer, const std::vector<double>& betas,
+                     const UpdateSettings& settings, Integrator integrator, double h,
+                     StepWorkspace<T>& workspace, double* mean_entropy,
+                     const ExecutionOptions& options);
+
+/// Number of continuous steps to reach `time` with step `dt` (the last step may be shorter) and
+/// the length of step s.
+std::int64_t continuous_steps(double time, double dt) noexcept;
+double step_length(double time, double dt, std::int64_t steps, std::int64_t s) noexcept;
+
+/// The specialised phase sweep (sphere_kernel.cpp): Q = K = V = I, SA on the sphere, RK4, in
+/// float32 with clouds in SIMD lanes. initial: (C, N, d), the same clouds for every beta.
+/// Returns the clustered fractions (S + 1, K), averaged over the C clouds.
+std::vector<double> phase_kernel(const std::vector<float>& initial, std::int64_t clouds,
+                                 std::int64_t tokens, std::int64_t dim,
+                                 const std::vector<double>& betas, double time, double dt,
+                                 double cluster_eps, int threads, const Progress& progress);
+
+}  // namespace emflow::flow::detail

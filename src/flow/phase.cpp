@@ -1,0 +1,148 @@
+// The phase diagram of Geshkovski, Letrouit, Polyanskiy and Rigollet: the fraction of clustered
+// pairs over (time, beta) for Q = K = V = I on the sphere. The generic path runs every step
+// through emflow::attend; on the CPU the specialised path of sphere_kernel.cpp is used.
+#include <cmath>
+
+#include "../core/check.hpp"
+#include "emflow/flow.hpp"
+#include "internal.hpp"
+
+namespace emflow::flow {
+
+using emflow::detail::fail_argument;
+
+void validate(const PhaseSettings& s) {
+  const char* op = "phase";
+  if (s.tokens < 2) fail_argument(op, "tokens", "must be >= 2, got ", s.tokens);
+  emflow::detail::expect_positive(op, "dim", s.dim);
+  emflow::detail::expect_positive(op, "clouds", s.clouds);
+  emflow::detail::expect_positive(op, "betas", s.beta_count);
+  if (!(std::isfinite(s.beta_start) && s.beta_start > 0.0)) {
+    fail_argument(op, "betas", "start must be finite and > 0, got ", s.beta_start);
+  }
+  if (!(std::isfinite(s.beta_stop) && s.beta_stop >= s.beta_start)) {
+    fail_argument(op, "betas", "stop must be finite and >= start (", s.beta_start, "), got ",
+                  s.beta_stop);
+  }
+  if (!(std::isfinite(s.time) && s.time > 0.0)) {
+    fail_argument(op, "time", "must be finite and > 0, got ", s.time);
+  }
+  if (!(std::isfinite(s.dt) && s.dt > 0.0)) {
+    fail_argument(op, "dt", "must be finite and > 0, got ", s.dt);
+  }
+  if (s.time / s.dt > 1e7) fail_argument(op, "dt", "gives more than 1e7 steps");
+  if (!(s.cluster_eps > 0.0 && s.cluster_eps < 2.0)) {
+    fail_argument(op, "cluster_eps", "must be in (0, 2), got ", s.cluster_eps);
+  }
+  // The sweep holds C * K clouds at once.
+  emflow::detail::checked_multiply(
+      op, "clouds",
+      emflow::detail::checked_multiply(
+          op, "clouds", emflow::detail::checked_multiply(op, "clouds", s.clouds, s.beta_count),
+          s.tokens),
+      s.dim);
+  if (s.clouds * s.beta_count * s.tokens * s.dim > (std::int64_t{1} << 31)) {
+    fail_argument(op, "clouds", "times betas, tokens and dim must stay below 2^31 values");
+  }
+}
+
+namespace {
+
+std::vector<double> beta_grid(const PhaseSettings& s) {
+  std::vector<double> betas(static_cast<std::size_t>(s.beta_count));
+  for (std::int64_t k = 0; k < s.beta_count; ++k) {
+    betas[static_cast<std::size_t>(k)] =
+        s.beta_count == 1 ? s.beta_start
+                          : s.beta_start + (s.beta_stop - s.beta_start) * static_cast<double>(k) /
+                                               static_cast<double>(s.beta_count - 1);
+  }
+  return betas;
+}
+
+std::vector<double> time_grid(const PhaseSettings& s, std::int64_t steps) {
+  std::vector<double> times(static_cast<std::size_t>(steps + 1));
+  double t = 0.0;
+  for (std::int64_t k = 0; k <= steps; ++k) {
+    times[static_cast<std::size_t>(k)] = t;
+    if (k < steps) t += detail::step_length(s.time, s.dt, steps, k);
+  }
+  return times;
+}
+
+}  // namespace
+
+PhaseDiagram phase_diagram_generic(const PhaseSettings& s, const ExecutionOptions& options,
+                                   const Progress& progress) {
+  validate(s);
+  const std::int64_t C = s.clouds, K = s.beta_count, N = s.tokens, d = s.dim;
+  const std::int64_t steps = detail::continuous_steps(s.time, s.dt);
+  PhaseDiagram out;
+  out.betas = beta_grid(s);
+  out.times = time_grid(s, steps);
+  out.clustered.assign(static_cast<std::size_t>((steps + 1) * K), 0.0);
+
+  // All C * K clouds in one batch, sorted by beta so each step is one attend call per beta.
+  const Tensor<float> initial = initial_clouds<float>(InitialCloud::sphere, C, N, d, s.seed);
+  std::vector<float> cloud(static_cast<std::size_t>(K * C * N * d));
+  std::vector<double> betas(static_cast<std::size_t>(K * C));
+  for (std::int64_t k = 0; k < K; ++k) {
+    std::copy(initial.values().begin(), initial.values().end(),
+              cloud.begin() + static_cast<std::ptrdiff_t>(k * C * N * d));
+    std::fill(betas.begin() + k * C, betas.begin() + (k + 1) * C,
+              out.betas[static_cast<std::size_t>(k)]);
+  }
+  const FlowLayer<float> layer =
+      make_layer<float>(d, OperatorKind::identity, OperatorKind::identity, 0);
+  UpdateSettings update;
+  update.tangent = true;
+  detail::StepWorkspace<float> workspace;
+  const double pairs = 0.5 * static_cast<double>(N) * static_cast<double>(N - 1);
+  const double threshold = 1.0 - s.cluster_eps;
+
+  for (std::int64_t step = 0;; ++step) {
+#pragma omp parallel for schedule(static)
+    for (std::int64_t k = 0; k < K; ++k) {
+      double sum = 0.0;
+      for (std::int64_t c = 0; c < C; ++c) {
+        const float* x = cloud.data() + (k * C + c) * N * d;
+        std::int64_t clustered = 0;
+        for (std::int64_t i = 0; i < N; ++i) {
+          for (std::int64_t j = i + 1; j < N; ++j) {
+            double inner = 0.0;
+            for (std::int64_t a = 0; a < d; ++a)
+              inner += static_cast<double>(x[i * d + a]) * x[j * d + a];
+            clustered += inner > threshold;
+          }
+        }
+        sum += static_cast<double>(clustered) / pairs;
+      }
+      out.clustered[static_cast<std::size_t>(step * K + k)] = sum / static_cast<double>(C);
+    }
+    if (step == steps) break;
+    detail::continuous_step(cloud.data(), K * C, N, d, layer, betas, update, Integrator::rk4,
+                            detail::step_length(s.time, s.dt, steps, step), workspace, nullptr,
+                            options);
+    if (progress) progress(step + 1, steps);
+  }
+  return out;
+}
+
+PhaseDiagram phase_diagram(const PhaseSettings& s, const ExecutionOptions& options,
+                           const Progress& progress) {
+  validate(s);
+  if (options.threads < 0) fail_argument("phase", "threads", "must be >= 0, got ", options.threads);
+  if (resolve_device(options.device) != Device::cpu) {
+    return phase_diagram_generic(s, options, progress);
+  }
+  const std::int64_t steps = detail::continuous_steps(s.time, s.dt);
+  PhaseDiagram out;
+  out.betas = beta_grid(s);
+  out.times = time_grid(s, steps);
+  const Tensor<float> initial =
+      initial_clouds<float>(InitialCloud::sphere, s.clouds, s.tokens, s.dim, s.seed);
+  out.clustered = detail::phase_kernel(initial.values(), s.clouds, s.tokens, s.dim, out.betas,
+                                       s.time, s.dt, s.cluster_eps, options.threads, progress);
+  return out;
+}
+
+}  // namespace emflow::flow
