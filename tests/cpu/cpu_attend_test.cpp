@@ -154,7 +154,9 @@ TEST(CpuAttend, WeightsMatchReference) {
     EXPECT_LT(relative_error(actual.weights, expected.weights), kTolerance) << to_string(m);
     EXPECT_LT(relative_error(actual.update, expected.update), kTolerance) << to_string(m);
     for (std::size_t i = 0; i < expected.weights.size(); ++i) {
-      if (expected.weights[i] == 0.0) ASSERT_EQ(actual.weights[i], 0.0f) << "entry " << i;
+      if (expected.weights[i] == 0.0) {
+        ASSERT_EQ(actual.weights[i], 0.0f) << "entry " << i;
+      }
     }
   }
 }
