@@ -1,8 +1,268 @@
-// emflow bench: not implemented yet.
+// emflow bench: times the contextual update on a random problem and prints one JSON object per
+// line. With --baseline the unfused BLAS attention and with --peak the machine's fp32 FMA rate
+// are measured in the same run, so ratios come from one process on one machine state.
+//
+// FLOP are attention-equivalent (REFERENCE.md §2): 4 B H N^2 d for the whole score matrix,
+// halved for a causal mask, 4 B H d (visible pairs) for a window; the projections are not
+// counted. Every figure is the median of --repeats timed runs after one untimed warm-up run.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
 #include "commands.hpp"
+#include "common.hpp"
+#include "cpu/blas_baseline.hpp"
+#include "cpu/measure.hpp"
+#include "emflow/attention.hpp"
+
+#if defined(EMFLOW_WITH_CUDA)
+#include <cuda_runtime.h>
+
+#include "emflow/cuda.hpp"
+#endif
 
 namespace emflow::cli {
+namespace {
 
-void add_bench_command(CLI::App&) {}
+struct BenchArguments {
+  std::string device = "cpu";
+  std::int64_t tokens = 4096, dim = 64, heads = 1, batch = 1;
+  std::string mask = "none";
+  int repeats = 5;
+  int threads = 0;
+  bool baseline = false, peak = false;
+};
+
+/// The N x N matrix of the baseline is refused above this size.
+constexpr double kBaselineLimitBytes = 8.0 * (1 << 30);
+
+/// The random problem every timing uses: scores spread enough that softmax is not flat.
+struct Problem {
+  std::vector<float> cloud, relevance, content, update;
+  AttentionInput<float> input;
+
+  Problem(const BenchArguments& args, const Mask& mask) {
+    const std::int64_t B = args.batch, N = args.tokens, d = args.dim, H = args.heads;
+    std::mt19937_64 engine(2024);
+    std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+    const float scale = 2.0f / std::sqrt(static_cast<float>(d));
+    cloud.resize(static_cast<std::size_t>(B * N * d));
+    relevance.resize(static_cast<std::size_t>(H * d * d));
+    content.resize(relevance.size());
+    update.resize(cloud.size());
+    for (float& v : cloud) v = unit(engine);
+    for (float& v : relevance) v = scale * unit(engine);
+    for (float& v : content) v = scale * unit(engine);
+    input.cloud = cloud.data();
+    input.batch = B;
+    input.tokens = N;
+    input.dim = d;
+    input.layer.heads = H;
+    input.layer.relevance = relevance.data();
+    input.layer.content = content.data();
+    input.mask = mask;
+  }
+};
+
+/// Median wall time in milliseconds of `repeats` runs of `body`, after one warm-up run.
+template <class Body>
+double median_ms(int repeats, Body&& body) {
+  body();
+  std::vector<double> ms;
+  for (int r = 0; r < repeats; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    body();
+    const auto stop = std::chrono::steady_clock::now();
+    ms.push_back(std::chrono::duration<double, std::milli>(stop - start).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  const std::size_t n = ms.size();
+  return n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+}
+
+/// Query-key pairs the mask lets through, for one cloud and head (the FLOP convention above).
+double visible_pairs(std::int64_t tokens, const Mask& mask) {
+  const double n = static_cast<double>(tokens);
+  switch (mask.kind) {
+    case MaskKind::causal:
+      return n * n / 2.0;
+    case MaskKind::window: {
+      const double w = static_cast<double>(std::min(mask.window, tokens));
+      return w * n - w * (w - 1.0) / 2.0;  // sum over i of min(i + 1, w)
+    }
+    case MaskKind::none:
+    default:
+      return n * n;
+  }
+}
+
+/// One line of output; `shape` false prints null for the problem keys (the FMA peak has none).
+void print_line(const std::string& op, const std::string& device, const BenchArguments& args,
+                const Mask& mask, bool shape, int threads, double ms, double gflops,
+                const std::string& extra = "") {
+  std::ostringstream out;
+  out << std::setprecision(6);
+  auto value = [&](std::int64_t v) { return shape ? std::to_string(v) : std::string("null"); };
+  out << "{\"op\": \"" << op << "\", \"device\": \"" << device << "\", \"precision\": \"fp32\""
+      << ", \"batch\": " << value(args.batch) << ", \"heads\": " << value(args.heads)
+      << ", \"tokens\": " << value(args.tokens) << ", \"dim\": " << value(args.dim)
+      << ", \"mask\": " << (shape ? "\"" + to_string(mask) + "\"" : std::string("null"))
+      << ", \"ms_median\": " << ms << ", \"gflops\": " << gflops << ", \"threads\": " << threads
+      << ", \"repeats\": " << args.repeats << extra << "}";
+  std::cout << out.str() << std::endl;
+}
+
+#if defined(EMFLOW_WITH_CUDA)
+void cuda_check(cudaError_t status, const char* call) {
+  if (status != cudaSuccess) {
+    detail::fail(ErrorCode::device, "bench: ", call, " failed: ", cudaGetErrorString(status));
+  }
+}
+
+/// Device time of emflow::cuda::attend_async (CUDA events on one stream), inputs resident.
+double time_cuda(const Problem& p, int repeats) {
+  const AttentionInput<float>& host = p.input;
+  cuda::DeviceBuffer<float> cloud(p.cloud.size()), relevance(p.relevance.size()),
+      content(p.content.size()), update(p.update.size());
+  cudaStream_t stream = nullptr;
+  cuda_check(cudaStreamCreate(&stream), "cudaStreamCreate");
+  cloud.copy_from_host(p.cloud.data(), p.cloud.size(), stream);
+  relevance.copy_from_host(p.relevance.data(), p.relevance.size(), stream);
+  content.copy_from_host(p.content.data(), p.content.size(), stream);
+  AttentionInput<float> in = host;
+  in.cloud = cloud.data();
+  in.layer.relevance = relevance.data();
+  in.layer.content = content.data();
+  const AttentionOutput<float> out{update.data(), nullptr, nullptr, nullptr};
+  const std::size_t bytes = cuda::attend_workspace_size(in, out);
+  cuda::DeviceBuffer<unsigned char> workspace(bytes);
+  cudaEvent_t start = nullptr, stop = nullptr;
+  cuda_check(cudaEventCreate(&start), "cudaEventCreate");
+  cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
+  cuda::attend_async(in, out, workspace.data(), bytes, stream);  // warm-up
+  std::vector<double> ms;
+  for (int r = 0; r < repeats; ++r) {
+    cuda_check(cudaEventRecord(start, stream), "cudaEventRecord");
+    cuda::attend_async(in, out, workspace.data(), bytes, stream);
+    cuda_check(cudaEventRecord(stop, stream), "cudaEventRecord");
+    cuda_check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float elapsed = 0.0f;
+    cuda_check(cudaEventElapsedTime(&elapsed, start, stop), "cudaEventElapsedTime");
+    ms.push_back(elapsed);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaStreamDestroy(stream);
+  std::sort(ms.begin(), ms.end());
+  const std::size_t n = ms.size();
+  return n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+}
+#endif
+
+void run_bench(const BenchArguments& args) {
+  const Mask mask = parse_mask(args.mask, "--mask");
+  if (args.tokens < 1) fail_option("--tokens", "must be >= 1, got ", args.tokens);
+  if (args.dim < 1) fail_option("--dim", "must be >= 1, got ", args.dim);
+  if (args.heads < 1) fail_option("--heads", "must be >= 1, got ", args.heads);
+  if (args.batch < 1) fail_option("--batch", "must be >= 1, got ", args.batch);
+  if (args.repeats < 1) fail_option("--repeats", "must be >= 1, got ", args.repeats);
+  if (args.device != "cpu" && args.device != "cuda") {
+    fail_option("--device", "expects cpu or cuda, got '", args.device, "'");
+  }
+  const ExecutionOptions options = execution_options(args.device, args.threads);
+  // A missing GPU is reported before any work.
+  naming_option("--device", [&] { return resolve_device(options.device); });
+  const double baseline_bytes =
+      4.0 * static_cast<double>(args.tokens) * static_cast<double>(args.tokens);
+  if (args.baseline && baseline_bytes > kBaselineLimitBytes) {
+    fail_option("--baseline", "needs an N x N matrix of ", baseline_bytes / (1 << 30),
+                " GiB for --tokens ", args.tokens, "; the limit is ",
+                kBaselineLimitBytes / (1 << 30), " GiB");
+  }
+
+  const int threads = args.threads > 0 ? args.threads : omp_get_max_threads();
+  const double flop = 4.0 * static_cast<double>(args.batch * args.heads * args.dim) *
+                      visible_pairs(args.tokens, mask);
+  const std::string isa =
+      std::string(", \"isa\": \"") + detail::cpu::compiled_instruction_set() + "\"";
+
+  if (args.peak) {
+    // Calibrate to about 0.3 s per timed run.
+    const auto start = std::chrono::steady_clock::now();
+    const double probe = detail::cpu::fma_peak_work(threads, 1 << 20);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const auto iterations = static_cast<std::int64_t>(
+        std::max(1.0, std::ceil(static_cast<double>(1 << 20) * 0.3 / std::max(seconds, 1e-6))));
+    double work = probe;
+    const double ms =
+        median_ms(args.repeats, [&] { work = detail::cpu::fma_peak_work(threads, iterations); });
+    print_line("fma_peak", "cpu", args, mask, false, threads, ms, work / (ms * 1e6), isa);
+  }
+
+  Problem problem(args, mask);
+  if (args.device == "cpu") {
+    const AttentionOutput<float> out{problem.update.data(), nullptr, nullptr, nullptr};
+    const double ms = median_ms(args.repeats, [&] { attend(problem.input, out, options); });
+    print_line("attend", "cpu", args, mask, true, threads, ms, flop / (ms * 1e6), isa);
+  } else {
+#if defined(EMFLOW_WITH_CUDA)
+    const double ms = time_cuda(problem, args.repeats);
+    print_line("attend", "cuda", args, mask, true, 0, ms, flop / (ms * 1e6));
+#endif
+  }
+
+  if (args.baseline) {
+    detail::cpu::BlasBaseline baseline(args.tokens, args.dim);
+    std::vector<float> update(problem.update.size());
+    const double ms =
+        median_ms(args.repeats, [&] { baseline.run(problem.input, update.data(), threads); });
+    print_line("unfused_blas", "cpu", args, mask, true, threads, ms, flop / (ms * 1e6));
+  }
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App& app) {
+  auto args = std::make_shared<BenchArguments>();
+  CLI::App* command = app.add_subcommand(
+      "bench",
+      "Time the contextual update on a random float32 problem and print one JSON object per\n"
+      "line: op, device, precision, batch, heads, tokens, dim, mask, ms_median (median of\n"
+      "--repeats runs after one warm-up) and gflops (attention-equivalent 4 B H N^2 d / time,\n"
+      "halved for causal). --baseline and --peak are measured in the same run, so their ratios\n"
+      "to the fused update compare like with like.");
+  command->add_option("--device", args->device, "cpu (the fused CPU backend) or cuda")
+      ->capture_default_str();
+  command->add_option("--tokens", args->tokens, "tokens N per cloud")->capture_default_str();
+  command->add_option("--dim", args->dim, "dimension d of the token space")->capture_default_str();
+  command->add_option("--heads", args->heads, "heads H of the layer")->capture_default_str();
+  command->add_option("--batch", args->batch, "clouds B")->capture_default_str();
+  command
+      ->add_option("--mask", args->mask,
+                   "none, causal (keys j <= i) or window:W (keys i-W < j <= i)")
+      ->capture_default_str();
+  command->add_option("--repeats", args->repeats, "timed runs; the median is printed")
+      ->capture_default_str();
+  add_threads_option(*command, args->threads);
+  command->add_flag("--baseline", args->baseline,
+                    "also time unfused attention as numpy does it: OpenBLAS sgemm for S = R X^T "
+                    "and P C, a row softmax, and the whole N x N matrix in memory (op "
+                    "unfused_blas)");
+  command->add_flag("--peak", args->peak,
+                    "also measure the machine's fp32 FMA rate: independent FMA chains on every "
+                    "thread, throughput-bound (op fma_peak)");
+  command->callback([args] { run_bench(*args); });
+}
 
 }  // namespace emflow::cli
