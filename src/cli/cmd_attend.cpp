@@ -7,9 +7,11 @@
 #include <memory>
 #include <string>
 
+#include "../core/memory.hpp"
 #include "commands.hpp"
 #include "common.hpp"
 #include "emflow/attention.hpp"
+#include "emflow/finite.hpp"
 
 namespace emflow::cli {
 namespace {
@@ -21,6 +23,7 @@ struct AttendArguments {
   std::string mask = "none";
   std::string device = "auto";
   int threads = 0;
+  bool check_finite = false;
 };
 
 template <class T>
@@ -83,6 +86,15 @@ void run_attend(const AttendArguments& args, Dtype dtype) {
     }
   }
 
+  if (args.check_finite) {
+    // Refuse NaN and infinity up front, naming the file and the first offending element.
+    require_finite(cloud, "--x '" + args.cloud + "'");
+    require_finite(relevance, "--m '" + args.relevance + "'");
+    require_finite(content, "--f '" + args.content + "'");
+    require_finite(key_bias, "--key-bias '" + args.key_bias + "'");
+    require_finite(offset, "--offset '" + args.offset + "'");
+  }
+
   AttentionInput<T> input;
   input.cloud = cloud.data();
   input.batch = batch;
@@ -101,12 +113,16 @@ void run_attend(const AttendArguments& args, Dtype dtype) {
   Tensor<T> update(cloud.shape()), lse, entropy, weights;
   AttentionOutput<T> output;
   output.update = update.data();
+  // Sizes that overflow or cannot fit in memory are refused before anything is allocated.
+  using detail::checked_multiply;
+  const std::int64_t rows = checked_multiply(
+      "attend", "--lse", checked_multiply("attend", "--lse", batch, heads), tokens);
+  if (!args.lse.empty() || !args.entropy.empty()) {
+    detail::expect_fits_in_memory("attend", "--lse/--entropy (B H N values)", rows, sizeof(T));
+  }
   if (!args.weights.empty()) {
-    using detail::checked_multiply;
-    checked_multiply("attend", "weights",
-                     checked_multiply("attend", "weights",
-                                      checked_multiply("attend", "weights", batch, heads), tokens),
-                     tokens);
+    detail::expect_fits_in_memory("attend", "--weights (B H N N values)",
+                                  checked_multiply("attend", "--weights", rows, tokens), sizeof(T));
     weights = Tensor<T>(Shape{batch, heads, tokens, tokens});
     output.weights = weights.data();
   }
@@ -157,6 +173,9 @@ void add_attend_command(CLI::App& app) {
                       "cloud); keys j >= L_b are hidden and queries i >= L_b get a zero update");
   add_device_option(*command, args->device);
   add_threads_option(*command, args->threads);
+  command->add_flag("--check-finite", args->check_finite,
+                    "refuse inputs holding NaN or infinity, naming the file and the first such "
+                    "element (without it a non-finite token reaches the queries that see it)");
   command->add_option("--out", args->update, "output: the update Delta (.npy), X's shape")
       ->required();
   command->add_option("--lse", args->lse,

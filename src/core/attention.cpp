@@ -6,6 +6,7 @@
 
 #include "backends.hpp"
 #include "check.hpp"
+#include "memory.hpp"
 
 namespace emflow {
 
@@ -70,22 +71,25 @@ Device resolve_device(Device requested) {
 template <class T>
 void attend(const AttentionInput<T>& input, const AttentionOutput<T>& output,
             const ExecutionOptions& options) {
-  validate(input, output, "attend");
-  if (options.threads < 0) {
-    detail::fail_argument("attend", "threads", "must be >= 0, got ", options.threads);
-  }
-  switch (resolve_device(options.device)) {
-    case Device::reference:
-      detail::reference_attend(input, output);
-      return;
-    case Device::cuda:
-      detail::cuda_attend(input, output);
-      return;
-    case Device::cpu:
-    case Device::automatic:
-      detail::cpu_attend(input, output, options.threads);
-      return;
-  }
+  // A failed host allocation anywhere below is reported as ErrorCode::out_of_memory.
+  detail::reporting_out_of_memory("attend", "", [&] {
+    validate(input, output, "attend");
+    if (options.threads < 0) {
+      detail::fail_argument("attend", "threads", "must be >= 0, got ", options.threads);
+    }
+    switch (resolve_device(options.device)) {
+      case Device::reference:
+        detail::reference_attend(input, output);
+        return;
+      case Device::cuda:
+        detail::cuda_attend(input, output);
+        return;
+      case Device::cpu:
+      case Device::automatic:
+        detail::cpu_attend(input, output, options.threads);
+        return;
+    }
+  });
 }
 
 template void validate<float>(const AttentionInput<float>&, const AttentionOutput<float>&,

@@ -15,6 +15,8 @@ namespace emflow::detail {
 template <class... Parts>
 std::string concat(Parts&&... parts) {
   std::ostringstream out;
+  // A stream swallows a failed allocation and returns a truncated text; rethrow it instead.
+  out.exceptions(std::ios::badbit);
   (out << ... << std::forward<Parts>(parts));
   return out.str();
 }

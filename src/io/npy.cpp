@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "../core/check.hpp"
+#include "../core/memory.hpp"
 #include "emflow/io.hpp"
 #include "npy_writer.hpp"
 
@@ -316,16 +317,8 @@ constexpr Dtype dtype_of() {
   return Dtype::int64;
 }
 
-}  // namespace
-
-NpyHeader read_npy_header(const std::string& path) {
-  std::ifstream file;
-  std::int64_t size = 0;
-  return read_header(file, path, &size);
-}
-
 template <class T>
-Tensor<T> read_npy(const std::string& path) {
+Tensor<T> read_npy_payload(const std::string& path) {
   std::ifstream file;
   std::int64_t size = 0;
   const NpyHeader header = read_header(file, path, &size);
@@ -335,7 +328,11 @@ Tensor<T> read_npy(const std::string& path) {
     fail_file("read_npy", path, "holds ", to_string(header.dtype), " data; expected ",
               wants_float ? "float32 or float64" : "int32 or int64");
   }
-  // The payload size was matched to the file size, so this allocation is bounded by the file.
+  // The payload size was matched to the file size, so this allocation is bounded by the file;
+  // a sparse file can still declare more than the memory holds, so that is refused first.
+  detail::expect_fits_in_memory("read_npy", "the array in '" + path + "'",
+                                detail::checked_product("read_npy", "shape", header.shape),
+                                static_cast<std::int64_t>(sizeof(T)));
   Tensor<T> array(header.shape);
   const std::int64_t count = array.size();
   switch (header.dtype) {
@@ -353,6 +350,22 @@ Tensor<T> read_npy(const std::string& path) {
       break;
   }
   return array;
+}
+
+}  // namespace
+
+NpyHeader read_npy_header(const std::string& path) {
+  return detail::reporting_out_of_memory("read_npy", path, [&] {
+    std::ifstream file;
+    std::int64_t size = 0;
+    return read_header(file, path, &size);
+  });
+}
+
+template <class T>
+Tensor<T> read_npy(const std::string& path) {
+  return detail::reporting_out_of_memory("read_npy", path,
+                                         [&] { return read_npy_payload<T>(path); });
 }
 
 namespace detail {
@@ -396,9 +409,11 @@ void write_npy(const std::string& path, const Tensor<T>& array) {
     detail::fail_argument("write_npy", "array", "must have rank 1 to ", kMaxRank, ", got ",
                           array.rank(), " (writing '", path, "')");
   }
-  detail::StagedFile file(path, "write_npy");
-  detail::write_npy_to(file, array);
-  file.commit();
+  detail::reporting_out_of_memory("write_npy", path, [&] {
+    detail::StagedFile file(path, "write_npy");
+    detail::write_npy_to(file, array);
+    file.commit();
+  });
 }
 
 template Tensor<float> read_npy<float>(const std::string&);

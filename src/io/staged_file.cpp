@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "../core/check.hpp"
+#include "../core/memory.hpp"
 #include "emflow/io.hpp"
 
 namespace emflow::detail {
@@ -109,13 +110,16 @@ void StagedFile::write(const char* data, std::size_t size) {
 void StagedFile::commit() {
   if (fd_ < 0) fail(ErrorCode::internal, operation_, ": '", target_, "' is no longer open");
   if (::fsync(fd_) != 0) fail_errno("fsync failed", errno);
+  // Everything that may throw (this allocates) happens before the rename: once the target is
+  // in place, commit() must not report a failure.
+  const std::string folder_path = folder_of(target_);
   const int fd = std::exchange(fd_, -1);
   if (::close(fd) != 0) fail_errno("close failed", errno);
   if (::rename(temp_path_.c_str(), target_.c_str()) != 0) fail_errno("rename failed", errno);
   committed_ = true;
   temp_path_.clear();
   // Make the rename itself durable; a failure here cannot undo it, so it is not an error.
-  const int folder = ::open(folder_of(target_).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  const int folder = ::open(folder_path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (folder >= 0) {
     ::fsync(folder);
     ::close(folder);
@@ -127,9 +131,11 @@ void StagedFile::commit() {
 namespace emflow {
 
 void write_file_atomic(const std::string& path, const std::string& bytes) {
-  detail::StagedFile file(path, "write_file_atomic");
-  file.write(bytes);
-  file.commit();
+  detail::reporting_out_of_memory("write_file_atomic", path, [&] {
+    detail::StagedFile file(path, "write_file_atomic");
+    file.write(bytes);
+    file.commit();
+  });
 }
 
 }  // namespace emflow

@@ -1,0 +1,177 @@
+// The emflow binary under hostile input: --check-finite refuses NaN and infinity naming the
+// option, the file and the first offending element; outputs too large for memory are refused
+// before anything is computed; a refused run leaves no output file.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "emflow/io.hpp"
+#include "emflow/tensor.hpp"
+
+namespace emflow {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Outcome {
+  int status = -1;  // exit status, -1 when the process did not exit normally
+  std::string err;
+};
+
+class CliLimits : public ::testing::Test {
+ protected:
+  void SetUp() override {
+#ifndef EMFLOW_CLI_PATH
+    GTEST_SKIP() << "the emflow command-line tool is not built (EMFLOW_BUILD_CLI=OFF)";
+#endif
+    folder_ = fs::temp_directory_path() /
+              ("emflow_cli_limits_" + std::to_string(::getpid()) + "_" +
+               ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::create_directories(folder_ / "out");
+  }
+  void TearDown() override {
+    std::error_code ignored;
+    fs::remove_all(folder_, ignored);
+  }
+
+  std::string path(const std::string& name) const { return (folder_ / name).string(); }
+
+  template <class T>
+  std::string input(const std::string& name, const Shape& shape, double scale = 0.25) {
+    Tensor<T> array(shape);
+    for (std::int64_t i = 0; i < array.size(); ++i) {
+      array[i] = static_cast<T>(scale * std::sin(0.7 * static_cast<double>(i) + 0.1));
+    }
+    write_npy(path(name), array);
+    return path(name);
+  }
+
+  Outcome emflow(const std::string& arguments) const {
+#ifdef EMFLOW_CLI_PATH
+    const std::string err = path("stderr.txt");
+    const std::string command =
+        std::string("'") + EMFLOW_CLI_PATH + "' " + arguments + " >/dev/null 2>'" + err + "'";
+    const int raw = std::system(command.c_str());
+    Outcome run;
+    run.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+    std::ifstream in(err);
+    run.err.assign(std::istreambuf_iterator<char>(in), {});
+    return run;
+#else
+    (void)arguments;
+    return {};
+#endif
+  }
+
+  std::vector<std::string> outputs() const {
+    std::vector<std::string> names;
+    for (const auto& entry : fs::directory_iterator(folder_ / "out")) {
+      names.push_back(entry.path().filename().string());
+    }
+    return names;
+  }
+
+  fs::path folder_;
+};
+
+TEST_F(CliLimits, CheckFiniteNamesTheFileAndTheFirstBadElementOfTheCloud) {
+  Tensor<float> cloud = read_npy<float>(input<float>("x.npy", {2, 7, 3}));
+  cloud[1 * 21 + 5 * 3 + 2] = std::numeric_limits<float>::quiet_NaN();
+  cloud[1 * 21 + 6 * 3 + 0] = std::numeric_limits<float>::infinity();  // a later one
+  write_npy(path("x.npy"), cloud);
+  const std::string m = input<float>("m.npy", {2, 3, 3}), f = input<float>("f.npy", {2, 3, 3});
+  const std::string common = "attend --x " + path("x.npy") + " --m " + m + " --f " + f +
+                             " --device cpu --out " + path("out/u.npy");
+
+  const Outcome refused = emflow(common + " --check-finite");
+  EXPECT_EQ(refused.status, 1) << refused.err;
+  EXPECT_EQ(
+      refused.err.rfind("emflow: error: --x '" + path("x.npy") + "': element [1, 5, 2] is ", 0), 0u)
+      << refused.err;
+  EXPECT_NE(refused.err.find("nan"), std::string::npos) << refused.err;
+  EXPECT_TRUE(outputs().empty());
+
+  // Without the option the run goes ahead (the policy: the NaN reaches the queries that see it):
+  // cloud 0 is untouched and stays finite.
+  const Outcome accepted = emflow(common);
+  ASSERT_EQ(accepted.status, 0) << accepted.err;
+  const Tensor<float> update = read_npy<float>(path("out/u.npy"));
+  for (std::int64_t i = 0; i < 21; ++i) EXPECT_TRUE(std::isfinite(update[i])) << i;
+}
+
+TEST_F(CliLimits, CheckFiniteCoversEveryFloatInput) {
+  const std::string x = input<double>("x.npy", {5, 4});
+  const std::string m = input<double>("m.npy", {4, 4}), f = input<double>("f.npy", {4, 4});
+  const std::string u = input<double>("u.npy", {4}), c = input<double>("c.npy", {4});
+  const std::string common = "attend --check-finite --device reference --x " + x + " --m " + m +
+                             " --f " + f + " --key-bias " + u + " --offset " + c + " --out " +
+                             path("out/u.npy");
+  // Clean input passes the check.
+  const Outcome clean = emflow(common);
+  ASSERT_EQ(clean.status, 0) << clean.err;
+  fs::remove(path("out/u.npy"));
+
+  struct Case {
+    std::string option, file;
+    Shape shape;
+    std::int64_t flat;
+    std::string index;
+  };
+  const std::vector<Case> cases = {{"--m", m, {4, 4}, 9, "[2, 1]"},
+                                   {"--f", f, {4, 4}, 15, "[3, 3]"},
+                                   {"--key-bias", u, {4}, 0, "[0]"},
+                                   {"--offset", c, {4}, 3, "[3]"}};
+  for (const Case& bad : cases) {
+    SCOPED_TRACE(bad.option);
+    Tensor<double> clean_values = read_npy<double>(bad.file);
+    Tensor<double> values = clean_values;
+    values[bad.flat] = -std::numeric_limits<double>::infinity();
+    write_npy(bad.file, values);
+    const Outcome run = emflow(common);
+    EXPECT_EQ(run.status, 1);
+    EXPECT_NE(run.err.find(bad.option + " '" + bad.file + "': element " + bad.index + " is -inf"),
+              std::string::npos)
+        << run.err;
+    EXPECT_TRUE(outputs().empty());
+    write_npy(bad.file, clean_values);
+  }
+}
+
+TEST_F(CliLimits, WeightsThatCannotFitInMemoryAreRefusedUpFront) {
+  // 2^20 tokens make a 4 MiB cloud but 2^40 weights (4 TiB): refused, not attempted.
+  const std::string x = input<float>("x.npy", {std::int64_t{1} << 20, 1});
+  const std::string m = input<float>("m.npy", {1, 1}), f = input<float>("f.npy", {1, 1});
+  const Outcome run = emflow("attend --device cpu --x " + x + " --m " + m + " --f " + f +
+                             " --out " + path("out/u.npy") + " --weights " + path("out/w.npy"));
+  EXPECT_EQ(run.status, 1) << run.err;
+  EXPECT_NE(run.err.find("--weights (B H N N values) needs 4398046511104 bytes"), std::string::npos)
+      << run.err;
+  EXPECT_NE(run.err.find("bytes of memory available"), std::string::npos) << run.err;
+  EXPECT_TRUE(outputs().empty());
+}
+
+TEST_F(CliLimits, StatisticsThatCannotFitInMemoryAreRefusedUpFront) {
+  // 2^22 tokens and 2^20 one-dimensional heads: B H N = 2^42 lse values (16 TiB).
+  const std::string x = input<float>("x.npy", {std::int64_t{1} << 22, 1});
+  const std::string m = input<float>("m.npy", {std::int64_t{1} << 20, 1, 1});
+  const std::string f = input<float>("f.npy", {std::int64_t{1} << 20, 1, 1});
+  const Outcome run = emflow("attend --device cpu --x " + x + " --m " + m + " --f " + f +
+                             " --out " + path("out/u.npy") + " --lse " + path("out/l.npy"));
+  EXPECT_EQ(run.status, 1) << run.err;
+  EXPECT_NE(run.err.find("--lse/--entropy (B H N values) needs 17592186044416 bytes"),
+            std::string::npos)
+      << run.err;
+  EXPECT_TRUE(outputs().empty());
+}
+
+}  // namespace
+}  // namespace emflow
