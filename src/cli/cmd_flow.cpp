@@ -1,8 +1,414 @@
-// emflow flow: not implemented yet.
+// emflow flow: the motion of token clouds under attention (REFERENCE.md §4), layer after layer
+// or in continuous time, with its observables and a picture.
+//
+// Precision: a --x file decides it (float32 or float64, like emflow attend); generated clouds
+// use --precision (float32 by default, the fast path of the CPU and CUDA backends). Every
+// argument is checked and every output declared before the run; the outputs are written only
+// when the whole run succeeds, all or none.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
 #include "commands.hpp"
+#include "common.hpp"
+#include "emflow/flow.hpp"
+#include "plot.hpp"
 
 namespace emflow::cli {
+namespace {
 
-void add_flow_command(CLI::App&) {}
+struct FlowArguments {
+  std::string cloud;
+  std::int64_t tokens = 32, dim = 3, batch = 1;
+  std::string init = "sphere";
+  std::uint64_t seed = 0;
+  std::int64_t layers = 0;
+  double time = 10.0, dt = 0.1;
+  std::string integrator = "rk4";
+  std::string relevance = "identity", content = "identity";
+  std::string beta = "1";
+  std::string norm = "none";
+  bool pre_norm = false, unnormalized = false;
+  std::int64_t record_every = 1;
+  std::string device = "auto";
+  int threads = 0;
+  std::string precision = "float32";
+  std::string out, metrics, plot;
+  // Which of the mutually dependent options the user gave.
+  CLI::Option *tokens_option = nullptr, *dim_option = nullptr, *init_option = nullptr,
+              *batch_option = nullptr, *layers_option = nullptr, *time_option = nullptr,
+              *dt_option = nullptr, *integrator_option = nullptr, *precision_option = nullptr;
+};
+
+bool is_generated(const std::string& text) {
+  return text == "identity" || text == "minus-identity" || text == "random";
+}
+
+// "1", or "0.5,1,2" (one per cloud).
+std::vector<double> parse_betas(const std::string& text, std::int64_t batch) {
+  std::vector<double> betas;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    char* end = nullptr;
+    const double beta = std::strtod(item.c_str(), &end);
+    if (item.empty() || *end != '\0' || !std::isfinite(beta) || beta <= 0.0) {
+      fail_option("--beta",
+                  "expects a finite number > 0, or one per cloud separated by commas, "
+                  "got '",
+                  text, "'");
+    }
+    betas.push_back(beta);
+  }
+  if (betas.size() != 1 && static_cast<std::int64_t>(betas.size()) != batch) {
+    fail_option("--beta", "gives ", betas.size(), " values, expected 1 or one per cloud (", batch,
+                ")");
+  }
+  return betas;
+}
+
+// The operators of every layer: generated, or read from --m / --f files of shape (d, d),
+// (H, d, d), or (L, H, d, d) for a stack of L layers each with its own heads.
+template <class T>
+std::vector<flow::FlowLayer<T>> read_layers(const FlowArguments& args, std::int64_t dim,
+                                            std::int64_t layer_count, Dtype dtype) {
+  struct Source {
+    const char* option;
+    std::string text;
+    Tensor<T> file;
+    std::int64_t layers = 0, heads = 0;  // 0: not fixed by a file
+  };
+  Source sources[2] = {{"--m", args.relevance, {}, 0, 0}, {"--f", args.content, {}, 0, 0}};
+  const std::string main_option = args.cloud.empty() ? "--precision" : "--x";
+  for (Source& s : sources) {
+    if (is_generated(s.text)) continue;
+    s.file = read_float_input<T>(s.option, s.text, dtype, main_option, 2, 4);
+    const Shape& shape = s.file.shape();
+    const std::int64_t rank = s.file.rank();
+    if (shape[static_cast<std::size_t>(rank - 1)] != dim ||
+        shape[static_cast<std::size_t>(rank - 2)] != dim) {
+      fail_option(s.option, "'", s.text, "' has shape ", to_string(shape), ", expected (", dim,
+                  ", ", dim, "), (H, ", dim, ", ", dim, ") or (L, H, ", dim, ", ", dim,
+                  ") (d = ", dim, ")");
+    }
+    s.heads = rank >= 3 ? shape[static_cast<std::size_t>(rank - 3)] : 1;
+    s.layers = rank == 4 ? shape[0] : 0;
+    if (rank == 4 && s.layers != layer_count) {
+      fail_option(s.option, "'", s.text, "' holds ", s.layers, " layers, expected ", layer_count,
+                  args.layers > 0 ? " (from --layers)" : " (continuous time takes one layer)");
+    }
+  }
+  if (sources[0].heads && sources[1].heads && sources[0].heads != sources[1].heads) {
+    fail_option("--f", "'", args.content, "' has ", sources[1].heads, " heads, expected ",
+                sources[0].heads, " (the heads of --m)");
+  }
+  const std::int64_t heads = std::max<std::int64_t>({1, sources[0].heads, sources[1].heads});
+  // One shared layer unless a file or a random operator differs from layer to layer.
+  bool per_layer = sources[0].layers > 0 || sources[1].layers > 0;
+  for (const Source& s : sources) per_layer = per_layer || (s.text == "random" && layer_count > 1);
+  const std::int64_t count = per_layer ? layer_count : 1;
+
+  std::vector<flow::FlowLayer<T>> layers(static_cast<std::size_t>(count));
+  for (std::int64_t l = 0; l < count; ++l) {
+    flow::FlowLayer<T>& layer = layers[static_cast<std::size_t>(l)];
+    layer.heads = heads;
+    for (int which = 0; which < 2; ++which) {
+      const Source& s = sources[which];
+      std::vector<T>& target = which == 0 ? layer.relevance : layer.content;
+      target.reserve(static_cast<std::size_t>(heads * dim * dim));
+      for (std::int64_t h = 0; h < heads; ++h) {
+        if (s.file.size() == 0) {
+          // Streams: (layer, head, M or F) of --seed, disjoint from the clouds' streams.
+          const std::uint64_t stream =
+              (static_cast<std::uint64_t>(l * heads + h) << 1 | static_cast<std::uint64_t>(which)) +
+              (std::uint64_t{1} << 40);
+          const auto op = flow::make_operator<T>(flow::parse_operator_kind(s.text, s.option), dim,
+                                                 args.seed ^ (stream * 0x9E3779B97F4A7C15ull));
+          target.insert(target.end(), op.begin(), op.end());
+        } else {
+          const std::int64_t file_heads = s.heads;
+          const std::int64_t layer_index = s.layers > 0 ? l : 0;
+          const T* from =
+              s.file.data() + ((layer_index * file_heads) + (file_heads == 1 ? 0 : h)) * dim * dim;
+          target.insert(target.end(), from, from + dim * dim);
+        }
+      }
+    }
+  }
+  return layers;
+}
+
+std::string csv_number(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  char text[40];
+  std::snprintf(text, sizeof text, "%.9g", v);
+  return text;
+}
+
+template <class T>
+void run_flow_command(const FlowArguments& args, Dtype dtype) {
+  const bool from_file = !args.cloud.empty();
+  const bool continuous = args.layers_option->count() == 0;
+  if (!continuous && args.layers < 1) fail_option("--layers", "must be >= 1, got ", args.layers);
+  if (continuous) {
+    if (!(std::isfinite(args.time) && args.time > 0)) {
+      fail_option("--time", "must be finite and > 0, got ", args.time);
+    }
+    if (!(std::isfinite(args.dt) && args.dt > 0)) {
+      fail_option("--dt", "must be finite and > 0, got ", args.dt);
+    }
+    if (args.time / args.dt > 1e7) {
+      fail_option("--dt", "gives more than 1e7 steps (--time ", args.time, ", --dt ", args.dt, ")");
+    }
+  }
+  const flow::Integrator integrator = flow::parse_integrator(args.integrator, "--integrator");
+  const flow::Normalization norm = flow::parse_normalization(args.norm, "--norm");
+  if (continuous && norm != flow::Normalization::none && norm != flow::Normalization::sphere) {
+    fail_option("--norm",
+                "must be none or sphere with --time (layernorm and rmsnorm need "
+                "--layers), got '",
+                args.norm, "'");
+  }
+  if (continuous && args.pre_norm) fail_option("--pre-norm", "applies to --layers only");
+  if (args.record_every < 1) {
+    fail_option("--record-every", "must be >= 1, got ", args.record_every);
+  }
+  const ExecutionOptions options = execution_options(args.device, args.threads);
+  naming_option("--device", [&] { return resolve_device(options.device); });
+
+  Outputs outputs;
+  if (!args.out.empty()) outputs.declare("--out", args.out);
+  if (!args.metrics.empty()) outputs.declare("--metrics", args.metrics);
+  if (!args.plot.empty()) outputs.declare("--plot", args.plot);
+
+  // The initial clouds.
+  Tensor<T> initial;
+  if (from_file) {
+    initial = read_float_input<T>("--x", args.cloud, dtype, "--x", 2, 3);
+    if (initial.rank() == 2) {
+      const std::int64_t batch = args.batch_option->count() ? args.batch : 1;
+      if (batch < 1) fail_option("--batch", "must be >= 1, got ", batch);
+      // One cloud repeated B times, e.g. to run it at B temperatures.
+      Tensor<T> repeated(Shape{batch, initial.extent(0), initial.extent(1)});
+      for (std::int64_t b = 0; b < batch; ++b) {
+        std::copy(initial.values().begin(), initial.values().end(),
+                  repeated.data() + b * initial.size());
+      }
+      initial = std::move(repeated);
+    } else if (args.batch_option->count() && args.batch != initial.extent(0)) {
+      fail_option("--batch", "is ", args.batch, " but --x '", args.cloud, "' holds ",
+                  initial.extent(0), " clouds");
+    }
+    if (initial.extent(1) < 2) {
+      fail_option("--x", "'", args.cloud, "' has ", initial.extent(1),
+                  " tokens, expected at least 2");
+    }
+  } else {
+    if (args.tokens < 2) fail_option("--tokens", "must be >= 2, got ", args.tokens);
+    if (args.dim < 1) fail_option("--dim", "must be >= 1, got ", args.dim);
+    if (args.batch < 1) fail_option("--batch", "must be >= 1, got ", args.batch);
+    const flow::InitialCloud init = flow::parse_initial_cloud(args.init, "--init");
+    if (init == flow::InitialCloud::orthonormal && args.tokens > args.dim) {
+      fail_option("--init", "orthonormal needs --tokens <= --dim, got ", args.tokens, " > ",
+                  args.dim);
+    }
+    naming_option("--batch", [&] {
+      return checked_element_count({args.batch, args.tokens, args.dim}, "clouds",
+                                   std::int64_t{1} << 31);
+    });
+    initial = flow::initial_clouds<T>(init, args.batch, args.tokens, args.dim, args.seed);
+  }
+  const std::int64_t B = initial.extent(0), N = initial.extent(1), d = initial.extent(2);
+  const std::vector<double> betas = parse_betas(args.beta, B);
+
+  flow::FlowSettings settings;
+  settings.layers = continuous ? 0 : args.layers;
+  settings.norm = norm;
+  settings.pre_norm = args.pre_norm;
+  settings.time = args.time;
+  settings.dt = args.dt;
+  settings.integrator = integrator;
+  settings.unnormalized = args.unnormalized;
+  settings.record_every = args.record_every;
+  const std::int64_t records = flow::step_count(settings) / args.record_every + 2;
+  naming_option("--record-every", [&] {
+    return checked_element_count({records, B, N, d}, "trajectory", std::int64_t{1} << 31);
+  });
+  const auto layers = read_layers<T>(args, d, continuous ? 1 : args.layers, dtype);
+
+  ProgressBar bar("emflow flow");
+  const auto start = std::chrono::steady_clock::now();
+  const flow::FlowResult<T> result =
+      flow::run_flow(initial, betas, layers, settings, options, bar.callback());
+  bar.finish();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::int64_t R = result.trajectory.extent(0);
+
+  if (!args.out.empty()) outputs.stage_npy(args.out, result.trajectory);
+  if (!args.metrics.empty()) {
+    std::ostringstream csv;
+    csv << "step," << (continuous ? "time" : "layer")
+        << ",cloud,beta,min_inner,mean_inner,clustered_fraction,clusters,energy,entropy,"
+           "diameter\n";
+    for (std::int64_t r = 0; r < R; ++r) {
+      for (std::int64_t b = 0; b < B; ++b) {
+        const flow::Observables& o = result.observables[static_cast<std::size_t>(r * B + b)];
+        csv << result.steps[static_cast<std::size_t>(r)] << ','
+            << csv_number(result.times[static_cast<std::size_t>(r)]) << ',' << b << ','
+            << csv_number(betas[betas.size() == 1 ? 0 : static_cast<std::size_t>(b)]) << ','
+            << csv_number(o.min_inner) << ',' << csv_number(o.mean_inner) << ','
+            << csv_number(o.clustered_fraction) << ',' << o.clusters << ',' << csv_number(o.energy)
+            << ',' << csv_number(o.entropy) << ',' << csv_number(o.diameter) << '\n';
+      }
+    }
+    outputs.stage_bytes(args.metrics, csv.str());
+  }
+  if (!args.plot.empty()) {
+    FlowPicture picture;
+    picture.records = R;
+    picture.clouds = B;
+    picture.tokens = N;
+    picture.dim = d;
+    picture.trajectory.resize(static_cast<std::size_t>(R * N * d));
+    for (std::int64_t r = 0; r < R; ++r) {
+      const T* from = result.trajectory.data() + r * B * N * d;  // cloud 0
+      std::copy(from, from + N * d, picture.trajectory.begin() + r * N * d);
+    }
+    picture.times = result.times;
+    for (std::int64_t b = 0; b < B; ++b) {
+      picture.betas.push_back(betas[betas.size() == 1 ? 0 : static_cast<std::size_t>(b)]);
+    }
+    picture.observables = result.observables;
+    picture.on_sphere = norm == flow::Normalization::sphere && (continuous || !args.pre_norm);
+    picture.time_label = continuous ? "time t" : "layer";
+    std::ostringstream title;
+    title << (continuous ? (args.unnormalized ? "USA" : "SA") : "layers") << ": N = " << N
+          << ", d = " << d << ", M = " << (is_generated(args.relevance) ? args.relevance : "file")
+          << ", F = " << (is_generated(args.content) ? args.content : "file")
+          << ", \xCE\xB2 = " << args.beta << ", norm " << args.norm;
+    if (continuous) {
+      title << ", " << args.integrator << " dt = " << args.dt << ", T = " << args.time;
+    } else {
+      title << ", L = " << args.layers << (args.pre_norm ? " pre-norm" : " post-norm");
+    }
+    if (B > 1) title << "  (paths: cloud 0)";
+    picture.title = title.str();
+    outputs.stage_bytes(args.plot, draw_flow(picture));
+  }
+  outputs.commit();
+
+  const flow::Observables& last = result.observables[static_cast<std::size_t>((R - 1) * B)];
+  std::cout << std::setprecision(4) << "emflow flow: " << B << " cloud(s) of " << N
+            << " tokens in d = " << d << ", " << flow::step_count(settings)
+            << (continuous ? " steps" : " layers") << " on "
+            << to_string(resolve_device(options.device)) << " in " << seconds << " s\n"
+            << "  cloud 0 at the end: clustered fraction " << last.clustered_fraction
+            << ", clusters " << last.clusters << ", min <x_i,x_j> " << last.min_inner << ", energy "
+            << last.energy << ", entropy " << last.entropy << ", diameter " << last.diameter
+            << "\n";
+}
+
+}  // namespace
+
+void add_flow_command(CLI::App& app) {
+  auto args = std::make_shared<FlowArguments>();
+  CLI::App* command = app.add_subcommand(
+      "flow",
+      "The flow of a token cloud under attention (REFERENCE.md 4): a stack of layers\n"
+      "  X <- N(X + Delta(X))  (post-norm)   or   X <- X + Delta(N(X))  (pre-norm),\n"
+      "or continuous time dx_i/dt = sum_j p_ij F x_j (SA; USA divides by N instead of Z_i),\n"
+      "on the sphere with --norm sphere, integrated by Euler or RK4. Records the clouds and\n"
+      "their observables; outputs are written only when the whole run succeeds.");
+  auto* x = command->add_option("--x", args->cloud,
+                                "initial cloud (.npy): (N, d), or a batch (B, N, d); its dtype "
+                                "sets the precision");
+  args->tokens_option =
+      command->add_option("--tokens", args->tokens, "generated clouds: tokens N >= 2")
+          ->capture_default_str();
+  args->dim_option = command->add_option("--dim", args->dim, "generated clouds: dimension d")
+                         ->capture_default_str();
+  args->init_option = command
+                          ->add_option("--init", args->init,
+                                       "generated clouds: gaussian (entries N(0, 1/d)), sphere "
+                                       "(uniform), cube ([-1, 1]^d) or orthonormal (N <= d)")
+                          ->capture_default_str();
+  command->add_option("--seed", args->seed, "seed of the clouds and random operators")
+      ->capture_default_str();
+  args->batch_option =
+      command->add_option("--batch", args->batch, "number of clouds B")->capture_default_str();
+  x->excludes(args->tokens_option)->excludes(args->dim_option)->excludes(args->init_option);
+  args->layers_option = command->add_option("--layers", args->layers,
+                                            "a stack of L layers (instead of continuous time)");
+  args->time_option = command->add_option("--time", args->time, "continuous time: final time T")
+                          ->capture_default_str();
+  args->dt_option =
+      command->add_option("--dt", args->dt, "continuous time: step h")->capture_default_str();
+  args->integrator_option =
+      command->add_option("--integrator", args->integrator, "continuous time: euler or rk4")
+          ->capture_default_str();
+  args->layers_option->excludes(args->time_option)
+      ->excludes(args->dt_option)
+      ->excludes(args->integrator_option);
+  command
+      ->add_option("--m", args->relevance,
+                   "relevance M = Q^T K: identity, minus-identity, random (entries N(0, 1/d)) "
+                   "or a .npy file (d, d), (H, d, d) or (L, H, d, d)")
+      ->capture_default_str();
+  command
+      ->add_option("--f", args->content,
+                   "content F = V: identity, minus-identity, random or a .npy file, as --m")
+      ->capture_default_str();
+  command
+      ->add_option("--beta", args->beta,
+                   "inverse temperature > 0, or one per cloud separated by commas")
+      ->capture_default_str();
+  command
+      ->add_option("--norm", args->norm,
+                   "none, layernorm, rmsnorm or sphere (layers); none or sphere (continuous "
+                   "time: sphere means the dynamics on the sphere)")
+      ->capture_default_str();
+  command->add_flag("--pre-norm", args->pre_norm,
+                    "layers: X <- X + Delta(N(X)) instead of N(X + Delta(X))");
+  command->add_flag("--unnormalized", args->unnormalized,
+                    "USA: divide the attention sums by N instead of the partition function Z_i");
+  command->add_option("--record-every", args->record_every, "record every k steps (and the last)")
+      ->capture_default_str();
+  add_device_option(*command, args->device);
+  add_threads_option(*command, args->threads);
+  args->precision_option =
+      command
+          ->add_option("--precision", args->precision,
+                       "generated clouds: float32 or float64 (a --x file sets its own)")
+          ->capture_default_str();
+  x->excludes(args->precision_option);
+  command->add_option("--out", args->out,
+                      "output: the recorded clouds (.npy), (records, B, N, d), the initial first");
+  command->add_option("--metrics", args->metrics,
+                      "output: observables (.csv), one row per record and cloud");
+  command->add_option("--plot", args->plot, "output: picture of the flow (.png)");
+  command->callback([args] {
+    Dtype dtype = Dtype::float32;
+    if (!args->cloud.empty()) {
+      dtype = float_dtype("--x", args->cloud);
+    } else if (args->precision == "float64") {
+      dtype = Dtype::float64;
+    } else if (args->precision != "float32") {
+      fail_option("--precision", "expects float32 or float64, got '", args->precision, "'");
+    }
+    if (dtype == Dtype::float32) {
+      run_flow_command<float>(*args, dtype);
+    } else {
+      run_flow_command<double>(*args, dtype);
+    }
+  });
+}
 
 }  // namespace emflow::cli

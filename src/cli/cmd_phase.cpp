@@ -1,8 +1,141 @@
-// emflow phase: not implemented yet.
+// emflow phase: the phase diagram of Geshkovski, Letrouit, Polyanskiy and Rigollet
+// (REFERENCE.md §4): for each inverse temperature beta, many random clouds flow on the sphere
+// with Q = K = V = I, and the fraction of clustered pairs is drawn over (time, beta). The
+// defaults are theirs: 90 betas in [0.1, 9], n = 32, d = 2, dt = 0.1, T = 30, 2048 clouds.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <string>
+
 #include "commands.hpp"
+#include "common.hpp"
+#include "emflow/flow.hpp"
+#include "plot.hpp"
 
 namespace emflow::cli {
+namespace {
 
-void add_phase_command(CLI::App&) {}
+struct PhaseArguments {
+  flow::PhaseSettings settings;
+  std::string betas = "0.1:9:90";
+  std::string device = "auto";
+  int threads = 0;
+  std::string plot, out;
+};
+
+// "START:STOP:COUNT" with 0 < START <= STOP and COUNT >= 1.
+void parse_beta_range(const std::string& text, flow::PhaseSettings& s) {
+  double start = 0, stop = 0;
+  long long count = 0;
+  char tail = 0;
+  if (std::sscanf(text.c_str(), "%lf:%lf:%lld%c", &start, &stop, &count, &tail) != 3 ||
+      !std::isfinite(start) || !std::isfinite(stop) || start <= 0 || stop < start || count < 1 ||
+      (count == 1 && stop != start)) {
+    fail_option("--betas",
+                "expects START:STOP:COUNT with 0 < START <= STOP and COUNT >= 1 "
+                "(COUNT = 1 needs START = STOP), got '",
+                text, "'");
+  }
+  s.beta_start = start;
+  s.beta_stop = stop;
+  s.beta_count = count;
+}
+
+std::string csv_number(double v) {
+  char text[40];
+  std::snprintf(text, sizeof text, "%.9g", v);
+  return text;
+}
+
+void run_phase(PhaseArguments& args) {
+  flow::PhaseSettings& s = args.settings;
+  parse_beta_range(args.betas, s);
+  if (s.tokens < 2) fail_option("--tokens", "must be >= 2, got ", s.tokens);
+  if (s.dim < 1) fail_option("--dim", "must be >= 1, got ", s.dim);
+  if (s.clouds < 1) fail_option("--clouds", "must be >= 1, got ", s.clouds);
+  if (!(std::isfinite(s.time) && s.time > 0)) {
+    fail_option("--time", "must be finite and > 0, got ", s.time);
+  }
+  if (!(std::isfinite(s.dt) && s.dt > 0)) fail_option("--dt", "must be finite and > 0, got ", s.dt);
+  if (s.time / s.dt > 1e7) fail_option("--dt", "gives more than 1e7 steps");
+  naming_option("--clouds", [&] {
+    flow::validate(s);
+    return 0;
+  });
+  const ExecutionOptions options = execution_options(args.device, args.threads);
+  const Device device = naming_option("--device", [&] { return resolve_device(options.device); });
+
+  Outputs outputs;
+  if (!args.plot.empty()) outputs.declare("--plot", args.plot);
+  if (!args.out.empty()) outputs.declare("--out", args.out);
+
+  ProgressBar bar("emflow phase");
+  const auto start = std::chrono::steady_clock::now();
+  const flow::PhaseDiagram diagram = flow::phase_diagram(s, options, bar.callback());
+  bar.finish();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  if (!args.out.empty()) {
+    std::ostringstream csv;
+    csv << "time,beta,clustered_fraction\n";
+    const std::size_t K = diagram.betas.size();
+    for (std::size_t t = 0; t < diagram.times.size(); ++t) {
+      for (std::size_t k = 0; k < K; ++k) {
+        csv << csv_number(diagram.times[t]) << ',' << csv_number(diagram.betas[k]) << ','
+            << csv_number(diagram.clustered[t * K + k]) << '\n';
+      }
+    }
+    outputs.stage_bytes(args.out, csv.str());
+  }
+  if (!args.plot.empty()) {
+    std::ostringstream title;
+    title << "Clustering on the sphere S" << superscript(s.dim - 1) << ": n = " << s.tokens
+          << ", d = " << s.dim << ", " << s.clouds << " clouds per \xCE\xB2, RK4 dt = " << s.dt;
+    outputs.stage_bytes(args.plot, draw_phase(diagram, title.str()));
+  }
+  outputs.commit();
+
+  const std::size_t K = diagram.betas.size(), last = diagram.times.size() - 1;
+  std::cout << std::setprecision(4) << "emflow phase: " << K << " betas x " << s.clouds
+            << " clouds of " << s.tokens << " tokens in d = " << s.dim << ", " << last
+            << " RK4 steps to T = " << s.time << " on " << to_string(device) << " in " << seconds
+            << " s\n"
+            << "  clustered fraction at T: " << diagram.clustered[last * K] << " (beta "
+            << diagram.betas.front() << ") .. " << diagram.clustered[last * K + K - 1] << " (beta "
+            << diagram.betas.back() << ")\n";
+}
+
+}  // namespace
+
+void add_phase_command(CLI::App& app) {
+  auto args = std::make_shared<PhaseArguments>();
+  flow::PhaseSettings& s = args->settings;
+  CLI::App* command = app.add_subcommand(
+      "phase",
+      "Phase diagram of clustering (Geshkovski et al.): clouds of n tokens uniform on the\n"
+      "sphere S^{d-1} flow by dx_i/dt = P_{x_i}(sum_j p_ij x_j), p_ij = softmax_j(beta <x_i, "
+      "x_j>)\n"
+      "(Q = K = V = I, RK4); the fraction of pairs with <x_i, x_j> > 1 - 1e-3, averaged over\n"
+      "the clouds, is recorded at every step for each beta. The same clouds serve every beta.");
+  command->add_option("--tokens", s.tokens, "tokens n per cloud")->capture_default_str();
+  command->add_option("--dim", s.dim, "dimension d (the sphere S^{d-1})")->capture_default_str();
+  command->add_option("--betas", args->betas, "START:STOP:COUNT, evenly spaced")
+      ->capture_default_str();
+  command->add_option("--time", s.time, "final time T")->capture_default_str();
+  command->add_option("--dt", s.dt, "RK4 step")->capture_default_str();
+  command->add_option("--clouds", s.clouds, "random clouds per beta")->capture_default_str();
+  command->add_option("--seed", s.seed, "seed of the clouds")->capture_default_str();
+  add_device_option(*command, args->device);
+  add_threads_option(*command, args->threads);
+  command->add_option("--plot", args->plot, "output: the phase diagram (.png)");
+  command->add_option("--out", args->out,
+                      "output: (.csv) time,beta,clustered_fraction, one row per step and beta");
+  command->callback([args] { run_phase(*args); });
+}
 
 }  // namespace emflow::cli

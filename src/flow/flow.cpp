@@ -264,6 +264,10 @@ void attention_update(const T* cloud, std::int64_t batch, std::int64_t tokens, s
   std::vector<T> lse(static_cast<std::size_t>(B * H * N));
   std::vector<T> entropy(lse.size());
   const LayerOperators<T> ops = layer.operators();
+  // A small batch is faster on one thread: an OpenMP team costs more than the work (and much
+  // more on a loaded machine).
+  ExecutionOptions run = options;
+  if (run.threads == 0 && B * H * N * N * d < (std::int64_t{1} << 18)) run.threads = 1;
 
   // Calls attend on each run [b0, b1) of consecutive clouds with one beta.
   auto attend_runs = [&](const LayerOperators<T>& head_ops, std::int64_t heads, T* delta,
@@ -283,7 +287,7 @@ void attention_update(const T* cloud, std::int64_t batch, std::int64_t tokens, s
       out.update = delta + b0 * N * d;
       out.lse = run_lse + b0 * heads * N;
       out.entropy = run_entropy + b0 * heads * N;
-      attend(in, out, options);
+      attend(in, out, run);
       b0 = b1;
     }
   };

@@ -1,0 +1,55 @@
+// Pictures of the flow drawn with cairo (PNG bytes in memory, written atomically by the caller),
+// and the progress bar long runs show on a terminal.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "emflow/flow.hpp"
+
+namespace emflow::cli {
+
+/// What the flow picture shows: the trajectory of one cloud and the observables of every cloud.
+struct FlowPicture {
+  std::int64_t records = 0, clouds = 0, tokens = 0, dim = 0;
+  std::vector<double> trajectory;  ///< (records, tokens, dim): the cloud drawn on the left
+  std::vector<double> times;       ///< records
+  std::vector<double> betas;       ///< clouds
+  std::vector<flow::Observables> observables;  ///< records * clouds, record r of cloud b at r*B+b
+  bool on_sphere = false;                      ///< the tokens live on the unit sphere
+  std::string time_label = "time t";
+  std::string title;
+};
+
+/// Left: the cloud's tokens over time, drawn in its plane for d = 2, on an orthographic sphere
+/// for d = 3 on the sphere, else projected onto the two principal directions of all its
+/// recorded positions. Right: the observables over time. Returns PNG bytes.
+std::string draw_flow(const FlowPicture& picture);
+
+/// The phase diagram: fraction of clustered pairs over (time, beta), with a colour bar.
+std::string draw_phase(const flow::PhaseDiagram& diagram, const std::string& title);
+
+/// `n` in Unicode superscript digits, e.g. for S^{d-1}.
+std::string superscript(long long n);
+
+/// A one-line progress bar on stderr, drawn only when stderr is a terminal; at most ten
+/// redraws a second. finish() clears the line.
+class ProgressBar {
+ public:
+  explicit ProgressBar(std::string label);
+  ~ProgressBar();
+  void update(std::int64_t done, std::int64_t total);
+  void finish();
+  /// A callback for the library's long runs.
+  flow::Progress callback();
+
+ private:
+  std::string label_;
+  bool enabled_;
+  bool drawn_ = false;
+  std::chrono::steady_clock::time_point start_, last_;
+};
+
+}  // namespace emflow::cli
