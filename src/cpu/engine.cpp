@@ -213,14 +213,12 @@ void softmax_step(float* scores, std::int64_t local_row0, std::int64_t query0, s
     Vec tile_max = load(row);
     for (std::int64_t v = 1; v < kVectors; ++v) tile_max = max(tile_max, load(row + v * kLanes));
     const float old_max = s.running_max[static_cast<std::size_t>(local)];
-    const float new_max = std::max(old_max, horizontal_max(tile_max));
     float* z = s.sums.data() + local * kLanes;
     float* e = s.entropy_sums.data() + local * kLanes;
-    if (new_max == kNegInf) {  // nothing visible to this row yet: weights 0, state unchanged
-      std::fill(row, row + kKeyTile, 0.0f);
-      continue;
-    }
-    if (new_max > old_max) {
+    // Most tiles do not raise the running max: one vector compare instead of a reduction.
+    float new_max = old_max;
+    if (any_greater(tile_max, splat(old_max))) {
+      new_max = horizontal_max(tile_max);
       float* o = s.head_output.data() + local * g.value_stride;
       if (old_max == kNegInf) {  // first visible key: O, Z and E are still zero
         std::fill(o, o + g.value_stride, 0.0f);
@@ -236,6 +234,9 @@ void softmax_step(float* scores, std::int64_t local_row0, std::int64_t query0, s
         }
       }
       s.running_max[static_cast<std::size_t>(local)] = new_max;
+    } else if (old_max == kNegInf) {  // nothing visible to this row yet: weights 0
+      std::fill(row, row + kKeyTile, 0.0f);
+      continue;
     }
     const Vec m = splat(new_max);
     const Vec floor_value = splat(-1.0e4f);  // keeps 0 * (s - m) finite where s = -inf

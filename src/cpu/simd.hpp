@@ -99,6 +99,22 @@ inline Vec fma(Vec a, Vec b, Vec c) {
 
 inline Vec max(Vec a, Vec b) { return a > b ? a : b; }
 
+/// True when some lane of a is greater than the same lane of b.
+inline bool any_greater(Vec a, Vec b) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ) != 0;
+#elif defined(__AVX__)
+  return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)) != 0;
+#elif defined(__SSE2__)
+  return _mm_movemask_ps(_mm_cmpgt_ps(a, b)) != 0;
+#else
+  for (int i = 0; i < kLanes; ++i) {
+    if (a[i] > b[i]) return true;
+  }
+  return false;
+#endif
+}
+
 inline float horizontal_max(Vec v) {
   float lanes[kLanes];
   store(lanes, v);
