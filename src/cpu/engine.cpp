@@ -44,7 +44,7 @@ constexpr int kChunkRows = 8;  // 8 x 32 scores = 16 accumulators of 16 lanes
 #else
 constexpr int kChunkRows = 4;
 #endif
-constexpr int kContentRows = 4;  // rows per content micro-kernel call (O += P V)
+constexpr int kContentRows = kChunkRows;  // rows per content micro-kernel call (O += P V)
 constexpr std::int64_t kProjectionRows = 4;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Bytes of projected operands to hold at once; clouds are processed in groups within it.
