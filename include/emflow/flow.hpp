@@ -200,9 +200,10 @@ struct PhaseDiagram {
   std::vector<double> clustered;
 };
 
-/// On Device::cpu a specialised small-d path (float32, clouds in SIMD lanes, OpenMP over lane
-/// groups) runs the sweep; on other devices every step goes through emflow::attend with all
-/// C * K clouds in one batch (one call per beta). Both integrate the same equations.
+/// On Device::cpu and Device::automatic a specialised small-d path (float32, clouds in SIMD
+/// lanes, OpenMP over lane groups) runs the sweep; on Device::cuda and Device::reference every
+/// step goes through emflow::attend with all C * K clouds in one batch (one call per beta).
+/// Both integrate the same equations.
 PhaseDiagram phase_diagram(const PhaseSettings& settings, const ExecutionOptions& options = {},
                            const Progress& progress = {});
 /// The same sweep through emflow::attend on options.device, whatever the device (for tests).

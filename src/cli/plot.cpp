@@ -151,6 +151,7 @@ void text_at(cairo_t* cr, const std::string& text, double x, double y, double si
   cairo_move_to(cr, -extents.x_bearing - align_x * extents.width,
                 -extents.y_bearing - align_y * extents.height);
   cairo_show_text(cr, text.c_str());
+  cairo_new_path(cr);  // show_text leaves a current point that the next arc would join
   cairo_restore(cr);
 }
 

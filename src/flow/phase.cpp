@@ -131,7 +131,10 @@ PhaseDiagram phase_diagram(const PhaseSettings& s, const ExecutionOptions& optio
                            const Progress& progress) {
   validate(s);
   if (options.threads < 0) fail_argument("phase", "threads", "must be >= 0, got ", options.threads);
-  if (resolve_device(options.device) != Device::cpu) {
+  // Device::automatic takes the specialised CPU path too: the generic path on the GPU spends a
+  // host-device round trip per attend call (one per beta and RK4 stage) until the flow has a
+  // kernel of its own.
+  if (options.device == Device::cuda || options.device == Device::reference) {
     return phase_diagram_generic(s, options, progress);
   }
   const std::int64_t steps = detail::continuous_steps(s.time, s.dt);
