@@ -17,6 +17,7 @@
 
 #include "commands.hpp"
 #include "common.hpp"
+#include "emflow/finite.hpp"
 #include "emflow/flow.hpp"
 #include "plot.hpp"
 
@@ -35,6 +36,7 @@ struct FlowArguments {
   std::string beta = "1";
   std::string norm = "none";
   bool pre_norm = false, unnormalized = false;
+  bool check_finite = false;
   std::int64_t record_every = 1;
   std::string device = "auto";
   int threads = 0;
@@ -89,6 +91,7 @@ std::vector<flow::FlowLayer<T>> read_layers(const FlowArguments& args, std::int6
   for (Source& s : sources) {
     if (is_generated(s.text)) continue;
     s.file = read_float_input<T>(s.option, s.text, dtype, main_option, 2, 4);
+    if (args.check_finite) require_finite(s.file, std::string(s.option) + " '" + s.text + "'");
     const Shape& shape = s.file.shape();
     const std::int64_t rank = s.file.rank();
     if (shape[static_cast<std::size_t>(rank - 1)] != dim ||
@@ -192,6 +195,7 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
   Tensor<T> initial;
   if (from_file) {
     initial = read_float_input<T>("--x", args.cloud, dtype, "--x", 2, 3);
+    if (args.check_finite) require_finite(initial, "--x '" + args.cloud + "'");
     if (initial.rank() == 2) {
       const std::int64_t batch = args.batch_option->count() ? args.batch : 1;
       if (batch < 1) fail_option("--batch", "must be >= 1, got ", batch);
@@ -379,6 +383,9 @@ void add_flow_command(CLI::App& app) {
                     "layers: X <- X + Delta(N(X)) instead of N(X + Delta(X))");
   command->add_flag("--unnormalized", args->unnormalized,
                     "USA: divide the attention sums by N instead of the partition function Z_i");
+  command->add_flag("--check-finite", args->check_finite,
+                    "refuse --x, --m and --f files holding NaN or infinity, naming the file and "
+                    "the first such element");
   command->add_option("--record-every", args->record_every, "record every k steps (and the last)")
       ->capture_default_str();
   add_device_option(*command, args->device);

@@ -146,6 +146,33 @@ TEST_F(CliLimits, CheckFiniteCoversEveryFloatInput) {
   }
 }
 
+TEST_F(CliLimits, FlowCheckFiniteNamesTheFileAndTheFirstBadElement) {
+  Tensor<float> cloud = read_npy<float>(input<float>("x.npy", {4, 3}));
+  cloud[2 * 3 + 1] = std::numeric_limits<float>::quiet_NaN();
+  write_npy(path("x.npy"), cloud);
+  Tensor<float> relevance = read_npy<float>(input<float>("m.npy", {2, 3, 3}));
+  const std::string f = input<float>("f.npy", {2, 3, 3});
+  const std::string common = "flow --layers 2 --x " + path("x.npy") + " --f " + f + " --out " +
+                             path("out/t.npy") + " --check-finite --m ";
+
+  Outcome refused = emflow(common + path("m.npy"));
+  EXPECT_EQ(refused.status, 1) << refused.err;
+  EXPECT_NE(refused.err.find("--x '" + path("x.npy") + "': element [2, 1] is nan"),
+            std::string::npos)
+      << refused.err;
+  EXPECT_TRUE(outputs().empty());
+
+  input<float>("x.npy", {4, 3});  // clean again
+  relevance[9 + 4] = std::numeric_limits<float>::infinity();
+  write_npy(path("m.npy"), relevance);
+  refused = emflow(common + path("m.npy"));
+  EXPECT_EQ(refused.status, 1) << refused.err;
+  EXPECT_NE(refused.err.find("--m '" + path("m.npy") + "': element [1, 1, 1] is inf"),
+            std::string::npos)
+      << refused.err;
+  EXPECT_TRUE(outputs().empty());
+}
+
 TEST_F(CliLimits, WeightsThatCannotFitInMemoryAreRefusedUpFront) {
   // 2^20 tokens make a 4 MiB cloud but 2^40 weights (4 TiB): refused, not attempted.
   const std::string x = input<float>("x.npy", {std::int64_t{1} << 20, 1});

@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Writes the seed corpora of the fuzzers to tests/fuzz_corpus/<target>/ (valid and malformed
+.npy files, and `emflow attend` invocations). Deterministic; run it again after changing it:
+    python3 fuzz/make_corpus.py
+"""
+import math
+import os
+import shutil
+import struct
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fuzz_corpus")
+SEPARATOR = b"@@FILE@@"
+
+
+def npy(descr, shape, payload=None, version=(1, 0), fortran="False", dict_text=None, pad=True):
+    """A .npy file; `payload` defaults to the right number of bytes for descr and shape."""
+    shape_text = "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+    if dict_text is None:
+        dict_text = "{'descr': '%s', 'fortran_order': %s, 'shape': %s, }" % (descr, fortran,
+                                                                             shape_text)
+    header = dict_text.encode()
+    length_bytes = 2 if version[0] == 1 else 4
+    if pad:
+        total = 6 + 2 + length_bytes + len(header) + 1
+        header += b" " * ((64 - total % 64) % 64)
+        header += b"\n"
+    prefix = b"\x93NUMPY" + bytes(version)
+    prefix += struct.pack("<H" if length_bytes == 2 else "<I", len(header))
+    if payload is None:
+        count = math.prod(shape)
+        size = {"<f4": 4, "<i4": 4, "<f8": 8, "<i8": 8}.get(descr, 4)
+        kind = {"<f4": "<f", "<f8": "<d", "<i4": "<i", "<i8": "<q"}.get(descr, "<f")
+        if kind in ("<f", "<d"):
+            values = [math.sin(0.7 * i + 0.1) * 0.5 for i in range(count)]
+        else:
+            values = [(i * 7) % 5 for i in range(count)]
+        payload = struct.pack("<%d%s" % (count, kind[1]), *values) if count else b""
+        assert len(payload) == count * size
+    return prefix + header + payload
+
+
+def write(target, name, data):
+    folder = os.path.join(ROOT, target)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, name), "wb") as out:
+        out.write(data)
+
+
+def npy_corpus():
+    t = "fuzz_npy"
+    write(t, "f4_rank1", npy("<f4", (5,)))
+    write(t, "f4_rank2", npy("<f4", (3, 4)))
+    write(t, "f8_rank3", npy("<f8", (2, 3, 2)))
+    write(t, "f4_rank4", npy("<f4", (1, 2, 2, 3)))
+    write(t, "i8_rank1", npy("<i8", (4,)))
+    write(t, "i4_rank1", npy("<i4", (3,)))
+    write(t, "f4_empty", npy("<f4", (0, 3)))
+    write(t, "f8_v2", npy("<f8", (2, 2), version=(2, 0)))
+    write(t, "f4_v3", npy("<f4", (3,), version=(3, 0)))
+    write(t, "double_quotes", npy("<f4", (2,), dict_text='{"descr": "<f4", "fortran_order": '
+                                  'False, "shape": (2,)}'))
+    write(t, "keys_reordered", npy("<f4", (2, 1), dict_text="{'shape': (2, 1), 'descr': '<f4', "
+                                   "'fortran_order': False}"))
+    write(t, "fortran", npy("<f4", (2, 2), fortran="True"))
+    write(t, "big_endian", npy(">f4", (2,), payload=b"\0" * 8))
+    write(t, "unsupported_dtype", npy("<f2", (2,), payload=b"\0" * 4))
+    write(t, "truncated_payload", npy("<f4", (4, 4))[:-10])
+    write(t, "extra_bytes", npy("<f4", (2,)) + b"\0\0\0\0")
+    write(t, "overflow_shape", npy("<f4", (4294967296, 4294967296), payload=b""))
+    write(t, "huge_extent", npy("<f4", (99999999999999999999,), payload=b""))
+    write(t, "rank0", npy("<f4", (), payload=b"\0\0\0\0"))
+    write(t, "rank5", npy("<f4", (1, 1, 1, 1, 2)))
+    write(t, "bad_magic", b"\x93NUMPZ" + npy("<f4", (2,))[6:])
+    write(t, "bad_version", npy("<f4", (2,), version=(4, 0)))
+    write(t, "header_too_long", b"\x93NUMPY\x02\x00" + struct.pack("<I", 1 << 30) + b"{}")
+    write(t, "no_newline", npy("<f4", (2,), pad=False))
+    write(t, "unterminated", npy("<f4", (2,), dict_text="{'descr': '<f4, 'fortran_order"))
+    write(t, "repeated_key", npy("<f4", (2,), dict_text="{'descr': '<f4', 'descr': '<f4', "
+                                 "'fortran_order': False, 'shape': (2,), }"))
+    write(t, "missing_shape", npy("<f4", (2,), dict_text="{'descr': '<f4', "
+                                  "'fortran_order': False, }", payload=b""))
+    write(t, "negative_extent", npy("<f4", (2,), dict_text="{'descr': '<f4', "
+                                    "'fortran_order': False, 'shape': (-2,), }"))
+    write(t, "empty", b"")
+    write(t, "magic_only", b"\x93NUMPY")
+
+
+def cli_case(name, arguments, files):
+    data = "\n".join(arguments).encode()
+    for contents in files:
+        data += SEPARATOR + contents
+    write("fuzz_attend_cli", name, data)
+
+
+def cli_corpus():
+    x = npy("<f4", (6, 3))
+    xb = npy("<f4", (2, 5, 3))
+    x64 = npy("<f8", (4, 2))
+    m = npy("<f4", (3, 3))
+    mh = npy("<f4", (2, 3, 3))
+    m64 = npy("<f8", (2, 2))
+    k = npy("<i8", (2,), payload=struct.pack("<2q", 5, 3))
+    base = ["--x", "x.npy", "--m", "m.npy", "--f", "f.npy", "--out", "u.npy"]
+    cli_case("plain", base, [x, m, m])
+    cli_case("scratch_folder", ["--x", "$D/x.npy", "--m", "$D/m.npy", "--f", "$D/f.npy",
+                                "--out", "$D/u.npy"], [x, m, m])
+    cli_case("every_output", base + ["--lse", "l.npy", "--entropy", "e.npy", "--weights",
+                                     "w.npy", "--mask", "causal", "--device", "cpu"], [x, m, m])
+    cli_case("heads_batch", base + ["--key-lengths", "k.npy", "--mask", "window:2",
+                                    "--device", "reference"], [xb, mh, mh, k])
+    cli_case("bias_offset", base + ["--key-bias", "k.npy", "--offset", "k.npy", "--beta", "0.5"],
+             [x, m, m, npy("<f4", (3,))])
+    cli_case("float64", base + ["--check-finite", "--weights", "w.npy"], [x64, m64, m64])
+    cli_case("nan_check", base + ["--check-finite"],
+             [npy("<f4", (2, 3), payload=struct.pack("<6f", 1, 2, float("nan"), 0, 1, 2)), m, m])
+    cli_case("mixed_precision", base, [x, m64, m])
+    cli_case("wrong_shape", base, [x, mh, m])
+    cli_case("integer_cloud", base, [k, m, m])
+    cli_case("same_output_twice", base + ["--lse", "u.npy"], [x, m, m])
+    cli_case("missing_folder", base[:-1] + ["$D/nowhere/u.npy"], [x, m, m])
+    cli_case("bad_mask", base + ["--mask", "window:0"], [x, m, m])
+    cli_case("bad_beta", base + ["--beta", "inf"], [x, m, m])
+    cli_case("bad_device", base + ["--device", "tpu"], [x, m, m])
+    cli_case("missing_input", base, [x])
+    cli_case("unknown_option", base + ["--frobnicate"], [x, m, m])
+    cli_case("help", ["--help"], [])
+    cli_case("bad_key_lengths", base + ["--key-lengths", "k.npy"],
+             [xb, m, m, npy("<i8", (2,), payload=struct.pack("<2q", 9, -1))])
+
+
+if __name__ == "__main__":
+    for target in ("fuzz_npy", "fuzz_attend_cli"):
+        shutil.rmtree(os.path.join(ROOT, target), ignore_errors=True)
+    npy_corpus()
+    cli_corpus()

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets (fuzz/, clang + AddressSanitizer + UndefinedBehaviorSanitizer)
+# and runs each for a bounded time from its seed corpus in tests/fuzz_corpus/<target>/.
+# Fails on any crash, leak, timeout, out-of-memory or sanitizer report; the input that caused it
+# is saved under the build folder's artifacts/ (rerun it with: build-fuzz/fuzz/<target> <file>).
+#
+#   scripts/fuzz.sh                   every target, FUZZ_SECONDS (default 45) seconds each
+#   FUZZ_SECONDS=600 scripts/fuzz.sh fuzz_npy
+#
+# Environment: FUZZ_SECONDS, FUZZ_BUILD (build folder, default build-fuzz), CXX_CLANG (default
+# clang++-14 if present, else clang++), FUZZ_JOBS (parallel build jobs, default 2).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+seconds=${FUZZ_SECONDS:-45}
+build=${FUZZ_BUILD:-build-fuzz}
+jobs=${FUZZ_JOBS:-2}
+if [[ -z "${CXX_CLANG:-}" ]]; then
+  if command -v clang++-14 >/dev/null; then CXX_CLANG=clang++-14; else CXX_CLANG=clang++; fi
+fi
+targets=("$@")
+if [[ ${#targets[@]} -eq 0 ]]; then targets=(fuzz_npy fuzz_attend_cli); fi
+
+start=$(date +%s)
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER="$CXX_CLANG" \
+  -DEMFLOW_BUILD_FUZZERS=ON -DEMFLOW_WITH_CUDA=OFF -DEMFLOW_BUILD_TESTS=OFF \
+  -DEMFLOW_BUILD_BENCHMARKS=OFF -DEMFLOW_BUILD_CLI=OFF >/dev/null
+cmake --build "$build" --target "${targets[@]}" -j "$jobs"
+echo "fuzz.sh: built in $(($(date +%s) - start)) s"
+
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:allocator_may_return_null=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+artifacts="$PWD/$build/artifacts"
+mkdir -p "$artifacts"
+status=0
+for target in "${targets[@]}"; do
+  seeds="$PWD/tests/fuzz_corpus/$target"
+  corpus="$PWD/$build/corpus/$target"  # seeds plus what this run discovers; kept between runs
+  mkdir -p "$corpus"
+  dict=()
+  if [[ -f "fuzz/$target.dict" ]]; then dict=(-dict="$PWD/fuzz/$target.dict"); fi
+  log="$PWD/$build/$target.log"
+  echo "fuzz.sh: $target for $seconds s (seeds: $(ls "$seeds" | wc -l) files)"
+  if "$build/fuzz/$target" "$corpus" "$seeds" "${dict[@]}" -max_total_time="$seconds" \
+      -timeout=10 -rss_limit_mb=2048 -max_len=4096 -print_final_stats=1 \
+      -artifact_prefix="$artifacts/$target-" >"$log" 2>&1; then
+    grep -E "stat::number_of_executed_units|stat::peak_rss_mb|stat::new_units_added" "$log" |
+      sed "s/^/fuzz.sh: $target: /"
+    echo "fuzz.sh: $target: corpus $(ls "$corpus" | wc -l) files; passed"
+  else
+    status=1
+    echo "fuzz.sh: $target FAILED; the last lines of $log:"
+    tail -n 60 "$log"
+  fi
+done
+echo "fuzz.sh: total $(($(date +%s) - start)) s"
+exit $status
