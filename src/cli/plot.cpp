@@ -539,22 +539,22 @@ std::string draw_flow(const FlowPicture& pic) {
       {"energy E\xCE\xB2", [](const flow::Observables& o) { return o.energy; }, false},
       {"attention entropy (nats)", [](const flow::Observables& o) { return o.entropy; }, false},
   };
-  const double x0 = 730, y0 = 80, cw = 270, ch = 140, gx = 330, gy = 210;
+  const double x0 = 730, y0 = 96, cw = 270, ch = 135, gx = 330, gy = 205;
   for (int k = 0; k < 6; ++k) {
     Frame box{x0 + (k % 2) * gx, y0 + (k / 2) * gy, cw, ch, 0, 1, 0, 1};
     draw_series(cr, pic, box, charts[k].title, charts[k].value, charts[k].unit);
   }
-  if (pic.clouds > 1 && pic.clouds <= 8) {  // which line is which cloud
+  if (pic.clouds > 1 && pic.clouds <= 4) {  // which line is which cloud, above the charts
     double x = x0;
     for (std::int64_t b = 0; b < pic.clouds; ++b) {
       set_colour(cr, categorical(b, pic.clouds));
-      cairo_rectangle(cr, x, height - 34, 18, 4);
+      cairo_rectangle(cr, x, 44, 18, 4);
       cairo_fill(cr);
       char label[64];
       std::snprintf(label, sizeof label, "cloud %lld, \xCE\xB2 = %g", static_cast<long long>(b),
                     pic.betas[static_cast<std::size_t>(b)]);
       set_colour(cr, {0.15, 0.15, 0.15});
-      text_at(cr, label, x + 24, height - 32, 11, 0.0, 0.5);
+      text_at(cr, label, x + 24, 46, 11, 0.0, 0.5);
       x += 150;
     }
   }
