@@ -38,6 +38,34 @@ struct Components {
   }
 };
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define EMFLOW_OBSERVE_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define EMFLOW_OBSERVE_CLONES
+#endif
+
+// The inner products and squared distances of every pair i < j of a double cloud: the O(N^2 d)
+// part, vectorised (the simd reductions let the compiler reorder the sums) and compiled for
+// AVX2 as well as the baseline, since the library is built without -march.
+EMFLOW_OBSERVE_CLONES void pair_products(const double* x, std::int64_t N, std::int64_t d,
+                                         double* inner, double* distance_sq) {
+  std::int64_t p = 0;
+  for (std::int64_t i = 0; i < N; ++i) {
+    const double* xi = x + i * d;
+    for (std::int64_t j = i + 1; j < N; ++j, ++p) {
+      const double* xj = x + j * d;
+      double g = 0.0, e = 0.0;
+#pragma omp simd reduction(+ : g, e)
+      for (std::int64_t a = 0; a < d; ++a) {
+        g += xi[a] * xj[a];
+        e += (xi[a] - xj[a]) * (xi[a] - xj[a]);
+      }
+      inner[p] = g;
+      distance_sq[p] = e;
+    }
+  }
+}
+
 }  // namespace
 
 template <class T>
@@ -47,12 +75,16 @@ Observables observe(const T* cloud, std::int64_t tokens, std::int64_t dim, doubl
     emflow::detail::fail_argument("observe", "tokens", "must be >= 2, got ", tokens);
   }
   const std::int64_t N = tokens, d = dim;
+  const std::vector<double> x(cloud, cloud + N * d);
+  const auto pairs = static_cast<std::size_t>(N * (N - 1) / 2);
+  std::vector<double> inner(pairs), distance_sq(pairs);
+  pair_products(x.data(), N, d, inner.data(), distance_sq.data());
+
   std::vector<double> norms(static_cast<std::size_t>(N));
   double energy = 0.0;  // sum_ij exp(beta <x_i, x_j>), the diagonal included
   for (std::int64_t i = 0; i < N; ++i) {
     double square = 0.0;
-    for (std::int64_t a = 0; a < d; ++a)
-      square += static_cast<double>(cloud[i * d + a]) * cloud[i * d + a];
+    for (std::int64_t a = 0; a < d; ++a) square += x[i * d + a] * x[i * d + a];
     norms[static_cast<std::size_t>(i)] = std::sqrt(square);
     energy += std::exp(beta * square);
   }
@@ -62,31 +94,25 @@ Observables observe(const T* cloud, std::int64_t tokens, std::int64_t dim, doubl
   double sum_inner = 0.0, diameter_sq = 0.0;
   std::int64_t clustered = 0, components = N;
   Components graph(N);
+  std::size_t p = 0;
   for (std::int64_t i = 0; i < N; ++i) {
-    const T* xi = cloud + i * d;
-    for (std::int64_t j = i + 1; j < N; ++j) {
-      const T* xj = cloud + j * d;
-      double inner = 0.0, distance_sq = 0.0;
-      for (std::int64_t a = 0; a < d; ++a) {
-        const double u = static_cast<double>(xi[a]), v = static_cast<double>(xj[a]);
-        inner += u * v;
-        distance_sq += (u - v) * (u - v);
-      }
-      o.min_inner = std::min(o.min_inner, inner);
-      sum_inner += inner;
-      diameter_sq = std::max(diameter_sq, distance_sq);
-      energy += 2.0 * std::exp(beta * inner);
+    for (std::int64_t j = i + 1; j < N; ++j, ++p) {
+      const double g = inner[p];
+      o.min_inner = std::min(o.min_inner, g);
+      sum_inner += g;
+      diameter_sq = std::max(diameter_sq, distance_sq[p]);
+      energy += 2.0 * std::exp(beta * g);
       // Clustering is about directions: the cosine, which is the inner product on the sphere.
       const double scale = norms[static_cast<std::size_t>(i)] * norms[static_cast<std::size_t>(j)];
-      if (scale > 0.0 && inner > (1.0 - cluster_eps) * scale) {
+      if (scale > 0.0 && g > (1.0 - cluster_eps) * scale) {
         ++clustered;
         if (graph.join(i, j)) --components;
       }
     }
   }
-  const double pairs = 0.5 * static_cast<double>(N) * static_cast<double>(N - 1);
-  o.mean_inner = sum_inner / pairs;
-  o.clustered_fraction = static_cast<double>(clustered) / pairs;
+  const double pair_count = static_cast<double>(pairs);
+  o.mean_inner = sum_inner / pair_count;
+  o.clustered_fraction = static_cast<double>(clustered) / pair_count;
   o.clusters = components;
   o.energy = energy / (2.0 * beta * static_cast<double>(N) * static_cast<double>(N));
   o.diameter = std::sqrt(diameter_sq);
