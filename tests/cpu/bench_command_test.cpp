@@ -1,0 +1,73 @@
+// `emflow bench` prints one JSON object per line with the documented keys; --baseline and --peak
+// add their lines; bad options fail with a message naming the option. No timing is asserted.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace {
+
+#if defined(EMFLOW_CLI_PATH)
+struct Result {
+  int status = -1;
+  std::vector<std::string> lines;  // stdout and stderr together
+};
+
+Result run(const std::string& arguments) {
+  Result result;
+  const std::string command = std::string(EMFLOW_CLI_PATH) + " " + arguments + " 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return result;
+  std::array<char, 4096> buffer{};
+  while (fgets(buffer.data(), static_cast<int>(buffer.size()), pipe) != nullptr) {
+    std::string line(buffer.data());
+    if (!line.empty() && line.back() == '\n') line.pop_back();
+    result.lines.push_back(line);
+  }
+  result.status = pclose(pipe);
+  return result;
+}
+
+bool has(const std::string& line, const std::string& text) {
+  return line.find(text) != std::string::npos;
+}
+
+TEST(BenchCommand, PrintsOneJsonObjectPerMeasurement) {
+  const Result r =
+      run("bench --tokens 70 --dim 5 --heads 2 --batch 2 --mask causal --repeats 1 "
+          "--threads 2 --baseline --peak");
+  ASSERT_EQ(r.status, 0);
+  ASSERT_EQ(r.lines.size(), 3u);
+  const char* keys[] = {"\"op\"",     "\"device\"", "\"precision\"", "\"batch\"",     "\"heads\"",
+                        "\"tokens\"", "\"dim\"",    "\"mask\"",      "\"ms_median\"", "\"gflops\""};
+  for (const std::string& line : r.lines) {
+    EXPECT_EQ(line.front(), '{') << line;
+    EXPECT_EQ(line.back(), '}') << line;
+    for (const char* key : keys) EXPECT_TRUE(has(line, key)) << key << " missing in " << line;
+  }
+  EXPECT_TRUE(has(r.lines[0], "\"op\": \"fma_peak\""));
+  EXPECT_TRUE(has(r.lines[1], "\"op\": \"attend\""));
+  EXPECT_TRUE(has(r.lines[1], "\"tokens\": 70"));
+  EXPECT_TRUE(has(r.lines[1], "\"mask\": \"causal\""));
+  EXPECT_TRUE(has(r.lines[2], "\"op\": \"unfused_blas\""));
+}
+
+TEST(BenchCommand, RejectsBadOptionsNamingThem) {
+  Result r = run("bench --tokens 0");
+  EXPECT_NE(r.status, 0);
+  ASSERT_FALSE(r.lines.empty());
+  EXPECT_TRUE(has(r.lines.back(), "--tokens")) << r.lines.back();
+  r = run("bench --mask diagonal");
+  EXPECT_NE(r.status, 0);
+  ASSERT_FALSE(r.lines.empty());
+  EXPECT_TRUE(has(r.lines.back(), "--mask")) << r.lines.back();
+  r = run("bench --device tpu");
+  EXPECT_NE(r.status, 0);
+  ASSERT_FALSE(r.lines.empty());
+  EXPECT_TRUE(has(r.lines.back(), "--device")) << r.lines.back();
+}
+#endif
+
+}  // namespace
