@@ -70,9 +70,12 @@ EMFLOW_ALWAYS_INLINE vfloat reinterpret_cast_vector(vint bits) { return (vfloat)
 EMFLOW_ALWAYS_INLINE vfloat exp2_approx(vfloat x) {
   x = x > -126.0f ? x : splat(-126.0f);
   x = x < 127.0f ? x : splat(127.0f);
-  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
-  const vfloat n = (x + magic) - magic;
-  const vfloat f = x - n;
+  // Adding 1.5 * 2^23 rounds x to the nearest integer n, which then sits in the low mantissa
+  // bits of t: the bits of t minus the bits of the constant are n, with no float-to-int
+  // conversion.
+  const float magic = 12582912.0f;
+  const vfloat t = x + magic;
+  const vfloat f = x - (t - magic);
   vfloat p = splat(1.5403530393381606e-4f);  // ln2^6 / 720
   p = p * f + 1.3333558146428443e-3f;        // ln2^5 / 120
   p = p * f + 9.6181291076284772e-3f;        // ln2^4 / 24
@@ -80,7 +83,7 @@ EMFLOW_ALWAYS_INLINE vfloat exp2_approx(vfloat x) {
   p = p * f + 0.24022650695910071f;          // ln2^2 / 2
   p = p * f + 0.69314718055994531f;          // ln2
   p = p * f + 1.0f;
-  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  const vint bits = ((vint)t + (127 - 0x4B400000)) << 23;
   return p * reinterpret_cast_vector(bits);
 }
 
