@@ -330,6 +330,8 @@ INSTANTIATE_TEST_SUITE_P(Fused, CudaFloat, ::testing::Values(
     Case{"n33_d64_window5_lengths_3heads", 3, 33, 64, 3, Mask::sliding_window(5), true, true, true, false, A::fused, 0.7},
     Case{"n101_d128_causal_lengths", 3, 101, 128, 2, kCausal, true, true, true, false, A::fused, 1.0},
     Case{"n101_d1_lengths", 3, 101, 1, 2, kNone, true, false, true, false, A::fused, 1.0},
+    Case{"n200_d16_window5_lengths", 2, 200, 16, 2, Mask::sliding_window(5), true, true, true, false, A::fused, 1.0},
+    Case{"n300_d130_window70", 1, 300, 130, 1, Mask::sliding_window(70), false, true, true, false, A::fused, 1.0},
     Case{"n33_d255_causal_4heads", 1, 33, 255, 4, kCausal, false, true, false, false, A::fused, 1.0},
     Case{"n1000_d255_bias_offset", 1, 1000, 255, 1, kNone, false, true, true, false, A::fused, 1.0},
     Case{"n1000_d128_window300_lengths", 2, 1000, 128, 2, Mask::sliding_window(300), true, true, true, false, A::fused, 1.3},

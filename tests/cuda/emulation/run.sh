@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Runs the CUDA backend's tests on the CPU, against the emulated runtime and cuBLAS in this folder:
+# a check of the kernels' logic (indexing, masks, tiles, shared-memory barriers, the cuBLAS
+# argument mapping, the workspace layout) on machines without a GPU. It is not a GPU: timing,
+# warp scheduling and device memory faults are not reproduced. Slow (one host thread per CUDA
+# thread), so keep to small cases.
+#
+#   bash tests/cuda/emulation/run.sh address ['gtest filter']   # ASan + UBSan (bounds, alignment)
+#   bash tests/cuda/emulation/run.sh thread  ['gtest filter']   # TSan: shared-memory races
+#
+# Kernels are rewritten for the host on the fly: `extern __shared__` becomes the emulated block's
+# shared memory (poisoned with NaN before every block) and `k<<<grid, block, smem, stream>>>(...)`
+# becomes emu_launch(k, grid, block, smem, stream, ...). Fresh device allocations are NaN-poisoned.
+# EMU_NO_DEVICE=1 makes the emulated runtime report no device.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
+HERE="$ROOT/tests/cuda/emulation"
+MODE=${1:-address}
+FILTER=${2:-'Fused*n7*:Fused*n33*:Fused*n101*:Unfused*n7*:Unfused*n33*:CudaAsync.*:CudaWorkspace.*'}
+WORK=${EMULATION_DIR:-/tmp/emflow-emulation}/$MODE
+mkdir -p "$WORK/gen" "$WORK/obj"
+case "$MODE" in
+  address) SAN=(-fsanitize=address -fsanitize=undefined -fno-sanitize-recover=undefined) ;;
+  thread) SAN=(-fsanitize=thread) ;;
+  *) echo "mode must be 'address' or 'thread'" >&2; exit 2 ;;
+esac
+
+for f in "$ROOT"/kernels/*.cu; do
+  python3 - "$f" "$WORK/gen/$(basename "$f" .cu).cpp" <<'PY'
+import re, sys
+source = open(sys.argv[1]).read()
+source = source.replace("extern __shared__ float4 shared_storage[];",
+                        "float4* shared_storage = emu_dynamic_shared();")
+source = re.sub(r"(\w+(?:<\w+>)?)\s*<<<(.*?)>>>\(", r"emu_launch(\1, \2, ", source, flags=re.S)
+open(sys.argv[2], "w").write(source)
+PY
+done
+
+FLAGS=(-std=c++20 -O1 -g "${SAN[@]}" -fno-omit-frame-pointer -pthread -DEMFLOW_WITH_CUDA=1
+       -DEMFLOW_VERSION=\"emulation\" -I "$HERE" -I "$ROOT/include" -I "$ROOT/src"
+       -I "$ROOT/kernels" -I "$ROOT/tests")
+objects=()
+running=()
+for s in "$ROOT"/src/core/*.cpp "$ROOT"/src/reference/*.cpp "$ROOT"/src/cpu/*.cpp \
+  "$ROOT"/kernels/*.cpp "$WORK"/gen/*.cpp "$ROOT"/tests/common/*.cpp "$ROOT"/tests/cuda/*.cpp; do
+  [[ "$s" == */cuda_unavailable.cpp ]] && continue
+  o="$WORK/obj/$(echo "$s" | tr '/' '_').o"
+  objects+=("$o")
+  if [[ ! -f "$o" || "$s" -nt "$o" || "$HERE/cuda_runtime.h" -nt "$o" ]]; then
+    extra=()
+    [[ "$s" == */src/cpu/* ]] && extra=(-fopenmp -march=native)
+    g++ "${FLAGS[@]}" "${extra[@]}" -c "$s" -o "$o" &
+    running+=($!)
+    if ((${#running[@]} >= 2)); then wait "${running[0]}"; running=("${running[@]:1}"); fi
+  fi
+done
+for p in "${running[@]}"; do wait "$p"; done
+g++ "${FLAGS[@]}" -fopenmp "${objects[@]}" -lgtest -lgtest_main -o "$WORK/emflow_cuda_emulated_tests"
+TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1} "$WORK/emflow_cuda_emulated_tests" --gtest_filter="$FILTER"
