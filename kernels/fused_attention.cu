@@ -26,6 +26,12 @@
 // A row with no visible key so far keeps max = -inf; the reference point for exp2 is then 0 and
 // the rescale factor 0, so no -inf - -inf appears. Entropy is tracked online as
 // a = sum_j w_j (t_j - m) (w_j = 2^(t_j - m)), rescaled with the max: H = ln2 (log2 Z - a / Z).
+//
+// History: version 1 (this one) is the straightforward register-tiled FFMA kernel; it has been
+// checked on the CPU emulation (tests/cuda/emulation) but not yet run or timed on a GPU. Tuning
+// candidates once it can be timed: cp.async double buffering of the next key and content tiles
+// (separate K and V buffers), 8 x 4 score tiles per thread, and __launch_bounds__ minimum blocks
+// per tile width (ptxas: 128 registers at tiles 64 and 128, 254 at 256; no spills).
 #include <cuda_runtime.h>
 
 #include <cmath>
