@@ -4,19 +4,23 @@
 //
 // FLOP are attention-equivalent (REFERENCE.md §2): 4 B H N^2 d for the whole score matrix,
 // halved for a causal mask, 4 B H d (visible pairs) for a window; the projections are not
-// counted. Every figure is the median of --repeats timed runs after one untimed warm-up run.
+// counted. Every figure is the median of --repeats timed runs after one untimed warm-up run;
+// the CPU measurements are timed in rounds (one run of each per round), so a change in load on
+// a shared machine falls on all of them alike.
 #include <omp.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <memory>
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "commands.hpp"
@@ -74,20 +78,39 @@ struct Problem {
   }
 };
 
-/// Median wall time in milliseconds of `repeats` runs of `body`, after one warm-up run.
-template <class Body>
-double median_ms(int repeats, Body&& body) {
-  body();
-  std::vector<double> ms;
-  for (int r = 0; r < repeats; ++r) {
-    const auto start = std::chrono::steady_clock::now();
-    body();
-    const auto stop = std::chrono::steady_clock::now();
-    ms.push_back(std::chrono::duration<double, std::milli>(stop - start).count());
-  }
+/// Median of `ms` (not empty).
+double median(std::vector<double> ms) {
   std::sort(ms.begin(), ms.end());
   const std::size_t n = ms.size();
   return n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+}
+
+/// One CPU timing: `run` does the work once and returns the FLOP it did.
+struct Measurement {
+  Measurement(std::string name, bool problem_keys, std::string members,
+              std::function<double()> body)
+      : op(std::move(name)), shape(problem_keys), extra(std::move(members)), run(std::move(body)) {}
+
+  std::string op;
+  bool shape = true;  // false: the problem keys do not apply (the FMA peak)
+  std::string extra;  // more JSON members, starting with ", "
+  std::function<double()> run;
+  std::vector<double> ms;
+  double flop = 0.0;
+};
+
+/// Times every measurement `repeats` times after one untimed warm-up each, in rounds (one run of
+/// each per round), so a change in the machine's load falls on all of them alike.
+void time_in_rounds(std::vector<Measurement>& measurements, int repeats) {
+  for (Measurement& m : measurements) m.run();
+  for (int r = 0; r < repeats; ++r) {
+    for (Measurement& m : measurements) {
+      const auto start = std::chrono::steady_clock::now();
+      m.flop = m.run();
+      const auto stop = std::chrono::steady_clock::now();
+      m.ms.push_back(std::chrono::duration<double, std::milli>(stop - start).count());
+    }
+  }
 }
 
 /// Query-key pairs the mask lets through, for one cloud and head (the FLOP convention above).
@@ -108,8 +131,9 @@ double visible_pairs(std::int64_t tokens, const Mask& mask) {
 
 /// One line of output; `shape` false prints null for the problem keys (the FMA peak has none).
 void print_line(const std::string& op, const std::string& device, const BenchArguments& args,
-                const Mask& mask, bool shape, int threads, double ms, double gflops,
-                const std::string& extra = "") {
+                const Mask& mask, bool shape, int threads, const std::vector<double>& ms,
+                double flop, const std::string& extra = "") {
+  const double ms_median = median(ms);
   std::ostringstream out;
   out << std::setprecision(6);
   auto value = [&](std::int64_t v) { return shape ? std::to_string(v) : std::string("null"); };
@@ -117,7 +141,8 @@ void print_line(const std::string& op, const std::string& device, const BenchArg
       << ", \"batch\": " << value(args.batch) << ", \"heads\": " << value(args.heads)
       << ", \"tokens\": " << value(args.tokens) << ", \"dim\": " << value(args.dim)
       << ", \"mask\": " << (shape ? "\"" + to_string(mask) + "\"" : std::string("null"))
-      << ", \"ms_median\": " << ms << ", \"gflops\": " << gflops << ", \"threads\": " << threads
+      << ", \"ms_median\": " << ms_median << ", \"gflops\": " << flop / (ms_median * 1e6)
+      << ", \"ms_min\": " << *std::min_element(ms.begin(), ms.end()) << ", \"threads\": " << threads
       << ", \"repeats\": " << args.repeats << extra << "}";
   std::cout << out.str() << std::endl;
 }
@@ -130,7 +155,7 @@ void cuda_check(cudaError_t status, const char* call) {
 }
 
 /// Device time of emflow::cuda::attend_async (CUDA events on one stream), inputs resident.
-double time_cuda(const Problem& p, int repeats) {
+std::vector<double> time_cuda(const Problem& p, int repeats) {
   const AttentionInput<float>& host = p.input;
   cuda::DeviceBuffer<float> cloud(p.cloud.size()), relevance(p.relevance.size()),
       content(p.content.size()), update(p.update.size());
@@ -163,9 +188,7 @@ double time_cuda(const Problem& p, int repeats) {
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   cudaStreamDestroy(stream);
-  std::sort(ms.begin(), ms.end());
-  const std::size_t n = ms.size();
-  return n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+  return ms;
 }
 #endif
 
@@ -196,38 +219,47 @@ void run_bench(const BenchArguments& args) {
   const std::string isa =
       std::string(", \"isa\": \"") + detail::cpu::compiled_instruction_set() + "\"";
 
+  std::vector<Measurement> measurements;
   if (args.peak) {
     // Calibrate to about 0.3 s per timed run.
     const auto start = std::chrono::steady_clock::now();
-    const double probe = detail::cpu::fma_peak_work(threads, 1 << 20);
+    detail::cpu::fma_peak_work(threads, 1 << 20);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const auto iterations = static_cast<std::int64_t>(
         std::max(1.0, std::ceil(static_cast<double>(1 << 20) * 0.3 / std::max(seconds, 1e-6))));
-    double work = probe;
-    const double ms =
-        median_ms(args.repeats, [&] { work = detail::cpu::fma_peak_work(threads, iterations); });
-    print_line("fma_peak", "cpu", args, mask, false, threads, ms, work / (ms * 1e6), isa);
+    measurements.emplace_back("fma_peak", false, isa, [threads, iterations] {
+      return detail::cpu::fma_peak_work(threads, iterations);
+    });
   }
 
   Problem problem(args, mask);
+  const AttentionOutput<float> out{problem.update.data(), nullptr, nullptr, nullptr};
   if (args.device == "cpu") {
-    const AttentionOutput<float> out{problem.update.data(), nullptr, nullptr, nullptr};
-    const double ms = median_ms(args.repeats, [&] { attend(problem.input, out, options); });
-    print_line("attend", "cpu", args, mask, true, threads, ms, flop / (ms * 1e6), isa);
-  } else {
-#if defined(EMFLOW_WITH_CUDA)
-    const double ms = time_cuda(problem, args.repeats);
-    print_line("attend", "cuda", args, mask, true, 0, ms, flop / (ms * 1e6));
-#endif
+    measurements.emplace_back("attend", true, isa, [&] {
+      attend(problem.input, out, options);
+      return flop;
+    });
+  }
+  std::unique_ptr<detail::cpu::BlasBaseline> baseline;
+  std::vector<float> baseline_update;
+  if (args.baseline) {
+    baseline = std::make_unique<detail::cpu::BlasBaseline>(args.tokens, args.dim);
+    baseline_update.resize(problem.update.size());
+    measurements.emplace_back("unfused_blas", true, "", [&] {
+      baseline->run(problem.input, baseline_update.data(), threads);
+      return flop;
+    });
   }
 
-  if (args.baseline) {
-    detail::cpu::BlasBaseline baseline(args.tokens, args.dim);
-    std::vector<float> update(problem.update.size());
-    const double ms =
-        median_ms(args.repeats, [&] { baseline.run(problem.input, update.data(), threads); });
-    print_line("unfused_blas", "cpu", args, mask, true, threads, ms, flop / (ms * 1e6));
+#if defined(EMFLOW_WITH_CUDA)
+  if (args.device == "cuda") {
+    print_line("attend", "cuda", args, mask, true, 0, time_cuda(problem, args.repeats), flop);
+  }
+#endif
+  time_in_rounds(measurements, args.repeats);
+  for (const Measurement& m : measurements) {
+    print_line(m.op, "cpu", args, mask, m.shape, threads, m.ms, m.flop, m.extra);
   }
 }
 

@@ -453,9 +453,10 @@ void fused_attend(const float* cloud, std::int64_t batch, std::int64_t tokens,
 #pragma omp parallel num_threads(team)
     {
       Scratch& s = *scratch[static_cast<std::size_t>(omp_get_thread_num())];
-      // Phase 1: projections, one 64-row block of one head of one cloud per task.
+      // Phase 1: projections, one 64-row block of one head of one cloud per task (dynamic, so a
+      // thread that the OS holds back does not hold back the others).
       const std::int64_t projection_tasks = count * H * projection_blocks;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
       for (std::int64_t task = 0; task < projection_tasks; ++task) {
         const std::int64_t c = task / (H * projection_blocks);
         const std::int64_t h = (task / projection_blocks) % H;
