@@ -6,13 +6,16 @@
 // halved for a causal mask, 4 B H d (visible pairs) for a window; the projections are not
 // counted. Every figure is the median of --repeats timed runs after one untimed warm-up run;
 // the CPU measurements are timed in rounds (one run of each per round), so a change in load on
-// a shared machine falls on all of them alike.
+// a shared machine falls on all of them alike. cpu_ms_median is the process's CPU time per run
+// (all threads, spinning included): on a loaded machine a one-thread run's CPU time is close to
+// what the run would take alone.
 #include <omp.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <ctime>
 #include <functional>
 #include <iomanip>
 #include <iostream>
@@ -96,8 +99,16 @@ struct Measurement {
   std::string extra;  // more JSON members, starting with ", "
   std::function<double()> run;
   std::vector<double> ms;
+  std::vector<double> cpu_ms;  // CPU time of the process (all threads) per run
   double flop = 0.0;
 };
+
+/// CPU time consumed by this process so far, all threads, in milliseconds.
+double process_cpu_ms() {
+  timespec now{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &now);
+  return 1e3 * static_cast<double>(now.tv_sec) + 1e-6 * static_cast<double>(now.tv_nsec);
+}
 
 /// Times every measurement `repeats` times after one untimed warm-up each, in rounds (one run of
 /// each per round), so a change in the machine's load falls on all of them alike.
@@ -105,9 +116,11 @@ void time_in_rounds(std::vector<Measurement>& measurements, int repeats) {
   for (Measurement& m : measurements) m.run();
   for (int r = 0; r < repeats; ++r) {
     for (Measurement& m : measurements) {
+      const double cpu_start = process_cpu_ms();
       const auto start = std::chrono::steady_clock::now();
       m.flop = m.run();
       const auto stop = std::chrono::steady_clock::now();
+      m.cpu_ms.push_back(process_cpu_ms() - cpu_start);
       m.ms.push_back(std::chrono::duration<double, std::milli>(stop - start).count());
     }
   }
@@ -132,7 +145,8 @@ double visible_pairs(std::int64_t tokens, const Mask& mask) {
 /// One line of output; `shape` false prints null for the problem keys (the FMA peak has none).
 void print_line(const std::string& op, const std::string& device, const BenchArguments& args,
                 const Mask& mask, bool shape, int threads, const std::vector<double>& ms,
-                double flop, const std::string& extra = "") {
+                double flop, const std::string& extra = "",
+                const std::vector<double>& cpu_ms = {}) {
   const double ms_median = median(ms);
   std::ostringstream out;
   out << std::setprecision(6);
@@ -143,7 +157,9 @@ void print_line(const std::string& op, const std::string& device, const BenchArg
       << ", \"mask\": " << (shape ? "\"" + to_string(mask) + "\"" : std::string("null"))
       << ", \"ms_median\": " << ms_median << ", \"gflops\": " << flop / (ms_median * 1e6)
       << ", \"ms_min\": " << *std::min_element(ms.begin(), ms.end()) << ", \"threads\": " << threads
-      << ", \"repeats\": " << args.repeats << extra << "}";
+      << ", \"repeats\": " << args.repeats;
+  if (!cpu_ms.empty()) out << ", \"cpu_ms_median\": " << median(cpu_ms);
+  out << extra << "}";
   std::cout << out.str() << std::endl;
 }
 
@@ -259,7 +275,7 @@ void run_bench(const BenchArguments& args) {
 #endif
   time_in_rounds(measurements, args.repeats);
   for (const Measurement& m : measurements) {
-    print_line(m.op, "cpu", args, mask, m.shape, threads, m.ms, m.flop, m.extra);
+    print_line(m.op, "cpu", args, mask, m.shape, threads, m.ms, m.flop, m.extra, m.cpu_ms);
   }
 }
 
