@@ -148,8 +148,9 @@ struct Scratch {
 };
 
 /// out[rows x columns] = X[rows x dim] map[dim x columns] (+ bias) for the cloud rows
-/// [row_begin, row_begin + rows) of a cloud of `tokens` rows; rows past the cloud read as zero
-/// and are left as they are in `out` (zero).
+/// [row_begin, row_begin + rows) of a cloud whose first `tokens` rows are read; rows past those
+/// read as zero (written as 0 within the last group of kProjectionRows, otherwise left as they
+/// are in `out`).
 void project(const float* cloud, std::int64_t tokens, std::int64_t dim, std::int64_t row_begin,
              std::int64_t rows, const float* map, std::int64_t columns, const float* bias,
              float* out, float* row_scratch) {
@@ -395,6 +396,23 @@ void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
 
 std::int64_t padded_columns(std::int64_t columns) { return round_to_lanes(columns); }
 
+bool all_finite(const float* values, std::int64_t count) {
+  if (values == nullptr) return true;
+  // Finite x gives x - x = 0; NaN and +-inf give NaN, which the sum keeps.
+  float sum = 0.0f;
+  for (std::int64_t i = 0; i < count; ++i) sum += values[i] - values[i];
+  return sum == 0.0f;
+}
+
+bool clouds_finite(const float* cloud, std::int64_t batch, std::int64_t tokens, std::int64_t dim,
+                   const std::int64_t* key_lengths) {
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::int64_t length = key_lengths ? key_lengths[b] : tokens;
+    if (!all_finite(cloud + b * tokens * dim, length * dim)) return false;
+  }
+  return true;
+}
+
 void fused_attend(const float* cloud, std::int64_t batch, std::int64_t tokens,
                   const EngineLayer& layer, const Mask& mask, const std::int64_t* key_lengths,
                   const AttentionOutput<float>& out, int threads) {
@@ -466,7 +484,10 @@ void fused_attend(const float* cloud, std::int64_t batch, std::int64_t tokens,
         const float* bias = layer.query_bias ? layer.query_bias + h * g.score_stride : nullptr;
         project(X, tokens, g.dim, row0, kTokenAlign, layer.query_map + h * g.dim * g.score_stride,
                 g.score_stride, bias, op.queries + row0 * g.score_stride, s.rows.data());
-        project(X, tokens, g.dim, row0, kTokenAlign, layer.value_map + h * g.dim * g.value_stride,
+        // Values of keys past the key length are never weighted; they stay 0 (or finite from an
+        // earlier cloud), so whatever the caller left in the padding cannot turn 0 * v into NaN.
+        const std::int64_t length = key_lengths ? key_lengths[first + c] : tokens;
+        project(X, length, g.dim, row0, kTokenAlign, layer.value_map + h * g.dim * g.value_stride,
                 g.value_stride, nullptr, op.values + row0 * g.value_stride, s.rows.data());
         const std::int64_t valid = std::min(kTokenAlign, tokens - row0);
         if (valid <= 0) continue;

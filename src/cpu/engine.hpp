@@ -40,6 +40,15 @@ struct EngineLayer {
 /// Row length of a padded map with `columns` columns.
 std::int64_t padded_columns(std::int64_t columns);
 
+/// True when the `count` values (none when null) are all finite.
+bool all_finite(const float* values, std::int64_t count);
+/// True when every token a query can see is finite: rows j < L_b of each cloud (all rows without
+/// key lengths). The engine multiplies masked weights (0) by values; a non-finite value there
+/// would give NaN where the reference gives a number, so callers send such input to the
+/// reference instead. Rows past L_b are never read as values and may hold anything.
+bool clouds_finite(const float* cloud, std::int64_t batch, std::int64_t tokens, std::int64_t dim,
+                   const std::int64_t* key_lengths);
+
 /// Writes output.update (and lse, entropy, weights when not null) for `batch` clouds of `tokens`
 /// points of `layer.dim` coordinates, on `threads` OpenMP threads (0: the OpenMP default).
 /// Results do not depend on the thread count: every output element is computed by one thread

@@ -138,6 +138,15 @@ void attend_dense(const AttentionInput<T>& input, const FactoredLayer<T>& factor
   }
 }
 
+bool factored_finite(const AttentionInput<float>& in, const FactoredLayer<float>& f) {
+  using detail::cpu::all_finite;
+  const std::int64_t factor = f.heads * f.rank * in.dim;
+  return detail::cpu::clouds_finite(in.cloud, in.batch, in.tokens, in.dim, in.key_lengths) &&
+         all_finite(f.query_factor, factor) && all_finite(f.key_factor, factor) &&
+         all_finite(f.content_up, factor) && all_finite(f.content_down, factor) &&
+         all_finite(f.key_bias, f.heads * in.dim) && all_finite(f.offset, in.dim);
+}
+
 /// The factored float32 path of the fused CPU engine (see the top of this file).
 void attend_factored_cpu(const AttentionInput<float>& input, const FactoredLayer<float>& f,
                          const AttentionOutput<float>& output, int threads) {
@@ -206,7 +215,11 @@ void attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& lay
     case Device::cpu:
     case Device::automatic:
       if constexpr (std::is_same_v<T, float>) {
-        attend_factored_cpu(input, layer, output, options.threads);
+        if (factored_finite(input, layer)) {
+          attend_factored_cpu(input, layer, output, options.threads);
+        } else {  // NaNs exactly where the reference puts them (see clouds_finite)
+          attend_dense<double>(input, layer, output, options);
+        }
       } else {
         attend_dense<double>(input, layer, output, options);
       }

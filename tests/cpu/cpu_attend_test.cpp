@@ -194,6 +194,44 @@ TEST(CpuAttend, SharpSoftmaxStaysFinite) {
   EXPECT_LT(relative_error(actual.lse, expected.lse), kTolerance);
 }
 
+// Padding past the key length may hold anything (here NaN and inf): it never reaches a result.
+TEST(CpuAttend, PaddingPastKeyLengthIsNeverRead) {
+  for (const Mask& m : {Mask::none(), Mask::causal(), Mask::sliding_window(6)}) {
+    Problem p = Problem::random(2, 50, 8, 2, 17);
+    p.mask = m;
+    p.key_lengths = {37, 50};
+    Buffers<double> expected(p);
+    attend(expected.input, expected.output, {Device::reference});
+    for (std::int64_t i = 37; i < 50; ++i) {
+      for (std::int64_t a = 0; a < 8; ++a) {
+        p.cloud[static_cast<std::size_t>(i * 8 + a)] =
+            a % 2 ? std::numeric_limits<double>::quiet_NaN()
+                  : std::numeric_limits<double>::infinity();
+      }
+    }
+    Buffers<float> actual(p);
+    attend(actual.input, actual.output, {Device::cpu});
+    ASSERT_TRUE(all_finite_or_neg_inf(actual.update)) << to_string(m);
+    EXPECT_LT(relative_error(actual.update, expected.update), kTolerance) << to_string(m);
+    EXPECT_LT(relative_error(actual.lse, expected.lse), kTolerance) << to_string(m);
+  }
+}
+
+// A non-finite visible token reaches exactly the queries that see it, as in the reference.
+TEST(CpuAttend, NonFiniteTokenReachesTheQueriesThatSeeIt) {
+  Problem p = Problem::random(1, 40, 4, 1, 9);
+  p.mask = Mask::causal();
+  p.cloud[20 * 4 + 1] = std::numeric_limits<double>::quiet_NaN();
+  Buffers<double> expected(p);
+  attend(expected.input, expected.output, {Device::reference});
+  Buffers<float> actual(p);
+  attend(actual.input, actual.output, {Device::cpu});
+  for (std::size_t i = 0; i < expected.update.size(); ++i) {
+    ASSERT_EQ(std::isnan(actual.update[i]), std::isnan(expected.update[i])) << "entry " << i;
+  }
+  EXPECT_FALSE(std::isnan(actual.update[19 * 4]));  // query 19 does not see token 20
+}
+
 // Double inputs on the CPU device are computed by the reference.
 TEST(CpuAttend, DoubleInputsMatchTheReference) {
   Problem p = Problem::random(2, 20, 6, 2, 3);
