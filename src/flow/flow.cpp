@@ -264,10 +264,13 @@ void attention_update(const T* cloud, std::int64_t batch, std::int64_t tokens, s
   std::vector<T> lse(static_cast<std::size_t>(B * H * N));
   std::vector<T> entropy(lse.size());
   const LayerOperators<T> ops = layer.operators();
-  // A small batch is faster on one thread: an OpenMP team costs more than the work (and much
-  // more on a loaded machine).
+  // A small batch runs attend on one thread. A flow makes 4 attend calls per RK4 step, and each
+  // call's OpenMP team costs a fork and a join whose spinning threads stall as soon as another
+  // process holds a core: measured for N = d = 128 on the 2-core machine while it compiled,
+  // 150 RK4 steps took 1 to 7 s with 2 threads and 0.3 s with one. Below about 4M N^2 d units
+  // (16 MFLOP, a millisecond on one core) the second core gains too little to risk that.
   ExecutionOptions run = options;
-  if (run.threads == 0 && B * H * N * N * d < (std::int64_t{1} << 18)) run.threads = 1;
+  if (run.threads == 0 && B * H * N * N * d < (std::int64_t{1} << 22)) run.threads = 1;
 
   // Calls attend on each run [b0, b1) of consecutive clouds with one beta.
   auto attend_runs = [&](const LayerOperators<T>& head_ops, std::int64_t heads, T* delta,
