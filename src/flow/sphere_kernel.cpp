@@ -64,9 +64,9 @@ EMFLOW_ALWAYS_INLINE vfloat splat(float v) { return vfloat{} + v; }
 EMFLOW_ALWAYS_INLINE vfloat reinterpret_cast_vector(vint bits) { return (vfloat)bits; }
 
 // 2^x for x in [-126, 127] (clamped outside): x = n + f with n an integer and |f| <= 1/2, then
-// the degree-6 Taylor polynomial of 2^f = exp(f ln 2) (truncation below 1.2e-7) times 2^n built
-// in the exponent bits. The weights are 2^(beta log2(e) (<x_i, x_j> - 1)), so no reduction by
-// ln 2 is needed: f = x - n is exact.
+// the degree-5 polynomial interpolating 2^f at the Chebyshev nodes of [-1/2, 1/2] (relative
+// error 1.0e-7, below float rounding) times 2^n built in the exponent bits. The weights are 2^(beta
+// log2(e) (<x_i, x_j> - 1)), so no reduction by ln 2 is needed: f = x - n is exact.
 EMFLOW_ALWAYS_INLINE vfloat exp2_approx(vfloat x) {
   x = x > -126.0f ? x : splat(-126.0f);
   x = x < 127.0f ? x : splat(127.0f);
@@ -76,13 +76,12 @@ EMFLOW_ALWAYS_INLINE vfloat exp2_approx(vfloat x) {
   const float magic = 12582912.0f;
   const vfloat t = x + magic;
   const vfloat f = x - (t - magic);
-  vfloat p = splat(1.5403530393381606e-4f);  // ln2^6 / 720
-  p = p * f + 1.3333558146428443e-3f;        // ln2^5 / 120
-  p = p * f + 9.6181291076284772e-3f;        // ln2^4 / 24
-  p = p * f + 5.5504108664821580e-2f;        // ln2^3 / 6
-  p = p * f + 0.24022650695910071f;          // ln2^2 / 2
-  p = p * f + 0.69314718055994531f;          // ln2
-  p = p * f + 1.0f;
+  vfloat p = splat(1.3390863364533504e-3f);
+  p = p * f + 9.676031918326564e-3f;
+  p = p * f + 5.550357114219461e-2f;
+  p = p * f + 0.2402210748530821f;
+  p = p * f + 0.6931471880262285f;
+  p = p * f + 1.0000000754548972f;
   const vint bits = ((vint)t + (127 - 0x4B400000)) << 23;
   return p * reinterpret_cast_vector(bits);
 }
@@ -122,21 +121,26 @@ EMFLOW_ALWAYS_INLINE vint drift(const vfloat* __restrict x, vfloat* __restrict k
   std::fill(acc, acc + tokens * dim, vfloat{});
   std::fill(z, z + tokens, vfloat{});
   vint count{};
+  const vfloat limit = beta * (threshold - 1.0f);
   for (int i = 0; i < tokens; ++i) {
     const vfloat* xi = x + i * dim;
     vfloat* ai = acc + i * dim;
-    // With a fixed dimension the token's accumulators stay in registers over the j loop.
-    vfloat xr[kMax], ar[kMax];
-    vfloat g{};
+    // With a fixed dimension the token and its accumulators stay in registers over the j loop,
+    // and the token is pre-scaled by beta so each exponent beta (<x_i, x_j> - 1) costs d FMAs.
+    vfloat xr[kMax], xb[kMax], ar[kMax];
+    vfloat e{};
     if (D > 0) {
       for (int a = 0; a < kMax; ++a) {
         xr[a] = xi[a];
-        g += xr[a] * xr[a];
+        xb[a] = beta * xr[a];
+        e += xb[a] * xr[a];
       }
+      e -= beta;
     } else {
-      for (int a = 0; a < dim; ++a) g += xi[a] * xi[a];
+      for (int a = 0; a < dim; ++a) e += xi[a] * xi[a];
+      e = beta * e - beta;
     }
-    const vfloat w_self = exp2_approx(beta * g - beta);
+    const vfloat w_self = exp2_approx(e);
     vfloat zi = w_self;
     if (D > 0) {
       for (int a = 0; a < kMax; ++a) ar[a] = w_self * xr[a];
@@ -146,14 +150,17 @@ EMFLOW_ALWAYS_INLINE vint drift(const vfloat* __restrict x, vfloat* __restrict k
     for (int j = i + 1; j < tokens; ++j) {
       const vfloat* xj = x + j * dim;
       vfloat* aj = acc + j * dim;
-      g = vfloat{};
       if (D > 0) {
-        for (int a = 0; a < kMax; ++a) g += xr[a] * xj[a];
+        e = -beta;
+        for (int a = 0; a < kMax; ++a) e += xb[a] * xj[a];
       } else {
+        vfloat g{};
         for (int a = 0; a < dim; ++a) g += xi[a] * xj[a];
+        e = beta * g - beta;
       }
-      if (kCount) count -= g > threshold;  // true is -1
-      const vfloat w = exp2_approx(beta * g - beta);
+      // <x_i, x_j> > threshold, i.e. e > beta (threshold - 1); true is -1.
+      if (kCount) count -= e > limit;
+      const vfloat w = exp2_approx(e);
       zi += w;
       z[j] += w;
       if (D > 0) {
