@@ -45,7 +45,10 @@
 
 // The 64-byte vector types below are passed between always-inline functions only, so the
 // AVX-512 calling convention GCC warns about never reaches a real call.
-#if defined(__GNUC__) && !defined(__clang__)
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wunknown-warning-option"
+#pragma clang diagnostic ignored "-Wpsabi"
+#elif defined(__GNUC__)
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
 
