@@ -18,6 +18,10 @@ jobs=${FUZZ_JOBS:-2}
 if [[ -z "${CXX_CLANG:-}" ]]; then
   if command -v clang++-14 >/dev/null; then CXX_CLANG=clang++-14; else CXX_CLANG=clang++; fi
 fi
+if ! command -v "$CXX_CLANG" >/dev/null; then
+  echo "fuzz.sh: $CXX_CLANG not found; install clang-14 and libclang-rt-14-dev (libFuzzer)" >&2
+  exit 2
+fi
 targets=("$@")
 if [[ ${#targets[@]} -eq 0 ]]; then targets=(fuzz_npy fuzz_attend_cli); fi
 

@@ -54,13 +54,14 @@ TEST(MultiIndex, WritesTheRowMajorPosition) {
 }
 
 // The policy: run a causal problem twice, once with token j of cloud 0 replaced by NaN (or
-// +Inf). Queries i < j of that cloud never see key j, so their outputs must be finite and
-// bitwise equal to the clean run; so must every output of the other cloud. Queries i >= j see
-// the token and their outputs are unspecified. `unaffected` is the number of leading queries of
-// cloud 0 checked (j for the full policy).
+// +Inf). Queries i < j of that cloud never see key j, so their outputs must be finite and equal
+// to the clean run; so must every output of the other cloud. Queries i >= j see the token and
+// their outputs are unspecified. The reference must reproduce the clean run bit for bit; the CPU
+// backend computes input holding a visible non-finite value with the reference (so that NaNs
+// land exactly where the reference puts them), so against its own clean run it agrees to float
+// rounding.
 template <class T>
-void expect_token_reaches_only_its_viewers(Device device, T poison, std::int64_t j,
-                                           std::int64_t unaffected) {
+void expect_token_reaches_only_its_viewers(Device device, T poison, std::int64_t j) {
   Problem p = Problem::random(2, 70, 6, 2, 21);
   p.key_bias = p.offset = true;
   p.mask = Mask::causal();
@@ -76,9 +77,14 @@ void expect_token_reaches_only_its_viewers(Device device, T poison, std::int64_t
   if (j + 1 < N) dirty.cloud[static_cast<std::size_t>((j + 1) * d)] = poison;  // partial token
   attend(dirty.input, dirty.output, options);
 
-  auto same = [](T a, T b) { return std::memcmp(&a, &b, sizeof(T)) == 0; };
+  const bool bitwise = device == Device::reference;
+  auto same = [bitwise](T a, T b) {
+    if (bitwise) return std::memcmp(&a, &b, sizeof(T)) == 0;
+    if (a == b) return true;  // equal infinities included
+    return std::isfinite(a) && std::abs(a - b) <= 1e-5 * (1.0 + std::abs(b));
+  };
   for (std::int64_t b = 0; b < p.batch; ++b) {
-    const std::int64_t seen_from = b == 0 ? unaffected : N;
+    const std::int64_t seen_from = b == 0 ? j : N;  // the first query of cloud b that sees it
     for (std::int64_t i = 0; i < seen_from; ++i) {
       for (std::int64_t a = 0; a < d; ++a) {
         const auto at = static_cast<std::size_t>((b * N + i) * d + a);
@@ -101,45 +107,29 @@ void expect_token_reaches_only_its_viewers(Device device, T poison, std::int64_t
   }
 }
 
+// Key tiles are 32 wide and query blocks up to 64 tall: these positions are the first, inner and
+// last of a tile and of a block.
+const std::int64_t kPositions[] = {0, 5, 31, 32, 33, 63, 64, 69};
+
 TEST(NonFinitePolicy, NaNAndInfTokensReachOnlyTheQueriesThatSeeThemOnTheReference) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const double inf = std::numeric_limits<double>::infinity();
-  for (std::int64_t j : {0, 5, 31, 32, 33, 64, 69}) {
+  for (std::int64_t j : kPositions) {
     SCOPED_TRACE(j);
-    expect_token_reaches_only_its_viewers<double>(Device::reference, nan, j, j);
-    expect_token_reaches_only_its_viewers<double>(Device::reference, inf, j, j);
-    expect_token_reaches_only_its_viewers<float>(Device::reference, static_cast<float>(nan), j, j);
+    expect_token_reaches_only_its_viewers<double>(Device::reference, nan, j);
+    expect_token_reaches_only_its_viewers<double>(Device::reference, inf, j);
+    expect_token_reaches_only_its_viewers<float>(Device::reference, static_cast<float>(nan), j);
   }
 }
 
-// Key tiles are 32 wide and query blocks up to 64 tall: these positions are the first, inner and
-// last of a tile and of a block.
-const std::int64_t kCpuPositions[] = {0, 5, 31, 32, 33, 63, 64, 69};
-
-// Today's fast CPU backend keeps a non-finite token out of every query before the 32-key tile
-// that holds it (and out of every other cloud) ...
-TEST(NonFinitePolicy, NaNAndInfTokensStayOutOfEarlierKeyTilesOnTheCpu) {
+TEST(NonFinitePolicy, NaNAndInfTokensReachOnlyTheQueriesThatSeeThemOnTheCpu) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float inf = std::numeric_limits<float>::infinity();
-  for (std::int64_t j : kCpuPositions) {
+  for (std::int64_t j : kPositions) {
     SCOPED_TRACE(j);
-    const std::int64_t tile_start = j / 32 * 32;
-    expect_token_reaches_only_its_viewers<float>(Device::cpu, nan, j, tile_start);
-    expect_token_reaches_only_its_viewers<float>(Device::cpu, inf, j, tile_start);
-    expect_token_reaches_only_its_viewers<double>(Device::cpu, static_cast<double>(nan), j, j);
-  }
-}
-
-// ... but not yet out of the earlier queries of its own tile: the content product O += P V runs
-// over whole 32-key tiles, and a masked key's weight 0 times its NaN value is NaN. Enable this
-// test when the engine skips masked keys in partial tiles (docs/RELIABILITY.md, known defects).
-TEST(NonFinitePolicy, DISABLED_NaNAndInfTokensReachOnlyTheQueriesThatSeeThemOnTheCpu) {
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  const float inf = std::numeric_limits<float>::infinity();
-  for (std::int64_t j : kCpuPositions) {
-    SCOPED_TRACE(j);
-    expect_token_reaches_only_its_viewers<float>(Device::cpu, nan, j, j);
-    expect_token_reaches_only_its_viewers<float>(Device::cpu, inf, j, j);
+    expect_token_reaches_only_its_viewers<float>(Device::cpu, nan, j);
+    expect_token_reaches_only_its_viewers<float>(Device::cpu, inf, j);
+    expect_token_reaches_only_its_viewers<double>(Device::cpu, static_cast<double>(nan), j);
   }
 }
 
@@ -162,15 +152,9 @@ void expect_hidden_padding_is_ignored(Device device, std::int64_t length) {
 }
 
 TEST(NonFinitePolicy, HiddenPaddingTokensMayHoldNaN) {
-  for (std::int64_t length : {1, 25, 32, 39}) {
-    expect_hidden_padding_is_ignored(Device::reference, length);
+  for (Device device : {Device::reference, Device::cpu}) {
+    for (std::int64_t length : {1, 25, 32, 39}) expect_hidden_padding_is_ignored(device, length);
   }
-  expect_hidden_padding_is_ignored(Device::cpu, 32);  // padding starts a fresh key tile
-}
-
-// The same defect as above: padding keys inside the last partial key tile leak NaN.
-TEST(NonFinitePolicy, DISABLED_HiddenPaddingTokensMayHoldNaNOnTheCpu) {
-  for (std::int64_t length : {1, 25, 39}) expect_hidden_padding_is_ignored(Device::cpu, length);
 }
 
 }  // namespace
