@@ -428,7 +428,14 @@ void fused_attend(const float* cloud, std::int64_t batch, std::int64_t tokens,
   g.dim_stride = padded_columns(layer.dim);
   g.shared_keys = layer.key_map == nullptr;
 
-  const int team = threads > 0 ? threads : omp_get_max_threads();
+  // With the thread count left to us, small calls run on one thread: waking a team costs a few
+  // microseconds on an idle machine and up to a scheduler time slice on a busy one, more than
+  // a call of a few MFLOP takes alone.
+  const double work = 4.0 * static_cast<double>(batch) * static_cast<double>(layer.heads) *
+                      static_cast<double>(tokens) * static_cast<double>(tokens) *
+                      static_cast<double>(layer.score_dim + layer.value_dim) / 2.0;
+  constexpr double kSmallCallFlop = 4e6;
+  const int team = threads > 0 ? threads : work < kSmallCallFlop ? 1 : omp_get_max_threads();
   const std::int64_t H = g.heads;
   const std::int64_t key_sets = g.shared_keys ? 1 : H;
   const std::int64_t cloud_floats =

@@ -50,7 +50,8 @@ bool clouds_finite(const float* cloud, std::int64_t batch, std::int64_t tokens, 
                    const std::int64_t* key_lengths);
 
 /// Writes output.update (and lse, entropy, weights when not null) for `batch` clouds of `tokens`
-/// points of `layer.dim` coordinates, on `threads` OpenMP threads (0: the OpenMP default).
+/// points of `layer.dim` coordinates, on `threads` OpenMP threads (0: the OpenMP default, or
+/// one thread for a call of under 4 MFLOP).
 /// Results do not depend on the thread count: every output element is computed by one thread
 /// in a fixed order (heads summed in order 0..H-1).
 void fused_attend(const float* cloud, std::int64_t batch, std::int64_t tokens,
