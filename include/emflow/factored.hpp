@@ -35,9 +35,10 @@ struct FactoredLayer {
 /// must be left empty (null pointers).
 ///
 /// Device::cpu (and automatic without a GPU) computes float inputs in float32 in the factored
-/// form, at the lower cost; double inputs are expanded to dense M_h, F_h and computed by the
-/// double reference. Device::reference expands to dense M_h, F_h in double and runs the
-/// reference. Other devices expand to dense operators in T and call emflow::attend.
+/// form, at the lower cost; double inputs, and float inputs holding a non-finite value that a
+/// query can see, are expanded to dense M_h, F_h and computed by the double reference.
+/// Device::reference expands to dense M_h, F_h in double and runs the reference. Other devices
+/// expand to dense operators in T and call emflow::attend.
 /// Throws emflow::Error (invalid_argument) naming the first offending argument.
 template <class T>
 void attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
