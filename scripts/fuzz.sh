@@ -14,6 +14,7 @@ cd "$(dirname "$0")/.."
 
 seconds=${FUZZ_SECONDS:-45}
 build=${FUZZ_BUILD:-build-fuzz}
+mkdir -p "$build" && build=$(cd "$build" && pwd)  # absolute from here on
 jobs=${FUZZ_JOBS:-2}
 if [[ -z "${CXX_CLANG:-}" ]]; then
   if command -v clang++-14 >/dev/null; then CXX_CLANG=clang++-14; else CXX_CLANG=clang++; fi
@@ -34,23 +35,31 @@ echo "fuzz.sh: built in $(($(date +%s) - start)) s"
 
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:allocator_may_return_null=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
-artifacts="$PWD/$build/artifacts"
+artifacts="$build/artifacts"
 mkdir -p "$artifacts"
-status=0
+# The targets run side by side (each is single-threaded), so the wall time is about
+# FUZZ_SECONDS whatever their number on a machine with as many cores.
+pids=()
 for target in "${targets[@]}"; do
   seeds="$PWD/tests/fuzz_corpus/$target"
-  corpus="$PWD/$build/corpus/$target"  # seeds plus what this run discovers; kept between runs
+  corpus="$build/corpus/$target"  # seeds plus what this run discovers; kept between runs
   mkdir -p "$corpus"
   dict=()
   if [[ -f "fuzz/$target.dict" ]]; then dict=(-dict="$PWD/fuzz/$target.dict"); fi
-  log="$PWD/$build/$target.log"
   echo "fuzz.sh: $target for $seconds s (seeds: $(ls "$seeds" | wc -l) files)"
-  if "$build/fuzz/$target" "$corpus" "$seeds" "${dict[@]}" -max_total_time="$seconds" \
-      -timeout=10 -rss_limit_mb=2048 -max_len=4096 -print_final_stats=1 \
-      -artifact_prefix="$artifacts/$target-" >"$log" 2>&1; then
-    grep -E "stat::number_of_executed_units|stat::peak_rss_mb|stat::new_units_added" "$log" |
+  "$build/fuzz/$target" "$corpus" "$seeds" "${dict[@]}" -max_total_time="$seconds" \
+    -timeout=10 -rss_limit_mb=2048 -max_len=4096 -print_final_stats=1 \
+    -artifact_prefix="$artifacts/$target-" >"$build/$target.log" 2>&1 &
+  pids+=($!)
+done
+status=0
+for i in "${!targets[@]}"; do
+  target=${targets[$i]}
+  log="$build/$target.log"
+  if wait "${pids[$i]}"; then
+    grep -E "stat::number_of_executed_units|stat::new_units_added|stat::peak_rss_mb" "$log" |
       sed "s/^/fuzz.sh: $target: /"
-    echo "fuzz.sh: $target: corpus $(ls "$corpus" | wc -l) files; passed"
+    echo "fuzz.sh: $target: corpus $(ls "$build/corpus/$target" | wc -l) files; passed"
   else
     status=1
     echo "fuzz.sh: $target FAILED; the last lines of $log:"

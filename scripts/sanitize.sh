@@ -13,6 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 build=${SANITIZE_BUILD:-build-asan}
+mkdir -p "$build" && build=$(cd "$build" && pwd)  # absolute from here on
 jobs=${SANITIZE_JOBS:-$(nproc 2>/dev/null || echo 2)}
 read -r -a suites <<<"${SANITIZE_SUITES:-core reference io cli cpu reliability}"
 flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g1"
@@ -35,7 +36,7 @@ cat >"$build/lsan.supp" <<'SUPPRESSIONS'
 leak:libfontconfig.so
 SUPPRESSIONS
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:strict_string_checks=1}
-export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$PWD/$build/lsan.supp}
+export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$build/lsan.supp}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 labels="^($(IFS='|'; echo "${suites[*]}"))\$"
 ctest --test-dir "$build" --output-on-failure -j "$jobs" -L "$labels" "$@"
