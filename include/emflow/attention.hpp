@@ -55,7 +55,9 @@ struct AttentionOutput {
 /// How an operation runs.
 struct ExecutionOptions {
   Device device = Device::automatic;
-  int threads = 0;  ///< CPU threads; 0 means all available (OpenMP default)
+  /// CPU threads (OpenMP). 0 chooses: all available, except that calls under about 4 MFLOP
+  /// run on one thread, where starting a team would cost more than it saves.
+  int threads = 0;
 };
 
 /// Checks shapes, sizes, pointers, beta, the mask and the key lengths; throws emflow::Error
