@@ -34,7 +34,7 @@ struct FlowArguments {
   std::string integrator = "rk4";
   std::string relevance = "identity", content = "identity";
   std::string beta = "1";
-  std::string norm = "none";
+  std::string norm = "sphere";  // the default run is the sphere dynamics of REFERENCE.md §4
   bool pre_norm = false, unnormalized = false;
   bool check_finite = false;
   std::int64_t record_every = 1;
