@@ -7,7 +7,8 @@
 // The command is built and parsed as the emflow binary does (main.cpp) and must either succeed
 // or throw emflow::Error or CLI::ParseError; any other exception, crash or sanitizer report is a
 // defect. After a failed run the folder must hold exactly the input files (outputs are all or
-// nothing and no temporary file survives); after a successful one no temporary file either.
+// nothing and no temporary file survives); after a successful one only inputs and files named
+// by an argument.
 //
 // To keep each run short and local, inputs are skipped when an argument names a path outside
 // the scratch folder, sets --threads (the run uses one OpenMP thread), or describes a problem
@@ -177,9 +178,18 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   static const bool verbose = std::getenv("EMFLOW_FUZZ_VERBOSE") != nullptr;
   if (verbose) std::fprintf(stderr, "fuzz_attend_cli: %s\n", failed ? "refused" : "succeeded");
 
+  // A file may be an input or, after a successful run, an output; outputs are named by an
+  // argument ("u.npy", "$D/u.npy" or "--out=u.npy"). Anything else (a temporary file of a
+  // staged output) must not survive the run.
   for (const std::string& name : files_in_folder()) {
-    if (name.find(".tmp.") != std::string::npos) defect("a temporary file survived", name);
-    if (failed && inputs.count(name) == 0) defect("a failed run left an output", name);
+    if (inputs.count(name) != 0) continue;
+    if (failed) defect("a failed run left a file", name);
+    bool named = false;
+    for (const std::string& argument : arguments) {
+      named = named || (argument.size() >= name.size() &&
+                        argument.compare(argument.size() - name.size(), name.size(), name) == 0);
+    }
+    if (!named) defect("a file no argument names survived the run", name);
   }
   return 0;
 }

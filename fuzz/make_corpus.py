@@ -117,6 +117,7 @@ def cli_corpus():
     cli_case("wrong_shape", base, [x, mh, m])
     cli_case("integer_cloud", base, [k, m, m])
     cli_case("same_output_twice", base + ["--lse", "u.npy"], [x, m, m])
+    cli_case("output_named_like_a_temporary", base[:-1] + [".u.npy.tmp.1.2.ab"], [x, m, m])
     cli_case("missing_folder", base[:-1] + ["$D/nowhere/u.npy"], [x, m, m])
     cli_case("bad_mask", base + ["--mask", "window:0"], [x, m, m])
     cli_case("bad_beta", base + ["--beta", "inf"], [x, m, m])
