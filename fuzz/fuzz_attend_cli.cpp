@@ -88,6 +88,7 @@ std::vector<std::string> split(const std::string& text, const std::string& separ
 // "$D/name" becomes a path in the scratch folder, the working directory of the run (so bare
 // names land there too); false for an argument that could name anything outside it.
 bool place_argument(std::string& argument) {
+  if (argument.find('\0') != std::string::npos) return false;  // a real argv cannot hold one
   if (argument.find("threads") != std::string::npos) return false;
   if (argument.find("..") != std::string::npos) return false;
   const std::size_t marker = argument.find("$D");
