@@ -132,8 +132,12 @@ TYPED_TEST(NpyRoundTrip, RanksOneToFourAreBitExact) {
     const emflow::Tensor<T> back = emflow::read_npy<T>(file);
     ASSERT_EQ(back.shape(), shape);
     ASSERT_EQ(back.size(), original.size());
-    EXPECT_EQ(std::memcmp(back.data(), original.data(), sizeof(T) * original.values().size()), 0)
-        << emflow::to_string(shape);
+    // memcmp may not be handed the null data pointer of an empty tensor, even for 0 bytes.
+    if (original.size() > 0) {
+      EXPECT_EQ(std::memcmp(back.data(), original.data(), sizeof(T) * original.values().size()),
+                0)
+          << emflow::to_string(shape);
+    }
   }
   EXPECT_EQ(this->entries(), std::vector<std::string>{"a.npy"});
 }
