@@ -134,8 +134,7 @@ TYPED_TEST(NpyRoundTrip, RanksOneToFourAreBitExact) {
     ASSERT_EQ(back.size(), original.size());
     // memcmp may not be handed the null data pointer of an empty tensor, even for 0 bytes.
     if (original.size() > 0) {
-      EXPECT_EQ(std::memcmp(back.data(), original.data(), sizeof(T) * original.values().size()),
-                0)
+      EXPECT_EQ(std::memcmp(back.data(), original.data(), sizeof(T) * original.values().size()), 0)
           << emflow::to_string(shape);
     }
   }
