@@ -56,7 +56,15 @@ status=0
 for i in "${!targets[@]}"; do
   target=${targets[$i]}
   log="$build/$target.log"
-  if wait "${pids[$i]}"; then
+  result=0
+  wait "${pids[$i]}" || result=$?
+  # The targets' scratch files and folders carry their process id (libFuzzer ends with _Exit,
+  # so they cannot remove them themselves); libomp leaves a registration file per process.
+  for scratch in /dev/shm /tmp; do
+    rm -rf "$scratch/emflow_fuzz_cli_${pids[$i]}" "$scratch/emflow_fuzz_npy_${pids[$i]}_"* \
+      "$scratch/__KMP_REGISTERED_LIB_${pids[$i]}"*
+  done
+  if [[ $result -eq 0 ]]; then
     grep -E "stat::number_of_executed_units|stat::new_units_added|stat::peak_rss_mb" "$log" |
       sed "s/^/fuzz.sh: $target: /"
     echo "fuzz.sh: $target: corpus $(ls "$build/corpus/$target" | wc -l) files; passed"
