@@ -10,6 +10,7 @@
 #include <random>
 
 #include "../core/check.hpp"
+#include "../core/parallel.hpp"
 #include "emflow/mha.hpp"
 #include "internal.hpp"
 
@@ -516,11 +517,15 @@ FlowResult<T> run_flow(const Tensor<T>& initial, const std::vector<double>& beta
       std::copy(x, x + B * N * d, result.trajectory.data() + r * B * N * d);
       result.times[static_cast<std::size_t>(r)] = continuous ? t : static_cast<double>(s);
       result.steps[static_cast<std::size_t>(r)] = s;
+      ::emflow::detail::ParallelErrors errors;  // observe() allocates
 #pragma omp parallel for schedule(dynamic) if (B > 1 && B * N * N * d > (1 << 16))
       for (std::int64_t b = 0; b < B; ++b) {
-        result.observables[static_cast<std::size_t>(r * B + b)] =
-            observe(x + b * N * d, N, d, betas[static_cast<std::size_t>(b)], settings.cluster_eps);
+        errors.run([&] {
+          result.observables[static_cast<std::size_t>(r * B + b)] = observe(
+              x + b * N * d, N, d, betas[static_cast<std::size_t>(b)], settings.cluster_eps);
+        });
       }
+      errors.rethrow();
     }
     if (s == S) {
       // The entropy of the final state: one more evaluation (the last layer's operators).

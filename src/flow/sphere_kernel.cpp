@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <vector>
 
@@ -29,6 +30,7 @@
 #include <omp.h>
 #endif
 
+#include "../core/parallel.hpp"
 #include "internal.hpp"
 
 #if defined(__GNUC__)
@@ -275,46 +277,63 @@ std::vector<double> phase_kernel(const std::vector<float>& initial, std::int64_t
   (void)threads;
 #endif
 
+  ::emflow::detail::ParallelErrors errors;  // allocations and the progress callback may throw
 #pragma omp parallel num_threads(team)
   {
-    Block block(tokens, dim);
-    std::vector<std::int32_t> counts(records * L);
-    std::vector<double> local(clustered.size(), 0.0);
+    struct Buffers {
+      Buffers(std::int64_t tokens, std::int64_t dim, std::size_t records, std::size_t values)
+          : block(tokens, dim), counts(records * L), local(values, 0.0) {}
+      Block block;
+      std::vector<std::int32_t> counts;
+      std::vector<double> local;
+    };
+    std::unique_ptr<Buffers> buffers;
+    errors.run(
+        [&] { buffers = std::make_unique<Buffers>(tokens, dim, records, clustered.size()); });
     float beta[L];
     std::int64_t beta_of[L];
 #pragma omp for schedule(dynamic, 2)
     for (std::int64_t q = 0; q < blocks; ++q) {
-      // Lane l carries cloud c of beta k, where q * L + l = k * C + c; spare lanes of the last
-      // group repeat the group's first cloud and are not counted.
-      for (int l = 0; l < L; ++l) {
-        const std::int64_t index = std::min(q * L + l, total - 1);
-        const std::int64_t k = index / clouds, c = index % clouds;
-        beta_of[l] = q * L + l < total ? k : -1;
-        beta[l] = static_cast<float>(betas[static_cast<std::size_t>(k)]);
-        const float* cloud = initial.data() + c * tokens * dim;
-        for (std::int64_t i = 0; i < tokens; ++i)
-          for (std::int64_t a = 0; a < dim; ++a)
-            block.x[static_cast<std::size_t>(i * dim + a)][l] = cloud[i * dim + a];
-      }
-      simulate_block(block, beta, static_cast<int>(tokens), static_cast<int>(dim), steps, time, dt,
-                     threshold, counts.data());
-      for (std::size_t s = 0; s < records; ++s) {
+      if (!buffers) continue;
+      errors.run([&] {
+        Block& block = buffers->block;
+        std::vector<std::int32_t>& counts = buffers->counts;
+        std::vector<double>& local = buffers->local;
+        // Lane l carries cloud c of beta k, where q * L + l = k * C + c; spare lanes of the last
+        // group repeat the group's first cloud and are not counted.
         for (int l = 0; l < L; ++l) {
-          if (beta_of[l] < 0) continue;
-          local[s * static_cast<std::size_t>(K) + static_cast<std::size_t>(beta_of[l])] +=
-              static_cast<double>(counts[s * L + static_cast<std::size_t>(l)]) / pairs;
+          const std::int64_t index = std::min(q * L + l, total - 1);
+          const std::int64_t k = index / clouds, c = index % clouds;
+          beta_of[l] = q * L + l < total ? k : -1;
+          beta[l] = static_cast<float>(betas[static_cast<std::size_t>(k)]);
+          const float* cloud = initial.data() + c * tokens * dim;
+          for (std::int64_t i = 0; i < tokens; ++i)
+            for (std::int64_t a = 0; a < dim; ++a)
+              block.x[static_cast<std::size_t>(i * dim + a)][l] = cloud[i * dim + a];
         }
-      }
-      const std::int64_t finished = ++done;
+        simulate_block(block, beta, static_cast<int>(tokens), static_cast<int>(dim), steps, time,
+                       dt, threshold, counts.data());
+        for (std::size_t s = 0; s < records; ++s) {
+          for (int l = 0; l < L; ++l) {
+            if (beta_of[l] < 0) continue;
+            local[s * static_cast<std::size_t>(K) + static_cast<std::size_t>(beta_of[l])] +=
+                static_cast<double>(counts[s * L + static_cast<std::size_t>(l)]) / pairs;
+          }
+        }
+        const std::int64_t finished = ++done;
 #ifdef _OPENMP
-      if (progress && omp_get_thread_num() == 0) progress(finished, blocks);
+        if (progress && omp_get_thread_num() == 0) progress(finished, blocks);
 #else
-      if (progress) progress(finished, blocks);
+        if (progress) progress(finished, blocks);
 #endif
+      });
     }
+    if (buffers) {
 #pragma omp critical(emflow_phase_reduce)
-    for (std::size_t e = 0; e < clustered.size(); ++e) clustered[e] += local[e];
+      for (std::size_t e = 0; e < clustered.size(); ++e) clustered[e] += buffers->local[e];
+    }
   }
+  errors.rethrow();
   for (double& v : clustered) v /= static_cast<double>(clouds);
   if (progress) progress(blocks, blocks);
   return clustered;
