@@ -131,7 +131,8 @@ void check_int_limits(std::int64_t batch, std::int64_t tokens, std::int64_t head
                       const char* operation) {
   const std::int64_t rows = batch * tokens * heads;  // fits int64: validate() checked it
   const std::int64_t query_blocks = (tokens + 63) / 64;
-  if (rows > INT_MAX || query_blocks * batch * heads > INT_MAX) {
+  // Tile loops form m0 + 64 and n0 + 64 in int: keep tokens clear of INT_MAX.
+  if (rows > INT_MAX || query_blocks * batch * heads > INT_MAX || tokens > INT_MAX - 256) {
     fail(ErrorCode::unsupported, operation, ": batch * heads * tokens = ", rows,
          " exceeds the CUDA backend's limit of ", INT_MAX, " rows");
   }
@@ -465,7 +466,10 @@ void attend_async(const AttentionInput<T>& input, const AttentionOutput<T>& outp
     }
   }
 
-  // Unfused: S_{b,h} = Q_{h,b} X_b^T (S^T = X Q^T in column-major terms), in place of the
+  // Unfused. Padding content must be 0, not merely weighted by 0 (it may hold NaN); the fused
+  // kernel never loads it.
+  launch_zero_padding<T>(content, H, B, N, d, mask, stream, operation);
+  // S_{b,h} = Q_{h,b} X_b^T (S^T = X Q^T in column-major terms), in place of the
   // weights when they are requested.
   T* const scores =
       output.weights != nullptr ? output.weights : reinterpret_cast<T*>(base + plan.scores);

@@ -56,6 +56,11 @@ template <class T>
 void launch_row_softmax(T* scores, T* lse, T* entropy, int batch, int heads, int tokens,
                         const KernelMask& mask, cudaStream_t stream, const char* operation);
 
+/// rows[h, b, j, :] = 0 for padding tokens j >= L_b (nothing without key lengths).
+template <class T>
+void launch_zero_padding(T* rows, int heads, int batch, int tokens, int dim, const KernelMask& mask,
+                         cudaStream_t stream, const char* operation);
+
 /// update[b, i, :] += offset for visible queries (i < L_b).
 template <class T>
 void launch_add_offset(T* update, const T* offset, int batch, int tokens, int dim,

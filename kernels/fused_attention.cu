@@ -150,7 +150,8 @@ __global__ void __launch_bounds__(kThreads)
 
   for (int n0 = first_key; n0 < last_key; n0 += kBlockKeys) {
     __syncthreads();  // the previous tile's content and probabilities have been read
-    load_tile<Tile>(KVs, keys, n0, N, dim, vector_loads);
+    // Rows past the key length are zero-filled: padding tokens may hold anything, even NaN.
+    load_tile<Tile>(KVs, keys, n0, length, dim, vector_loads);
     __syncthreads();  // key tile (and, on the first pass, the queries) in place
 
     // t_ij = <q_i, x_j> in base-2 units.
@@ -229,7 +230,7 @@ __global__ void __launch_bounds__(kThreads)
           make_float4(t[0][j], t[1][j], t[2][j], t[3][j]);
     }
     __syncthreads();  // every thread is done with the key tile; probabilities visible
-    load_tile<Tile>(KVs, content, n0, N, dim, vector_loads);
+    load_tile<Tile>(KVs, content, n0, length, dim, vector_loads);
     __syncthreads();  // content tile in place
 
     // acc += P C over the tile's 64 keys (masked and missing keys have weight 0, content 0).

@@ -9,6 +9,8 @@
 //       H = log Z - a / Z. A row with no visible key becomes zeros, lse = -inf, H = 0.
 //       Reductions use a fixed tree, so the result is deterministic.
 //   add_offset_kernel      adds c to the update of every visible query.
+//   zero_padding_kernel    zeroes the content rows of padding tokens (j >= L_b), which may hold
+//       anything, even NaN: P C multiplies them by weight 0, and 0 * NaN would spread NaN.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -133,7 +135,30 @@ __global__ void add_offset_kernel(T* __restrict__ update, const T* __restrict__ 
   }
 }
 
+template <class T>
+__global__ void zero_padding_kernel(T* __restrict__ rows, int heads, int batch, int tokens, int dim,
+                                    KernelMask mask) {
+  const std::size_t per_cloud = static_cast<std::size_t>(tokens) * dim;
+  const std::size_t total = per_cloud * batch * heads;
+  for (std::size_t index = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+       index < total; index += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const int b = static_cast<int>((index / per_cloud) % static_cast<std::size_t>(batch));
+    const int j = static_cast<int>((index % per_cloud) / dim);
+    if (j >= visible_length(mask, b, tokens)) rows[index] = T(0);
+  }
+}
+
 }  // namespace
+
+template <class T>
+void launch_zero_padding(T* rows, int heads, int batch, int tokens, int dim, const KernelMask& mask,
+                         cudaStream_t stream, const char* operation) {
+  if (mask.key_lengths == nullptr) return;
+  const std::size_t total = static_cast<std::size_t>(heads) * batch * tokens * dim;
+  zero_padding_kernel<T>
+      <<<grid_for(total), 256, 0, stream>>>(rows, heads, batch, tokens, dim, mask);
+  check_launch(operation, "zero_padding_kernel");
+}
 
 template <class T>
 void launch_broadcast_bias(T* rows, const T* bias, T scale, int heads, std::int64_t rows_per_head,
@@ -168,7 +193,9 @@ void launch_add_offset(T* update, const T* offset, int batch, int tokens, int di
   template void launch_row_softmax<T>(T*, T*, T*, int, int, int, const KernelMask&, cudaStream_t,  \
                                       const char*);                                                \
   template void launch_add_offset<T>(T*, const T*, int, int, int, const KernelMask&, cudaStream_t, \
-                                     const char*);
+                                     const char*);                                                 \
+  template void launch_zero_padding<T>(T*, int, int, int, int, const KernelMask&, cudaStream_t,    \
+                                       const char*);
 EMFLOW_INSTANTIATE_UNFUSED(float)
 EMFLOW_INSTANTIATE_UNFUSED(double)
 #undef EMFLOW_INSTANTIATE_UNFUSED

@@ -357,6 +357,28 @@ INSTANTIATE_TEST_SUITE_P(Unfused, CudaDouble, ::testing::Values(
 // clang-format on
 
 // The blocking form behind emflow::attend: host arrays in and out, automatic algorithm.
+// Padding tokens (j >= L_b) may hold anything, even NaN: both algorithms must give what the
+// reference gives, which never reads them (0 * NaN in P C would otherwise spread NaN).
+TEST(CudaPadding, NaNInPaddingTokensChangesNothing) {
+  EMFLOW_REQUIRE_CUDA();
+  for (const A algorithm : {A::fused, A::unfused}) {
+    Problem p = Problem::random(2, 101, 64, 2, 77);
+    p.key_lengths = {37, 101};  // cloud 0's padding starts inside a 64-key tile
+    p.key_bias = p.offset = true;
+    const Buffers<double> ref = reference_of(p, false);
+    for (std::int64_t j = 37; j < p.tokens; ++j) {
+      for (std::int64_t a = 0; a < p.dim; ++a) {
+        p.cloud[static_cast<std::size_t>(j * p.dim + a)] = std::numeric_limits<double>::quiet_NaN();
+      }
+    }
+    Buffers<float> got(p, false);
+    run_async(got, algorithm);
+    const std::string what = algorithm == A::fused ? "fused" : "unfused";
+    expect_matches(got, ref, what);
+    expect_padding_rows(got, p);
+  }
+}
+
 TEST(CudaBlocking, AttendOnCudaMatchesReference) {
   EMFLOW_REQUIRE_CUDA();
   Problem p = Problem::random(3, 257, 64, 2, 31);
