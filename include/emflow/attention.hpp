@@ -81,8 +81,8 @@ Device resolve_device(Device requested);
 
 extern template void validate<float>(const AttentionInput<float>&, const AttentionOutput<float>&,
                                      const char*);
-extern template void validate<double>(const AttentionInput<double>&,
-                                      const AttentionOutput<double>&, const char*);
+extern template void validate<double>(const AttentionInput<double>&, const AttentionOutput<double>&,
+                                      const char*);
 extern template void attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&,
                                    const ExecutionOptions&);
 extern template void attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&,

@@ -24,8 +24,7 @@ const char* to_string(ErrorCode code) noexcept;
 /// `attend: argument 'relevance' has shape (2, 64, 64), expected (2, 32, 32)`.
 class Error : public std::runtime_error {
  public:
-  Error(ErrorCode code, const std::string& message)
-      : std::runtime_error(message), code_(code) {}
+  Error(ErrorCode code, const std::string& message) : std::runtime_error(message), code_(code) {}
   ErrorCode code() const noexcept { return code_; }
 
  private:

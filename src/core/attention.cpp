@@ -22,12 +22,12 @@ void validate(const AttentionInput<T>& in, const AttentionOutput<T>& out, const 
   expect_positive(op, "dim", in.dim);
   expect_positive(op, "heads", in.layer.heads);
   // Every size product a backend forms must fit in int64 (and hence in size_t on 64-bit hosts).
-  const std::int64_t cloud = checked_multiply(
-      op, "cloud", checked_multiply(op, "cloud", in.batch, in.tokens), in.dim);
+  const std::int64_t cloud =
+      checked_multiply(op, "cloud", checked_multiply(op, "cloud", in.batch, in.tokens), in.dim);
   checked_multiply(op, "relevance", checked_multiply(op, "relevance", in.layer.heads, in.dim),
                    in.dim);
-  const std::int64_t rows = checked_multiply(
-      op, "lse", checked_multiply(op, "lse", in.batch, in.layer.heads), in.tokens);
+  const std::int64_t rows =
+      checked_multiply(op, "lse", checked_multiply(op, "lse", in.batch, in.layer.heads), in.tokens);
   if (out.weights != nullptr) checked_multiply(op, "weights", rows, in.tokens);
   (void)cloud;
 

@@ -28,8 +28,8 @@ template <class T>
 Tensor<T> Tensor<T>::reshaped(Shape shape) const {
   const std::int64_t n = checked_element_count(shape, "shape");
   if (n != size()) {
-    detail::fail_argument("reshape", "shape", "has ", n, " elements, expected ", size(),
-                          " (from ", to_string(shape_), ")");
+    detail::fail_argument("reshape", "shape", "has ", n, " elements, expected ", size(), " (from ",
+                          to_string(shape_), ")");
   }
   return Tensor<T>(std::move(shape), data_);
 }

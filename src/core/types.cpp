@@ -77,8 +77,8 @@ std::int64_t checked_multiply(const char* operation, const char* argument, std::
                               std::int64_t b) {
   std::int64_t product = 0;
   if (__builtin_mul_overflow(a, b, &product)) {
-    fail_argument(operation, argument, "has a size product that overflows 64 bits (", a, " x ",
-                  b, ")");
+    fail_argument(operation, argument, "has a size product that overflows 64 bits (", a, " x ", b,
+                  ")");
   }
   return product;
 }

@@ -64,9 +64,9 @@ bool cuda_available(std::string* reason);
 }  // namespace emflow::testing
 
 /// Use at the top of a GPU test: skips with the reason when no device is present.
-#define EMFLOW_REQUIRE_CUDA()                                              \
-  do {                                                                     \
-    std::string emflow_skip_reason;                                        \
-    if (!::emflow::testing::cuda_available(&emflow_skip_reason))           \
-      GTEST_SKIP() << "no CUDA device: " << emflow_skip_reason;            \
+#define EMFLOW_REQUIRE_CUDA()                                    \
+  do {                                                           \
+    std::string emflow_skip_reason;                              \
+    if (!::emflow::testing::cuda_available(&emflow_skip_reason)) \
+      GTEST_SKIP() << "no CUDA device: " << emflow_skip_reason;  \
   } while (0)

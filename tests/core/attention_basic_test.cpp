@@ -20,8 +20,8 @@ TEST(AttentionBasic, SingleTokenUpdateIsItsContent) {
   Buffers<double> buf(p);
   attend(buf.input, buf.output, {Device::reference});
   for (int a = 0; a < 3; ++a) EXPECT_DOUBLE_EQ(buf.update[a], 2.0 * p.cloud[a]);
-  EXPECT_DOUBLE_EQ(buf.lse[0], p.cloud[0] * p.cloud[0] + p.cloud[1] * p.cloud[1] +
-                                   p.cloud[2] * p.cloud[2]);
+  EXPECT_DOUBLE_EQ(buf.lse[0],
+                   p.cloud[0] * p.cloud[0] + p.cloud[1] * p.cloud[1] + p.cloud[2] * p.cloud[2]);
   EXPECT_DOUBLE_EQ(buf.entropy[0], 0.0);
 }
 
