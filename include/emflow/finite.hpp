@@ -8,6 +8,8 @@
 //     every other query's update, lse, entropy and weights are what they would be without it;
 //   * a non-finite entry of an operator (M_h, F_h, u_h) or of the offset c may reach every
 //     query, so every output is then unspecified (typically NaN).
+// The CUDA device keeps this promise for padding tokens (j >= L_b) only: a non-finite visible
+// token hidden from some queries by a causal or window mask may still reach them there.
 // Callers who want a clean refusal instead check their arrays up front with find_non_finite
 // (the CLI's --check-finite does this for every float input).
 #pragma once
