@@ -284,7 +284,8 @@ void run_bench(const BenchArguments& args) {
 void add_bench_command(CLI::App& app) {
   auto args = std::make_shared<BenchArguments>();
   CLI::App* command = app.add_subcommand(
-      "bench",
+      "bench", "Time the contextual update and print JSON lines (with --baseline, --peak)");
+  command->footer(
       "Time the contextual update on a random float32 problem and print one JSON object per\n"
       "line: op, device, precision, batch, heads, tokens, dim, mask, ms_median (median of\n"
       "--repeats runs after one warm-up) and gflops (attention-equivalent 4 B H N^2 d / time,\n"

@@ -325,7 +325,8 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
 void add_flow_command(CLI::App& app) {
   auto args = std::make_shared<FlowArguments>();
   CLI::App* command = app.add_subcommand(
-      "flow",
+      "flow", "Run the flow of token clouds (layers or continuous time); record and draw it");
+  command->footer(
       "The flow of a token cloud under attention (REFERENCE.md 4): a stack of layers\n"
       "  X <- N(X + Delta(X))  (post-norm)   or   X <- X + Delta(N(X))  (pre-norm),\n"
       "or continuous time dx_i/dt = sum_j p_ij F x_j (SA; USA divides by N instead of Z_i),\n"

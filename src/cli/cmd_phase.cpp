@@ -118,7 +118,8 @@ void add_phase_command(CLI::App& app) {
   auto args = std::make_shared<PhaseArguments>();
   flow::PhaseSettings& s = args->settings;
   CLI::App* command = app.add_subcommand(
-      "phase",
+      "phase", "Sweep beta over random clouds on the sphere and draw the phase diagram");
+  command->footer(
       "Phase diagram of clustering (Geshkovski et al.): clouds of n tokens uniform on the\n"
       "sphere S^{d-1} flow by dx_i/dt = P_{x_i}(sum_j p_ij x_j), p_ij = softmax_j(beta <x_i, "
       "x_j>)\n"
