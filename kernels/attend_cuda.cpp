@@ -129,7 +129,9 @@ std::size_t reserve(std::size_t* cursor, std::int64_t elements, std::size_t elem
 // The kernels and cuBLAS index with int: refuse shapes whose products do not fit.
 void check_int_limits(std::int64_t batch, std::int64_t tokens, std::int64_t heads,
                       const char* operation) {
-  const std::int64_t rows = batch * tokens * heads;  // fits int64: validate() checked it
+  // attend_workspace_size may be asked before validate() has seen these: multiply with checks.
+  const std::int64_t rows = checked_multiply(
+      operation, "tokens", checked_multiply(operation, "tokens", batch, tokens), heads);
   const std::int64_t query_blocks = (tokens + 63) / 64;
   // Tile loops form m0 + 64 and n0 + 64 in int: keep tokens clear of INT_MAX.
   if (rows > INT_MAX || query_blocks * batch * heads > INT_MAX || tokens > INT_MAX - 256) {
