@@ -19,27 +19,10 @@
 
 namespace {
 
-struct Problem {
-  std::vector<float> cloud, relevance, content, update;
-  emflow::AttentionInput<float> input;
-
-  Problem(std::int64_t tokens, std::int64_t dim) {
-    std::mt19937_64 engine(2024);
-    std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
-    const float scale = 2.0f / std::sqrt(static_cast<float>(dim));
-    cloud.resize(static_cast<std::size_t>(tokens * dim));
-    relevance.resize(static_cast<std::size_t>(dim * dim));
-    content.resize(relevance.size());
-    update.resize(cloud.size());
-    for (float& v : cloud) v = unit(engine);
-    for (float& v : relevance) v = scale * unit(engine);
-    for (float& v : content) v = scale * unit(engine);
-    input.cloud = cloud.data();
-    input.tokens = tokens;
-    input.dim = dim;
-    input.layer.relevance = relevance.data();
-    input.layer.content = content.data();
-  }
+// One cloud, one head, no mask: the problem `emflow bench` times.
+struct Problem : emflow::detail::cpu::BenchProblem {
+  Problem(std::int64_t tokens, std::int64_t dim)
+      : BenchProblem(1, tokens, dim, 1, emflow::Mask::none()) {}
 };
 
 void set_counters(benchmark::State& state, std::int64_t tokens, std::int64_t dim, double bytes) {

@@ -53,32 +53,10 @@ struct BenchArguments {
 /// The N x N matrix of the baseline is refused above this size.
 constexpr double kBaselineLimitBytes = 8.0 * (1 << 30);
 
-/// The random problem every timing uses: scores spread enough that softmax is not flat.
-struct Problem {
-  std::vector<float> cloud, relevance, content, update;
-  AttentionInput<float> input;
-
-  Problem(const BenchArguments& args, const Mask& mask) {
-    const std::int64_t B = args.batch, N = args.tokens, d = args.dim, H = args.heads;
-    std::mt19937_64 engine(2024);
-    std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
-    const float scale = 2.0f / std::sqrt(static_cast<float>(d));
-    cloud.resize(static_cast<std::size_t>(B * N * d));
-    relevance.resize(static_cast<std::size_t>(H * d * d));
-    content.resize(relevance.size());
-    update.resize(cloud.size());
-    for (float& v : cloud) v = unit(engine);
-    for (float& v : relevance) v = scale * unit(engine);
-    for (float& v : content) v = scale * unit(engine);
-    input.cloud = cloud.data();
-    input.batch = B;
-    input.tokens = N;
-    input.dim = d;
-    input.layer.heads = H;
-    input.layer.relevance = relevance.data();
-    input.layer.content = content.data();
-    input.mask = mask;
-  }
+/// The seeded problem every timing uses (shared with bench/cpu_attention.cpp).
+struct Problem : detail::cpu::BenchProblem {
+  Problem(const BenchArguments& args, const Mask& mask)
+      : BenchProblem(args.batch, args.tokens, args.dim, args.heads, mask) {}
 };
 
 /// Median of `ms` (not empty).
