@@ -42,13 +42,14 @@ FLAGS=(-std=c++20 -O1 -g "${SAN[@]}" -fno-omit-frame-pointer -pthread -DEMFLOW_W
 objects=()
 running=()
 for s in "$ROOT"/src/core/*.cpp "$ROOT"/src/reference/*.cpp "$ROOT"/src/cpu/*.cpp \
+  "$ROOT"/src/flow/*.cpp "$ROOT"/src/io/*.cpp \
   "$ROOT"/kernels/*.cpp "$WORK"/gen/*.cpp "$ROOT"/tests/common/*.cpp "$ROOT"/tests/cuda/*.cpp; do
   [[ "$s" == */cuda_unavailable.cpp ]] && continue
   o="$WORK/obj/$(echo "$s" | tr '/' '_').o"
   objects+=("$o")
   if [[ ! -f "$o" || "$s" -nt "$o" || "$HERE/cuda_runtime.h" -nt "$o" ]]; then
     extra=()
-    [[ "$s" == */src/cpu/* ]] && extra=(-fopenmp -march=native)
+    [[ "$s" == */src/cpu/* || "$s" == */src/flow/* ]] && extra=(-fopenmp -march=native)
     g++ "${FLAGS[@]}" "${extra[@]}" -c "$s" -o "$o" &
     running+=($!)
     if ((${#running[@]} >= 2)); then wait "${running[0]}"; running=("${running[@]:1}"); fi
