@@ -3,6 +3,7 @@
 #include "emflow/attention.hpp"
 
 #include <cmath>
+#include <cstdint>
 
 #include "backends.hpp"
 #include "check.hpp"
@@ -49,7 +50,61 @@ void validate(const AttentionInput<T>& in, const AttentionOutput<T>& out, const 
       }
     }
   }
+  detail::check_no_overlap(in, out, op);
 }
+
+namespace detail {
+
+template <class T>
+void check_no_overlap(const AttentionInput<T>& in, const AttentionOutput<T>& out,
+                      const char* operation, const void* workspace, std::size_t workspace_bytes) {
+  struct Range {
+    const char* name;
+    std::uintptr_t begin, end;
+    bool output;
+  };
+  // Sizes fit in int64 (validate() multiplied them with checks).
+  const auto B = static_cast<std::uintptr_t>(in.batch), N = static_cast<std::uintptr_t>(in.tokens);
+  const auto d = static_cast<std::uintptr_t>(in.dim);
+  const auto H = static_cast<std::uintptr_t>(in.layer.heads);
+  Range ranges[12];
+  int count = 0;
+  auto add = [&](const char* name, const void* pointer, std::uintptr_t bytes, bool output) {
+    if (pointer == nullptr || bytes == 0) return;
+    const auto begin = reinterpret_cast<std::uintptr_t>(pointer);
+    ranges[count++] = {name, begin, begin + bytes, output};
+  };
+  add("cloud", in.cloud, B * N * d * sizeof(T), false);
+  add("relevance", in.layer.relevance, H * d * d * sizeof(T), false);
+  add("content", in.layer.content, H * d * d * sizeof(T), false);
+  add("key_bias", in.layer.key_bias, H * d * sizeof(T), false);
+  add("offset", in.layer.offset, d * sizeof(T), false);
+  add("key_lengths", in.key_lengths, B * sizeof(std::int64_t), false);
+  add("workspace", workspace, workspace_bytes, true);
+  add("update", out.update, B * N * d * sizeof(T), true);
+  add("lse", out.lse, B * H * N * sizeof(T), true);
+  add("entropy", out.entropy, B * H * N * sizeof(T), true);
+  add("weights", out.weights, B * H * N * N * sizeof(T), true);
+  for (int a = 0; a < count; ++a) {
+    for (int b = a + 1; b < count; ++b) {
+      const Range& x = ranges[a];
+      const Range& y = ranges[b];
+      if (!(x.output || y.output) || x.end <= y.begin || y.end <= x.begin) continue;
+      const Range& written = y.output ? y : x;
+      const Range& other = y.output ? x : y;
+      fail_argument(operation, written.name, "shares memory with ", other.name,
+                    "; outputs must not overlap inputs, other outputs or the workspace");
+    }
+  }
+}
+
+template void check_no_overlap<float>(const AttentionInput<float>&, const AttentionOutput<float>&,
+                                      const char*, const void*, std::size_t);
+template void check_no_overlap<double>(const AttentionInput<double>&,
+                                       const AttentionOutput<double>&, const char*, const void*,
+                                       std::size_t);
+
+}  // namespace detail
 
 Device resolve_device(Device requested) {
   std::string reason;

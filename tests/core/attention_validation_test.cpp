@@ -138,10 +138,43 @@ INSTANTIATE_TEST_SUITE_P(InvalidInput, AttendRejects,
                                          [](auto& b) {
                                            static const std::int64_t lengths[] = {4, 1};
                                            b.input.key_lengths = lengths;
-                                         }}),
+                                         }},
+                                    // Outputs are written while inputs are read: no aliasing.
+                                    Case{"update_in_place_of_cloud", "update",
+                                         "shares memory with cloud",
+                                         [](auto& b) { b.output.update = b.cloud.data(); }},
+                                    Case{
+                                        "update_over_offset", "update", "shares memory with offset",
+                                        [](auto& b) {
+                                          b.input.layer.offset = b.update.data() + 1;
+                                        }},
+                                    Case{"entropy_overlaps_lse", "entropy",
+                                         "shares memory with lse",
+                                         [](auto& b) { b.output.entropy = b.output.lse + 3; }},
+                                    Case{"weights_over_update", "weights",
+                                         "shares memory with update",
+                                         [](auto& b) { b.output.update = b.weights.data() + 5; }}),
                          [](const ::testing::TestParamInfo<Case>& info) {
                            return info.param.name;
                          });
+
+TEST(AttendValidation, AdjacentBuffersAreNotAnOverlap) {
+  // One allocation holding the cloud and, right after its last element, the update.
+  const Problem p = Problem::random(1, 5, 3, 1, 9);
+  Buffers<double> buf(p);
+  attend(buf.input, buf.output, {Device::reference});
+  const std::vector<double> expected = buf.update;
+  std::vector<double> joint(buf.cloud);
+  joint.resize(2 * buf.cloud.size(), std::nan(""));
+  AttentionInput<double> input = buf.input;
+  input.cloud = joint.data();
+  AttentionOutput<double> output;
+  output.update = joint.data() + buf.cloud.size();
+  attend(input, output, {Device::reference});
+  EXPECT_EQ(std::vector<double>(joint.begin() + static_cast<std::ptrdiff_t>(buf.cloud.size()),
+                                joint.end()),
+            expected);
+}
 
 TEST(AttendValidation, NegativeThreadCountIsRefused) {
   const Problem p = valid_problem();  // Buffers points into p's key lengths
