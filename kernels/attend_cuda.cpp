@@ -16,6 +16,8 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -61,15 +63,59 @@ OwnedStream::~OwnedStream() {
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
+void check_no_pending_error(const char* operation) {
+  // Peek, not get: the error belongs to the caller's earlier work, so it stays recorded for them.
+  const cudaError_t status = cudaPeekAtLastError();
+  if (status == cudaSuccess) return;
+  fail(ErrorCode::device, operation,
+       ": a CUDA error was already pending before this call (left by ",
+       "earlier work, not by emflow): ", cudaGetErrorString(status), " (", cudaGetErrorName(status),
+       "); consume it with cudaGetLastError() before calling emflow");
+}
+
 namespace {
 
-// One cuBLAS handle per device for this thread; handles are not shared between threads, so
-// binding a stream and a workspace to one never races with another thread's call.
-struct CublasHandles {
+// cuBLAS handles: one per (host thread, device) while the thread uses it. A handle is created
+// once (cublasCreate allocates and synchronises) and, when its thread exits, goes back to a
+// process-wide pool for the next thread instead of being destroyed: a thread_local destructor
+// may run at process exit after the CUDA runtime has torn the context down, where cublasDestroy
+// is unsafe. Pooled handles are released with the process, so the number of handles is bounded
+// by the number of threads that used cuBLAS at the same time.
+class CublasPool {
+ public:
+  static CublasPool& instance() {
+    static CublasPool* const pool = new CublasPool;  // never destroyed: see above
+    return *pool;
+  }
+  cublasHandle_t take(int device) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& free = free_[device];
+    if (free.empty()) return nullptr;
+    cublasHandle_t handle = free.back();
+    free.pop_back();
+    return handle;
+  }
+  void give_back(int device, cublasHandle_t handle) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_[device].push_back(handle);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<int, std::vector<cublasHandle_t>> free_;
+};
+
+struct ThreadHandles {
   std::vector<cublasHandle_t> by_device;
-  ~CublasHandles() {
-    for (cublasHandle_t handle : by_device) {
-      if (handle != nullptr) cublasDestroy(handle);
+  ~ThreadHandles() {
+    try {
+      for (std::size_t device = 0; device < by_device.size(); ++device) {
+        if (by_device[device] != nullptr) {
+          CublasPool::instance().give_back(static_cast<int>(device), by_device[device]);
+        }
+      }
+    } catch (...) {
+      // Out of memory while pooling: the handle is then simply not reused.
     }
   }
 };
@@ -80,15 +126,21 @@ cublasHandle_t cublas_for_stream(cudaStream_t stream, void* workspace, std::size
                                  const char* operation) {
   int device = 0;
   check_cuda(cudaGetDevice(&device), operation, "cudaGetDevice");
-  thread_local CublasHandles cache;
+  thread_local ThreadHandles cache;
   const auto slot = static_cast<std::size_t>(device);
   if (cache.by_device.size() <= slot) cache.by_device.resize(slot + 1, nullptr);
   if (cache.by_device[slot] == nullptr) {
-    cublasHandle_t created = nullptr;
-    check_cublas(cublasCreate(&created), operation, "cublasCreate");
-    cache.by_device[slot] = created;
-    // Full fp32 products: no TF32 (the accuracy contract is fp32 relative error < 1e-5).
-    check_cublas(cublasSetMathMode(created, CUBLAS_DEFAULT_MATH), operation, "cublasSetMathMode");
+    cublasHandle_t handle = CublasPool::instance().take(device);
+    if (handle == nullptr) {
+      check_cublas(cublasCreate(&handle), operation, "cublasCreate");
+      // Full fp32 products: no TF32 (the accuracy contract is fp32 relative error < 1e-5).
+      const cublasStatus_t status = cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH);
+      if (status != CUBLAS_STATUS_SUCCESS) {
+        cublasDestroy(handle);
+        check_cublas(status, operation, "cublasSetMathMode");
+      }
+    }
+    cache.by_device[slot] = handle;
   }
   cublasHandle_t handle = cache.by_device[slot];
   // cublasSetStream resets the workspace to cuBLAS's default pool, so the workspace comes after.
@@ -392,6 +444,10 @@ void attend_async(const AttentionInput<T>& input, const AttentionOutput<T>& outp
     fail_argument(operation, "workspace", "must be aligned to ", kAlignment, " bytes, got address ",
                   workspace);
   }
+  check_no_overlap(input, output, operation, workspace, plan.total);
+  // Launch failures are read back with cudaGetLastError: an error already pending would be
+  // taken for ours, so it is reported as what it is before anything is enqueued.
+  check_no_pending_error(operation);
   if (plan.algorithm == Algorithm::fused) {
     int shared_limit = 0;
     check_cuda(

@@ -25,15 +25,21 @@
 //   automatic: fused for float when no weights are requested and dim <= 256, else unfused.
 //
 // cuBLAS: each host thread keeps one cuBLAS handle per device, created on the first call that
-// needs it on that device (cublasCreate allocates and synchronises, once) and destroyed when the
-// thread exits. Every call binds it to the caller's stream (cublasSetStream) and then points
-// cuBLAS's own workspace into the caller's workspace (cublasSetWorkspace), so calls on different
-// streams never share scratch memory and nothing is allocated per call.
+// needs it on that device (cublasCreate allocates and synchronises, once). When the thread exits
+// the handle goes to a process-wide pool for the next thread rather than being destroyed (at
+// process exit the CUDA context may already be gone). Every call binds it to the caller's stream
+// (cublasSetStream) and then points cuBLAS's own workspace into the caller's workspace
+// (cublasSetWorkspace), so calls on different streams never share scratch memory and nothing is
+// allocated per call.
 //
-// Errors: emflow::Error. Invalid shapes, null or host-only pointers, or a workspace that is too
-// small or misaligned: ErrorCode::invalid_argument. No usable device, or a configuration the
-// chosen algorithm cannot run (e.g. fused with weights): ErrorCode::unsupported. A failing CUDA
-// or cuBLAS call: ErrorCode::device, or ErrorCode::out_of_memory; the message names the call.
+// Errors: emflow::Error.
+//   ErrorCode::invalid_argument: invalid shapes; null or host-only pointers; outputs that overlap
+//     an input, another output or the workspace; a workspace that is too small or misaligned.
+//   ErrorCode::unsupported: no usable device, or a configuration the chosen algorithm cannot run
+//     (e.g. fused with weights).
+//   ErrorCode::device / out_of_memory: a failing CUDA or cuBLAS call; the message names the call.
+//     A CUDA error already pending when attend_async is called (the caller's earlier work) is
+//     reported as such and left recorded for the caller.
 // Errors of kernels that have already been enqueued surface at the caller's next synchronisation.
 #pragma once
 

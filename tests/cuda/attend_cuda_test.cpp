@@ -494,6 +494,67 @@ TEST(CudaAsync, RejectsBadWorkspaceAndHostPointers) {
   ASSERT_EQ(cudaStreamSynchronize(s.stream), cudaSuccess);
 }
 
+TEST(CudaAsync, RejectsOutputsThatOverlapInputsOrTheWorkspace) {
+  EMFLOW_REQUIRE_CUDA();
+  Problem p = Problem::random(1, 40, 16, 1, 62);
+  Buffers<float> host(p);
+  CudaStream s;
+  DeviceProblem<float> device(host, s.stream);
+  const std::size_t bytes = cuda::attend_workspace_size(device.input, device.output);
+  cuda::DeviceBuffer<unsigned char> workspace(bytes);
+  auto expect_overlap = [&](const AttentionOutput<float>& output, void* space, const char* a,
+                            const char* b) {
+    try {
+      cuda::attend_async(device.input, output, space, bytes, s.stream);
+      ADD_FAILURE() << "expected an overlap of " << a << " and " << b << " to be refused";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << what;
+      EXPECT_NE(what.find(a), std::string::npos) << what;
+      EXPECT_NE(what.find(b), std::string::npos) << what;
+    }
+  };
+  AttentionOutput<float> in_place = device.output;
+  in_place.update = const_cast<float*>(device.input.cloud);
+  expect_overlap(in_place, workspace.data(), "update", "cloud");
+  AttentionOutput<float> shared_statistics = device.output;
+  shared_statistics.entropy = shared_statistics.lse + 1;
+  expect_overlap(shared_statistics, workspace.data(), "entropy", "lse");
+  // The workspace is written too: an output inside it is refused.
+  cuda::DeviceBuffer<unsigned char> big(bytes + 4096);
+  AttentionOutput<float> in_workspace = device.output;
+  in_workspace.lse = reinterpret_cast<float*>(big.data() + bytes - 64);
+  expect_overlap(in_workspace, big.data(), "lse", "workspace");
+  ASSERT_EQ(cudaStreamSynchronize(s.stream), cudaSuccess);
+}
+
+TEST(CudaAsync, AnErrorPendingBeforeTheCallIsNamedAndLeftForTheCaller) {
+  EMFLOW_REQUIRE_CUDA();
+  Problem p = Problem::random(1, 40, 16, 1, 63);
+  Buffers<float> host(p);
+  CudaStream s;
+  DeviceProblem<float> device(host, s.stream);
+  const std::size_t bytes = cuda::attend_workspace_size(device.input, device.output);
+  cuda::DeviceBuffer<unsigned char> workspace(bytes);
+  // A failed allocation records a (non-sticky) error as the thread's last error.
+  void* impossible = nullptr;
+  ASSERT_NE(cudaMalloc(&impossible, std::size_t{1} << 62), cudaSuccess);
+  try {
+    cuda::attend_async(device.input, device.output, workspace.data(), bytes, s.stream);
+    ADD_FAILURE() << "a pending error was not reported";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::device) << e.what();
+    EXPECT_NE(std::string(e.what()).find("already pending"), std::string::npos) << e.what();
+  }
+  // Still there for its owner; once consumed, the same call runs and is right.
+  EXPECT_NE(cudaGetLastError(), cudaSuccess);
+  const Buffers<double> ref = reference_of(p, false);
+  cuda::attend_async(device.input, device.output, workspace.data(), bytes, s.stream);
+  device.download(host, s.stream);
+  ASSERT_EQ(cudaStreamSynchronize(s.stream), cudaSuccess);
+  expect_matches(host, ref, "after the caller consumed its error");
+}
+
 #endif  // EMFLOW_WITH_CUDA
 
 }  // namespace

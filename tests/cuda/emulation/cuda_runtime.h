@@ -175,8 +175,8 @@ inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
 }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
 inline cudaError_t cudaMalloc(void** p, std::size_t bytes) {
-  *p = std::malloc(bytes);
-  if (!*p) return cudaErrorMemoryAllocation;
+  *p = bytes > (std::size_t{1} << 40) ? nullptr : std::malloc(bytes);
+  if (!*p) return emu::last_error = cudaErrorMemoryAllocation;
   // Poison fresh device memory so reads of unwritten workspace show up as NaN.
   std::memset(*p, 0xff, bytes);
   std::lock_guard<std::mutex> lock(emu::allocation_mutex);
@@ -260,7 +260,8 @@ T __shfl_sync(unsigned, T value, int source_lane) {
   emu::warp_barriers[warp]->arrive_and_wait();
   emu::exchange[t] = static_cast<double>(value);
   emu::warp_barriers[warp]->arrive_and_wait();
-  const T other = static_cast<T>(emu::exchange[warp * 32 + (static_cast<unsigned>(source_lane) & 31u)]);
+  const T other =
+      static_cast<T>(emu::exchange[warp * 32 + (static_cast<unsigned>(source_lane) & 31u)]);
   emu::warp_barriers[warp]->arrive_and_wait();
   return other;
 }
