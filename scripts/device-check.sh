@@ -152,11 +152,14 @@ if [[ -s "$BENCH_JSON" ]] && command -v python3 >/dev/null 2>&1; then
   echo
   python3 - "$BENCH_JSON" <<'EOF'
 import json, sys
-rows = {}
+rows, flow = {}, []
 for b in json.load(open(sys.argv[1]))["benchmarks"]:
     if b.get("run_type") == "aggregate" or "error_message" in b:
         continue
     kind, _, args = b["name"].partition("/")
+    if kind in ("BM_PhaseDefault", "BM_FlowRk4"):
+        flow.append((b["name"], b["real_time"], b.get("time_unit", "ms")))
+        continue
     key = tuple(int(p.split(":")[1]) for p in args.split("/")[:3])
     rows.setdefault(key, {})[kind] = (b["real_time"], b.get("TFLOP/s", 0.0))
 print("attention-equivalent TFLOP/s (fp32; ms per call in brackets)")
@@ -168,5 +171,10 @@ for (n, d, causal), r in sorted(rows.items(), key=lambda kv: (kv[0][2], kv[0][1]
                if "BM_Fused" in r and "BM_Unfused" in r else f"{'-':>14}")
     print(f"{n:>6} {d:>4} {causal:>6} {cell(r, 'BM_Fused'):>16} {cell(r, 'BM_Unfused'):>16} "
           f"{cell(r, 'BM_CublasProducts'):>16} {speedup}")
+if flow:
+    print()
+    print("flow on the GPU (wall clock per run; targets: phase < 2000 ms, RK4 n=d=128 < 1000 ms)")
+    for name, time, unit in flow:
+        print(f"  {name:<40} {time:10.1f} {unit}")
 EOF
 fi
