@@ -1,11 +1,17 @@
 // The phase diagram of Geshkovski, Letrouit, Polyanskiy and Rigollet: the fraction of clustered
 // pairs over (time, beta) for Q = K = V = I on the sphere. The generic path runs every step
-// through emflow::attend; on the CPU the specialised path of sphere_kernel.cpp is used.
+// through emflow::attend; the specialised paths integrate the same equations, on the CPU in
+// sphere_kernel.cpp and on a CUDA device in kernels/phase_cuda.cu.
 #include <cmath>
 
 #include "../core/check.hpp"
+#include "emflow/attention.hpp"
 #include "emflow/flow.hpp"
 #include "internal.hpp"
+
+#if EMFLOW_WITH_CUDA
+#include "phase_cuda.hpp"
+#endif
 
 namespace emflow::flow {
 
@@ -131,18 +137,38 @@ PhaseDiagram phase_diagram(const PhaseSettings& s, const ExecutionOptions& optio
                            const Progress& progress) {
   validate(s);
   if (options.threads < 0) fail_argument("phase", "threads", "must be >= 0, got ", options.threads);
-  // Device::automatic takes the specialised CPU path too: the generic path on the GPU spends a
-  // host-device round trip per attend call (one per beta and RK4 stage) until the flow has a
-  // kernel of its own.
-  if (options.device == Device::cuda || options.device == Device::reference) {
-    return phase_diagram_generic(s, options, progress);
+  if (options.device == Device::reference) return phase_diagram_generic(s, options, progress);
+  // Device::cuda throws when no device can be used; Device::automatic takes the GPU when there
+  // is one, else the CPU.
+  const Device device = resolve_device(options.device);
+#if EMFLOW_WITH_CUDA
+  bool gpu_sweep = false;
+  if (device == Device::cuda) {
+    // A cloud larger than one block (more than 1024 tokens, or its state beyond the block's
+    // shared memory) goes through attend on the device instead, one call per beta and RK4 stage.
+    if (!detail::phase_kernel_cuda_fits(s.tokens, s.dim)) {
+      ExecutionOptions on_device = options;
+      on_device.device = Device::cuda;
+      return phase_diagram_generic(s, on_device, progress);
+    }
+    gpu_sweep = true;
   }
+#else
+  (void)device;  // without CUDA, Device::cuda has thrown and automatic is the CPU
+#endif
   const std::int64_t steps = detail::continuous_steps(s.time, s.dt);
   PhaseDiagram out;
   out.betas = beta_grid(s);
   out.times = time_grid(s, steps);
   const Tensor<float> initial =
       initial_clouds<float>(InitialCloud::sphere, s.clouds, s.tokens, s.dim, s.seed);
+#if EMFLOW_WITH_CUDA
+  if (gpu_sweep) {
+    out.clustered = detail::phase_kernel_cuda(initial.values(), s.clouds, s.tokens, s.dim,
+                                              out.betas, s.time, s.dt, s.cluster_eps, progress);
+    return out;
+  }
+#endif
   out.clustered = detail::phase_kernel(initial.values(), s.clouds, s.tokens, s.dim, out.betas,
                                        s.time, s.dt, s.cluster_eps, options.threads, progress);
   return out;
