@@ -47,8 +47,8 @@ PhaseSettings small_sweep(std::int64_t tokens, std::int64_t dim) {
   s.beta_start = 0.5;
   s.beta_stop = 8.0;
   s.beta_count = 3;
-  s.time = 2.0;
-  s.dt = 0.25;
+  s.time = 4.0;
+  s.dt = 0.5;
   s.clouds = 8;
   s.seed = 11;
   s.cluster_eps = 0.05;
@@ -128,7 +128,7 @@ TEST(PhaseCudaSweep, Deterministic) {
 TEST(PhaseCudaSweep, ProgressSplitsLaunchesWithoutChangingTheResult) {
   EMFLOW_REQUIRE_CUDA();
   PhaseSettings s = small_sweep(7, 3);
-  s.time = 5.0;  // 20 steps: twenty launches of one
+  s.time = 10.0;  // 20 steps: twenty launches of one
   const PhaseDiagram whole = phase_diagram(s, on(Device::cuda));
   std::vector<std::int64_t> done;
   const PhaseDiagram split =
@@ -162,7 +162,7 @@ TEST(PhaseCudaSweep, LargeCloudFallsBackToTheGenericPath) {
   s.clouds = 1;
   s.beta_count = 1;
   s.beta_start = s.beta_stop = 4.0;
-  s.time = 0.25;        // one step
+  s.time = 0.5;         // one step
   s.cluster_eps = 1.0;  // pairs at angles below 90 degrees: about half of them
   const PhaseDiagram fallback = phase_diagram(s, on(Device::cuda));
   const PhaseDiagram generic = phase_diagram_generic(s, on(Device::cuda));
