@@ -200,10 +200,14 @@ struct PhaseDiagram {
   std::vector<double> clustered;
 };
 
-/// On Device::cpu and Device::automatic a specialised small-d path (float32, clouds in SIMD
-/// lanes, OpenMP over lane groups) runs the sweep; on Device::cuda and Device::reference every
-/// step goes through emflow::attend with all C * K clouds in one batch (one call per beta).
-/// Both integrate the same equations.
+/// Device::cuda (and Device::automatic when a GPU is present): one kernel integrates every
+/// (beta, cloud) pair in float32, a thread per token, each cloud in a block's shared memory;
+/// a cloud too large for one block (more than 1024 tokens, or beyond the shared memory) goes
+/// through emflow::attend on the device instead. Device::cpu (and automatic without a GPU): a
+/// specialised path in float32, clouds in SIMD lanes, OpenMP over lane groups. Device::reference:
+/// every step through emflow::attend with all C * K clouds in one batch (one call per beta).
+/// All integrate the same equations; the GPU and CPU paths count a pair differently only when
+/// its inner product lies within float rounding of 1 - eps.
 PhaseDiagram phase_diagram(const PhaseSettings& settings, const ExecutionOptions& options = {},
                            const Progress& progress = {});
 /// The same sweep through emflow::attend on options.device, whatever the device (for tests).
