@@ -143,6 +143,24 @@ TEST(PhaseCudaSweep, ProgressSplitsLaunchesWithoutChangingTheResult) {
   EXPECT_EQ(done.back(), 20);
 }
 
+// d = 100: eight clouds of 16 tokens would need 300 KiB of shared memory, so the kernel takes
+// fewer clouds per block (four). eps = 0.9: in d = 100 inner products spread about 0.1 around 0,
+// so a threshold of 0.1 counts a fair share of the pairs from the start.
+TEST(PhaseCudaSweep, ManyDimensionsTakeFewerCloudsPerBlock) {
+  EMFLOW_REQUIRE_CUDA();
+  PhaseSettings s = small_sweep(16, 100);
+  s.beta_count = 1;
+  s.beta_start = s.beta_stop = 8.0;
+  s.cluster_eps = 0.9;
+  const PhaseDiagram gpu = phase_diagram(s, on(Device::cuda));
+  const PhaseDiagram cpu = phase_diagram(s, on(Device::cpu));
+  ASSERT_TRUE(well_formed(gpu, 9, 1));
+  const double one_pair = 1.0 / (0.5 * 16.0 * 15.0 * 8.0);
+  EXPECT_LE(testing::max_abs_difference(gpu.clustered, cpu.clustered), 1.01 * one_pair);
+  EXPECT_GT(gpu.clustered[0], 0.05);
+  EXPECT_GT(gpu.clustered[8], gpu.clustered[0]);
+}
+
 #if defined(EMFLOW_WITH_CUDA)
 // The shared memory a block needs, without a device: N > 1024 does not fit one block's threads;
 // N = 64 in d = 160 needs more than the 227 KiB a Hopper block may opt into.
