@@ -13,12 +13,20 @@
 // step ends with a projection x / ||x|| (for RK4 the drift off the sphere is O(dt^5) per step,
 // so the projection keeps the order and holds the norm to rounding).
 //
-// Every attention evaluation goes through emflow::attend on the caller's device, one call per
-// group of consecutive clouds that share an inverse temperature (one call per step when all
-// clouds share beta). USA is derived from attend's outputs: the unnormalised sum is
-// delta_i * Z_i / N with Z_i / N = exp(lse_i - log N), which never overflows on its own.
+// Every attention evaluation is one call of the attention update per group of consecutive
+// clouds that share an inverse temperature (one call per step when all clouds share beta). USA
+// is derived from its outputs: the unnormalised sum is delta_i * Z_i / N with
+// Z_i / N = exp(lse_i - log N), which never overflows on its own.
 //
-// Observables are computed on the host in double, whatever the device.
+// Where a run happens (run_flow): on Device::cpu and Device::reference the state lives on the
+// host, every evaluation is an emflow::attend call and the observables are computed on the host
+// in double. When the options resolve to a CUDA device (Device::cuda, or Device::automatic with
+// a usable GPU), the whole run stays on the GPU: the state, the RK4 stages and one attention
+// workspace live in device memory, every evaluation is emflow::cuda::attend_async on one owned
+// stream, the element-wise parts are kernels, and the observables of each record are computed
+// by kernels in double with fixed reduction orders (two runs agree bit for bit). Only the
+// recorded clouds and the observables come back; each record copies its state to the host, which
+// waits for the stream once per record.
 //
 // The dynamics are instantiated for float (the state and attention in float32) and double.
 // All functions validate their arguments and throw emflow::Error naming the argument.
@@ -148,7 +156,8 @@ struct Observables {
 };
 
 /// The observables of one cloud (N >= 2 tokens, row-major N x d) except the entropy, which
-/// comes from the attention evaluation (left 0 here). Computed in double on the host.
+/// comes from the attention evaluation (left 0 here). Computed in double on the host; the CUDA
+/// run computes the same quantities on the device (the sums in another order).
 template <class T>
 Observables observe(const T* cloud, std::int64_t tokens, std::int64_t dim, double beta,
                     double cluster_eps = 1e-3);
@@ -173,6 +182,10 @@ using Progress = std::function<void(std::int64_t, std::int64_t)>;
 /// The state is projected onto the sphere first when the dynamics live there (continuous time
 /// with norm = sphere). The mean entropy of a record is measured by the attention evaluation
 /// at that state (the last layer's operators for the final state of a stack).
+/// options.device: see the header comment; Device::cuda without a usable GPU throws
+/// ErrorCode::unsupported with the reason, after the arguments have been validated. The
+/// progress callback runs on the calling thread after each step has been enqueued (on the GPU
+/// it does not wait for the step to finish).
 template <class T>
 FlowResult<T> run_flow(const Tensor<T>& initial, const std::vector<double>& betas,
                        const std::vector<FlowLayer<T>>& layers, const FlowSettings& settings,

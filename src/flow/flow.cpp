@@ -1,7 +1,8 @@
 // The flow of token clouds (REFERENCE.md §4): generators, normalisations, the attention update
-// (SA / USA, tangent projection), the Euler and RK4 steps and the recorded run. Every
-// attention evaluation is one emflow::attend call per run of clouds sharing beta, on the
-// caller's device; the rest is element-wise work on the host.
+// (SA / USA, tangent projection), the Euler and RK4 steps and the recorded run. On the host
+// every attention evaluation is one emflow::attend call per run of clouds sharing beta and the
+// rest is element-wise work on the host; a run whose device resolves to CUDA goes to the
+// device-resident run_flow_cuda (kernels/flow_cuda.cpp) after the same validation.
 #include "emflow/flow.hpp"
 
 #include <algorithm>
@@ -13,6 +14,10 @@
 #include "../core/parallel.hpp"
 #include "emflow/mha.hpp"
 #include "internal.hpp"
+
+#if EMFLOW_WITH_CUDA
+#include "flow_cuda.hpp"
+#endif
 
 namespace emflow::flow {
 
@@ -426,10 +431,12 @@ void validate_layer(const FlowLayer<T>& layer, std::int64_t d, std::size_t index
 
 }  // namespace
 
+namespace detail {
+
 template <class T>
-FlowResult<T> run_flow(const Tensor<T>& initial, const std::vector<double>& betas_in,
-                       const std::vector<FlowLayer<T>>& layers, const FlowSettings& settings,
-                       const ExecutionOptions& options, const Progress& progress) {
+std::vector<double> validate_flow(const Tensor<T>& initial, const std::vector<double>& betas_in,
+                                  const std::vector<FlowLayer<T>>& layers,
+                                  const FlowSettings& settings) {
   const char* op = "run_flow";
   if (initial.rank() != 3) {
     fail_argument(op, "initial", "must have shape (batch, tokens, dim), got ",
@@ -482,17 +489,50 @@ FlowResult<T> run_flow(const Tensor<T>& initial, const std::vector<double>& beta
   if (!(settings.cluster_eps > 0.0 && settings.cluster_eps < 2.0)) {
     fail_argument(op, "cluster_eps", "must be in (0, 2), got ", settings.cluster_eps);
   }
+  return betas;
+}
 
-  const std::int64_t S = step_count(settings);
-  const std::int64_t k = settings.record_every;
-  const std::int64_t R = S / k + 1 + (S % k != 0 ? 1 : 0);
-  FlowResult<T> result;
+std::int64_t record_count(std::int64_t steps, std::int64_t every) noexcept {
+  return steps / every + 1 + (steps % every != 0 ? 1 : 0);
+}
+
+template <class T>
+FlowResult<T> allocate_result(std::int64_t batch, std::int64_t tokens, std::int64_t dim,
+                              const FlowSettings& settings) {
+  const std::int64_t R = record_count(step_count(settings), settings.record_every);
   // Refuse trajectories beyond 2^31 elements (8 GiB in double) before allocating.
-  result.trajectory = Tensor<T>(Shape{R, B, N, d});
-  checked_element_count(result.trajectory.shape(), "trajectory", std::int64_t{1} << 31);
+  const Shape shape{R, batch, tokens, dim};
+  checked_element_count(shape, "trajectory", std::int64_t{1} << 31);
+  FlowResult<T> result;
+  result.trajectory = Tensor<T>(shape);
   result.times.resize(static_cast<std::size_t>(R));
   result.steps.resize(static_cast<std::size_t>(R));
-  result.observables.resize(static_cast<std::size_t>(R * B));
+  result.observables.resize(static_cast<std::size_t>(R * batch));
+  return result;
+}
+
+}  // namespace detail
+
+template <class T>
+FlowResult<T> run_flow(const Tensor<T>& initial, const std::vector<double>& betas_in,
+                       const std::vector<FlowLayer<T>>& layers, const FlowSettings& settings,
+                       const ExecutionOptions& options, const Progress& progress) {
+  const std::vector<double> betas = detail::validate_flow(initial, betas_in, layers, settings);
+  if (options.threads < 0) {
+    fail_argument("run_flow", "threads", "must be >= 0, got ", options.threads);
+  }
+  // Throws ErrorCode::unsupported, with the reason, when cuda is asked for but unusable.
+  if (resolve_device(options.device) == Device::cuda) {
+#if EMFLOW_WITH_CUDA
+    // The whole run stays on the device: attention, steps and observables.
+    return detail::run_flow_cuda(initial, betas, layers, settings, progress);
+#endif
+  }
+  const std::int64_t B = initial.extent(0), N = initial.extent(1), d = initial.extent(2);
+  const bool continuous = settings.layers == 0;
+  const std::int64_t S = step_count(settings);
+  const std::int64_t k = settings.record_every;
+  FlowResult<T> result = detail::allocate_result<T>(B, N, d, settings);
 
   Tensor<T> state = initial;
   T* x = state.data();
@@ -602,7 +642,12 @@ FlowResult<T> run_flow(const Tensor<T>& initial, const std::vector<double>& beta
       detail::StepWorkspace<T>&, double*, const ExecutionOptions&);                               \
   template FlowResult<T> run_flow<T>(const Tensor<T>&, const std::vector<double>&,                \
                                      const std::vector<FlowLayer<T>>&, const FlowSettings&,       \
-                                     const ExecutionOptions&, const Progress&);
+                                     const ExecutionOptions&, const Progress&);                   \
+  template std::vector<double> detail::validate_flow<T>(                                          \
+      const Tensor<T>&, const std::vector<double>&, const std::vector<FlowLayer<T>>&,             \
+      const FlowSettings&);                                                                       \
+  template FlowResult<T> detail::allocate_result<T>(std::int64_t, std::int64_t, std::int64_t,     \
+                                                    const FlowSettings&);
 
 EMFLOW_FLOW_INSTANTIATE(float)
 EMFLOW_FLOW_INSTANTIATE(double)

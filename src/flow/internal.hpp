@@ -28,6 +28,25 @@ void continuous_step(T* cloud, std::int64_t batch, std::int64_t tokens, std::int
                      StepWorkspace<T>& workspace, double* mean_entropy,
                      const ExecutionOptions& options);
 
+/// Checks the arguments of run_flow (shapes, betas, layers, settings) and returns one beta per
+/// cloud; throws emflow::Error naming the first bad argument. Both the host and the CUDA run
+/// take their arguments from here.
+template <class T>
+std::vector<double> validate_flow(const Tensor<T>& initial, const std::vector<double>& betas,
+                                  const std::vector<FlowLayer<T>>& layers,
+                                  const FlowSettings& settings);
+
+/// Number of records of a run of `steps` steps recording every `every`: steps 0, k, 2k, ...
+/// and the last one.
+std::int64_t record_count(std::int64_t steps, std::int64_t every) noexcept;
+
+/// A result with room for every record of a validated run of B clouds of N tokens in R^d:
+/// trajectory (R, B, N, d), times, steps, observables. Refuses trajectories beyond 2^31
+/// elements before allocating.
+template <class T>
+FlowResult<T> allocate_result(std::int64_t batch, std::int64_t tokens, std::int64_t dim,
+                              const FlowSettings& settings);
+
 /// Number of continuous steps to reach `time` with step `dt` (the last step may be shorter) and
 /// the length of step s.
 std::int64_t continuous_steps(double time, double dt) noexcept;

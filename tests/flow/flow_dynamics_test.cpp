@@ -558,26 +558,5 @@ TEST(FlowPhase, SpecialisedPathMatchesGenericPath) {
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-
-TEST(FlowCuda, CpuAndGpuTrajectoriesAgree) {
-  EMFLOW_REQUIRE_CUDA();
-  const auto x0 = initial_clouds<float>(InitialCloud::sphere, 4, 32, 8, 5);
-  const auto layers = one_layer<float>(8, OperatorKind::random, OperatorKind::identity, 6);
-  const FlowSettings s = continuous(2.0, 0.1, Integrator::rk4, true);
-  ExecutionOptions gpu;
-  gpu.device = Device::cuda;
-  const auto a = run_flow(x0, {1.0, 2.0, 4.0, 8.0}, layers, s, on_cpu());
-  const auto b = run_flow(x0, {1.0, 2.0, 4.0, 8.0}, layers, s, gpu);
-  EXPECT_LT(testing::relative_error(b.trajectory.values(), a.trajectory.values()), 1e-4);
-  PhaseSettings p;
-  p.clouds = 64;
-  p.beta_count = 4;
-  p.time = 5;
-  const auto cpu = phase_diagram(p, on_cpu());
-  const auto cuda = phase_diagram(p, gpu);
-  EXPECT_LT(testing::max_abs_difference(cuda.clustered, cpu.clustered), 0.01);
-}
-
 }  // namespace
 }  // namespace emflow::flow

@@ -1,0 +1,487 @@
+// The flow's own kernels (flow_cuda.hpp): the element-wise parts of a step, the normalisations,
+// and the observables of recorded clouds. Attention itself is emflow::cuda::attend_async.
+//
+// Element-wise kernels mirror the host code of src/flow/flow.cpp expression by expression (per
+// token statistics in double, in token order), so the device and the host differ by rounding
+// only (the device may contract a * b + c into one FMA).
+//
+// Observables, for B clouds at once, in three kernels and without floating-point atomics:
+//   token_norms   one thread per token: ||x_i|| in double.
+//   pair_rows     one block per token i: its pairs (i, j > i) in double, each thread a fixed set
+//                 of 32-token words of j; per-thread sums, then a fixed tree over the block, into
+//                 the token's row of partial sums (sum <x_i, x_j>, energy, clustered pairs, min
+//                 inner product, max squared distance) and a bit per clustered pair.
+//   finish        one block per cloud: the connected components of the clustered-pair graph
+//                 (hooking the larger of two roots onto the smaller with atomicMin on int labels,
+//                 then pointer jumping, until no pair joins two trees; the roots that remain are
+//                 unique whatever the order), then a fixed tree over the token rows.
+// Every reduction has an order that depends on the sizes only, so two runs agree bit for bit.
+// The labels and the edge bits live in global memory: any N fits, not only what shared memory
+// holds.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda_support.hpp"
+#include "flow_cuda.hpp"
+
+namespace emflow::flow::detail {
+
+namespace {
+
+using emflow::detail::check_cuda;
+using emflow::detail::check_launch;
+
+constexpr const char* kOperation = "run_flow";
+constexpr int kThreads = 128;  // every block size below is a power of two <= kThreads
+constexpr int kMaxBlocks = 4096;
+constexpr int kWordBits = 32;
+
+// The per-token partial sums of pair_rows, in this order.
+enum RowField : int { kRowSum, kRowEnergy, kRowClustered, kRowMin, kRowMax, kRowFields };
+
+unsigned grid_for(int n) {
+  const int wanted = n / kThreads + (n % kThreads != 0 ? 1 : 0);
+  return static_cast<unsigned>(wanted < 1 ? 1 : (wanted < kMaxBlocks ? wanted : kMaxBlocks));
+}
+
+int words_for(int tokens) { return tokens / kWordBits + (tokens % kWordBits != 0 ? 1 : 0); }
+
+__device__ int first_index() { return static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); }
+__device__ int grid_stride() { return static_cast<int>(gridDim.x * blockDim.x); }
+
+// ---------------------------------------------------------------------------------------------
+// Steps
+
+template <class T>
+__global__ void axpy_kernel(T* y, const T* x, const T* k, T step, int n) {
+  for (int e = first_index(); e < n; e += grid_stride()) y[e] = x[e] + step * k[e];
+}
+
+template <class T>
+__global__ void rk4_combine_kernel(T* x, const T* k1, const T* k2, const T* k3, const T* k4,
+                                   T sixth, int n) {
+  for (int e = first_index(); e < n; e += grid_stride()) {
+    x[e] += sixth * (k1[e] + T(2) * (k2[e] + k3[e]) + k4[e]);
+  }
+}
+
+template <class T>
+__global__ void add_kernel(T* x, const T* delta, int n) {
+  for (int e = first_index(); e < n; e += grid_stride()) x[e] += delta[e];
+}
+
+// One thread per token, the host's normalize() line by line (eps as PyTorch's defaults).
+template <class T>
+__global__ void normalize_kernel(int norm, const T* in, T* out, int rows, int dim, const T* gain,
+                                 const T* bias) {
+  constexpr double eps = 1e-5;
+  const double inv_dim = 1.0 / static_cast<double>(dim);
+  const bool layernorm = norm == static_cast<int>(Normalization::layernorm);
+  const bool sphere = norm == static_cast<int>(Normalization::sphere);
+  for (int r = first_index(); r < rows; r += grid_stride()) {
+    const T* x = in + static_cast<std::size_t>(r) * dim;
+    T* y = out + static_cast<std::size_t>(r) * dim;
+    double shift = 0.0, scale = 1.0;
+    if (layernorm) {
+      double mean = 0.0, var = 0.0;
+      for (int a = 0; a < dim; ++a) mean += static_cast<double>(x[a]);
+      mean *= inv_dim;
+      for (int a = 0; a < dim; ++a) {
+        const double c = static_cast<double>(x[a]) - mean;
+        var += c * c;
+      }
+      shift = mean;
+      scale = 1.0 / sqrt(var * inv_dim + eps);
+    } else {
+      double square = 0.0;
+      for (int a = 0; a < dim; ++a) square += static_cast<double>(x[a]) * x[a];
+      if (!sphere) {
+        scale = 1.0 / sqrt(square * inv_dim + eps);
+      } else {
+        // A zero token has no direction: it stays where it is rather than becoming NaN.
+        scale = square > 0.0 ? 1.0 / sqrt(square) : 1.0;
+      }
+    }
+    for (int a = 0; a < dim; ++a) {
+      double v = (static_cast<double>(x[a]) - shift) * scale;
+      if (!sphere) {
+        if (gain != nullptr) v *= static_cast<double>(gain[a]);
+        if (layernorm && bias != nullptr) v += static_cast<double>(bias[a]);
+      }
+      y[a] = static_cast<T>(v);
+    }
+  }
+}
+
+// P_x y = y - <x, y> x, one thread per token.
+template <class T>
+__global__ void tangent_kernel(const T* cloud, T* update, int rows, int dim) {
+  for (int r = first_index(); r < rows; r += grid_stride()) {
+    const T* x = cloud + static_cast<std::size_t>(r) * dim;
+    T* y = update + static_cast<std::size_t>(r) * dim;
+    double dot = 0.0;
+    for (int a = 0; a < dim; ++a) dot += static_cast<double>(x[a]) * y[a];
+    for (int a = 0; a < dim; ++a) y[a] = static_cast<T>(y[a] - dot * x[a]);
+  }
+}
+
+// USA: sum_j exp(s_ij) F x_j / N = delta_i Z_i / N with Z_i / N = exp(lse_i - log N).
+template <class T>
+__global__ void usa_accumulate_kernel(T* update, const T* delta, const T* lse, double log_tokens,
+                                      bool first, int rows, int dim) {
+  const int n = rows * dim;
+  for (int e = first_index(); e < n; e += grid_stride()) {
+    const double scale = exp(static_cast<double>(lse[e / dim]) - log_tokens);
+    const T term = static_cast<T>(scale * static_cast<double>(delta[e]));
+    update[e] = (first ? T(0) : update[e]) + term;
+  }
+}
+
+template <class T>
+__global__ void add_offset_kernel(T* update, const T* offset, int rows, int dim) {
+  const int n = rows * dim;
+  for (int e = first_index(); e < n; e += grid_stride()) update[e] += offset[e % dim];
+}
+
+// One block per cloud: the mean over heads and tokens, a fixed strided sum then a fixed tree.
+template <class T>
+__global__ void mean_entropy_kernel(const T* entropy, int heads, int tokens, long long cloud_stride,
+                                    long long head_stride, double* out, int out_stride) {
+  __shared__ double sums[kThreads];
+  const int b = static_cast<int>(blockIdx.x), t = static_cast<int>(threadIdx.x);
+  const int threads = static_cast<int>(blockDim.x);
+  const long long count = static_cast<long long>(heads) * tokens;
+  double sum = 0.0;
+  for (long long k = t; k < count; k += threads) {
+    const long long h = k / tokens, i = k - h * tokens;
+    sum += static_cast<double>(entropy[h * head_stride + b * cloud_stride + i]);
+  }
+  sums[t] = sum;
+  __syncthreads();
+  for (int stride = threads / 2; stride > 0; stride /= 2) {
+    if (t < stride) sums[t] += sums[t + stride];
+    __syncthreads();
+  }
+  if (t == 0) out[static_cast<std::size_t>(b) * out_stride] = sums[0] / static_cast<double>(count);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Observables
+
+template <class T>
+__global__ void token_norms_kernel(const T* clouds, int rows, int dim, double* norms) {
+  for (int r = first_index(); r < rows; r += grid_stride()) {
+    const T* x = clouds + static_cast<std::size_t>(r) * dim;
+    double square = 0.0;
+    for (int a = 0; a < dim; ++a) square += static_cast<double>(x[a]) * x[a];
+    norms[r] = sqrt(square);
+  }
+}
+
+// One block per token i (blockIdx.x = b * N + i). Thread t takes the words w = first + t,
+// first + t + blockDim, ... of tokens j in [32 w, 32 w + 32), j > i.
+template <class T>
+__global__ void pair_rows_kernel(const T* clouds, int tokens, int dim, int words,
+                                 const double* betas, const double* norms, double cluster_eps,
+                                 double* rows, std::uint32_t* edges) {
+  __shared__ double partial[kRowFields][kThreads];
+  const int row = static_cast<int>(blockIdx.x), t = static_cast<int>(threadIdx.x);
+  const int threads = static_cast<int>(blockDim.x);
+  const int b = row / tokens, i = row - b * tokens;
+  const T* cloud = clouds + static_cast<std::size_t>(b) * tokens * dim;
+  const T* xi = cloud + static_cast<std::size_t>(i) * dim;
+  const double beta = betas[b], norm_i = norms[row];
+  const double* cloud_norms = norms + static_cast<std::size_t>(b) * tokens;
+  std::uint32_t* row_edges = edges + static_cast<std::size_t>(row) * words;
+
+  double sum = 0.0, energy = 0.0, clustered = 0.0;
+  double low = static_cast<double>(INFINITY), high = 0.0;
+  if (t == 0) {
+    // The diagonal term of the energy, exp(beta ||x_i||^2), once per token.
+    double square = 0.0;
+    for (int a = 0; a < dim; ++a) square += static_cast<double>(xi[a]) * xi[a];
+    energy = exp(beta * square);
+  }
+  for (int w = (i + 1) / kWordBits + t; w < words; w += threads) {
+    std::uint32_t bits = 0;
+    const int j0 = w * kWordBits;
+    const int j_end = j0 + kWordBits < tokens ? j0 + kWordBits : tokens;
+    for (int j = j0 > i + 1 ? j0 : i + 1; j < j_end; ++j) {
+      const T* xj = cloud + static_cast<std::size_t>(j) * dim;
+      double g = 0.0, e = 0.0;
+      for (int a = 0; a < dim; ++a) {
+        const double p = static_cast<double>(xi[a]), q = static_cast<double>(xj[a]);
+        g += p * q;
+        e += (p - q) * (p - q);
+      }
+      sum += g;
+      energy += 2.0 * exp(beta * g);
+      low = g < low ? g : low;  // as std::min / std::max on the host
+      high = high < e ? e : high;
+      // Clustering is about directions: the cosine, which is the inner product on the sphere.
+      const double scale = norm_i * cloud_norms[j];
+      if (scale > 0.0 && g > (1.0 - cluster_eps) * scale) {
+        clustered += 1.0;
+        bits |= 1u << (j - j0);
+      }
+    }
+    row_edges[w] = bits;
+  }
+
+  partial[kRowSum][t] = sum;
+  partial[kRowEnergy][t] = energy;
+  partial[kRowClustered][t] = clustered;
+  partial[kRowMin][t] = low;
+  partial[kRowMax][t] = high;
+  __syncthreads();
+  for (int stride = threads / 2; stride > 0; stride /= 2) {
+    if (t < stride) {
+      partial[kRowSum][t] += partial[kRowSum][t + stride];
+      partial[kRowEnergy][t] += partial[kRowEnergy][t + stride];
+      partial[kRowClustered][t] += partial[kRowClustered][t + stride];
+      const double other_low = partial[kRowMin][t + stride];
+      if (other_low < partial[kRowMin][t]) partial[kRowMin][t] = other_low;
+      const double other_high = partial[kRowMax][t + stride];
+      if (partial[kRowMax][t] < other_high) partial[kRowMax][t] = other_high;
+    }
+    __syncthreads();
+  }
+  if (t < kRowFields) rows[static_cast<std::size_t>(row) * kRowFields + t] = partial[t][0];
+}
+
+// Whether `predicate` holds for any thread of the block. `votes`: three shared ints, zero
+// before the first vote; `round` counts the votes, the same in every thread. The vote of round
+// r uses slot r % 3 and clears slot (r + 2) % 3, which the previous vote read before this
+// vote's barrier and the next-but-one vote will set only after the next vote's barrier: one
+// barrier per vote, and no slot is read and written at once.
+__device__ bool block_any(bool predicate, int* votes, int& round) {
+  int* const vote = votes + round % 3;
+  if (predicate) atomicMax(vote, 1);
+  __syncthreads();
+  const bool any = *vote != 0;
+  if (threadIdx.x == 0) votes[(round + 2) % 3] = 0;
+  ++round;
+  return any;
+}
+
+// One block per cloud: the clusters (connected components of the clustered pairs) and the
+// reduction of the token rows into the cloud's observables (all but the entropy).
+__global__ void finish_kernel(int tokens, int words, const double* betas, const double* rows,
+                              const std::uint32_t* edges, int* labels, double* out) {
+  __shared__ int votes[3];
+  __shared__ double partial[kRowFields + 1][kThreads];
+  const int b = static_cast<int>(blockIdx.x), t = static_cast<int>(threadIdx.x);
+  const int threads = static_cast<int>(blockDim.x);
+  int* const label = labels + static_cast<std::size_t>(b) * 2 * tokens;
+  int* const next = label + tokens;
+  const std::uint32_t* cloud_edges = edges + static_cast<std::size_t>(b) * tokens * words;
+
+  if (t == 0) votes[0] = votes[1] = votes[2] = 0;
+  for (int i = t; i < tokens; i += threads) label[i] = next[i] = i;
+  __syncthreads();
+  int round = 0;
+  // Invariant at the top: label == next, and every label is a root (label[label[i]] ==
+  // label[i]), the smallest token of its tree.
+  for (;;) {
+    // Hook: for each clustered pair in two trees, the larger root under the smaller one. Reads
+    // `label` only; writes `next` only, through atomicMin.
+    bool hooked = false;
+    for (int i = t; i < tokens; i += threads) {
+      const int root_i = label[i];
+      const std::uint32_t* row = cloud_edges + static_cast<std::size_t>(i) * words;
+      for (int w = (i + 1) / kWordBits; w < words; ++w) {
+        std::uint32_t bits = row[w];
+        for (int k = 0; bits != 0; ++k, bits >>= 1) {
+          if ((bits & 1u) == 0) continue;
+          const int root_j = label[w * kWordBits + k];
+          if (root_j != root_i) {
+            const int high = root_i > root_j ? root_i : root_j;
+            atomicMin(&next[high], root_i + root_j - high);
+            hooked = true;
+          }
+        }
+      }
+    }
+    if (!block_any(hooked, votes, round)) break;
+    // Pointer jumping, double-buffered (label from next, then next from label), until every
+    // token points at a root again. Labels only decrease, so there are no cycles.
+    bool changed = false;
+    do {
+      for (int i = t; i < tokens; i += threads) label[i] = next[next[i]];
+      __syncthreads();
+      changed = false;
+      for (int i = t; i < tokens; i += threads) {
+        if (next[i] != label[i]) {
+          next[i] = label[i];
+          changed = true;
+        }
+      }
+    } while (block_any(changed, votes, round));
+  }
+
+  double sum = 0.0, energy = 0.0, clustered = 0.0, roots = 0.0;
+  double low = static_cast<double>(INFINITY), high = 0.0;
+  const double* cloud_rows = rows + static_cast<std::size_t>(b) * tokens * kRowFields;
+  for (int i = t; i < tokens; i += threads) {
+    const double* r = cloud_rows + static_cast<std::size_t>(i) * kRowFields;
+    sum += r[kRowSum];
+    energy += r[kRowEnergy];
+    clustered += r[kRowClustered];
+    low = r[kRowMin] < low ? r[kRowMin] : low;
+    high = high < r[kRowMax] ? r[kRowMax] : high;
+    if (label[i] == i) roots += 1.0;
+  }
+  partial[kRowSum][t] = sum;
+  partial[kRowEnergy][t] = energy;
+  partial[kRowClustered][t] = clustered;
+  partial[kRowMin][t] = low;
+  partial[kRowMax][t] = high;
+  partial[kRowFields][t] = roots;
+  __syncthreads();
+  for (int stride = threads / 2; stride > 0; stride /= 2) {
+    if (t < stride) {
+      partial[kRowSum][t] += partial[kRowSum][t + stride];
+      partial[kRowEnergy][t] += partial[kRowEnergy][t + stride];
+      partial[kRowClustered][t] += partial[kRowClustered][t + stride];
+      partial[kRowFields][t] += partial[kRowFields][t + stride];
+      const double other_low = partial[kRowMin][t + stride];
+      if (other_low < partial[kRowMin][t]) partial[kRowMin][t] = other_low;
+      const double other_high = partial[kRowMax][t + stride];
+      if (partial[kRowMax][t] < other_high) partial[kRowMax][t] = other_high;
+    }
+    __syncthreads();
+  }
+  if (t == 0) {
+    const double n = static_cast<double>(tokens);
+    const double pairs = n * (n - 1.0) / 2.0;
+    double* o = out + static_cast<std::size_t>(b) * kObservableFields;
+    o[kMinInner] = partial[kRowMin][0];
+    o[kMeanInner] = partial[kRowSum][0] / pairs;
+    o[kClusteredFraction] = partial[kRowClustered][0] / pairs;
+    o[kClusters] = partial[kRowFields][0];
+    o[kEnergy] = partial[kRowEnergy][0] / (2.0 * betas[b] * n * n);
+    o[kDiameter] = sqrt(partial[kRowMax][0]);
+  }
+}
+
+}  // namespace
+
+ObserveScratchSizes observe_scratch_sizes(std::int64_t batch, std::int64_t tokens) {
+  ObserveScratchSizes sizes;
+  sizes.norms = batch * tokens;
+  sizes.rows = batch * tokens * kRowFields;
+  sizes.edges = batch * tokens * words_for(static_cast<int>(tokens));
+  sizes.labels = 2 * batch * tokens;
+  return sizes;
+}
+
+template <class T>
+void launch_axpy(T* y, const T* x, const T* k, T step, int n, cuda::Stream stream) {
+  axpy_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(y, x, k, step, n);
+  check_launch(kOperation, "axpy_kernel");
+}
+
+template <class T>
+void launch_rk4_combine(T* x, const T* k1, const T* k2, const T* k3, const T* k4, T sixth, int n,
+                        cuda::Stream stream) {
+  rk4_combine_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(x, k1, k2, k3, k4, sixth, n);
+  check_launch(kOperation, "rk4_combine_kernel");
+}
+
+template <class T>
+void launch_add(T* x, const T* delta, int n, cuda::Stream stream) {
+  add_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(x, delta, n);
+  check_launch(kOperation, "add_kernel");
+}
+
+template <class T>
+void launch_normalize(Normalization norm, const T* in, T* out, int rows, int dim, const T* gain,
+                      const T* bias, cuda::Stream stream) {
+  if (norm == Normalization::none) {
+    if (in != out) {
+      check_cuda(cudaMemcpyAsync(out, in, static_cast<std::size_t>(rows) * dim * sizeof(T),
+                                 cudaMemcpyDeviceToDevice, stream),
+                 kOperation, "cudaMemcpyAsync (device to device)");
+    }
+    return;
+  }
+  normalize_kernel<T><<<grid_for(rows), kThreads, 0, stream>>>(static_cast<int>(norm), in, out,
+                                                               rows, dim, gain, bias);
+  check_launch(kOperation, "normalize_kernel");
+}
+
+template <class T>
+void launch_tangent(const T* cloud, T* update, int rows, int dim, cuda::Stream stream) {
+  tangent_kernel<T><<<grid_for(rows), kThreads, 0, stream>>>(cloud, update, rows, dim);
+  check_launch(kOperation, "tangent_kernel");
+}
+
+template <class T>
+void launch_usa_accumulate(T* update, const T* delta, const T* lse, double log_tokens, bool first,
+                           int rows, int dim, cuda::Stream stream) {
+  usa_accumulate_kernel<T><<<grid_for(rows * dim), kThreads, 0, stream>>>(
+      update, delta, lse, log_tokens, first, rows, dim);
+  check_launch(kOperation, "usa_accumulate_kernel");
+}
+
+template <class T>
+void launch_add_offset(T* update, const T* offset, int rows, int dim, cuda::Stream stream) {
+  add_offset_kernel<T><<<grid_for(rows * dim), kThreads, 0, stream>>>(update, offset, rows, dim);
+  check_launch(kOperation, "add_offset_kernel");
+}
+
+template <class T>
+void launch_mean_entropy(const T* entropy, int batch, int heads, int tokens,
+                         std::int64_t cloud_stride, std::int64_t head_stride, double* out,
+                         int out_stride, cuda::Stream stream) {
+  mean_entropy_kernel<T><<<static_cast<unsigned>(batch), kThreads, 0, stream>>>(
+      entropy, heads, tokens, static_cast<long long>(cloud_stride),
+      static_cast<long long>(head_stride), out, out_stride);
+  check_launch(kOperation, "mean_entropy_kernel");
+}
+
+template <class T>
+void launch_observe(const T* clouds, int batch, int tokens, int dim, const double* betas,
+                    double cluster_eps, const ObserveScratch& scratch, double* out,
+                    cuda::Stream stream) {
+  const int rows = batch * tokens;
+  const int words = words_for(tokens);
+  token_norms_kernel<T><<<grid_for(rows), kThreads, 0, stream>>>(clouds, rows, dim, scratch.norms);
+  check_launch(kOperation, "token_norms_kernel");
+  // A block per token, as wide as its words need (a size that depends on N only, so the
+  // reduction order does too).
+  const int pair_threads = words <= 32 ? 32 : (words <= 64 ? 64 : kThreads);
+  pair_rows_kernel<T>
+      <<<static_cast<unsigned>(rows), static_cast<unsigned>(pair_threads), 0, stream>>>(
+          clouds, tokens, dim, words, betas, scratch.norms, cluster_eps, scratch.rows,
+          scratch.edges);
+  check_launch(kOperation, "pair_rows_kernel");
+  finish_kernel<<<static_cast<unsigned>(batch), kThreads, 0, stream>>>(
+      tokens, words, betas, scratch.rows, scratch.edges, scratch.labels, out);
+  check_launch(kOperation, "finish_kernel");
+}
+
+#define EMFLOW_FLOW_CUDA_INSTANTIATE(T)                                                        \
+  template void launch_axpy<T>(T*, const T*, const T*, T, int, cuda::Stream);                  \
+  template void launch_rk4_combine<T>(T*, const T*, const T*, const T*, const T*, T, int,      \
+                                      cuda::Stream);                                           \
+  template void launch_add<T>(T*, const T*, int, cuda::Stream);                                \
+  template void launch_normalize<T>(Normalization, const T*, T*, int, int, const T*, const T*, \
+                                    cuda::Stream);                                             \
+  template void launch_tangent<T>(const T*, T*, int, int, cuda::Stream);                       \
+  template void launch_usa_accumulate<T>(T*, const T*, const T*, double, bool, int, int,       \
+                                         cuda::Stream);                                        \
+  template void launch_add_offset<T>(T*, const T*, int, int, cuda::Stream);                    \
+  template void launch_mean_entropy<T>(const T*, int, int, int, std::int64_t, std::int64_t,    \
+                                       double*, int, cuda::Stream);                            \
+  template void launch_observe<T>(const T*, int, int, int, const double*, double,              \
+                                  const ObserveScratch&, double*, cuda::Stream);
+
+EMFLOW_FLOW_CUDA_INSTANTIATE(float)
+EMFLOW_FLOW_CUDA_INSTANTIATE(double)
+#undef EMFLOW_FLOW_CUDA_INSTANTIATE
+
+}  // namespace emflow::flow::detail
