@@ -67,9 +67,8 @@ void run_phase(PhaseArguments& args) {
     return 0;
   });
   const ExecutionOptions options = execution_options(args.device, args.threads);
-  naming_option("--device", [&] { return resolve_device(options.device); });
-  // What phase_diagram runs on: the specialised CPU path unless cuda or reference is named.
-  const Device device = options.device == Device::automatic ? Device::cpu : options.device;
+  // What phase_diagram runs on: the GPU when auto finds one (or cuda is named), else the CPU.
+  const Device device = naming_option("--device", [&] { return resolve_device(options.device); });
 
   Outputs outputs;
   if (!args.plot.empty()) outputs.declare("--plot", args.plot);
