@@ -38,7 +38,9 @@ struct Components {
   }
 };
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// Not under ThreadSanitizer: GCC instruments the clones' ifunc resolver, which then runs before
+// the sanitizer's runtime is up and crashes the program at load time.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
 #define EMFLOW_OBSERVE_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define EMFLOW_OBSERVE_CLONES
