@@ -187,7 +187,8 @@ TYPED_TEST(FlowCudaTyped, ObservablesMatchHostObserveWithKnownClusters) {
   for (std::int64_t b = 0; b < 3; ++b) {
     const Observables host = observe(x0.data() + b * N * d, N, d, betas[b]);
     ASSERT_EQ(host.clusters, want_clusters[b]) << "cloud " << b;
-    ASSERT_EQ(host.clustered_fraction * (N * (N - 1) / 2), want_pairs[b]) << "cloud " << b;
+    ASSERT_EQ(host.clustered_fraction, want_pairs[b] / static_cast<double>(N * (N - 1) / 2))
+        << "cloud " << b;
   }
   // Record 0 of a run is the initial state; a one-layer stack adds a second, moved state.
   FlowSettings s;
@@ -206,6 +207,38 @@ TYPED_TEST(FlowCudaTyped, ObservablesMatchHostObserveWithKnownClusters) {
   for (std::int64_t b = 0; b < 3; ++b) {
     EXPECT_EQ(gpu.observables[static_cast<std::size_t>(b)].clusters, want_clusters[b]);
   }
+}
+
+// More tokens than a block has threads (each thread takes several tokens in the component
+// search) and seven words of pair bits per token: a shuffled chain of 150 tokens 0.03 rad apart
+// on a circle, one cluster that needs many hooking rounds, and five groups of ten identical
+// tokens off the chain's plane: 6 clusters, 149 + 5 * 45 = 374 clustered pairs.
+TEST(FlowCuda, ObservablesOfALargerCloud) {
+  EMFLOW_REQUIRE_CUDA();
+  constexpr std::int64_t N = 200, d = 3, chain = 150;
+  Tensor<float> x0({1, N, d});
+  for (std::int64_t k = 0; k < chain; ++k) {
+    float* x = x0.data() + ((k * 37) % chain) * d;
+    x[0] = static_cast<float>(std::cos(0.03 * static_cast<double>(k)));
+    x[1] = static_cast<float>(std::sin(0.03 * static_cast<double>(k)));
+    x[2] = 0.f;
+  }
+  for (std::int64_t i = chain; i < N; ++i) {
+    const double phi = 1.2 * static_cast<double>((i - chain) % 5);
+    float* x = x0.data() + i * d;
+    x[0] = static_cast<float>(std::cos(phi));
+    x[1] = static_cast<float>(std::sin(phi));
+    x[2] = 1.f;
+  }
+  const Observables host = observe(x0.data(), N, d, 1.0);
+  ASSERT_EQ(host.clusters, 6);
+  ASSERT_EQ(host.clustered_fraction, 374.0 / static_cast<double>(N * (N - 1) / 2));
+  FlowSettings s;
+  s.layers = 1;
+  const auto gpu = run_flow(x0, {1.0}, {random_layer<float>(d, 1, 4, false)}, s, on(Device::cuda));
+  expect_observables(gpu.observables[0], host, "initial cloud");
+  const Observables moved = observe(gpu.trajectory.data() + N * d, N, d, 1.0);
+  expect_observables(gpu.observables[1], moved, "after one layer");
 }
 
 TYPED_TEST(FlowCudaTyped, ContinuousOnTheSphereMatchesCpu) {
