@@ -127,12 +127,16 @@ run_step() {  # $1 name, $2 timeout seconds, rest: command
 # 2. The GPU tests (the CPU reference they compare with runs on the host).
 run_step "gpu tests" 180 "$TESTS" --gtest_color=no
 
-# 3. compute-sanitizer on small cases: both algorithms, every tile width, masks, heads.
+# 3. compute-sanitizer on small cases: both attention algorithms, every tile width, masks, heads;
+#    the phase kernel (register and shared-memory layouts, the fallback); the flow's kernels.
 SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 SMALL='Fused/CudaFloat.MatchesReference/n7_d3*:Fused/CudaFloat.MatchesReference/n101_d128*'
 SMALL+=':Fused/CudaFloat.MatchesReference/n33_d255*:Fused/CudaFloat.MatchesReference/n33_d64*'
 SMALL+=':Unfused/CudaFloat.MatchesReference/n33_d64*:Unfused/CudaDouble.MatchesReference/n7_d3*'
 SMALL+=':CudaAsync.*'
+SMALL+=':PhaseCuda/PhaseCudaPaths.MatchesCpuAndGenericPaths/n33_d*:PhaseCudaSweep.*'
+SMALL+=':FlowCuda.RecordsEveryKStepsAndTheLast:FlowCuda.ObservablesOfALargerCloud'
+SMALL+=':FlowCudaTyped/0.DiscreteStackWithEveryNormalisationMatchesCpu'
 run_step "memcheck" 120 "$SANITIZER" --tool memcheck --error-exitcode 1 "$TESTS" \
   --gtest_filter="$SMALL" --gtest_color=no
 run_step "racecheck" 120 "$SANITIZER" --tool racecheck --error-exitcode 1 "$TESTS" \
