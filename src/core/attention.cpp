@@ -13,6 +13,14 @@ namespace emflow {
 
 template <class T>
 void validate(const AttentionInput<T>& in, const AttentionOutput<T>& out, const char* op) {
+  detail::check_arguments(in, out, op);
+  detail::check_no_overlap(in, out, op);
+}
+
+namespace detail {
+
+template <class T>
+void check_arguments(const AttentionInput<T>& in, const AttentionOutput<T>& out, const char* op) {
   using detail::checked_multiply;
   using detail::expect_not_null;
   using detail::expect_positive;
@@ -50,54 +58,55 @@ void validate(const AttentionInput<T>& in, const AttentionOutput<T>& out, const 
       }
     }
   }
-  detail::check_no_overlap(in, out, op);
 }
 
-namespace detail {
-
-template <class T>
-void check_no_overlap(const AttentionInput<T>& in, const AttentionOutput<T>& out,
-                      const char* operation, const void* workspace, std::size_t workspace_bytes) {
-  struct Range {
-    const char* name;
-    std::uintptr_t begin, end;
-    bool output;
-  };
-  // Sizes fit in int64 (validate() multiplied them with checks).
-  const auto B = static_cast<std::uintptr_t>(in.batch), N = static_cast<std::uintptr_t>(in.tokens);
-  const auto d = static_cast<std::uintptr_t>(in.dim);
-  const auto H = static_cast<std::uintptr_t>(in.layer.heads);
-  Range ranges[12];
-  int count = 0;
-  auto add = [&](const char* name, const void* pointer, std::uintptr_t bytes, bool output) {
-    if (pointer == nullptr || bytes == 0) return;
-    const auto begin = reinterpret_cast<std::uintptr_t>(pointer);
-    ranges[count++] = {name, begin, begin + bytes, output};
-  };
-  add("cloud", in.cloud, B * N * d * sizeof(T), false);
-  add("relevance", in.layer.relevance, H * d * d * sizeof(T), false);
-  add("content", in.layer.content, H * d * d * sizeof(T), false);
-  add("key_bias", in.layer.key_bias, H * d * sizeof(T), false);
-  add("offset", in.layer.offset, d * sizeof(T), false);
-  add("key_lengths", in.key_lengths, B * sizeof(std::int64_t), false);
-  add("workspace", workspace, workspace_bytes, true);
-  add("update", out.update, B * N * d * sizeof(T), true);
-  add("lse", out.lse, B * H * N * sizeof(T), true);
-  add("entropy", out.entropy, B * H * N * sizeof(T), true);
-  add("weights", out.weights, B * H * N * N * sizeof(T), true);
-  for (int a = 0; a < count; ++a) {
-    for (int b = a + 1; b < count; ++b) {
-      const Range& x = ranges[a];
-      const Range& y = ranges[b];
-      if (!(x.output || y.output) || x.end <= y.begin || y.end <= x.begin) continue;
-      const Range& written = y.output ? y : x;
-      const Range& other = y.output ? x : y;
+void check_disjoint(const MemoryRange* ranges, std::size_t count, const char* operation) {
+  for (std::size_t a = 0; a < count; ++a) {
+    for (std::size_t b = a + 1; b < count; ++b) {
+      const MemoryRange& x = ranges[a];
+      const MemoryRange& y = ranges[b];
+      if (!(x.written || y.written) || x.pointer == nullptr || y.pointer == nullptr ||
+          x.bytes == 0 || y.bytes == 0) {
+        continue;
+      }
+      const auto x0 = reinterpret_cast<std::uintptr_t>(x.pointer), x1 = x0 + x.bytes;
+      const auto y0 = reinterpret_cast<std::uintptr_t>(y.pointer), y1 = y0 + y.bytes;
+      if (x1 <= y0 || y1 <= x0) continue;
+      const MemoryRange& written = y.written ? y : x;
+      const MemoryRange& other = y.written ? x : y;
       fail_argument(operation, written.name, "shares memory with ", other.name,
                     "; outputs must not overlap inputs, other outputs or the workspace");
     }
   }
 }
 
+template <class T>
+void check_no_overlap(const AttentionInput<T>& in, const AttentionOutput<T>& out,
+                      const char* operation, const void* workspace, std::size_t workspace_bytes) {
+  // Sizes fit in int64 (validate() multiplied them with checks).
+  const auto B = static_cast<std::size_t>(in.batch), N = static_cast<std::size_t>(in.tokens);
+  const auto d = static_cast<std::size_t>(in.dim);
+  const auto H = static_cast<std::size_t>(in.layer.heads);
+  const MemoryRange ranges[] = {
+      {"cloud", in.cloud, B * N * d * sizeof(T), false},
+      {"relevance", in.layer.relevance, H * d * d * sizeof(T), false},
+      {"content", in.layer.content, H * d * d * sizeof(T), false},
+      {"key_bias", in.layer.key_bias, H * d * sizeof(T), false},
+      {"offset", in.layer.offset, d * sizeof(T), false},
+      {"key_lengths", in.key_lengths, B * sizeof(std::int64_t), false},
+      {"workspace", workspace, workspace_bytes, true},
+      {"update", out.update, B * N * d * sizeof(T), true},
+      {"lse", out.lse, B * H * N * sizeof(T), true},
+      {"entropy", out.entropy, B * H * N * sizeof(T), true},
+      {"weights", out.weights, B * H * N * N * sizeof(T), true},
+  };
+  check_disjoint(ranges, sizeof ranges / sizeof ranges[0], operation);
+}
+
+template void check_arguments<float>(const AttentionInput<float>&, const AttentionOutput<float>&,
+                                     const char*);
+template void check_arguments<double>(const AttentionInput<double>&, const AttentionOutput<double>&,
+                                      const char*);
 template void check_no_overlap<float>(const AttentionInput<float>&, const AttentionOutput<float>&,
                                       const char*, const void*, std::size_t);
 template void check_no_overlap<double>(const AttentionInput<double>&,

@@ -22,10 +22,29 @@ void cpu_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output
 template <class T>
 void cuda_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output);
 
-/// Refuses outputs that share memory with an input, with another output or with the workspace
-/// (when given): every backend reads its inputs while it writes its outputs, so an aliased
-/// output would silently corrupt the result. Compares address ranges only; reads no memory, so
-/// it serves host and device pointers alike. Shapes must already be checked (validate()).
+/// validate() without the overlap check: shapes, sizes, pointers, beta, the mask and the key
+/// lengths. For callers whose operators are not the dense ones (attend_factored), which then
+/// check their own memory ranges with check_disjoint.
+template <class T>
+void check_arguments(const AttentionInput<T>& input, const AttentionOutput<T>& output,
+                     const char* operation);
+
+/// One array an operation reads or writes: `bytes` from `pointer` (null or 0 bytes: absent).
+struct MemoryRange {
+  const char* name;
+  const void* pointer;
+  std::size_t bytes;
+  bool written;
+};
+
+/// Refuses a written range that shares memory with any other range (read or written), naming
+/// both: every backend reads its inputs while it writes its outputs, so an aliased output would
+/// silently corrupt the result. Compares addresses only and reads no memory, so it serves host
+/// and device pointers alike.
+void check_disjoint(const MemoryRange* ranges, std::size_t count, const char* operation);
+
+/// check_disjoint over the arrays of an attend call (sizes from validated shapes), plus the
+/// workspace when given (written).
 template <class T>
 void check_no_overlap(const AttentionInput<T>& input, const AttentionOutput<T>& output,
                       const char* operation, const void* workspace = nullptr,

@@ -49,7 +49,28 @@ void validate_factored(const AttentionInput<T>& input, const FactoredLayer<T>& l
   shape.layer.heads = layer.heads;
   shape.layer.relevance = layer.query_factor;
   shape.layer.content = layer.content_down;
-  validate(shape, output, kOperation);
+  detail::check_arguments(shape, output, kOperation);
+  // No output may share memory with the factors (sizes fit: checked above).
+  const auto B = static_cast<std::size_t>(input.batch);
+  const auto N = static_cast<std::size_t>(input.tokens);
+  const auto d = static_cast<std::size_t>(input.dim);
+  const auto H = static_cast<std::size_t>(layer.heads);
+  const auto r = static_cast<std::size_t>(layer.rank);
+  const detail::MemoryRange ranges[] = {
+      {"cloud", input.cloud, B * N * d * sizeof(T), false},
+      {"query_factor", layer.query_factor, H * r * d * sizeof(T), false},
+      {"key_factor", layer.key_factor, H * r * d * sizeof(T), false},
+      {"content_up", layer.content_up, H * d * r * sizeof(T), false},
+      {"content_down", layer.content_down, H * r * d * sizeof(T), false},
+      {"key_bias", layer.key_bias, H * d * sizeof(T), false},
+      {"offset", layer.offset, d * sizeof(T), false},
+      {"key_lengths", input.key_lengths, B * sizeof(std::int64_t), false},
+      {"update", output.update, B * N * d * sizeof(T), true},
+      {"lse", output.lse, B * H * N * sizeof(T), true},
+      {"entropy", output.entropy, B * H * N * sizeof(T), true},
+      {"weights", output.weights, B * H * N * N * sizeof(T), true},
+  };
+  detail::check_disjoint(ranges, sizeof ranges / sizeof ranges[0], kOperation);
 }
 
 /// M_h = A_h^T B_h and F_h = U_h V_h in double, with the key bias and offset, as a dense layer.

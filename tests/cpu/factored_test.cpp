@@ -196,6 +196,9 @@ TEST(Factored, RejectsBadArgumentsNamingThem) {
   expect_error([](FactoredRun<float>& r) { r.input.tokens = 0; }, "tokens");
   expect_error([](FactoredRun<float>& r) { r.output.update = nullptr; }, "update");
   expect_error([](FactoredRun<float>& r) { r.input.layer.relevance = r.A.data(); }, "input.layer");
+  // Outputs must not share memory with the factors or the cloud (they are read while written).
+  expect_error([](FactoredRun<float>& r) { r.output.update = r.U.data(); }, "update");
+  expect_error([](FactoredRun<float>& r) { r.output.lse = r.cloud.data() + 1; }, "lse");
 }
 
 }  // namespace
