@@ -102,6 +102,9 @@ FlowResult<T> run_flow_cuda(const Tensor<T>& initial, const std::vector<double>&
 
   FlowResult<T> result = allocate_result<T>(B, N, d, settings);
 
+  // Launch failures are read back with cudaGetLastError: an error the caller left pending is
+  // reported as such before anything is enqueued.
+  emflow::detail::check_no_pending_error(kOperation);
   // The stream is declared first so it outlives every buffer: on an error path the buffers are
   // freed (cudaFree waits for the device) before the stream is destroyed.
   const emflow::detail::OwnedStream owned(kOperation);

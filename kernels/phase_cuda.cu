@@ -382,6 +382,9 @@ std::vector<double> phase_kernel_cuda(const std::vector<float>& initial, std::in
     beta_log2e[k] = static_cast<float>(betas[k]) * kLog2e;  // as the CPU path rounds it
   }
 
+  // Launch failures are read back with cudaGetLastError: an error the caller left pending is
+  // reported as such before anything is enqueued.
+  emflow::detail::check_no_pending_error(operation);
   // The stream first, so that it outlives the buffers on an error path.
   const emflow::detail::OwnedStream stream(operation);
   const cudaStream_t s = stream.get();
