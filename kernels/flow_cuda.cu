@@ -181,6 +181,28 @@ __global__ void token_norms_kernel(const T* clouds, int rows, int dim, double* n
   }
 }
 
+// The fixed tree over a block's per-thread fields (`threads` a power of two): sums for the
+// summed fields (kRowSum, kRowEnergy, kRowClustered and, with Fields > kRowFields, the extra
+// field), min for kRowMin, max for kRowMax; the totals end in column 0. Begins with a barrier,
+// so the fields may have just been written.
+template <int Fields>
+__device__ void reduce_row_fields(double (*partial)[kThreads], int t, int threads) {
+  __syncthreads();
+  for (int stride = threads / 2; stride > 0; stride /= 2) {
+    if (t < stride) {
+      partial[kRowSum][t] += partial[kRowSum][t + stride];
+      partial[kRowEnergy][t] += partial[kRowEnergy][t + stride];
+      partial[kRowClustered][t] += partial[kRowClustered][t + stride];
+      for (int f = kRowFields; f < Fields; ++f) partial[f][t] += partial[f][t + stride];
+      const double other_low = partial[kRowMin][t + stride];
+      if (other_low < partial[kRowMin][t]) partial[kRowMin][t] = other_low;
+      const double other_high = partial[kRowMax][t + stride];
+      if (partial[kRowMax][t] < other_high) partial[kRowMax][t] = other_high;
+    }
+    __syncthreads();
+  }
+}
+
 // One block per token i (blockIdx.x = b * N + i). Thread t takes the words w = first + t,
 // first + t + blockDim, ... of tokens j in [32 w, 32 w + 32), j > i.
 template <class T>
@@ -236,19 +258,7 @@ __global__ void pair_rows_kernel(const T* clouds, int tokens, int dim, int words
   partial[kRowClustered][t] = clustered;
   partial[kRowMin][t] = low;
   partial[kRowMax][t] = high;
-  __syncthreads();
-  for (int stride = threads / 2; stride > 0; stride /= 2) {
-    if (t < stride) {
-      partial[kRowSum][t] += partial[kRowSum][t + stride];
-      partial[kRowEnergy][t] += partial[kRowEnergy][t + stride];
-      partial[kRowClustered][t] += partial[kRowClustered][t + stride];
-      const double other_low = partial[kRowMin][t + stride];
-      if (other_low < partial[kRowMin][t]) partial[kRowMin][t] = other_low;
-      const double other_high = partial[kRowMax][t + stride];
-      if (partial[kRowMax][t] < other_high) partial[kRowMax][t] = other_high;
-    }
-    __syncthreads();
-  }
+  reduce_row_fields<kRowFields>(partial, t, threads);
   if (t < kRowFields) rows[static_cast<std::size_t>(row) * kRowFields + t] = partial[t][0];
 }
 
@@ -340,20 +350,7 @@ __global__ void finish_kernel(int tokens, int words, const double* betas, const 
   partial[kRowMin][t] = low;
   partial[kRowMax][t] = high;
   partial[kRowFields][t] = roots;
-  __syncthreads();
-  for (int stride = threads / 2; stride > 0; stride /= 2) {
-    if (t < stride) {
-      partial[kRowSum][t] += partial[kRowSum][t + stride];
-      partial[kRowEnergy][t] += partial[kRowEnergy][t + stride];
-      partial[kRowClustered][t] += partial[kRowClustered][t + stride];
-      partial[kRowFields][t] += partial[kRowFields][t + stride];
-      const double other_low = partial[kRowMin][t + stride];
-      if (other_low < partial[kRowMin][t]) partial[kRowMin][t] = other_low;
-      const double other_high = partial[kRowMax][t + stride];
-      if (partial[kRowMax][t] < other_high) partial[kRowMax][t] = other_high;
-    }
-    __syncthreads();
-  }
+  reduce_row_fields<kRowFields + 1>(partial, t, threads);
   if (t == 0) {
     const double n = static_cast<double>(tokens);
     const double pairs = n * (n - 1.0) / 2.0;
