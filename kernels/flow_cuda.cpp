@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention_kernels.hpp"
 #include "core/check.hpp"
 #include "cuda_support.hpp"
 #include "emflow/cuda.hpp"
@@ -136,11 +137,8 @@ FlowResult<T> run_flow_cuda(const Tensor<T>& initial, const std::vector<double>&
 
   // Runs [b0, b1) of consecutive clouds with one beta: one attend_async each.
   std::vector<std::pair<std::int64_t, std::int64_t>> runs;
-  for (std::int64_t b0 = 0; b0 < B;) {
-    std::int64_t b1 = b0 + 1;
-    while (b1 < B && betas[count(b1)] == betas[count(b0)]) ++b1;
-    runs.emplace_back(b0, b1);
-    b0 = b1;
+  for (std::int64_t b0 = 0; b0 < B; b0 = runs.back().second) {
+    runs.emplace_back(b0, beta_run_end(betas, b0));
   }
 
   // One workspace for every call of the run: the largest any call needs.
@@ -208,8 +206,11 @@ FlowResult<T> run_flow_cuda(const Tensor<T>& initial, const std::vector<double>&
         launch_usa_accumulate<T>(out, head_delta.data(), head_lse.data(), log_tokens, h == 0, rows,
                                  dim, stream);
       }
-      if (layer.ops.offset != nullptr)
-        launch_add_offset<T>(out, layer.ops.offset, rows, dim, stream);
+      if (layer.ops.offset != nullptr) {
+        // The attention backend's kernel: every token of the B * N rows is visible here.
+        emflow::detail::launch_add_offset<T>(out, layer.ops.offset, 1, rows, dim,
+                                             emflow::detail::KernelMask{}, stream, kOperation);
+      }
       if (mean_entropy != nullptr) {
         launch_mean_entropy<T>(entropy.data(), batch, static_cast<int>(H), tokens, N, B * N,
                                mean_entropy, kObservableFields, stream);

@@ -94,10 +94,6 @@ template <class T>
 void launch_usa_accumulate(T* update, const T* delta, const T* lse, double log_tokens, bool first,
                            int rows, int dim, cuda::Stream stream);
 
-/// update_i += offset for every token.
-template <class T>
-void launch_add_offset(T* update, const T* offset, int rows, int dim, cuda::Stream stream);
-
 /// out[b * out_stride] = mean over heads h and tokens i of
 /// entropy[h * head_stride + b * cloud_stride + i], in double, in a fixed order.
 template <class T>

@@ -282,9 +282,7 @@ void attention_update(const T* cloud, std::int64_t batch, std::int64_t tokens, s
   auto attend_runs = [&](const LayerOperators<T>& head_ops, std::int64_t heads, T* delta,
                          T* run_lse, T* run_entropy) {
     for (std::int64_t b0 = 0; b0 < B;) {
-      std::int64_t b1 = b0 + 1;
-      while (b1 < B && betas[static_cast<std::size_t>(b1)] == betas[static_cast<std::size_t>(b0)])
-        ++b1;
+      const std::int64_t b1 = detail::beta_run_end(betas, b0);
       AttentionInput<T> in;
       in.cloud = cloud + b0 * N * d;
       in.batch = b1 - b0;

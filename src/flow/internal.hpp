@@ -12,6 +12,17 @@ namespace emflow::flow::detail {
 /// per operator, per layer.
 std::uint64_t mix_seed(std::uint64_t seed, std::uint64_t stream) noexcept;
 
+/// The end of the run of consecutive clouds from `first` that share its beta: one attention
+/// call covers clouds [first, beta_run_end(betas, first)).
+inline std::int64_t beta_run_end(const std::vector<double>& betas, std::int64_t first) {
+  const auto count = static_cast<std::int64_t>(betas.size());
+  std::int64_t end = first + 1;
+  while (end < count &&
+         betas[static_cast<std::size_t>(end)] == betas[static_cast<std::size_t>(first)])
+    ++end;
+  return end;
+}
+
 /// Scratch space of one continuous-time step (the RK4 stages).
 template <class T>
 struct StepWorkspace {
