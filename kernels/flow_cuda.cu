@@ -140,12 +140,6 @@ __global__ void usa_accumulate_kernel(T* update, const T* delta, const T* lse, d
   }
 }
 
-template <class T>
-__global__ void add_offset_kernel(T* update, const T* offset, int rows, int dim) {
-  const int n = rows * dim;
-  for (int e = first_index(); e < n; e += grid_stride()) update[e] += offset[e % dim];
-}
-
 // One block per cloud: the mean over heads and tokens, a fixed strided sum then a fixed tree.
 template <class T>
 __global__ void mean_entropy_kernel(const T* entropy, int heads, int tokens, long long cloud_stride,
@@ -262,26 +256,10 @@ __global__ void pair_rows_kernel(const T* clouds, int tokens, int dim, int words
   if (t < kRowFields) rows[static_cast<std::size_t>(row) * kRowFields + t] = partial[t][0];
 }
 
-// Whether `predicate` holds for any thread of the block. `votes`: three shared ints, zero
-// before the first vote; `round` counts the votes, the same in every thread. The vote of round
-// r uses slot r % 3 and clears slot (r + 2) % 3, which the previous vote read before this
-// vote's barrier and the next-but-one vote will set only after the next vote's barrier: one
-// barrier per vote, and no slot is read and written at once.
-__device__ bool block_any(bool predicate, int* votes, int& round) {
-  int* const vote = votes + round % 3;
-  if (predicate) atomicMax(vote, 1);
-  __syncthreads();
-  const bool any = *vote != 0;
-  if (threadIdx.x == 0) votes[(round + 2) % 3] = 0;
-  ++round;
-  return any;
-}
-
 // One block per cloud: the clusters (connected components of the clustered pairs) and the
 // reduction of the token rows into the cloud's observables (all but the entropy).
 __global__ void finish_kernel(int tokens, int words, const double* betas, const double* rows,
                               const std::uint32_t* edges, int* labels, double* out) {
-  __shared__ int votes[3];
   __shared__ double partial[kRowFields + 1][kThreads];
   const int b = static_cast<int>(blockIdx.x), t = static_cast<int>(threadIdx.x);
   const int threads = static_cast<int>(blockDim.x);
@@ -289,10 +267,8 @@ __global__ void finish_kernel(int tokens, int words, const double* betas, const 
   int* const next = label + tokens;
   const std::uint32_t* cloud_edges = edges + static_cast<std::size_t>(b) * tokens * words;
 
-  if (t == 0) votes[0] = votes[1] = votes[2] = 0;
   for (int i = t; i < tokens; i += threads) label[i] = next[i] = i;
   __syncthreads();
-  int round = 0;
   // Invariant at the top: label == next, and every label is a root (label[label[i]] ==
   // label[i]), the smallest token of its tree.
   for (;;) {
@@ -315,7 +291,7 @@ __global__ void finish_kernel(int tokens, int words, const double* betas, const 
         }
       }
     }
-    if (!block_any(hooked, votes, round)) break;
+    if (!__syncthreads_or(hooked)) break;
     // Pointer jumping, double-buffered (label from next, then next from label), until every
     // token points at a root again. Labels only decrease, so there are no cycles.
     bool changed = false;
@@ -329,7 +305,7 @@ __global__ void finish_kernel(int tokens, int words, const double* betas, const 
           changed = true;
         }
       }
-    } while (block_any(changed, votes, round));
+    } while (__syncthreads_or(changed));
   }
 
   double sum = 0.0, energy = 0.0, clustered = 0.0, roots = 0.0;
@@ -425,12 +401,6 @@ void launch_usa_accumulate(T* update, const T* delta, const T* lse, double log_t
 }
 
 template <class T>
-void launch_add_offset(T* update, const T* offset, int rows, int dim, cuda::Stream stream) {
-  add_offset_kernel<T><<<grid_for(rows * dim), kThreads, 0, stream>>>(update, offset, rows, dim);
-  check_launch(kOperation, "add_offset_kernel");
-}
-
-template <class T>
 void launch_mean_entropy(const T* entropy, int batch, int heads, int tokens,
                          std::int64_t cloud_stride, std::int64_t head_stride, double* out,
                          int out_stride, cuda::Stream stream) {
@@ -471,7 +441,6 @@ void launch_observe(const T* clouds, int batch, int tokens, int dim, const doubl
   template void launch_tangent<T>(const T*, T*, int, int, cuda::Stream);                       \
   template void launch_usa_accumulate<T>(T*, const T*, const T*, double, bool, int, int,       \
                                          cuda::Stream);                                        \
-  template void launch_add_offset<T>(T*, const T*, int, int, cuda::Stream);                    \
   template void launch_mean_entropy<T>(const T*, int, int, int, std::int64_t, std::int64_t,    \
                                        double*, int, cuda::Stream);                            \
   template void launch_observe<T>(const T*, int, int, int, const double*, double,              \

@@ -79,6 +79,15 @@ inline long launches = 0;
 #define gridDim (emu::grid_dim)
 
 inline void __syncthreads() { emu::block_barrier->arrive_and_wait(); }
+// A barrier that also tells every thread whether `predicate` held for any thread of the block.
+inline int __syncthreads_or(int predicate) {
+  emu::exchange[emu::thread_index.x] = predicate != 0 ? 1.0 : 0.0;
+  emu::block_barrier->arrive_and_wait();
+  int any = 0;
+  for (unsigned u = 0; u < emu::block_dim.x; ++u) any |= emu::exchange[u] != 0.0 ? 1 : 0;
+  emu::block_barrier->arrive_and_wait();  // every thread has read before the slots are reused
+  return any;
+}
 
 template <class T>
 T __shfl_xor_sync(unsigned, T value, int lane_mask) {
@@ -211,109 +220,32 @@ inline cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const void
   return cudaSuccess;
 }
 
-// Events: the emulation runs every launch to completion before returning, so an event is always
-// complete and elapsed times are 0.
-struct CUevent_st {};
-using cudaEvent_t = CUevent_st*;
-inline cudaError_t cudaEventCreate(cudaEvent_t* e) {
-  *e = new CUevent_st;
-  return cudaSuccess;
-}
-inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) { return cudaEventCreate(e); }
-inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
-  delete e;
-  return cudaSuccess;
-}
-inline cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t = nullptr) { return cudaSuccess; }
-inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
-inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t, cudaEvent_t) {
-  *ms = 0.f;
-  return cudaSuccess;
-}
-inline cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned = 0) {
-  return cudaSuccess;
-}
+inline cudaError_t cudaEventCreate(void**) { return cudaSuccess; }
+
+// Pending-error checks at every GPU entry point, and the phase kernel's zeroed counts.
 inline cudaError_t cudaPeekAtLastError() { return emu::last_error; }
-inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
 inline cudaError_t cudaMemsetAsync(void* d, int value, std::size_t n, cudaStream_t = nullptr) {
   std::memset(d, value, n);
   return cudaSuccess;
 }
-inline cudaError_t cudaMemcpy(void* d, const void* s, std::size_t n, cudaMemcpyKind) {
-  std::memcpy(d, s, n);
-  return cudaSuccess;
-}
 
-// Device intrinsics beyond <cmath>.
-inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
-inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
-inline float __expf(float x) { return std::exp(x); }
-inline float __fdividef(float a, float b) { return a / b; }
-inline void __syncwarp(unsigned = 0xffffffffu) {
-  emu::warp_barriers[emu::thread_index.x / 32]->arrive_and_wait();
-}
-
-template <class T>
-T __shfl_sync(unsigned, T value, int source_lane) {
-  const unsigned t = emu::thread_index.x;
-  const unsigned warp = t / 32;
-  emu::warp_barriers[warp]->arrive_and_wait();
-  emu::exchange[t] = static_cast<double>(value);
-  emu::warp_barriers[warp]->arrive_and_wait();
-  const T other =
-      static_cast<T>(emu::exchange[warp * 32 + (static_cast<unsigned>(source_lane) & 31u)]);
-  emu::warp_barriers[warp]->arrive_and_wait();
-  return other;
-}
-template <class T>
-T __shfl_down_sync(unsigned, T value, unsigned delta) {
-  const unsigned t = emu::thread_index.x;
-  const unsigned warp = t / 32, lane = t % 32;
-  emu::warp_barriers[warp]->arrive_and_wait();
-  emu::exchange[t] = static_cast<double>(value);
-  emu::warp_barriers[warp]->arrive_and_wait();
-  const unsigned source = lane + delta < 32 ? lane + delta : lane;
-  const T other = static_cast<T>(emu::exchange[warp * 32 + source]);
-  emu::warp_barriers[warp]->arrive_and_wait();
-  return other;
-}
-
-// Atomics: one global lock (blocks run one after another; threads of a block are host threads).
+// Atomics (phase counts, flow cluster labels): one global lock (blocks run one after another;
+// threads of a block are host threads).
 namespace emu {
-inline std::mutex atomic_mutex;
+inline std::mutex atomic_mutex;  // one for every address and operation
+}
+template <class T, class Combine>
+T emu_atomic(T* address, Combine combine) {
+  std::lock_guard<std::mutex> lock(emu::atomic_mutex);
+  const T old = *address;
+  *address = combine(old);
+  return old;
 }
 template <class T>
 T atomicAdd(T* address, T value) {
-  std::lock_guard<std::mutex> lock(emu::atomic_mutex);
-  const T old = *address;
-  *address = old + value;
-  return old;
+  return emu_atomic(address, [&](T old) { return old + value; });
 }
 template <class T>
 T atomicMin(T* address, T value) {
-  std::lock_guard<std::mutex> lock(emu::atomic_mutex);
-  const T old = *address;
-  *address = value < old ? value : old;
-  return old;
-}
-template <class T>
-T atomicMax(T* address, T value) {
-  std::lock_guard<std::mutex> lock(emu::atomic_mutex);
-  const T old = *address;
-  *address = value > old ? value : old;
-  return old;
-}
-template <class T>
-T atomicCAS(T* address, T compare, T value) {
-  std::lock_guard<std::mutex> lock(emu::atomic_mutex);
-  const T old = *address;
-  if (old == compare) *address = value;
-  return old;
-}
-template <class T>
-T atomicExch(T* address, T value) {
-  std::lock_guard<std::mutex> lock(emu::atomic_mutex);
-  const T old = *address;
-  *address = value;
-  return old;
+  return emu_atomic(address, [&](T old) { return value < old ? value : old; });
 }
