@@ -412,10 +412,10 @@ void attend_async(const AttentionInput<T>& input, const AttentionOutput<T>& outp
   using namespace emflow::detail;
   const char* const operation = "attend_async";
   // validate() reads key length values, which live on the device here: check shapes and
-  // pointers only; the kernels clamp the lengths.
+  // pointers only; the kernels clamp the lengths. Overlaps are checked below, with the workspace.
   AttentionInput<T> shapes = input;
   shapes.key_lengths = nullptr;
-  validate(shapes, output, operation);
+  check_arguments(shapes, output, operation);
   const Plan plan = make_plan(input, output, algorithm, operation);
 
   std::string reason;

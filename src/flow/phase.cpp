@@ -142,16 +142,12 @@ PhaseDiagram phase_diagram(const PhaseSettings& s, const ExecutionOptions& optio
   // is one, else the CPU.
   const Device device = resolve_device(options.device);
 #if EMFLOW_WITH_CUDA
-  bool gpu_sweep = false;
-  if (device == Device::cuda) {
-    // A cloud larger than one block (more than 1024 tokens, or its state beyond the block's
-    // shared memory) goes through attend on the device instead, one call per beta and RK4 stage.
-    if (!detail::phase_kernel_cuda_fits(s.tokens, s.dim)) {
-      ExecutionOptions on_device = options;
-      on_device.device = Device::cuda;
-      return phase_diagram_generic(s, on_device, progress);
-    }
-    gpu_sweep = true;
+  // A cloud larger than one block (more than 1024 tokens, or its state beyond the block's
+  // shared memory) goes through attend on the device instead, one call per beta and RK4 stage.
+  if (device == Device::cuda && !detail::phase_kernel_cuda_fits(s.tokens, s.dim)) {
+    ExecutionOptions on_device = options;
+    on_device.device = Device::cuda;
+    return phase_diagram_generic(s, on_device, progress);
   }
 #else
   (void)device;  // without CUDA, Device::cuda has thrown and automatic is the CPU
@@ -163,7 +159,7 @@ PhaseDiagram phase_diagram(const PhaseSettings& s, const ExecutionOptions& optio
   const Tensor<float> initial =
       initial_clouds<float>(InitialCloud::sphere, s.clouds, s.tokens, s.dim, s.seed);
 #if EMFLOW_WITH_CUDA
-  if (gpu_sweep) {
+  if (device == Device::cuda) {
     out.clustered = detail::phase_kernel_cuda(initial.values(), s.clouds, s.tokens, s.dim,
                                               out.betas, s.time, s.dt, s.cluster_eps, progress);
     return out;
