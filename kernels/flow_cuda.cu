@@ -26,13 +26,14 @@
 
 #include "cuda_support.hpp"
 #include "flow_cuda.hpp"
+#include "launch.cuh"
 
 namespace emflow::flow::detail {
 
 namespace {
 
 using emflow::detail::check_cuda;
-using emflow::detail::check_launch;
+using emflow::detail::grid_for;
 
 constexpr const char* kOperation = "run_flow";
 constexpr int kThreads = 128;  // every block size below is a power of two <= kThreads
@@ -41,11 +42,6 @@ constexpr int kWordBits = 32;
 
 // The per-token partial sums of pair_rows, in this order.
 enum RowField : int { kRowSum, kRowEnergy, kRowClustered, kRowMin, kRowMax, kRowFields };
-
-unsigned grid_for(int n) {
-  const int wanted = n / kThreads + (n % kThreads != 0 ? 1 : 0);
-  return static_cast<unsigned>(wanted < 1 ? 1 : (wanted < kMaxBlocks ? wanted : kMaxBlocks));
-}
 
 int words_for(int tokens) { return tokens / kWordBits + (tokens % kWordBits != 0 ? 1 : 0); }
 
@@ -353,21 +349,22 @@ ObserveScratchSizes observe_scratch_sizes(std::int64_t batch, std::int64_t token
 
 template <class T>
 void launch_axpy(T* y, const T* x, const T* k, T step, int n, cuda::Stream stream) {
-  axpy_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(y, x, k, step, n);
-  check_launch(kOperation, "axpy_kernel");
+  emflow::detail::launch(kOperation, "axpy_kernel", axpy_kernel<T>,
+                         grid_for(n, kThreads, kMaxBlocks), kThreads, 0, stream, y, x, k, step, n);
 }
 
 template <class T>
 void launch_rk4_combine(T* x, const T* k1, const T* k2, const T* k3, const T* k4, T sixth, int n,
                         cuda::Stream stream) {
-  rk4_combine_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(x, k1, k2, k3, k4, sixth, n);
-  check_launch(kOperation, "rk4_combine_kernel");
+  emflow::detail::launch(kOperation, "rk4_combine_kernel", rk4_combine_kernel<T>,
+                         grid_for(n, kThreads, kMaxBlocks), kThreads, 0, stream, x, k1, k2, k3, k4,
+                         sixth, n);
 }
 
 template <class T>
 void launch_add(T* x, const T* delta, int n, cuda::Stream stream) {
-  add_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(x, delta, n);
-  check_launch(kOperation, "add_kernel");
+  emflow::detail::launch(kOperation, "add_kernel", add_kernel<T>, grid_for(n, kThreads, kMaxBlocks),
+                         kThreads, 0, stream, x, delta, n);
 }
 
 template <class T>
@@ -381,33 +378,34 @@ void launch_normalize(Normalization norm, const T* in, T* out, int rows, int dim
     }
     return;
   }
-  normalize_kernel<T><<<grid_for(rows), kThreads, 0, stream>>>(static_cast<int>(norm), in, out,
-                                                               rows, dim, gain, bias);
-  check_launch(kOperation, "normalize_kernel");
+  emflow::detail::launch(kOperation, "normalize_kernel", normalize_kernel<T>,
+                         grid_for(rows, kThreads, kMaxBlocks), kThreads, 0, stream,
+                         static_cast<int>(norm), in, out, rows, dim, gain, bias);
 }
 
 template <class T>
 void launch_tangent(const T* cloud, T* update, int rows, int dim, cuda::Stream stream) {
-  tangent_kernel<T><<<grid_for(rows), kThreads, 0, stream>>>(cloud, update, rows, dim);
-  check_launch(kOperation, "tangent_kernel");
+  emflow::detail::launch(kOperation, "tangent_kernel", tangent_kernel<T>,
+                         grid_for(rows, kThreads, kMaxBlocks), kThreads, 0, stream, cloud, update,
+                         rows, dim);
 }
 
 template <class T>
 void launch_usa_accumulate(T* update, const T* delta, const T* lse, double log_tokens, bool first,
                            int rows, int dim, cuda::Stream stream) {
-  usa_accumulate_kernel<T><<<grid_for(rows * dim), kThreads, 0, stream>>>(
-      update, delta, lse, log_tokens, first, rows, dim);
-  check_launch(kOperation, "usa_accumulate_kernel");
+  emflow::detail::launch(kOperation, "usa_accumulate_kernel", usa_accumulate_kernel<T>,
+                         grid_for(rows * dim, kThreads, kMaxBlocks), kThreads, 0, stream, update,
+                         delta, lse, log_tokens, first, rows, dim);
 }
 
 template <class T>
 void launch_mean_entropy(const T* entropy, int batch, int heads, int tokens,
                          std::int64_t cloud_stride, std::int64_t head_stride, double* out,
                          int out_stride, cuda::Stream stream) {
-  mean_entropy_kernel<T><<<static_cast<unsigned>(batch), kThreads, 0, stream>>>(
-      entropy, heads, tokens, static_cast<long long>(cloud_stride),
-      static_cast<long long>(head_stride), out, out_stride);
-  check_launch(kOperation, "mean_entropy_kernel");
+  emflow::detail::launch(kOperation, "mean_entropy_kernel", mean_entropy_kernel<T>,
+                         static_cast<unsigned>(batch), kThreads, 0, stream, entropy, heads, tokens,
+                         static_cast<long long>(cloud_stride), static_cast<long long>(head_stride),
+                         out, out_stride);
 }
 
 template <class T>
@@ -416,19 +414,19 @@ void launch_observe(const T* clouds, int batch, int tokens, int dim, const doubl
                     cuda::Stream stream) {
   const int rows = batch * tokens;
   const int words = words_for(tokens);
-  token_norms_kernel<T><<<grid_for(rows), kThreads, 0, stream>>>(clouds, rows, dim, scratch.norms);
-  check_launch(kOperation, "token_norms_kernel");
+  emflow::detail::launch(kOperation, "token_norms_kernel", token_norms_kernel<T>,
+                         grid_for(rows, kThreads, kMaxBlocks), kThreads, 0, stream, clouds, rows,
+                         dim, scratch.norms);
   // A block per token, as wide as its words need (a size that depends on N only, so the
   // reduction order does too).
   const int pair_threads = words <= 32 ? 32 : (words <= 64 ? 64 : kThreads);
-  pair_rows_kernel<T>
-      <<<static_cast<unsigned>(rows), static_cast<unsigned>(pair_threads), 0, stream>>>(
-          clouds, tokens, dim, words, betas, scratch.norms, cluster_eps, scratch.rows,
-          scratch.edges);
-  check_launch(kOperation, "pair_rows_kernel");
-  finish_kernel<<<static_cast<unsigned>(batch), kThreads, 0, stream>>>(
-      tokens, words, betas, scratch.rows, scratch.edges, scratch.labels, out);
-  check_launch(kOperation, "finish_kernel");
+  emflow::detail::launch(kOperation, "pair_rows_kernel", pair_rows_kernel<T>,
+                         static_cast<unsigned>(rows), static_cast<unsigned>(pair_threads), 0,
+                         stream, clouds, tokens, dim, words, betas, scratch.norms, cluster_eps,
+                         scratch.rows, scratch.edges);
+  emflow::detail::launch(kOperation, "finish_kernel", finish_kernel, static_cast<unsigned>(batch),
+                         kThreads, 0, stream, tokens, words, betas, scratch.rows, scratch.edges,
+                         scratch.labels, out);
 }
 
 #define EMFLOW_FLOW_CUDA_INSTANTIATE(T)                                                        \

@@ -39,6 +39,7 @@
 
 #include "attention_kernels.hpp"
 #include "cuda_support.hpp"
+#include "launch.cuh"
 #include "mask.cuh"
 
 namespace emflow::detail {
@@ -100,7 +101,7 @@ __global__ void __launch_bounds__(kThreads)
     fused_attention_kernel(const FusedAttentionArgs args, int query_blocks, bool vector_loads) {
   constexpr int kRow = FusedLayout<Tile>::row;
   constexpr int kChunks = Tile / 64;  // 64-column chunks of the update a thread accumulates
-  extern __shared__ float4 shared_storage[];
+  EMFLOW_DYNAMIC_SHARED(shared_storage);
   float* const Qs = reinterpret_cast<float*>(shared_storage);
   float* const KVs = Qs + kBlockQueries * kRow;
   float* const Ps = KVs + kBlockKeys * kRow;
@@ -330,9 +331,8 @@ void launch_tile(const FusedAttentionArgs& args, cudaStream_t stream, const char
                             reinterpret_cast<std::uintptr_t>(args.cloud) % 16 == 0 &&
                             reinterpret_cast<std::uintptr_t>(args.query) % 16 == 0 &&
                             reinterpret_cast<std::uintptr_t>(args.content) % 16 == 0;
-  fused_attention_kernel<Tile>
-      <<<blocks, kThreads, bytes, stream>>>(args, query_blocks, vector_loads);
-  check_launch(operation, "fused_attention_kernel");
+  launch(operation, "fused_attention_kernel", fused_attention_kernel<Tile>, blocks, kThreads, bytes,
+         stream, args, query_blocks, vector_loads);
 }
 
 }  // namespace
@@ -358,11 +358,9 @@ void launch_sum_heads(const float* partial, const float* offset, float* update, 
                       int heads, int tokens, int dim, const KernelMask& mask, cudaStream_t stream,
                       const char* operation) {
   const std::size_t total = static_cast<std::size_t>(batch) * tokens * dim;
-  const std::size_t wanted = (total + 255) / 256;
-  const unsigned blocks = static_cast<unsigned>(wanted < 65536 ? wanted : 65536);
-  sum_heads_kernel<<<blocks, 256, 0, stream>>>(partial, offset, update, batch, heads, tokens, dim,
-                                               mask);
-  check_launch(operation, "sum_heads_kernel");
+  const unsigned blocks = grid_for(static_cast<std::int64_t>(total));
+  launch(operation, "sum_heads_kernel", sum_heads_kernel, blocks, 256, 0, stream, partial, offset,
+         update, batch, heads, tokens, dim, mask);
 }
 
 }  // namespace emflow::detail

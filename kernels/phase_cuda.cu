@@ -60,6 +60,7 @@
 #include "cuda_support.hpp"
 #include "emflow/cuda.hpp"
 #include "flow/internal.hpp"
+#include "launch.cuh"
 #include "phase_cuda.hpp"
 
 namespace emflow::flow::detail {
@@ -67,7 +68,6 @@ namespace emflow::flow::detail {
 namespace {
 
 using emflow::detail::check_cuda;
-using emflow::detail::check_launch;
 
 constexpr int kTargetThreads = 128;  // threads per block when clouds are small
 constexpr int kMaxThreads = 1024;
@@ -170,7 +170,7 @@ __device__ __forceinline__ void add_counts(const unsigned* warp_counts,
 template <int D>
 __global__ void __launch_bounds__(kMaxThreads)
     phase_sweep_kernel(PhaseParams p, std::int64_t step_begin, std::int64_t step_end) {
-  extern __shared__ float4 shared_storage[];
+  EMFLOW_DYNAMIC_SHARED(shared_storage);
   const int N = p.tokens;
   const int dim = D > 0 ? D : p.dim;
   const int t = static_cast<int>(threadIdx.x);
@@ -325,15 +325,16 @@ int shared_limit(const char* operation) {
 }
 
 template <int D>
-void launch(const PhaseParams& params, const Layout& l, unsigned blocks, std::int64_t step_begin,
-            std::int64_t step_end, cudaStream_t stream, const char* operation) {
+void launch_sweep(const PhaseParams& params, const Layout& l, unsigned blocks,
+                  std::int64_t step_begin, std::int64_t step_end, cudaStream_t stream,
+                  const char* operation) {
   check_cuda(
       cudaFuncSetAttribute(phase_sweep_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(l.shared_bytes)),
       operation, "cudaFuncSetAttribute(phase_sweep_kernel)");
-  phase_sweep_kernel<D><<<blocks, static_cast<unsigned>(l.threads), l.shared_bytes, stream>>>(
-      params, step_begin, step_end);
-  check_launch(operation, "phase_sweep_kernel");
+  emflow::detail::launch(operation, "phase_sweep_kernel", phase_sweep_kernel<D>, blocks,
+                         static_cast<unsigned>(l.threads), l.shared_bytes, stream, params,
+                         step_begin, step_end);
 }
 
 }  // namespace
@@ -421,13 +422,13 @@ std::vector<double> phase_kernel_cuda(const std::vector<float>& initial, std::in
     params.to = end < steps ? state.data() : nullptr;
     switch (dim) {
       case 2:
-        launch<2>(params, l, blocks, begin, end, s, operation);
+        launch_sweep<2>(params, l, blocks, begin, end, s, operation);
         break;
       case 3:
-        launch<3>(params, l, blocks, begin, end, s, operation);
+        launch_sweep<3>(params, l, blocks, begin, end, s, operation);
         break;
       default:
-        launch<0>(params, l, blocks, begin, end, s, operation);
+        launch_sweep<0>(params, l, blocks, begin, end, s, operation);
         break;
     }
     if (progress && end < steps) {

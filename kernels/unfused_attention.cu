@@ -18,6 +18,7 @@
 
 #include "attention_kernels.hpp"
 #include "cuda_support.hpp"
+#include "launch.cuh"
 #include "mask.cuh"
 
 namespace emflow::detail {
@@ -31,11 +32,6 @@ __device__ __forceinline__ float exp_of(float x) { return expf(x); }
 __device__ __forceinline__ double exp_of(double x) { return exp(x); }
 __device__ __forceinline__ float log_of(float x) { return logf(x); }
 __device__ __forceinline__ double log_of(double x) { return log(x); }
-
-unsigned grid_for(std::size_t total) {
-  const std::size_t wanted = (total + 255) / 256;
-  return static_cast<unsigned>(wanted < 65536 ? (wanted > 0 ? wanted : 1) : 65536);
-}
 
 template <class T>
 __global__ void broadcast_bias_kernel(T* __restrict__ rows, const T* __restrict__ bias, T scale,
@@ -155,36 +151,32 @@ void launch_zero_padding(T* rows, int heads, int batch, int tokens, int dim, con
                          cudaStream_t stream, const char* operation) {
   if (mask.key_lengths == nullptr) return;
   const std::size_t total = static_cast<std::size_t>(heads) * batch * tokens * dim;
-  zero_padding_kernel<T>
-      <<<grid_for(total), 256, 0, stream>>>(rows, heads, batch, tokens, dim, mask);
-  check_launch(operation, "zero_padding_kernel");
+  launch(operation, "zero_padding_kernel", zero_padding_kernel<T>, grid_for(total), 256, 0, stream,
+         rows, heads, batch, tokens, dim, mask);
 }
 
 template <class T>
 void launch_broadcast_bias(T* rows, const T* bias, T scale, int heads, std::int64_t rows_per_head,
                            int dim, cudaStream_t stream, const char* operation) {
   const std::size_t total = static_cast<std::size_t>(rows_per_head) * dim * heads;
-  broadcast_bias_kernel<T>
-      <<<grid_for(total), 256, 0, stream>>>(rows, bias, scale, heads, rows_per_head, dim);
-  check_launch(operation, "broadcast_bias_kernel");
+  launch(operation, "broadcast_bias_kernel", broadcast_bias_kernel<T>, grid_for(total), 256, 0,
+         stream, rows, bias, scale, heads, rows_per_head, dim);
 }
 
 template <class T>
 void launch_row_softmax(T* scores, T* lse, T* entropy, int batch, int heads, int tokens,
                         const KernelMask& mask, cudaStream_t stream, const char* operation) {
   const std::size_t rows = static_cast<std::size_t>(batch) * heads * tokens;
-  row_softmax_kernel<T><<<static_cast<unsigned>(rows), kSoftmaxThreads, 0, stream>>>(
-      scores, lse, entropy, heads, tokens, mask);
-  check_launch(operation, "row_softmax_kernel");
+  launch(operation, "row_softmax_kernel", row_softmax_kernel<T>, static_cast<unsigned>(rows),
+         kSoftmaxThreads, 0, stream, scores, lse, entropy, heads, tokens, mask);
 }
 
 template <class T>
 void launch_add_offset(T* update, const T* offset, int batch, int tokens, int dim,
                        const KernelMask& mask, cudaStream_t stream, const char* operation) {
   const std::size_t total = static_cast<std::size_t>(batch) * tokens * dim;
-  add_offset_kernel<T>
-      <<<grid_for(total), 256, 0, stream>>>(update, offset, batch, tokens, dim, mask);
-  check_launch(operation, "add_offset_kernel");
+  launch(operation, "add_offset_kernel", add_offset_kernel<T>, grid_for(total), 256, 0, stream,
+         update, offset, batch, tokens, dim, mask);
 }
 
 #define EMFLOW_INSTANTIATE_UNFUSED(T)                                                              \

@@ -8,9 +8,9 @@
 #   bash tests/cuda/emulation/run.sh address ['gtest filter']   # ASan + UBSan (bounds, alignment)
 #   bash tests/cuda/emulation/run.sh thread  ['gtest filter']   # TSan: shared-memory races
 #
-# Kernels are rewritten for the host on the fly: `extern __shared__` becomes the emulated block's
-# shared memory (poisoned with NaN before every block) and `k<<<grid, block, smem, stream>>>(...)`
-# becomes emu_launch(k, grid, block, smem, stream, ...). Fresh device allocations are NaN-poisoned.
+# The .cu files compile as C++ with EMFLOW_CUDA_EMULATION defined: kernels/launch.cuh then
+# launches through emu_launch and hands out the emulated block's dynamic shared memory (poisoned
+# with NaN before every block). Fresh device allocations are NaN-poisoned.
 # EMU_NO_DEVICE=1 makes the emulated runtime report no device.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
@@ -20,32 +20,21 @@ MODE=${1:-address}
 # 2 cores from a clean folder (CI runs it).
 FILTER=${2:-'Fused*n7*:Fused*n33*:Fused*n101*:Unfused*n7*:Unfused*n33*:CudaAsync.*:CudaWorkspace.*:PhaseCuda*:FlowCuda*'}
 WORK=${EMULATION_DIR:-/tmp/emflow-emulation}/$MODE
-mkdir -p "$WORK/gen" "$WORK/obj"
+mkdir -p "$WORK/obj"
 case "$MODE" in
   address) SAN=(-fsanitize=address -fsanitize=undefined -fno-sanitize-recover=undefined) ;;
   thread) SAN=(-fsanitize=thread) ;;
   *) echo "mode must be 'address' or 'thread'" >&2; exit 2 ;;
 esac
 
-for f in "$ROOT"/kernels/*.cu; do
-  python3 - "$f" "$WORK/gen/$(basename "$f" .cu).cpp" <<'PY'
-import re, sys
-source = open(sys.argv[1]).read()
-source = source.replace("extern __shared__ float4 shared_storage[];",
-                        "float4* shared_storage = emu_dynamic_shared();")
-source = re.sub(r"(\w+(?:<\w+>)?)\s*<<<(.*?)>>>\(", r"emu_launch(\1, \2, ", source, flags=re.S)
-open(sys.argv[2], "w").write(source)
-PY
-done
-
 FLAGS=(-std=c++20 -O1 -g "${SAN[@]}" -fno-omit-frame-pointer -pthread -DEMFLOW_WITH_CUDA=1
-       -DEMFLOW_VERSION=\"emulation\" -I "$HERE" -I "$ROOT/include" -I "$ROOT/src"
+       -DEMFLOW_CUDA_EMULATION=1 -DEMFLOW_VERSION=\"emulation\" -I "$HERE" -I "$ROOT/include" -I "$ROOT/src"
        -I "$ROOT/kernels" -I "$ROOT/tests")
 objects=()
 running=()
 for s in "$ROOT"/src/core/*.cpp "$ROOT"/src/reference/*.cpp "$ROOT"/src/cpu/*.cpp \
   "$ROOT"/src/flow/*.cpp "$ROOT"/src/io/*.cpp \
-  "$ROOT"/kernels/*.cpp "$WORK"/gen/*.cpp "$ROOT"/tests/common/*.cpp "$ROOT"/tests/cuda/*.cpp; do
+  "$ROOT"/kernels/*.cpp "$ROOT"/kernels/*.cu "$ROOT"/tests/common/*.cpp "$ROOT"/tests/cuda/*.cpp; do
   [[ "$s" == */cuda_unavailable.cpp ]] && continue
   o="$WORK/obj/$(echo "$s" | tr '/' '_').o"
   objects+=("$o")
@@ -54,6 +43,7 @@ for s in "$ROOT"/src/core/*.cpp "$ROOT"/src/reference/*.cpp "$ROOT"/src/cpu/*.cp
     [[ "$s" == */src/cpu/* || "$s" == */src/flow/* ]] && extra=(-fopenmp -march=native)
     # target_clones resolvers run before TSan's runtime starts: leave those files uninstrumented.
     [[ "$MODE" == thread && "$s" =~ (sphere_kernel|observables)\.cpp$ ]] && extra+=(-fno-sanitize=thread)
+    [[ "$s" == *.cu ]] && extra+=(-x c++)
     g++ "${FLAGS[@]}" "${extra[@]}" -c "$s" -o "$o" &
     running+=($!)
     if ((${#running[@]} >= 2)); then wait "${running[0]}"; running=("${running[@]:1}"); fi

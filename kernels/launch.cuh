@@ -1,0 +1,51 @@
+// How every kernel is launched, sized and given its dynamic shared memory: one spelling that
+// nvcc compiles for the GPU and that the CPU emulation of CUDA (tests/cuda/emulation, built with
+// EMFLOW_CUDA_EMULATION) compiles as ordinary C++.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+
+#include "cuda_support.hpp"
+
+namespace emflow::detail {
+
+/// Threads per block of the element-wise kernels.
+constexpr int kElementwiseThreads = 256;
+
+/// Blocks of `threads` threads for a grid-stride loop over `total` items: enough to cover them
+/// (at least one), at most `max_blocks`; the loop strides over the rest.
+inline unsigned grid_for(std::int64_t total, int threads = kElementwiseThreads,
+                         unsigned max_blocks = 65535u) {
+  const std::int64_t wanted = total / threads + (total % threads != 0 ? 1 : 0);
+  if (wanted < 1) return 1u;
+  return wanted < static_cast<std::int64_t>(max_blocks) ? static_cast<unsigned>(wanted)
+                                                        : max_blocks;
+}
+
+/// Enqueues kernel<<<blocks, threads, shared_bytes, stream>>>(args...) and reports a failed
+/// launch (check_launch) as an error of `operation` naming `name`. Never synchronises.
+template <class... Params, class... Args>
+void launch(const char* operation, const char* name, void (*kernel)(Params...), unsigned blocks,
+            unsigned threads, std::size_t shared_bytes, cudaStream_t stream, Args&&... args) {
+#if defined(EMFLOW_CUDA_EMULATION)
+  emu_launch(kernel, blocks, threads, shared_bytes, stream, std::forward<Args>(args)...);
+#else
+  // clang-format off
+  kernel<<<blocks, threads, shared_bytes, stream>>>(std::forward<Args>(args)...);
+  // clang-format on
+#endif
+  check_launch(operation, name);
+}
+
+}  // namespace emflow::detail
+
+/// Declares `name` as the block's dynamic shared memory, an array of float4 (16-byte aligned).
+#if defined(EMFLOW_CUDA_EMULATION)
+#define EMFLOW_DYNAMIC_SHARED(name) float4* const name = emu_dynamic_shared()
+#else
+#define EMFLOW_DYNAMIC_SHARED(name) extern __shared__ float4 name[]
+#endif
