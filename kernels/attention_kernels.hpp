@@ -1,6 +1,6 @@
 // Launchers of the attention kernels (fused_attention.cu, unfused_attention.cu). Each enqueues
 // on `stream`, checks the launch, and never synchronises. Pointers are device pointers; shapes
-// have been validated and fit in int (checked by the host code in attend_cuda.cpp).
+// have been validated and fit in int (checked by the plan, attend_plan.cpp).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,13 +8,14 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "emflow/types.hpp"
+
 namespace emflow::detail {
 
-/// The mask as the kernels see it: kind 0 none, 1 causal, 2 sliding window of width `window`
-/// (already clamped to [1, tokens]); `key_lengths` is a device array of `batch` entries or null.
+/// The mask as the kernels see it: the caller's Mask (its visible_keys is the rule the kernels
+/// apply) and `key_lengths`, a device array of `batch` entries or null (mask.cuh).
 struct KernelMask {
-  int kind = 0;
-  int window = 0;
+  Mask rule;
   const std::int64_t* key_lengths = nullptr;
 };
 
@@ -37,6 +38,11 @@ constexpr int kFusedMaxDim = 256;
 
 /// Dynamic shared memory the fused kernel needs for `dim` (bytes).
 std::size_t fused_shared_bytes(int dim);
+
+/// Allows the fused kernel for `dim` its fused_shared_bytes on `device`, the current device
+/// (cudaFuncSetAttribute; the setting lasts, so the call is made once per process, device and
+/// tile width, however often this is called).
+void prepare_fused_attention(int dim, int device, const char* operation);
 
 void launch_fused_attention(const FusedAttentionArgs& args, cudaStream_t stream,
                             const char* operation);

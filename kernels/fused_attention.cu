@@ -36,6 +36,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <mutex>
+#include <vector>
 
 #include "attention_kernels.hpp"
 #include "cuda_support.hpp"
@@ -126,12 +128,14 @@ __global__ void __launch_bounds__(kThreads)
   const float* const content = args.content + slice;
   const float* const keys = args.cloud + static_cast<std::size_t>(b) * N * dim;
 
-  // Key tiles that can hold a visible key for some query of this block: [first_key, last_key).
+  // Key tiles that can hold a visible key for some query of this block: [first_key, last_key),
+  // from the block's first and last real query (visible intervals only grow with the query).
   int last_key = 0;
   int first_key = 0;
   if (m0 < length) {
-    last_key = args.mask.kind == 0 ? length : min(length, m0 + kBlockQueries);
-    if (args.mask.kind == 2) first_key = max(0, m0 - args.mask.window + 1);
+    int unused = 0;
+    visible_keys(m0, length, args.mask, &first_key, &unused);
+    visible_keys(min(length, m0 + kBlockQueries) - 1, length, args.mask, &unused, &last_key);
   }
   first_key = (first_key / kBlockKeys) * kBlockKeys;
   const int dim_padded = (dim + 3) & ~3;  // the tiles are zero beyond dim
@@ -186,11 +190,13 @@ __global__ void __launch_bounds__(kThreads)
     // Mask, then the online softmax update of each of the thread's 4 rows.
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int qi = m0 + ty * 4 + i;
+      int first = 0, last = 0;
+      visible_keys(m0 + ty * 4 + i, length, args.mask, &first, &last);
       float tile_max = -INFINITY;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        if (!key_visible(qi, n0 + tx + 16 * j, length, args.mask)) t[i][j] = -INFINITY;
+        const int key = n0 + tx + 16 * j;
+        if (key < first || key >= last) t[i][j] = -INFINITY;
         tile_max = fmaxf(tile_max, t[i][j]);
       }
 #pragma unroll
@@ -302,28 +308,35 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void sum_heads_kernel(const float* __restrict__ partial,
                                  const float* __restrict__ offset, float* __restrict__ update,
                                  int batch, int heads, int tokens, int dim, KernelMask mask) {
-  const std::size_t per_cloud = static_cast<std::size_t>(tokens) * dim;
-  const std::size_t total = per_cloud * batch;
-  for (std::size_t index = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
-       index < total; index += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const int b = static_cast<int>(index / per_cloud);
-    const std::size_t within = index - static_cast<std::size_t>(b) * per_cloud;
-    const int i = static_cast<int>(within / dim);
-    const int a = static_cast<int>(within - static_cast<std::size_t>(i) * dim);
+  const std::size_t total = static_cast<std::size_t>(batch) * tokens * dim;
+  for_each_token_element(batch, tokens, dim, [&](std::size_t index, int b, int i, int a) {
     float value = 0.f;
     for (int h = 0; h < heads; ++h) value += partial[static_cast<std::size_t>(h) * total + index];
     if (offset != nullptr && i < visible_length(mask, b, tokens)) value += offset[a];
     update[index] = value;
-  }
+  });
+}
+
+// The kernel's dynamic shared memory beyond the default 48 KiB must be allowed per device before
+// the first launch (prepare_fused_attention); the setting lasts for the process.
+template <int Tile>
+void allow_shared_memory(int device, const char* operation) {
+  static std::mutex mutex;
+  static std::vector<bool> allowed;  // by device
+  const auto slot = static_cast<std::size_t>(device);
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (slot < allowed.size() && allowed[slot]) return;
+  check_cuda(cudaFuncSetAttribute(fused_attention_kernel<Tile>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(FusedLayout<Tile>::bytes)),
+             operation, "cudaFuncSetAttribute(fused_attention_kernel)");
+  if (allowed.size() <= slot) allowed.resize(slot + 1, false);
+  allowed[slot] = true;
 }
 
 template <int Tile>
 void launch_tile(const FusedAttentionArgs& args, cudaStream_t stream, const char* operation) {
   const std::size_t bytes = FusedLayout<Tile>::bytes;
-  check_cuda(
-      cudaFuncSetAttribute(fused_attention_kernel<Tile>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
-      operation, "cudaFuncSetAttribute(fused_attention_kernel)");
   const int query_blocks = (args.tokens + kBlockQueries - 1) / kBlockQueries;
   const unsigned blocks = static_cast<unsigned>(query_blocks) * static_cast<unsigned>(args.heads) *
                           static_cast<unsigned>(args.batch);
@@ -341,6 +354,16 @@ std::size_t fused_shared_bytes(int dim) {
   if (dim <= 64) return FusedLayout<64>::bytes;
   if (dim <= 128) return FusedLayout<128>::bytes;
   return FusedLayout<256>::bytes;
+}
+
+void prepare_fused_attention(int dim, int device, const char* operation) {
+  if (dim <= 64) {
+    allow_shared_memory<64>(device, operation);
+  } else if (dim <= 128) {
+    allow_shared_memory<128>(device, operation);
+  } else {
+    allow_shared_memory<256>(device, operation);
+  }
 }
 
 void launch_fused_attention(const FusedAttentionArgs& args, cudaStream_t stream,

@@ -26,6 +26,22 @@ inline unsigned grid_for(std::int64_t total, int threads = kElementwiseThreads,
                                                         : max_blocks;
 }
 
+/// The grid-stride loop of an element-wise kernel over a (batch, tokens, dim) array: calls
+/// body(index, b, i, a) for every element, index = (b * tokens + i) * dim + a.
+template <class Body>
+__device__ __forceinline__ void for_each_token_element(int batch, int tokens, int dim, Body body) {
+  const std::size_t per_cloud = static_cast<std::size_t>(tokens) * dim;
+  const std::size_t total = per_cloud * batch;
+  for (std::size_t index = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+       index < total; index += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const int b = static_cast<int>(index / per_cloud);
+    const std::size_t within = index - static_cast<std::size_t>(b) * per_cloud;
+    const int i = static_cast<int>(within / dim);
+    const int a = static_cast<int>(within - static_cast<std::size_t>(i) * dim);
+    body(index, b, i, a);
+  }
+}
+
 /// Enqueues kernel<<<blocks, threads, shared_bytes, stream>>>(args...) and reports a failed
 /// launch (check_launch) as an error of `operation` naming `name`. Never synchronises.
 template <class... Params, class... Args>

@@ -1,4 +1,5 @@
-// Which keys a query sees, on the device (the same rule as Mask::allows plus key lengths).
+// Which keys a query sees, on the device: Mask::visible_keys (emflow/types.hpp, the rule every
+// backend applies) with the key length of the query's cloud read from device memory.
 #pragma once
 
 #include "attention_kernels.hpp"
@@ -12,22 +13,13 @@ __device__ __forceinline__ int visible_length(const KernelMask& mask, int b, int
   return length < 0 ? 0 : (length > tokens ? tokens : static_cast<int>(length));
 }
 
-/// Key j is visible to query i of a cloud whose first `length` tokens are real.
-__device__ __forceinline__ bool key_visible(int i, int j, int length, const KernelMask& mask) {
-  if (i >= length || j >= length) return false;
-  if (mask.kind == 0) return true;
-  return j <= i && (mask.kind == 1 || j > i - mask.window);
-}
-
-/// The visible keys of query i form one interval [first, last) under every mask; empty for a
-/// padding query.
+/// The keys [*first, *last) that query i of a cloud whose first `length` tokens are real sees;
+/// empty for a padding query. Both ends lie in [0, length], so they fit in int.
 __device__ __forceinline__ void visible_keys(int i, int length, const KernelMask& mask, int* first,
                                              int* last) {
-  *first = 0;
-  *last = 0;
-  if (i >= length) return;
-  *last = mask.kind == 0 ? length : i + 1;
-  if (mask.kind == 2) *first = i - mask.window + 1 > 0 ? i - mask.window + 1 : 0;
+  const KeyRange keys = mask.rule.visible_keys(i, length);
+  *first = static_cast<int>(keys.first);
+  *last = static_cast<int>(keys.last);
 }
 
 }  // namespace emflow::detail

@@ -1,5 +1,5 @@
 // The small kernels of the unfused path (the products themselves are cuBLAS calls made in
-// attend_cuda.cpp), in float and double:
+// attend_enqueue.cpp), in float and double:
 //
 //   broadcast_bias_kernel  writes beta u_h into every row of a head's relevance buffer, so that one
 //       GEMM with a nonzero C coefficient forms beta (X M_h + 1 u_h^T).
@@ -119,16 +119,9 @@ __global__ void __launch_bounds__(kSoftmaxThreads)
 template <class T>
 __global__ void add_offset_kernel(T* __restrict__ update, const T* __restrict__ offset, int batch,
                                   int tokens, int dim, KernelMask mask) {
-  const std::size_t per_cloud = static_cast<std::size_t>(tokens) * dim;
-  const std::size_t total = per_cloud * batch;
-  for (std::size_t index = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
-       index < total; index += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const int b = static_cast<int>(index / per_cloud);
-    const std::size_t within = index - static_cast<std::size_t>(b) * per_cloud;
-    const int i = static_cast<int>(within / dim);
-    const int a = static_cast<int>(within - static_cast<std::size_t>(i) * dim);
+  for_each_token_element(batch, tokens, dim, [&](std::size_t index, int b, int i, int a) {
     if (i < visible_length(mask, b, tokens)) update[index] += offset[a];
-  }
+  });
 }
 
 template <class T>

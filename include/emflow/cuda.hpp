@@ -24,19 +24,26 @@
 //            cloud and head (in `weights` when requested, else in the workspace).
 //   automatic: fused for float when no weights are requested and dim <= 256, else unfused.
 //
-// cuBLAS: each host thread keeps one cuBLAS handle per device, created on the first call that
-// needs it on that device (cublasCreate allocates and synchronises, once). When the thread exits
-// the handle goes to a process-wide pool for the next thread rather than being destroyed (at
-// process exit the CUDA context may already be gone). Every call binds it to the caller's stream
-// (cublasSetStream) and then points cuBLAS's own workspace into the caller's workspace
+// cuBLAS: emflow does not link it; the first call that needs it loads the toolkit's cuBLAS
+// (libcublas.so.<major version of the toolkit emflow was built with>), so a process that never
+// uses the GPU never maps it. A load failure is ErrorCode::unsupported naming the library and the
+// loader's reason. Each host thread keeps one cuBLAS handle per device, created on the first call
+// that needs it on that device (cublasCreate allocates and synchronises, once). When the thread
+// exits the handle goes to a process-wide pool for the next thread rather than being destroyed
+// (at process exit the CUDA context may already be gone). Every call binds it to the caller's
+// stream (cublasSetStream) and then points cuBLAS's own workspace into the caller's workspace
 // (cublasSetWorkspace), so calls on different streams never share scratch memory and nothing is
 // allocated per call.
+//
+// Each attend_async call checks its arguments and pointers, then plans the computation
+// (algorithm, workspace layout, device limits, and the fused kernel's shared-memory attribute,
+// set once per process and device) and enqueues the plan.
 //
 // Errors: emflow::Error.
 //   ErrorCode::invalid_argument: invalid shapes; null or host-only pointers; outputs that overlap
 //     an input, another output or the workspace; a workspace that is too small or misaligned.
-//   ErrorCode::unsupported: no usable device, or a configuration the chosen algorithm cannot run
-//     (e.g. fused with weights).
+//   ErrorCode::unsupported: no usable device, cuBLAS cannot be loaded, or a configuration the
+//     chosen algorithm cannot run (e.g. fused with weights).
 //   ErrorCode::device / out_of_memory: a failing CUDA or cuBLAS call; the message names the call.
 //     A CUDA error already pending when attend_async is called (the caller's earlier work) is
 //     reported as such and left recorded for the caller.

@@ -5,6 +5,15 @@
 #include <string>
 #include <vector>
 
+/// Marks the few functions that GPU kernels call as well as host code: `__host__ __device__`
+/// under nvcc, nothing for a plain C++ compiler (the CPU emulation of CUDA in
+/// tests/cuda/emulation compiles kernels as host code, so it needs nothing either).
+#if defined(__CUDACC__)
+#define EMFLOW_HOST_DEVICE __host__ __device__
+#else
+#define EMFLOW_HOST_DEVICE
+#endif
+
 namespace emflow {
 
 /// Which keys a query may attend to (REFERENCE.md §1). Per-cloud key lengths are given
@@ -15,28 +24,44 @@ enum class MaskKind {
   window,  ///< sliding window of width w: i - w < j <= i
 };
 
+/// The keys a query sees: the interval [first, last) of key indices (empty when first >= last).
+struct KeyRange {
+  std::int64_t first = 0;
+  std::int64_t last = 0;
+
+  EMFLOW_HOST_DEVICE constexpr bool empty() const { return first >= last; }
+  EMFLOW_HOST_DEVICE constexpr bool contains(std::int64_t j) const {
+    return first <= j && j < last;
+  }
+};
+
+/// The visibility rule of every backend (reference, CPU, CUDA): allows() and visible_keys() are
+/// the only places it is written, and both compile for the host and the GPU.
 struct Mask {
   MaskKind kind = MaskKind::none;
   std::int64_t window = 0;  ///< width w, only for MaskKind::window; must be >= 1
 
-  static Mask none() { return {}; }
-  static Mask causal() { return {MaskKind::causal, 0}; }
-  static Mask sliding_window(std::int64_t w) { return {MaskKind::window, w}; }
+  static constexpr Mask none() { return {}; }
+  static constexpr Mask causal() { return {MaskKind::causal, 0}; }
+  static constexpr Mask sliding_window(std::int64_t w) { return {MaskKind::window, w}; }
 
   /// True when key j is visible to query i under this mask (key lengths aside).
-  bool allows(std::int64_t i, std::int64_t j) const {
-    switch (kind) {
-      case MaskKind::causal:
-        return j <= i;
-      case MaskKind::window:
-        return j <= i && j > i - window;
-      case MaskKind::none:
-      default:
-        return true;
-    }
+  EMFLOW_HOST_DEVICE constexpr bool allows(std::int64_t i, std::int64_t j) const {
+    return kind == MaskKind::none || (j <= i && (kind == MaskKind::causal || j > i - window));
+  }
+
+  /// The keys query i sees in a cloud whose first `length` tokens are real (its key length, or
+  /// N without key lengths): the j in [0, length) that allows(i, j), as one interval
+  /// [first, last); empty for a padding query (i >= length). Under every mask both ends are
+  /// non-decreasing in i, so the keys that the real queries i0 <= i <= i1 see together lie in
+  /// [visible_keys(i0).first, visible_keys(i1).last), and every key of
+  /// [visible_keys(i1).first, visible_keys(i0).last) is seen by all of them.
+  EMFLOW_HOST_DEVICE constexpr KeyRange visible_keys(std::int64_t i, std::int64_t length) const {
+    if (i < 0 || i >= length) return {0, 0};
+    const std::int64_t first = kind == MaskKind::window && i - window + 1 > 0 ? i - window + 1 : 0;
+    return {first, kind == MaskKind::none ? length : i + 1};
   }
 };
-
 /// Parses "none", "causal" or "window:W"; throws emflow::Error naming `argument` otherwise.
 Mask parse_mask(const std::string& text, const char* argument = "mask");
 /// The inverse of parse_mask.

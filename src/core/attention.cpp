@@ -20,12 +20,7 @@ void validate(const AttentionInput<T>& in, const AttentionOutput<T>& out, const 
 namespace detail {
 
 template <class T>
-void check_arguments(const AttentionInput<T>& in, const AttentionOutput<T>& out, const char* op) {
-  using detail::checked_multiply;
-  using detail::expect_not_null;
-  using detail::expect_positive;
-  using detail::fail_argument;
-
+void check_shapes(const AttentionInput<T>& in, const AttentionOutput<T>& out, const char* op) {
   expect_positive(op, "batch", in.batch);
   expect_positive(op, "tokens", in.tokens);
   expect_positive(op, "dim", in.dim);
@@ -39,16 +34,19 @@ void check_arguments(const AttentionInput<T>& in, const AttentionOutput<T>& out,
       checked_multiply(op, "lse", checked_multiply(op, "lse", in.batch, in.layer.heads), in.tokens);
   if (out.weights != nullptr) checked_multiply(op, "weights", rows, in.tokens);
   (void)cloud;
-
-  expect_not_null(op, "cloud", in.cloud);
-  expect_not_null(op, "relevance", in.layer.relevance);
-  expect_not_null(op, "content", in.layer.content);
-  expect_not_null(op, "update", out.update);
-
   if (!std::isfinite(in.beta)) fail_argument(op, "beta", "must be finite, got ", in.beta);
   if (in.mask.kind == MaskKind::window && in.mask.window < 1) {
     fail_argument(op, "mask", "window width must be >= 1, got ", in.mask.window);
   }
+}
+
+template <class T>
+void check_arguments(const AttentionInput<T>& in, const AttentionOutput<T>& out, const char* op) {
+  check_shapes(in, out, op);
+  expect_not_null(op, "cloud", in.cloud);
+  expect_not_null(op, "relevance", in.layer.relevance);
+  expect_not_null(op, "content", in.layer.content);
+  expect_not_null(op, "update", out.update);
   if (in.key_lengths != nullptr) {
     for (std::int64_t b = 0; b < in.batch; ++b) {
       const std::int64_t length = in.key_lengths[b];
@@ -103,6 +101,10 @@ void check_no_overlap(const AttentionInput<T>& in, const AttentionOutput<T>& out
   check_disjoint(ranges, sizeof ranges / sizeof ranges[0], operation);
 }
 
+template void check_shapes<float>(const AttentionInput<float>&, const AttentionOutput<float>&,
+                                  const char*);
+template void check_shapes<double>(const AttentionInput<double>&, const AttentionOutput<double>&,
+                                   const char*);
 template void check_arguments<float>(const AttentionInput<float>&, const AttentionOutput<float>&,
                                      const char*);
 template void check_arguments<double>(const AttentionInput<double>&, const AttentionOutput<double>&,

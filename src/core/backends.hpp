@@ -22,6 +22,13 @@ void cpu_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output
 template <class T>
 void cuda_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output);
 
+/// The checks of validate() that read no array: batch, tokens, dim and heads >= 1, every size
+/// product fits in int64, beta is finite, the mask is valid. For callers that hold no host
+/// arrays (the CUDA backend's plan, which sees device pointers or none).
+template <class T>
+void check_shapes(const AttentionInput<T>& input, const AttentionOutput<T>& output,
+                  const char* operation);
+
 /// validate() without the overlap check: shapes, sizes, pointers, beta, the mask and the key
 /// lengths. For callers whose operators are not the dense ones (attend_factored), which then
 /// check their own memory ranges with check_disjoint.

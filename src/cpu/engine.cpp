@@ -83,29 +83,18 @@ std::int64_t round_up(std::int64_t n, std::int64_t multiple) {
 /// Which keys of a tile a set of query rows may see.
 enum class TileCover { empty, partial, full };
 
-/// Rows [row_begin, row_end) (all < length) against keys [key_begin, key_begin + kKeyTile).
+/// Rows [row_begin, row_end) against keys [key_begin, key_begin + kKeyTile). Visible key
+/// intervals only grow with the row (Mask::visible_keys), so the rows together see
+/// [first of the top row, last of the bottom row) and each of them sees
+/// [first of the bottom row, last of the top row).
 TileCover cover(const Mask& mask, std::int64_t length, std::int64_t row_begin, std::int64_t row_end,
                 std::int64_t key_begin) {
-  const std::int64_t key_last = key_begin + kKeyTile - 1;
-  if (row_end <= row_begin || key_begin >= length) return TileCover::empty;
-  bool full = key_last < length;
-  switch (mask.kind) {
-    case MaskKind::none:
-      break;
-    case MaskKind::causal:
-      if (key_begin > row_end - 1) return TileCover::empty;
-      full = full && key_last <= row_begin;
-      break;
-    case MaskKind::window:
-      if (key_begin > row_end - 1 || key_last <= row_begin - mask.window) return TileCover::empty;
-      full = full && key_last <= row_begin && key_begin > row_end - 1 - mask.window;
-      break;
-  }
-  return full ? TileCover::full : TileCover::partial;
-}
-
-bool visible(const Mask& mask, std::int64_t length, std::int64_t i, std::int64_t j) {
-  return i < length && j < length && mask.allows(i, j);
+  if (row_end <= row_begin) return TileCover::empty;
+  const std::int64_t key_end = key_begin + kKeyTile;
+  const KeyRange top = mask.visible_keys(row_begin, length);
+  const KeyRange bottom = mask.visible_keys(row_end - 1, length);
+  if (key_begin >= bottom.last || key_end <= top.first) return TileCover::empty;
+  return bottom.first <= key_begin && key_end <= top.last ? TileCover::full : TileCover::partial;
 }
 
 /// The shapes every task shares.
@@ -207,9 +196,9 @@ void softmax_step(float* scores, std::int64_t local_row0, std::int64_t query0, s
     const std::int64_t local = local_row0 + r;
     float* row = scores + r * kKeyTile;
     if (partial) {
-      const std::int64_t i = query0 + r;
+      const KeyRange keys = mask.visible_keys(query0 + r, length);
       for (std::int64_t jj = 0; jj < kKeyTile; ++jj) {
-        if (!visible(mask, length, i, key0 + jj)) row[jj] = kNegInf;
+        if (!keys.contains(key0 + jj)) row[jj] = kNegInf;
       }
     }
     Vec tile_max = load(row);
@@ -271,11 +260,11 @@ void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
   std::fill(s.saw_key.begin(), s.saw_key.end(), 0);
 
   // Key tiles any live row of the block can see.
-  std::int64_t key_end = length;
   std::int64_t key_begin = 0;
-  if (mask.kind != MaskKind::none) key_end = std::min(length, query_begin + live);
-  if (mask.kind == MaskKind::window) {
-    key_begin = std::max<std::int64_t>(0, query_begin - mask.window + 1);
+  std::int64_t key_end = 0;
+  if (live > 0) {
+    key_begin = mask.visible_keys(query_begin, length).first;
+    key_end = mask.visible_keys(query_begin + live - 1, length).last;
   }
   const std::int64_t tile_begin = key_begin / kKeyTile;
   const std::int64_t tile_end = (key_end + kKeyTile - 1) / kKeyTile;
@@ -369,8 +358,9 @@ void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
             const float lse = s.row_lse[static_cast<std::size_t>(i - query_begin)];
             float* w = out.weights + (stats_row + i - query_begin) * N;
             const float* row = scores + (i - query0) * kKeyTile - key0;
+            const KeyRange keys = mask.visible_keys(i, length);
             for (std::int64_t j = key0; j < std::min(key0 + kKeyTile, N); ++j) {
-              if (visible(mask, length, i, j)) w[j] = std::exp(row[j] - lse);
+              if (keys.contains(j)) w[j] = std::exp(row[j] - lse);
             }
           }
         }

@@ -16,7 +16,7 @@
 #include "internal.hpp"
 
 #if EMFLOW_WITH_CUDA
-#include "flow_cuda.hpp"
+#include "kernels/flow_cuda.hpp"
 #endif
 
 namespace emflow::flow {

@@ -10,7 +10,7 @@
 #include "internal.hpp"
 
 #if EMFLOW_WITH_CUDA
-#include "phase_cuda.hpp"
+#include "kernels/phase_cuda.hpp"
 #endif
 
 namespace emflow::flow {

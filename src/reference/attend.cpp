@@ -9,15 +9,6 @@
 
 namespace emflow::detail {
 
-namespace {
-
-// Key j is visible to query i of cloud b: mask (causal / window) and key length L_b.
-bool visible(const Mask& mask, std::int64_t length, std::int64_t i, std::int64_t j) {
-  return i < length && j < length && mask.allows(i, j);
-}
-
-}  // namespace
-
 template <class T>
 void reference_attend(const AttentionInput<T>& in, const AttentionOutput<T>& out) {
   const std::int64_t B = in.batch, N = in.tokens, d = in.dim, H = in.layer.heads;
@@ -52,10 +43,12 @@ void reference_attend(const AttentionInput<T>& in, const AttentionOutput<T>& out
       }
 
       for (std::int64_t i = 0; i < N; ++i) {
-        // s_ij = beta * (<r_i, x_j> + <u, x_j>), -inf where masked; m_i = max_j s_ij.
+        // s_ij = beta * (<r_i, x_j> + <u, x_j>), -inf where masked (the mask and the key length
+        // L_b); m_i = max_j s_ij.
+        const KeyRange keys = in.mask.visible_keys(i, length);
         double m = -inf;
         for (std::int64_t j = 0; j < N; ++j) {
-          if (!visible(in.mask, length, i, j)) {
+          if (!keys.contains(j)) {
             s[j] = -inf;
             continue;
           }
@@ -101,8 +94,7 @@ void reference_attend(const AttentionInput<T>& in, const AttentionOutput<T>& out
     // delta_i += c for every query that sees at least one key; write Delta.
     T* D = out.update + b * N * d;
     for (std::int64_t i = 0; i < N; ++i) {
-      bool any_key = false;
-      for (std::int64_t j = 0; j < N && !any_key; ++j) any_key = visible(in.mask, length, i, j);
+      const bool any_key = !in.mask.visible_keys(i, length).empty();
       for (std::int64_t a = 0; a < d; ++a) {
         double value = delta[i * d + a];
         if (any_key && in.layer.offset) value += static_cast<double>(in.layer.offset[a]);

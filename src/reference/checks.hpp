@@ -97,10 +97,10 @@ inline std::int64_t key_length(const std::vector<std::int64_t>& key_lengths, std
   return key_lengths.empty() ? tokens : key_lengths[static_cast<std::size_t>(b)];
 }
 
-/// Key j is visible to query i of a cloud with key length L: the mask allows it, the key is not
-/// padding (j < L) and the query is not padding (i < L).
+/// Key j is visible to query i of a cloud with key length L (Mask::visible_keys: the mask allows
+/// it, and neither the key nor the query is padding).
 inline bool visible(const Mask& mask, std::int64_t length, std::int64_t i, std::int64_t j) {
-  return i < length && j < length && mask.allows(i, j);
+  return mask.visible_keys(i, length).contains(j);
 }
 
 }  // namespace emflow::reference::detail

@@ -63,7 +63,13 @@ namespace emu {
 inline thread_local dim3 thread_index, block_index;
 inline dim3 block_dim, grid_dim;
 inline std::vector<float4> dynamic_shared;
-inline std::size_t dynamic_limit = 48 * 1024;
+// Dynamic shared memory each kernel may use: 48 KiB unless cudaFuncSetAttribute raised it (the
+// attribute belongs to the kernel, as on a GPU).
+inline std::map<const void*, std::size_t> dynamic_limits;
+inline std::size_t dynamic_limit(const void* kernel) {
+  const auto it = dynamic_limits.find(kernel);
+  return it == dynamic_limits.end() ? 48 * 1024 : it->second;
+}
 inline std::unique_ptr<std::barrier<>> block_barrier;
 inline std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
 inline std::vector<double> exchange;  // one slot per thread
@@ -108,7 +114,7 @@ template <class... P, class... A>
 void emu_launch(void (*kernel)(P...), unsigned grid, unsigned block, std::size_t shared,
                 cudaStream_t, A&&... args) {
   ++emu::launches;
-  if (shared > emu::dynamic_limit) {
+  if (shared > emu::dynamic_limit(reinterpret_cast<const void*>(kernel))) {
     emu::last_error = cudaErrorInvalidValue;
     return;
   }
@@ -169,9 +175,9 @@ inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) {
   return cudaSuccess;
 }
 template <class F>
-cudaError_t cudaFuncSetAttribute(F, cudaFuncAttribute, int bytes) {
+cudaError_t cudaFuncSetAttribute(F kernel, cudaFuncAttribute, int bytes) {
   if (bytes > 232448) return cudaErrorInvalidValue;
-  emu::dynamic_limit = static_cast<std::size_t>(bytes);
+  emu::dynamic_limits[reinterpret_cast<const void*>(kernel)] = static_cast<std::size_t>(bytes);
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {

@@ -29,7 +29,7 @@ esac
 
 FLAGS=(-std=c++20 -O1 -g "${SAN[@]}" -fno-omit-frame-pointer -pthread -DEMFLOW_WITH_CUDA=1
        -DEMFLOW_CUDA_EMULATION=1 -DEMFLOW_VERSION=\"emulation\" -I "$HERE" -I "$ROOT/include" -I "$ROOT/src"
-       -I "$ROOT/kernels" -I "$ROOT/tests")
+       -I "$ROOT" -I "$ROOT/tests")
 objects=()
 running=()
 for s in "$ROOT"/src/core/*.cpp "$ROOT"/src/reference/*.cpp "$ROOT"/src/cpu/*.cpp \

@@ -1,0 +1,192 @@
+// The plan's construction (checks, algorithm, workspace layout, device queries) and the check
+// that an enqueue matches it; the launches themselves are in attend_enqueue.cpp.
+#include "attend_plan.hpp"
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "attention_kernels.hpp"
+#include "core/backends.hpp"
+#include "core/check.hpp"
+#include "cublas_loader.hpp"
+#include "cuda_support.hpp"
+
+namespace emflow::detail {
+
+namespace {
+
+using cuda::Algorithm;
+
+// cuBLAS's recommended scratch on Hopper.
+constexpr std::size_t kCublasWorkspaceBytes = std::size_t{32} << 20;
+
+// Reserves `elements` of `element_bytes` at the next aligned offset; checked against overflow.
+std::size_t reserve(std::size_t* cursor, std::int64_t elements, std::size_t element_bytes,
+                    const char* operation, const char* region) {
+  const std::size_t offset =
+      (*cursor + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment;
+  const std::int64_t bytes =
+      checked_multiply(operation, region, elements, static_cast<std::int64_t>(element_bytes));
+  if (static_cast<std::size_t>(bytes) > SIZE_MAX - offset) {
+    fail_argument(operation, region, "workspace size overflows size_t");
+  }
+  *cursor = offset + static_cast<std::size_t>(bytes);
+  return offset;
+}
+
+// The kernels and cuBLAS index with int: refuse shapes whose products do not fit.
+void check_int_limits(std::int64_t batch, std::int64_t tokens, std::int64_t heads,
+                      const char* operation) {
+  const std::int64_t rows = batch * tokens * heads;  // fits in int64: check_shapes
+  const std::int64_t query_blocks = (tokens + 63) / 64;
+  // Tile loops form m0 + 64 and n0 + 64 in int: keep tokens clear of INT_MAX.
+  if (rows > INT_MAX || query_blocks * batch * heads > INT_MAX || tokens > INT_MAX - 256) {
+    fail(ErrorCode::unsupported, operation, ": batch * heads * tokens = ", rows,
+         " exceeds the CUDA backend's limit of ", INT_MAX, " rows");
+  }
+}
+
+template <class T>
+Algorithm choose_algorithm(const AttentionInput<T>& input, const AttentionOutput<T>& output,
+                           Algorithm requested, const char* operation) {
+  constexpr bool is_float = std::is_same_v<T, float>;
+  const bool fits = input.dim <= kFusedMaxDim;
+  switch (requested) {
+    case Algorithm::automatic:
+      return is_float && output.weights == nullptr && fits ? Algorithm::fused : Algorithm::unfused;
+    case Algorithm::fused:
+      if (!is_float) {
+        fail(ErrorCode::unsupported, operation,
+             ": the fused algorithm computes in float only; use Algorithm::unfused for double");
+      }
+      if (output.weights != nullptr) {
+        fail(ErrorCode::unsupported, operation,
+             ": the fused algorithm never forms the N x N weights; use Algorithm::unfused (or "
+             "automatic) when 'weights' is requested");
+      }
+      if (!fits) {
+        fail(ErrorCode::unsupported, operation,
+             ": the fused algorithm handles dim <= ", kFusedMaxDim, ", got ", input.dim,
+             "; use Algorithm::unfused");
+      }
+      return Algorithm::fused;
+    case Algorithm::unfused:
+      return Algorithm::unfused;
+  }
+  fail(ErrorCode::invalid_argument, operation, ": argument 'algorithm' is not an Algorithm");
+}
+
+template <class T>
+WorkspaceLayout lay_out(std::int64_t B, std::int64_t N, std::int64_t d, std::int64_t H,
+                        Algorithm algorithm, bool weights, const char* operation) {
+  // B * N * d fits in int64 (check_shapes); times H may not.
+  const std::int64_t projected = checked_multiply(operation, "relevance", B * N * d, H);
+  WorkspaceLayout layout;
+  std::size_t cursor = 0;
+  layout.relevance = reserve(&cursor, projected, sizeof(T), operation, "relevance");
+  layout.content = reserve(&cursor, projected, sizeof(T), operation, "content");
+  if (algorithm == Algorithm::unfused && !weights) {
+    const std::int64_t scores =
+        checked_multiply(operation, "scores", checked_multiply(operation, "scores", B * H, N), N);
+    layout.scores = reserve(&cursor, scores, sizeof(T), operation, "scores");
+  }
+  if (algorithm == Algorithm::fused && H > 1) {
+    layout.partial = reserve(&cursor, projected, sizeof(T), operation, "partial");
+  }
+  layout.cublas =
+      reserve(&cursor, static_cast<std::int64_t>(kCublasWorkspaceBytes), 1, operation, "cublas");
+  layout.total = cursor;
+  return layout;
+}
+
+const char* presence(bool present) { return present ? "given" : "null"; }
+
+}  // namespace
+
+template <class T>
+AttentionPlan<T>::AttentionPlan(const AttentionInput<T>& shapes, const AttentionOutput<T>& outputs,
+                                Algorithm algorithm, const char* operation, bool query_device)
+    : operation_(operation),
+      batch_(shapes.batch),
+      tokens_(shapes.tokens),
+      dim_(shapes.dim),
+      heads_(shapes.layer.heads),
+      mask_(shapes.mask),
+      lse_(outputs.lse != nullptr),
+      entropy_(outputs.entropy != nullptr),
+      weights_(outputs.weights != nullptr) {
+  check_shapes(shapes, outputs, operation);
+  algorithm_ = choose_algorithm(shapes, outputs, algorithm, operation);
+  check_int_limits(batch_, tokens_, heads_, operation);
+  layout_ = lay_out<T>(batch_, tokens_, dim_, heads_, algorithm_, weights_, operation);
+  if (!query_device) return;
+
+  std::string reason;
+  if (!cuda_device_available(&reason)) {
+    fail(ErrorCode::unsupported, operation, ": no usable CUDA device: ", reason);
+  }
+  // The queries below read the last error on failure: one already pending is the caller's.
+  check_no_pending_error(operation);
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), operation, "cudaGetDevice");
+  if (algorithm_ == Algorithm::fused) {
+    int shared_limit = 0;
+    check_cuda(
+        cudaDeviceGetAttribute(&shared_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+        operation, "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+    const std::size_t needed = fused_shared_bytes(static_cast<int>(dim_));
+    if (needed > static_cast<std::size_t>(shared_limit)) {
+      fail(ErrorCode::unsupported, operation, ": the fused algorithm needs ", needed,
+           " bytes of shared memory per block at dim ", dim_, "; this device allows ", shared_limit,
+           "; use Algorithm::unfused");
+    }
+    prepare_fused_attention(static_cast<int>(dim_), device, operation);
+  }
+  cublas_ = &cublas_api(operation);
+  device_ = device;
+}
+
+template <class T>
+void AttentionPlan<T>::check_matches(const AttentionInput<T>& input,
+                                     const AttentionOutput<T>& output) const {
+  const char* const operation = operation_.c_str();
+  if (device_ < 0) {
+    fail(ErrorCode::invalid_argument, operation,
+         ": this plan was made with query_device = false, for sizing only; make it with "
+         "query_device = true to enqueue it");
+  }
+  const std::int64_t planned[] = {batch_, tokens_, dim_, heads_};
+  const std::int64_t given[] = {input.batch, input.tokens, input.dim, input.layer.heads};
+  const char* const names[] = {"batch", "tokens", "dim", "heads"};
+  for (int k = 0; k < 4; ++k) {
+    if (given[k] != planned[k]) {
+      fail_argument(operation, names[k], "is ", given[k], ", but the plan was made for ",
+                    planned[k]);
+    }
+  }
+  if (input.mask.kind != mask_.kind ||
+      (mask_.kind == MaskKind::window && input.mask.window != mask_.window)) {
+    fail_argument(operation, "mask", "is ", to_string(input.mask), ", but the plan was made for ",
+                  to_string(mask_));
+  }
+  expect_not_null(operation, "update", output.update);
+  const bool planned_outputs[] = {lse_, entropy_, weights_};
+  const bool given_outputs[] = {output.lse != nullptr, output.entropy != nullptr,
+                                output.weights != nullptr};
+  const char* const outputs[] = {"lse", "entropy", "weights"};
+  for (int k = 0; k < 3; ++k) {
+    if (given_outputs[k] != planned_outputs[k]) {
+      fail_argument(operation, outputs[k], "is ", presence(given_outputs[k]),
+                    ", but the plan was made with it ", presence(planned_outputs[k]));
+    }
+  }
+}
+
+template class AttentionPlan<float>;
+template class AttentionPlan<double>;
+
+}  // namespace emflow::detail

@@ -1,0 +1,111 @@
+// The CUDA runtime's error path (cuda_support.hpp) and the small public helpers of cuda.hpp:
+// device_available and the device memory of DeviceBuffer.
+#include "cuda_support.hpp"
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "core/backends.hpp"
+#include "core/check.hpp"
+#include "emflow/cuda.hpp"
+
+namespace emflow::detail {
+
+namespace {
+
+ErrorCode code_of(cudaError_t status) {
+  return status == cudaErrorMemoryAllocation ? ErrorCode::out_of_memory : ErrorCode::device;
+}
+
+}  // namespace
+
+void check_cuda(cudaError_t status, const char* operation, const char* call) {
+  if (status == cudaSuccess) return;
+  cudaGetLastError();  // a failed call also records itself as the last error: clear it
+  fail(code_of(status), operation, ": ", call, " failed: ", cudaGetErrorString(status), " (",
+       cudaGetErrorName(status), ")");
+}
+
+void check_launch(const char* operation, const char* kernel) {
+  const cudaError_t status = cudaGetLastError();
+  if (status == cudaSuccess) return;
+  fail(code_of(status), operation, ": launch of ", kernel, " failed: ", cudaGetErrorString(status),
+       " (", cudaGetErrorName(status), ")");
+}
+
+void check_no_pending_error(const char* operation) {
+  // Peek, not get: the error belongs to the caller's earlier work, so it stays recorded for them.
+  const cudaError_t status = cudaPeekAtLastError();
+  if (status == cudaSuccess) return;
+  fail(ErrorCode::device, operation,
+       ": a CUDA error was already pending before this call (left by ",
+       "earlier work, not by emflow): ", cudaGetErrorString(status), " (", cudaGetErrorName(status),
+       "); consume it with cudaGetLastError() before calling emflow");
+}
+
+OwnedStream::OwnedStream(const char* operation) {
+  check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), operation,
+             "cudaStreamCreateWithFlags");
+}
+
+OwnedStream::~OwnedStream() {
+  // Work still queued completes before the stream's resources are released.
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+}  // namespace emflow::detail
+
+namespace emflow::cuda {
+
+bool device_available(std::string* reason) noexcept {
+  try {
+    std::string why;
+    const bool available = emflow::detail::cuda_device_available(&why);
+    if (reason != nullptr) *reason = why;
+    return available;
+  } catch (...) {
+    return false;
+  }
+}
+
+namespace detail {
+
+void* device_allocate(std::size_t bytes) {
+  if (bytes == 0) return nullptr;
+  void* pointer = nullptr;
+  const cudaError_t status = cudaMalloc(&pointer, bytes);
+  if (status != cudaSuccess) {
+    cudaGetLastError();
+    emflow::detail::fail(emflow::detail::code_of(status), "DeviceBuffer: cudaMalloc of ", bytes,
+                         " bytes failed: ", cudaGetErrorString(status), " (",
+                         cudaGetErrorName(status), ")");
+  }
+  return pointer;
+}
+
+void device_free(void* pointer) noexcept {
+  if (pointer != nullptr) cudaFree(pointer);
+}
+
+void copy_host_to_device(void* device, const void* host, std::size_t bytes, Stream stream) {
+  if (bytes == 0) return;
+  emflow::detail::check_cuda(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, stream),
+                             "DeviceBuffer", "cudaMemcpyAsync (host to device)");
+}
+
+void copy_device_to_host(void* host, const void* device, std::size_t bytes, Stream stream) {
+  if (bytes == 0) return;
+  emflow::detail::check_cuda(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream),
+                             "DeviceBuffer", "cudaMemcpyAsync (device to host)");
+}
+
+void check_copy_count(std::size_t count, std::size_t size) {
+  if (count > size) {
+    emflow::detail::fail_argument("DeviceBuffer", "count", "must be <= the buffer's size ", size,
+                                  ", got ", count);
+  }
+}
+
+}  // namespace detail
+}  // namespace emflow::cuda
