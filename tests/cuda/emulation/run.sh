@@ -28,7 +28,7 @@ case "$MODE" in
 esac
 
 FLAGS=(-std=c++20 -O1 -g "${SAN[@]}" -fno-omit-frame-pointer -pthread -DEMFLOW_WITH_CUDA=1
-       -DEMFLOW_CUDA_EMULATION=1 -DEMFLOW_VERSION=\"emulation\" -I "$HERE" -I "$ROOT/include" -I "$ROOT/src"
+       -DEMFLOW_CUDA_EMULATION=1 -DEMFLOW_VERSION=\"emulation\" -I "$HERE" -I "$ROOT" -I "$ROOT/include" -I "$ROOT/src"
        -I "$ROOT/kernels" -I "$ROOT/tests")
 objects=()
 running=()
