@@ -50,13 +50,10 @@ class DeviceOps {
   using Value = T;
   using Buffer = cuda::DeviceBuffer<T>;
 
-  // Launch failures are read back with cudaGetLastError: an error the caller left pending is
-  // reported as such before anything is enqueued. Every buffer of the run is declared after the
-  // ops, so they are freed (cudaFree waits for the device) before the stream is destroyed.
+  // Every buffer of the run is declared after the ops, so they are freed (cudaFree waits for
+  // the device) before the stream is destroyed.
   explicit DeviceOps(const char* operation)
-      : operation_((emflow::detail::check_no_pending_error(operation), operation)),
-        owned_(operation),
-        stream_(owned_.get()) {}
+      : operation_(operation), owned_(operation), stream_(owned_.get()) {}
 
   cudaStream_t stream() const noexcept { return stream_; }
 
@@ -135,10 +132,8 @@ class DeviceOps {
   /// device until finish().
   void record_into(const std::vector<double>& betas, std::int64_t tokens, double cluster_eps,
                    std::size_t records) {
-    const auto B = static_cast<std::int64_t>(betas.size());
-    const ObserveScratchSizes sizes = observe_scratch_sizes(B, tokens);
-    check_fits_int(operation_, sizes.rows, "batch * tokens * 5 (observables)");
-    check_fits_int(operation_, sizes.edges, "batch * tokens * ceil(tokens / 32) (clustered pairs)");
+    const ObserveScratchSizes sizes =
+        observe_scratch_sizes(static_cast<std::int64_t>(betas.size()), tokens);
     cluster_eps_ = cluster_eps;
     betas_ = cuda::DeviceBuffer<double>(betas.size());
     observed_ = cuda::DeviceBuffer<double>(records * betas.size() * kObservableFields);
@@ -205,16 +200,25 @@ class DeviceOps {
   cuda::DeviceBuffer<int> labels_;
 };
 
-// Refuses a batch of B clouds of N tokens in R^d with `heads` heads whose sizes do not fit the
-// kernels' int indexing; returns B * N * d.
+// Refuses a batch of B clouds of N tokens in R^d with `heads` heads (and, when `observed`, the
+// observables' scratch) whose sizes do not fit the kernels' int indexing, before anything is
+// allocated; returns B * N * d. Then checks that no CUDA error is pending: launch failures are
+// read back with cudaGetLastError, so an error the caller left is reported as such before
+// anything is enqueued.
 std::int64_t check_sizes(const char* operation, std::int64_t B, std::int64_t N, std::int64_t d,
-                         std::int64_t heads) {
+                         std::int64_t heads, bool observed) {
   using emflow::detail::checked_multiply;
   const std::int64_t elements =
       checked_multiply(operation, "initial", checked_multiply(operation, "initial", B, N), d);
   check_fits_int(operation, elements, "batch * tokens * dim");
   check_fits_int(operation, checked_multiply(operation, "layers", B * N, heads),
                  "batch * tokens * heads");
+  if (observed) {
+    const ObserveScratchSizes sizes = observe_scratch_sizes(B, N);
+    check_fits_int(operation, sizes.rows, "batch * tokens * 5 (observables)");
+    check_fits_int(operation, sizes.edges, "batch * tokens * ceil(tokens / 32) (clustered pairs)");
+  }
+  emflow::detail::check_no_pending_error(operation);
   return elements;
 }
 
@@ -229,7 +233,7 @@ FlowResult<T> run_flow_device(const Tensor<T>& initial, const std::vector<double
   std::int64_t max_heads = 1;
   for (const FlowLayer<T>& layer : layers) max_heads = std::max(max_heads, layer.heads);
   // Shapes first, allocations after.
-  const std::int64_t elements = check_sizes(kOperation, B, N, d, max_heads);
+  const std::int64_t elements = check_sizes(kOperation, B, N, d, max_heads, true);
   FlowResult<T> result = allocate_result<T>(B, N, d, settings);
 
   DeviceOps<T> ops(kOperation);
@@ -250,7 +254,7 @@ FlowResult<T> run_flow_device(const Tensor<T>& initial, const std::vector<double
 std::vector<double> phase_generic_device(const PhaseProblem& problem, const Progress& progress) {
   constexpr const char* kOperation = "phase";
   const std::int64_t elements =
-      check_sizes(kOperation, problem.batch, problem.tokens, problem.dim, 1);
+      check_sizes(kOperation, problem.batch, problem.tokens, problem.dim, 1, false);
   DeviceOps<float> ops(kOperation);
   const DeviceLayer<float> identity =
       ops.upload(make_layer<float>(problem.dim, OperatorKind::identity, OperatorKind::identity, 0));

@@ -26,6 +26,7 @@
 //   const T* to_host(state, std::vector<T>& scratch, n)    the state readable on the host
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <utility>

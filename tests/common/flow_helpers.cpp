@@ -24,6 +24,19 @@ flow::FlowSettings continuous(double time, double dt, flow::Integrator integrato
   return s;
 }
 
+flow::FlowSettings stack(std::int64_t layers, flow::Normalization norm, bool pre_norm) {
+  flow::FlowSettings s;
+  s.layers = layers;
+  s.norm = norm;
+  s.pre_norm = pre_norm;
+  return s;
+}
+
+std::vector<flow::Normalization> every_normalization() {
+  return {flow::Normalization::none, flow::Normalization::layernorm, flow::Normalization::rmsnorm,
+          flow::Normalization::sphere};
+}
+
 namespace {
 template <class T>
 std::vector<T> random_values(std::size_t count, std::uint64_t seed, double lo, double hi) {

@@ -21,6 +21,11 @@ inline ExecutionOptions on_cpu() { return on(Device::cpu); }
 /// Continuous time up to `time` with step `dt`, in R^d or on the sphere.
 flow::FlowSettings continuous(double time, double dt, flow::Integrator integrator, bool sphere);
 
+/// A stack of `layers` layers with normalisation `norm`, post-norm or pre-norm.
+flow::FlowSettings stack(std::int64_t layers, flow::Normalization norm, bool pre_norm);
+/// none, layernorm, rmsnorm, sphere.
+std::vector<flow::Normalization> every_normalization();
+
 /// A layer of `heads` heads with operator entries uniform in +-scale / sqrt(d); with `extras`,
 /// a key bias, an offset and a norm gain and bias too.
 template <class T>

@@ -201,13 +201,9 @@ TYPED_TEST(FlowCudaTyped, DiscreteStackWithEveryNormalisationMatchesCpu) {
   const std::vector<FlowLayer<T>> layers = {random_layer<T>(4, 1, 11, true),
                                             random_layer<T>(4, 2, 12, true),
                                             random_layer<T>(4, 1, 13, true)};
-  for (Normalization norm : {Normalization::none, Normalization::layernorm, Normalization::rmsnorm,
-                             Normalization::sphere}) {
+  for (Normalization norm : testing::every_normalization()) {
     for (bool pre_norm : {false, true}) {
-      FlowSettings s;
-      s.layers = 3;
-      s.norm = norm;
-      s.pre_norm = pre_norm;
+      FlowSettings s = testing::stack(3, norm, pre_norm);
       s.unnormalized = norm == Normalization::rmsnorm;  // USA in a stack too
       check_run(x0, betas, layers, s,
                 std::string(to_string(norm)) + (pre_norm ? " pre-norm" : " post-norm"));

@@ -364,14 +364,9 @@ TEST(FlowLayers, PostAndPreNormFollowTheirFormulas) {
       make_layer<double>(d, OperatorKind::random, OperatorKind::random, 2)};
   layers[1].norm_gain = {1.0, 2.0, 0.5, 1.5};
   layers[1].norm_bias = {0.1, -0.2, 0.0, 0.3};
-  for (Normalization norm : {Normalization::none, Normalization::layernorm, Normalization::rmsnorm,
-                             Normalization::sphere}) {
+  for (Normalization norm : testing::every_normalization()) {
     for (bool pre : {false, true}) {
-      FlowSettings s;
-      s.layers = 2;
-      s.norm = norm;
-      s.pre_norm = pre;
-      const auto r = run_flow(x0, {1.3}, layers, s, on_cpu());
+      const auto r = run_flow(x0, {1.3}, layers, testing::stack(2, norm, pre), on_cpu());
       ASSERT_EQ(r.trajectory.extent(0), 3);
       // Replay with the reference attention and the normalisation by hand.
       std::vector<double> x(x0.values());
