@@ -18,15 +18,15 @@
 // is derived from its outputs: the unnormalised sum is delta_i * Z_i / N with
 // Z_i / N = exp(lse_i - log N), which never overflows on its own.
 //
-// Where a run happens (run_flow): on Device::cpu and Device::reference the state lives on the
-// host, every evaluation is an emflow::attend call and the observables are computed on the host
-// in double. When the options resolve to a CUDA device (Device::cuda, or Device::automatic with
-// a usable GPU), the whole run stays on the GPU: the state, the RK4 stages and one attention
-// workspace live in device memory, every evaluation is emflow::cuda::attend_async on one owned
-// stream, the element-wise parts are kernels, and the observables of each record are computed
-// by kernels in double with fixed reduction orders (two runs agree bit for bit). Only the
-// recorded clouds and the observables come back; each record copies its state to the host, which
-// waits for the stream once per record.
+// Where a run happens (run_flow): one loop, two kinds of memory. On Device::cpu and
+// Device::reference the state lives on the host, every evaluation is an emflow::attend call and
+// the observables are computed on the host in double. When the options resolve to a CUDA device
+// (Device::cuda, or Device::automatic with a usable GPU), the whole run stays on the GPU: the
+// state, the RK4 stages and one attention workspace live in device memory, every evaluation is
+// emflow::cuda::attend_async on one owned stream, the element-wise parts are kernels, and the
+// observables of each record are computed by kernels in double with fixed reduction orders (two
+// runs agree bit for bit). Only the recorded clouds and the observables come back; each record
+// copies its state to the host, which waits for the stream once per record.
 //
 // The dynamics are instantiated for float (the state and attention in float32) and double.
 // All functions validate their arguments and throw emflow::Error naming the argument.
@@ -103,6 +103,34 @@ std::vector<T> make_operator(OperatorKind kind, std::int64_t dim, std::uint64_t 
 template <class T>
 FlowLayer<T> layer_from_mha(const MultiHeadAttentionWeights& weights);
 
+/// Where one operator (M or F) of every layer of a stack comes from, as `emflow flow --m / --f`
+/// gives it: generated (`kind`) when `array` is empty, else `array` of shape (d, d) (every head
+/// and layer), (H, d, d) (one per head, every layer) or (L, H, d, d) (one per layer and head),
+/// e.g. read_npy of the file.
+template <class T>
+struct OperatorSource {
+  OperatorKind kind = OperatorKind::identity;
+  Tensor<T> array;
+  std::string name = "operator";  ///< how errors name it, e.g. "--m 'm.npy'"
+};
+
+/// The layers of a run in R^dim with `layer_count` layers (1 for continuous time), M and F from
+/// their sources, exactly as `emflow flow` builds them from --m, --f and --seed (and so
+/// `run_flow(initial, betas, layer_stack(...), settings)` reproduces an `emflow flow` run):
+/// * heads: those of the arrays (both must agree), else 1;
+/// * one layer shared by the whole stack, unless an array holds L layers or a `random` operator
+///   meets a stack of more than one layer: then one layer per layer of the stack;
+/// * a `random` operator of layer l, head h draws its own entries, seeded by `seed` and
+///   (l, h, M or F) only, so every layer and head has its own and a run is reproducible.
+/// Throws emflow::Error naming the source when a shape does not fit.
+template <class T>
+std::vector<FlowLayer<T>> layer_stack(const OperatorSource<T>& relevance,
+                                      const OperatorSource<T>& content, std::int64_t dim,
+                                      std::int64_t layer_count, std::uint64_t seed);
+/// The layers of a stack of multi-head attention sub-layers, one per entry (layer_from_mha).
+template <class T>
+std::vector<FlowLayer<T>> layer_stack(const std::vector<MultiHeadAttentionWeights>& weights);
+
 /// B seeded clouds of N tokens in R^d: (B, N, d). Cloud b depends on (seed, b) only, so a batch
 /// of B clouds starts with the clouds of every smaller batch of the same seed.
 template <class T>
@@ -130,6 +158,9 @@ void attention_update(const T* cloud, std::int64_t batch, std::int64_t tokens, s
                       const UpdateSettings& settings, T* update, double* mean_entropy,
                       const ExecutionOptions& options);
 
+/// The most steps a continuous-time run may take: time / dt above it is refused.
+inline constexpr std::int64_t kMaxSteps = 100000000;
+
 /// What a run does.
 struct FlowSettings {
   /// > 0: a discrete stack of `layers` layers; 0: continuous time up to `time`.
@@ -137,7 +168,7 @@ struct FlowSettings {
   Normalization norm = Normalization::none;  ///< discrete: N; continuous: none or sphere
   bool pre_norm = false;                     ///< discrete only
   double time = 10.0;                        ///< continuous: T > 0
-  double dt = 0.1;                           ///< continuous: step; the last step may be shorter
+  double dt = 0.1;  ///< continuous: step; the last step may be shorter; time / dt <= kMaxSteps
   Integrator integrator = Integrator::rk4;
   bool unnormalized = false;      ///< USA instead of SA (both discrete and continuous)
   std::int64_t record_every = 1;  ///< record the state every k steps (and the last one)
@@ -215,15 +246,18 @@ struct PhaseDiagram {
 
 /// Device::cuda (and Device::automatic when a GPU is present): one kernel integrates every
 /// (beta, cloud) pair in float32, a thread per token, each cloud in a block's shared memory;
-/// a cloud too large for one block (more than 1024 tokens, or beyond the shared memory) goes
-/// through emflow::attend on the device instead. Device::cpu (and automatic without a GPU): a
+/// a cloud too large for one block (more than 1024 tokens, or beyond the shared memory) takes
+/// the generic path on the device (below). Device::cpu (and automatic without a GPU): a
 /// specialised path in float32, clouds in SIMD lanes, OpenMP over lane groups. Device::reference:
 /// every step through emflow::attend with all C * K clouds in one batch (one call per beta).
 /// All integrate the same equations; the GPU and CPU paths count a pair differently only when
 /// its inner product lies within float rounding of 1 - eps.
 PhaseDiagram phase_diagram(const PhaseSettings& settings, const ExecutionOptions& options = {},
                            const Progress& progress = {});
-/// The same sweep through emflow::attend on options.device, whatever the device (for tests).
+/// The same sweep through the generic attention update, whatever the device (for tests): on the
+/// host every evaluation is emflow::attend on options.device; on a CUDA device the state stays
+/// in device memory, every evaluation is emflow::cuda::attend_async on one stream, and each
+/// step's clouds come back once for the count.
 PhaseDiagram phase_diagram_generic(const PhaseSettings& settings,
                                    const ExecutionOptions& options = {},
                                    const Progress& progress = {});

@@ -75,76 +75,27 @@ std::vector<double> parse_betas(const std::string& text, std::int64_t batch) {
   return betas;
 }
 
-// The operators of every layer: generated, or read from --m / --f files of shape (d, d),
-// (H, d, d), or (L, H, d, d) for a stack of L layers each with its own heads.
+// The operators of every layer (flow::layer_stack): generated, or read from --m / --f files of
+// shape (d, d), (H, d, d), or (L, H, d, d) for a stack of L layers each with its own heads.
 template <class T>
 std::vector<flow::FlowLayer<T>> read_layers(const FlowArguments& args, std::int64_t dim,
                                             std::int64_t layer_count, Dtype dtype) {
-  struct Source {
-    const char* option;
-    std::string text;
-    Tensor<T> file;
-    std::int64_t layers = 0, heads = 0;  // 0: not fixed by a file
-  };
-  Source sources[2] = {{"--m", args.relevance, {}, 0, 0}, {"--f", args.content, {}, 0, 0}};
   const std::string main_option = args.cloud.empty() ? "--precision" : "--x";
-  for (Source& s : sources) {
-    if (is_generated(s.text)) continue;
-    s.file = read_float_input<T>(s.option, s.text, dtype, main_option, 2, 4);
-    if (args.check_finite) require_finite(s.file, std::string(s.option) + " '" + s.text + "'");
-    const Shape& shape = s.file.shape();
-    const std::int64_t rank = s.file.rank();
-    if (shape[static_cast<std::size_t>(rank - 1)] != dim ||
-        shape[static_cast<std::size_t>(rank - 2)] != dim) {
-      fail_option(s.option, "'", s.text, "' has shape ", to_string(shape), ", expected (", dim,
-                  ", ", dim, "), (H, ", dim, ", ", dim, ") or (L, H, ", dim, ", ", dim,
-                  ") (d = ", dim, ")");
+  flow::OperatorSource<T> sources[2];
+  const char* options[2] = {"--m", "--f"};
+  const std::string* texts[2] = {&args.relevance, &args.content};
+  for (int which = 0; which < 2; ++which) {
+    flow::OperatorSource<T>& s = sources[which];
+    const std::string& text = *texts[which];
+    s.name = std::string(options[which]) + " '" + text + "'";
+    if (is_generated(text)) {
+      s.kind = flow::parse_operator_kind(text, options[which]);
+      continue;
     }
-    s.heads = rank >= 3 ? shape[static_cast<std::size_t>(rank - 3)] : 1;
-    s.layers = rank == 4 ? shape[0] : 0;
-    if (rank == 4 && s.layers != layer_count) {
-      fail_option(s.option, "'", s.text, "' holds ", s.layers, " layers, expected ", layer_count,
-                  args.layers > 0 ? " (from --layers)" : " (continuous time takes one layer)");
-    }
+    s.array = read_float_input<T>(options[which], text, dtype, main_option, 2, 4);
+    if (args.check_finite) require_finite(s.array, s.name);
   }
-  if (sources[0].heads && sources[1].heads && sources[0].heads != sources[1].heads) {
-    fail_option("--f", "'", args.content, "' has ", sources[1].heads, " heads, expected ",
-                sources[0].heads, " (the heads of --m)");
-  }
-  const std::int64_t heads = std::max<std::int64_t>({1, sources[0].heads, sources[1].heads});
-  // One shared layer unless a file or a random operator differs from layer to layer.
-  bool per_layer = sources[0].layers > 0 || sources[1].layers > 0;
-  for (const Source& s : sources) per_layer = per_layer || (s.text == "random" && layer_count > 1);
-  const std::int64_t count = per_layer ? layer_count : 1;
-
-  std::vector<flow::FlowLayer<T>> layers(static_cast<std::size_t>(count));
-  for (std::int64_t l = 0; l < count; ++l) {
-    flow::FlowLayer<T>& layer = layers[static_cast<std::size_t>(l)];
-    layer.heads = heads;
-    for (int which = 0; which < 2; ++which) {
-      const Source& s = sources[which];
-      std::vector<T>& target = which == 0 ? layer.relevance : layer.content;
-      target.reserve(static_cast<std::size_t>(heads * dim * dim));
-      for (std::int64_t h = 0; h < heads; ++h) {
-        if (s.file.size() == 0) {
-          // Streams: (layer, head, M or F) of --seed, disjoint from the clouds' streams.
-          const std::uint64_t stream =
-              (static_cast<std::uint64_t>(l * heads + h) << 1 | static_cast<std::uint64_t>(which)) +
-              (std::uint64_t{1} << 40);
-          const auto op = flow::make_operator<T>(flow::parse_operator_kind(s.text, s.option), dim,
-                                                 args.seed ^ (stream * 0x9E3779B97F4A7C15ull));
-          target.insert(target.end(), op.begin(), op.end());
-        } else {
-          const std::int64_t file_heads = s.heads;
-          const std::int64_t layer_index = s.layers > 0 ? l : 0;
-          const T* from =
-              s.file.data() + ((layer_index * file_heads) + (file_heads == 1 ? 0 : h)) * dim * dim;
-          target.insert(target.end(), from, from + dim * dim);
-        }
-      }
-    }
-  }
-  return layers;
+  return flow::layer_stack(sources[0], sources[1], dim, layer_count, args.seed);
 }
 
 std::string csv_number(double v) {
@@ -167,8 +118,9 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
     if (!(std::isfinite(args.dt) && args.dt > 0)) {
       fail_option("--dt", "must be finite and > 0, got ", args.dt);
     }
-    if (args.time / args.dt > 1e7) {
-      fail_option("--dt", "gives more than 1e7 steps (--time ", args.time, ", --dt ", args.dt, ")");
+    if (args.time / args.dt > static_cast<double>(flow::kMaxSteps)) {
+      fail_option("--dt", "gives more than ", flow::kMaxSteps, " steps (--time ", args.time,
+                  ", --dt ", args.dt, ")");
     }
   }
   const flow::Integrator integrator = flow::parse_integrator(args.integrator, "--integrator");

@@ -23,22 +23,6 @@ inline std::int64_t beta_run_end(const std::vector<double>& betas, std::int64_t 
   return end;
 }
 
-/// Scratch space of one continuous-time step (the RK4 stages).
-template <class T>
-struct StepWorkspace {
-  std::vector<T> k1, k2, k3, k4, stage;
-  void resize(std::size_t size);
-};
-
-/// One continuous-time step of length h from `cloud` (B, N, d), in place. mean_entropy: null or
-/// B entries, the mean attention entropy at the state before the step.
-template <class T>
-void continuous_step(T* cloud, std::int64_t batch, std::int64_t tokens, std::int64_t dim,
-                     const FlowLayer<T>& layer, const std::vector<double>& betas,
-                     const UpdateSettings& settings, Integrator integrator, double h,
-                     StepWorkspace<T>& workspace, double* mean_entropy,
-                     const ExecutionOptions& options);
-
 /// Checks the arguments of run_flow (shapes, betas, layers, settings) and returns one beta per
 /// cloud; throws emflow::Error naming the first bad argument. Both the host and the CUDA run
 /// take their arguments from here.
@@ -62,6 +46,46 @@ FlowResult<T> allocate_result(std::int64_t batch, std::int64_t tokens, std::int6
 /// the length of step s.
 std::int64_t continuous_steps(double time, double dt) noexcept;
 double step_length(double time, double dt, std::int64_t steps, std::int64_t s) noexcept;
+
+/// The run of run_flow on the host (host_ops.cpp), on arguments validate_flow has accepted
+/// (`betas`: one per cloud).
+template <class T>
+FlowResult<T> run_flow_host(const Tensor<T>& initial, const std::vector<double>& betas,
+                            const std::vector<FlowLayer<T>>& layers, const FlowSettings& settings,
+                            const ExecutionOptions& options, const Progress& progress);
+
+/// The generic phase sweep (phase_diagram_generic): every cloud of every beta in one batch of
+/// B = K * C clouds sorted by beta, SA on the sphere with Q = K = V = I, RK4.
+struct PhaseProblem {
+  std::vector<float> clouds;  ///< (B, N, d): the C initial clouds, repeated for each beta
+  std::vector<double> betas;  ///< B entries, one per cloud
+  std::int64_t batch = 0, tokens = 0, dim = 0;
+  std::int64_t clouds_per_beta = 0, beta_count = 0;
+  std::int64_t steps = 0;  ///< continuous_steps(time, dt)
+  double time = 0, dt = 0;
+  double threshold = 0;  ///< a pair is clustered when <x_i, x_j> > threshold (1 - eps)
+};
+
+/// Row `step` of the diagram from the clouds (B, N, d) on the host: for each beta the mean over
+/// its clouds of the fraction of clustered pairs, into row[0, K).
+void count_clustered(const PhaseProblem& problem, const float* clouds, double* row);
+
+/// The generic sweep on the host (host_ops.cpp), every evaluation an emflow::attend call on
+/// options.device: the diagram (S + 1, K).
+std::vector<double> phase_generic_host(const PhaseProblem& problem, const ExecutionOptions& options,
+                                       const Progress& progress);
+
+#if EMFLOW_WITH_CUDA
+/// The device-resident run of run_flow (device_ops_cuda.cpp), on validated arguments.
+template <class T>
+FlowResult<T> run_flow_device(const Tensor<T>& initial, const std::vector<double>& betas,
+                              const std::vector<FlowLayer<T>>& layers, const FlowSettings& settings,
+                              const Progress& progress);
+
+/// The generic sweep on the CUDA device (device_ops_cuda.cpp): the state stays in device memory,
+/// each step's clouds come back once for the count.
+std::vector<double> phase_generic_device(const PhaseProblem& problem, const Progress& progress);
+#endif
 
 /// The specialised phase sweep (sphere_kernel.cpp): Q = K = V = I, SA on the sphere, RK4, in
 /// float32 with clouds in SIMD lanes. initial: (C, N, d), the same clouds for every beta.

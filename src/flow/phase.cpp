@@ -1,16 +1,17 @@
 // The phase diagram of Geshkovski, Letrouit, Polyanskiy and Rigollet: the fraction of clustered
 // pairs over (time, beta) for Q = K = V = I on the sphere. The generic path runs every step
-// through emflow::attend; the specialised paths integrate the same equations, on the CPU in
-// sphere_kernel.cpp and on a CUDA device in kernels/phase_cuda.cu.
+// through the flow's attention update (stepper.hpp, on the host or in device memory); the
+// specialised paths integrate the same equations, on the CPU in sphere_kernel.cpp and on a CUDA
+// device in kernels/phase_kernels.cu.
 #include <cmath>
 
-#include "../core/check.hpp"
+#include "core/check.hpp"
 #include "emflow/attention.hpp"
 #include "emflow/flow.hpp"
 #include "internal.hpp"
 
 #if EMFLOW_WITH_CUDA
-#include "kernels/phase_cuda.hpp"
+#include "kernels/phase_kernels.hpp"
 #endif
 
 namespace emflow::flow {
@@ -77,59 +78,68 @@ std::vector<double> time_grid(const PhaseSettings& s, std::int64_t steps) {
 
 }  // namespace
 
+namespace detail {
+
+void count_clustered(const PhaseProblem& p, const float* clouds, double* row) {
+  const std::int64_t C = p.clouds_per_beta, N = p.tokens, d = p.dim;
+  const double pairs = 0.5 * static_cast<double>(N) * static_cast<double>(N - 1);
+#pragma omp parallel for schedule(static)
+  for (std::int64_t k = 0; k < p.beta_count; ++k) {
+    double sum = 0.0;
+    for (std::int64_t c = 0; c < C; ++c) {
+      const float* x = clouds + (k * C + c) * N * d;
+      std::int64_t clustered = 0;
+      for (std::int64_t i = 0; i < N; ++i) {
+        for (std::int64_t j = i + 1; j < N; ++j) {
+          double inner = 0.0;
+          for (std::int64_t a = 0; a < d; ++a)
+            inner += static_cast<double>(x[i * d + a]) * x[j * d + a];
+          clustered += inner > p.threshold;
+        }
+      }
+      sum += static_cast<double>(clustered) / pairs;
+    }
+    row[k] = sum / static_cast<double>(C);
+  }
+}
+
+}  // namespace detail
+
 PhaseDiagram phase_diagram_generic(const PhaseSettings& s, const ExecutionOptions& options,
                                    const Progress& progress) {
   validate(s);
   const std::int64_t C = s.clouds, K = s.beta_count, N = s.tokens, d = s.dim;
-  const std::int64_t steps = detail::continuous_steps(s.time, s.dt);
   PhaseDiagram out;
   out.betas = beta_grid(s);
-  out.times = time_grid(s, steps);
-  out.clustered.assign(static_cast<std::size_t>((steps + 1) * K), 0.0);
+  detail::PhaseProblem p;
+  p.batch = K * C;
+  p.tokens = N;
+  p.dim = d;
+  p.clouds_per_beta = C;
+  p.beta_count = K;
+  p.steps = detail::continuous_steps(s.time, s.dt);
+  p.time = s.time;
+  p.dt = s.dt;
+  p.threshold = 1.0 - s.cluster_eps;
+  out.times = time_grid(s, p.steps);
 
   // All C * K clouds in one batch, sorted by beta so each step is one attend call per beta.
   const Tensor<float> initial = initial_clouds<float>(InitialCloud::sphere, C, N, d, s.seed);
-  std::vector<float> cloud(static_cast<std::size_t>(K * C * N * d));
-  std::vector<double> betas(static_cast<std::size_t>(K * C));
+  p.clouds.resize(static_cast<std::size_t>(K * C * N * d));
+  p.betas.resize(static_cast<std::size_t>(K * C));
   for (std::int64_t k = 0; k < K; ++k) {
     std::copy(initial.values().begin(), initial.values().end(),
-              cloud.begin() + static_cast<std::ptrdiff_t>(k * C * N * d));
-    std::fill(betas.begin() + k * C, betas.begin() + (k + 1) * C,
+              p.clouds.begin() + static_cast<std::ptrdiff_t>(k * C * N * d));
+    std::fill(p.betas.begin() + k * C, p.betas.begin() + (k + 1) * C,
               out.betas[static_cast<std::size_t>(k)]);
   }
-  const FlowLayer<float> layer =
-      make_layer<float>(d, OperatorKind::identity, OperatorKind::identity, 0);
-  UpdateSettings update;
-  update.tangent = true;
-  detail::StepWorkspace<float> workspace;
-  const double pairs = 0.5 * static_cast<double>(N) * static_cast<double>(N - 1);
-  const double threshold = 1.0 - s.cluster_eps;
-
-  for (std::int64_t step = 0;; ++step) {
-#pragma omp parallel for schedule(static)
-    for (std::int64_t k = 0; k < K; ++k) {
-      double sum = 0.0;
-      for (std::int64_t c = 0; c < C; ++c) {
-        const float* x = cloud.data() + (k * C + c) * N * d;
-        std::int64_t clustered = 0;
-        for (std::int64_t i = 0; i < N; ++i) {
-          for (std::int64_t j = i + 1; j < N; ++j) {
-            double inner = 0.0;
-            for (std::int64_t a = 0; a < d; ++a)
-              inner += static_cast<double>(x[i * d + a]) * x[j * d + a];
-            clustered += inner > threshold;
-          }
-        }
-        sum += static_cast<double>(clustered) / pairs;
-      }
-      out.clustered[static_cast<std::size_t>(step * K + k)] = sum / static_cast<double>(C);
-    }
-    if (step == steps) break;
-    detail::continuous_step(cloud.data(), K * C, N, d, layer, betas, update, Integrator::rk4,
-                            detail::step_length(s.time, s.dt, steps, step), workspace, nullptr,
-                            options);
-    if (progress) progress(step + 1, steps);
+#if EMFLOW_WITH_CUDA
+  if (resolve_device(options.device) == Device::cuda) {
+    out.clustered = detail::phase_generic_device(p, progress);
+    return out;
   }
+#endif
+  out.clustered = detail::phase_generic_host(p, options, progress);
   return out;
 }
 
@@ -143,7 +153,7 @@ PhaseDiagram phase_diagram(const PhaseSettings& s, const ExecutionOptions& optio
   const Device device = resolve_device(options.device);
 #if EMFLOW_WITH_CUDA
   // A cloud larger than one block (more than 1024 tokens, or its state beyond the block's
-  // shared memory) goes through attend on the device instead, one call per beta and RK4 stage.
+  // shared memory) takes the generic path in device memory, one call per beta and RK4 stage.
   if (device == Device::cuda && !detail::phase_kernel_cuda_fits(s.tokens, s.dim)) {
     ExecutionOptions on_device = options;
     on_device.device = Device::cuda;
@@ -160,8 +170,10 @@ PhaseDiagram phase_diagram(const PhaseSettings& s, const ExecutionOptions& optio
       initial_clouds<float>(InitialCloud::sphere, s.clouds, s.tokens, s.dim, s.seed);
 #if EMFLOW_WITH_CUDA
   if (device == Device::cuda) {
-    out.clustered = detail::phase_kernel_cuda(initial.values(), s.clouds, s.tokens, s.dim,
-                                              out.betas, s.time, s.dt, s.cluster_eps, progress);
+    out.clustered = detail::phase_kernel_cuda(
+        initial.values(), s.clouds, s.tokens, s.dim, out.betas, steps,
+        detail::step_length(s.time, s.dt, steps, 0),
+        detail::step_length(s.time, s.dt, steps, steps - 1), s.cluster_eps, progress);
     return out;
   }
 #endif

@@ -3,8 +3,9 @@
 // normalisation, pre- and post-norm, several heads, per-cloud betas, float and double; the
 // observables on clouds built to have known clusters; bitwise determinism; records every k
 // steps and the last one; progress; and the errors, which match the host's. GPU tests start
-// with EMFLOW_REQUIRE_CUDA() and skip without a device. Cases are tiny (the CPU emulation runs
-// one host thread per CUDA thread).
+// with EMFLOW_REQUIRE_CUDA() and skip without a device; the checks that hold on every device
+// (FlowCuda/FlowOnEveryDevice.*) run once per device, the CUDA instance skipping without one.
+// Cases are tiny (the CPU emulation runs one host thread per CUDA thread).
 //
 // Tolerances for the trajectory against the CPU run: the attention of the two devices differs
 // by rounding (float: a few 1e-7 relative per evaluation; double: a few 1e-16), and ten steps of
@@ -20,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "common/flow_helpers.hpp"
 #include "common/testing.hpp"
 #include "emflow/error.hpp"
 #include "emflow/flow.hpp"
@@ -27,51 +29,13 @@
 namespace emflow::flow {
 namespace {
 
-ExecutionOptions on(Device device) {
-  ExecutionOptions options;
-  options.device = device;
-  return options;
-}
+using testing::continuous;
+using testing::on;
+using testing::random_layer;
 
 template <class T>
 double tolerance() {
   return sizeof(T) == sizeof(float) ? 1e-4 : 1e-10;
-}
-
-template <class T>
-std::vector<T> random_values(std::size_t count, std::uint64_t seed, double lo, double hi) {
-  const std::vector<double> v = testing::uniform(count, seed, lo, hi);
-  return std::vector<T>(v.begin(), v.end());
-}
-
-// A layer of `heads` heads with operator entries of size ~ scale / sqrt(d); with `extras`, a
-// key bias, an offset and a norm gain and bias too.
-template <class T>
-FlowLayer<T> random_layer(std::int64_t d, std::int64_t heads, std::uint64_t seed, bool extras,
-                          double scale = 1.0) {
-  const double s = scale / std::sqrt(static_cast<double>(d));
-  const auto h = static_cast<std::size_t>(heads), n = static_cast<std::size_t>(d);
-  FlowLayer<T> layer;
-  layer.heads = heads;
-  layer.relevance = random_values<T>(h * n * n, seed * 11 + 1, -s, s);
-  layer.content = random_values<T>(h * n * n, seed * 11 + 2, -s, s);
-  if (extras) {
-    layer.key_bias = random_values<T>(h * n, seed * 11 + 3, -0.5, 0.5);
-    layer.offset = random_values<T>(n, seed * 11 + 4, -0.2, 0.2);
-    layer.norm_gain = random_values<T>(n, seed * 11 + 5, 0.5, 1.5);
-    layer.norm_bias = random_values<T>(n, seed * 11 + 6, -0.2, 0.2);
-  }
-  return layer;
-}
-
-FlowSettings continuous(double time, double dt, Integrator integrator, bool sphere) {
-  FlowSettings s;
-  s.layers = 0;
-  s.time = time;
-  s.dt = dt;
-  s.integrator = integrator;
-  s.norm = sphere ? Normalization::sphere : Normalization::none;
-  return s;
 }
 
 ::testing::AssertionResult near(const char* field, double got, double want, double relative) {
@@ -146,39 +110,11 @@ class FlowCudaTyped : public ::testing::Test {};
 using Precisions = ::testing::Types<float, double>;
 TYPED_TEST_SUITE(FlowCudaTyped, Precisions);
 
-// Three clouds of 33 tokens in R^5 (two 32-token words of pair bits) with known clusters:
-//   0: random tokens, two groups of four (one token of the second a longer copy, same
-//      direction), so 12 clustered pairs and 33 - 6 = 27 clusters;
-//   1: every token one of three directions, one token zero (no direction: in no pair), so
-//      55 + 45 + 55 = 155 clustered pairs and 4 clusters;
-//   2: a chain on a circle, 0.03 rad apart (cosine 0.99955 > 1 - 1e-3; two apart 0.9982 is not),
-//      tokens in a shuffled order, so one cluster that takes several hooking rounds.
-template <class T>
-Tensor<T> clustered_clouds() {
-  constexpr std::int64_t N = 33, d = 5;
-  Tensor<T> clouds = initial_clouds<T>(InitialCloud::gaussian, 3, N, d, 21);
-  auto token = [&](std::int64_t b, std::int64_t i) { return clouds.data() + (b * N + i) * d; };
-  auto copy = [&](std::int64_t b, std::int64_t from, std::int64_t to, T scale) {
-    for (std::int64_t a = 0; a < d; ++a) token(b, to)[a] = scale * token(b, from)[a];
-  };
-  for (std::int64_t to : {5, 17, 32}) copy(0, 0, to, T(1));
-  for (std::int64_t to : {20, 21}) copy(0, 3, to, T(1));
-  copy(0, 3, 31, T(2.5));
-  for (std::int64_t i = 3; i < N; ++i) copy(1, i % 3, i, T(1));
-  std::fill(token(1, 7), token(1, 7) + d, T(0));
-  for (std::int64_t k = 0; k < N; ++k) {
-    T* x = token(2, (k * 7) % N);
-    std::fill(x, x + d, T(0));
-    x[0] = static_cast<T>(std::cos(0.03 * static_cast<double>(k)));
-    x[1] = static_cast<T>(std::sin(0.03 * static_cast<double>(k)));
-  }
-  return clouds;
-}
-
+// testing::clustered_clouds: three clouds of 33 tokens with 27, 4 and 1 clusters.
 TYPED_TEST(FlowCudaTyped, ObservablesMatchHostObserveWithKnownClusters) {
   using T = TypeParam;
   EMFLOW_REQUIRE_CUDA();
-  const Tensor<T> x0 = clustered_clouds<T>();
+  const Tensor<T> x0 = testing::clustered_clouds<T>();
   const std::vector<double> betas = {1.0, 2.0, 0.5};
   const std::int64_t N = 33, d = 5;
   // The constructions hold on the host (otherwise the test would check nothing).
@@ -210,26 +146,11 @@ TYPED_TEST(FlowCudaTyped, ObservablesMatchHostObserveWithKnownClusters) {
 }
 
 // More tokens than a block has threads (each thread takes several tokens in the component
-// search) and seven words of pair bits per token: a shuffled chain of 150 tokens 0.03 rad apart
-// on a circle, one cluster that needs many hooking rounds, and five groups of ten identical
-// tokens off the chain's plane: 6 clusters, 149 + 5 * 45 = 374 clustered pairs.
+// search) and seven words of pair bits per token (testing::chain_and_groups: 6 clusters).
 TEST(FlowCuda, ObservablesOfALargerCloud) {
   EMFLOW_REQUIRE_CUDA();
-  constexpr std::int64_t N = 200, d = 3, chain = 150;
-  Tensor<float> x0({1, N, d});
-  for (std::int64_t k = 0; k < chain; ++k) {
-    float* x = x0.data() + ((k * 37) % chain) * d;
-    x[0] = static_cast<float>(std::cos(0.03 * static_cast<double>(k)));
-    x[1] = static_cast<float>(std::sin(0.03 * static_cast<double>(k)));
-    x[2] = 0.f;
-  }
-  for (std::int64_t i = chain; i < N; ++i) {
-    const double phi = 1.2 * static_cast<double>((i - chain) % 5);
-    float* x = x0.data() + i * d;
-    x[0] = static_cast<float>(std::cos(phi));
-    x[1] = static_cast<float>(std::sin(phi));
-    x[2] = 1.f;
-  }
+  constexpr std::int64_t N = 200, d = 3;
+  const Tensor<float> x0 = testing::chain_and_groups();
   const Observables host = observe(x0.data(), N, d, 1.0);
   ASSERT_EQ(host.clusters, 6);
   ASSERT_EQ(host.clustered_fraction, 374.0 / static_cast<double>(N * (N - 1) / 2));
@@ -280,13 +201,9 @@ TYPED_TEST(FlowCudaTyped, DiscreteStackWithEveryNormalisationMatchesCpu) {
   const std::vector<FlowLayer<T>> layers = {random_layer<T>(4, 1, 11, true),
                                             random_layer<T>(4, 2, 12, true),
                                             random_layer<T>(4, 1, 13, true)};
-  for (Normalization norm : {Normalization::none, Normalization::layernorm, Normalization::rmsnorm,
-                             Normalization::sphere}) {
+  for (Normalization norm : testing::every_normalization()) {
     for (bool pre_norm : {false, true}) {
-      FlowSettings s;
-      s.layers = 3;
-      s.norm = norm;
-      s.pre_norm = pre_norm;
+      FlowSettings s = testing::stack(3, norm, pre_norm);
       s.unnormalized = norm == Normalization::rmsnorm;  // USA in a stack too
       check_run(x0, betas, layers, s,
                 std::string(to_string(norm)) + (pre_norm ? " pre-norm" : " post-norm"));
@@ -294,14 +211,15 @@ TYPED_TEST(FlowCudaTyped, DiscreteStackWithEveryNormalisationMatchesCpu) {
   }
 }
 
-TYPED_TEST(FlowCudaTyped, RunsAreBitwiseDeterministic) {
-  using T = TypeParam;
-  EMFLOW_REQUIRE_CUDA();
+class FlowOnEveryDevice : public ::testing::TestWithParam<Device> {};
+
+template <class T>
+void expect_deterministic(Device device) {
   const auto x0 = initial_clouds<T>(InitialCloud::sphere, 2, 9, 4, 12);
   FlowSettings s = continuous(0.3, 0.1, Integrator::rk4, true);
   const std::vector<FlowLayer<T>> layers = {random_layer<T>(4, 2, 14, false, 2.0)};
-  const auto a = run_flow(x0, {1.0, 2.0}, layers, s, on(Device::cuda));
-  const auto b = run_flow(x0, {1.0, 2.0}, layers, s, on(Device::cuda));
+  const auto a = run_flow(x0, {1.0, 2.0}, layers, s, on(device));
+  const auto b = run_flow(x0, {1.0, 2.0}, layers, s, on(device));
   ASSERT_EQ(a.trajectory.values().size(), b.trajectory.values().size());
   EXPECT_EQ(std::memcmp(a.trajectory.data(), b.trajectory.data(),
                         a.trajectory.values().size() * sizeof(T)),
@@ -312,16 +230,25 @@ TYPED_TEST(FlowCudaTyped, RunsAreBitwiseDeterministic) {
   }
 }
 
-TEST(FlowCuda, RecordsEveryKStepsAndTheLast) {
-  EMFLOW_REQUIRE_CUDA();
+TEST_P(FlowOnEveryDevice, RunsAreBitwiseDeterministic) {
+  EMFLOW_REQUIRE_DEVICE(GetParam());
+  expect_deterministic<float>(GetParam());
+  expect_deterministic<double>(GetParam());
+}
+
+// A stack records steps 0, k, 2k, ... and the last, with progress after every step; so does a
+// continuous run, its last time the sum of its steps.
+TEST_P(FlowOnEveryDevice, RecordsEveryKStepsAndTheLast) {
+  const Device device = GetParam();
+  EMFLOW_REQUIRE_DEVICE(device);
   const auto x0 = initial_clouds<float>(InitialCloud::sphere, 1, 5, 3, 2);
   FlowSettings s;
   s.layers = 7;
   s.norm = Normalization::sphere;
   s.record_every = 3;
   std::vector<std::int64_t> progress;
-  const auto r = run_flow(x0, {1.0}, {random_layer<float>(3, 1, 15, false, 2.0)}, s,
-                          on(Device::cuda), [&](std::int64_t done, std::int64_t all) {
+  const auto r = run_flow(x0, {1.0}, {random_layer<float>(3, 1, 15, false, 2.0)}, s, on(device),
+                          [&](std::int64_t done, std::int64_t all) {
                             EXPECT_EQ(all, 7);
                             progress.push_back(done);
                           });
@@ -332,7 +259,22 @@ TEST(FlowCuda, RecordsEveryKStepsAndTheLast) {
   const auto cpu =
       run_flow(x0, {1.0}, {random_layer<float>(3, 1, 15, false, 2.0)}, s, on(Device::cpu));
   EXPECT_LT(testing::relative_error(r.trajectory.values(), cpu.trajectory.values()), 1e-4);
+
+  const auto x1 = initial_clouds<float>(InitialCloud::sphere, 2, 4, 3, 1);
+  FlowSettings c = continuous(1.0, 0.1, Integrator::euler, true);
+  c.record_every = 3;
+  const std::vector<FlowLayer<float>> identity = {
+      make_layer<float>(3, OperatorKind::identity, OperatorKind::identity, 1)};
+  const auto t = run_flow(x1, {1.0}, identity, c, on(device));
+  EXPECT_EQ(t.trajectory.shape(), (Shape{5, 2, 4, 3}));
+  EXPECT_EQ(t.steps, (std::vector<std::int64_t>{0, 3, 6, 9, 10}));
+  EXPECT_NEAR(t.times.back(), 1.0, 1e-12);
+  EXPECT_EQ(std::vector<float>(t.trajectory.data(), t.trajectory.data() + 24), x1.values());
+  for (const auto& o : t.observables) EXPECT_TRUE(std::isfinite(o.entropy));
 }
+
+INSTANTIATE_TEST_SUITE_P(FlowCuda, FlowOnEveryDevice, ::testing::ValuesIn(testing::flow_devices()),
+                         testing::device_name);
 
 TEST(FlowCuda, CpuAndGpuTrajectoriesAgree) {
   EMFLOW_REQUIRE_CUDA();

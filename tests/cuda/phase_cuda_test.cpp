@@ -1,8 +1,9 @@
-// The GPU sweep of the phase diagram (kernels/phase_cuda.cu) held against the specialised CPU
+// The GPU sweep of the phase diagram (kernels/phase_kernels.cu) held against the specialised CPU
 // path and the generic path through attend: small sweeps over awkward cloud sizes (one cloud per
 // warp, several per warp, one spilling into a second warp), d = 2 and 3 (compiled dimensions)
-// and 5 (the run-time dimension), determinism, launches split for progress reports, the fallback
-// for clouds too large for a block, and the dispatch without a device.
+// and 5 (the run-time dimension), determinism on every device, launches split for progress
+// reports, the generic path in device memory, the fallback for clouds too large for a block,
+// and the dispatch without a device.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,23 +13,22 @@
 #include <string>
 #include <vector>
 
+#include "common/flow_helpers.hpp"
 #include "common/testing.hpp"
 #include "emflow/error.hpp"
 #include "emflow/flow.hpp"
 
 #if defined(EMFLOW_WITH_CUDA)
-#include "../../kernels/phase_cuda.hpp"
+#include "../../kernels/phase_kernels.hpp"
 #endif
 
 namespace emflow::flow {
 namespace {
 
-ExecutionOptions on(Device device) {
-  ExecutionOptions options;
-  options.device = device;
-  options.threads = 1;
-  return options;
-}
+using testing::well_formed;
+
+// One thread: the CPU paths' results do not depend on it, and the emulation runs faster.
+ExecutionOptions on(Device device) { return testing::on(device, 1); }
 
 struct SweepCase {
   std::int64_t tokens, dim;
@@ -41,34 +41,9 @@ std::ostream& operator<<(std::ostream& os, const SweepCase& c) {
 // 8 clouds, 3 betas, 8 RK4 steps: small enough for the emulation. eps = 0.05 so that pairs
 // cross the threshold within T = 2 and the comparison is not between two rows of zeros.
 PhaseSettings small_sweep(std::int64_t tokens, std::int64_t dim) {
-  PhaseSettings s;
-  s.tokens = tokens;
-  s.dim = dim;
-  s.beta_start = 0.5;
-  s.beta_stop = 8.0;
-  s.beta_count = 3;
-  s.time = 4.0;
-  s.dt = 0.5;
-  s.clouds = 8;
-  s.seed = 11;
+  PhaseSettings s = testing::phase_settings(tokens, dim, 0.5, 8.0, 3, 4.0, 0.5, 8, 11);
   s.cluster_eps = 0.05;
   return s;
-}
-
-// Every fraction written, finite and in [0, 1]; the grid as (S + 1) x K.
-::testing::AssertionResult well_formed(const PhaseDiagram& p, std::size_t times, std::size_t K) {
-  if (p.times.size() != times || p.betas.size() != K || p.clustered.size() != times * K) {
-    return ::testing::AssertionFailure()
-           << "shape: " << p.times.size() << " times, " << p.betas.size() << " betas, "
-           << p.clustered.size() << " values";
-  }
-  for (std::size_t e = 0; e < p.clustered.size(); ++e) {
-    const double v = p.clustered[e];
-    if (!(std::isfinite(v) && v >= 0.0 && v <= 1.0)) {
-      return ::testing::AssertionFailure() << "clustered[" << e << "] = " << v;
-    }
-  }
-  return ::testing::AssertionSuccess();
 }
 
 class PhaseCudaPaths : public ::testing::TestWithParam<SweepCase> {};
@@ -110,17 +85,38 @@ INSTANTIATE_TEST_SUITE_P(PhaseCuda, PhaseCudaPaths,
                            return name.str();
                          });
 
-// Integer counts summed by atomics do not depend on their order: two runs are bitwise equal, and
-// Device::automatic takes the same kernel when a device is present.
-TEST(PhaseCudaSweep, Deterministic) {
-  EMFLOW_REQUIRE_CUDA();
+// Integer counts summed by atomics (GPU) and lane sums in a fixed order (CPU) do not depend on
+// the schedule: two runs are bitwise equal on every device, and Device::automatic takes the GPU
+// kernel when a device is present.
+class PhaseOnEveryDevice : public ::testing::TestWithParam<Device> {};
+
+TEST_P(PhaseOnEveryDevice, Deterministic) {
+  const Device device = GetParam();
+  EMFLOW_REQUIRE_DEVICE(device);
   const PhaseSettings s = small_sweep(9, 2);
-  const PhaseDiagram a = phase_diagram(s, on(Device::cuda));
-  const PhaseDiagram b = phase_diagram(s, on(Device::cuda));
-  const PhaseDiagram automatic = phase_diagram(s, on(Device::automatic));
-  ASSERT_TRUE(well_formed(a, 9, 3));
-  EXPECT_EQ(a.clustered, b.clustered);
-  EXPECT_EQ(a.clustered, automatic.clustered);
+  const PhaseDiagram first = phase_diagram(s, on(device));
+  ASSERT_TRUE(well_formed(first, 9, 3));
+  EXPECT_EQ(first.clustered, phase_diagram(s, on(device)).clustered);
+  if (device == Device::cuda) {
+    EXPECT_EQ(first.clustered, phase_diagram(s, on(Device::automatic)).clustered);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(PhaseCuda, PhaseOnEveryDevice,
+                         ::testing::ValuesIn(testing::flow_devices()), testing::device_name);
+
+// The generic path in device memory (one attend_async per beta and RK4 stage) against the
+// generic path on the host: the same equations, float rounding apart; one pair in one cloud.
+TEST(PhaseCudaSweep, GenericPathOnTheDeviceMatchesTheHost) {
+  EMFLOW_REQUIRE_CUDA();
+  const PhaseSettings s = small_sweep(7, 3);
+  const PhaseDiagram device = phase_diagram_generic(s, on(Device::cuda));
+  const PhaseDiagram host = phase_diagram_generic(s, on(Device::cpu));
+  ASSERT_TRUE(well_formed(device, 9, 3));
+  EXPECT_EQ(device.times, host.times);
+  const double one_pair = 1.0 / (0.5 * 7.0 * 6.0 * static_cast<double>(s.clouds));
+  EXPECT_LE(testing::max_abs_difference(device.clustered, host.clustered), 1.01 * one_pair);
+  EXPECT_GT(device.clustered[8 * 3 + 2], device.clustered[2]) << "no clustering at beta = 8";
 }
 
 // With a progress callback the steps run in several launches, the state kept in device memory

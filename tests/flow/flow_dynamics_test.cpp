@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "common/flow_helpers.hpp"
 #include "common/testing.hpp"
 #include "emflow/error.hpp"
 #include "emflow/flow.hpp"
@@ -18,21 +19,8 @@
 namespace emflow::flow {
 namespace {
 
-ExecutionOptions on_cpu() {
-  ExecutionOptions options;
-  options.device = Device::cpu;
-  return options;
-}
-
-FlowSettings continuous(double time, double dt, Integrator integrator, bool sphere) {
-  FlowSettings s;
-  s.layers = 0;
-  s.time = time;
-  s.dt = dt;
-  s.integrator = integrator;
-  s.norm = sphere ? Normalization::sphere : Normalization::none;
-  return s;
-}
+using testing::continuous;
+using testing::on_cpu;
 
 template <class T>
 std::vector<FlowLayer<T>> one_layer(std::int64_t d, OperatorKind m, OperatorKind f,
@@ -365,19 +353,6 @@ TEST(FlowBatch, PerCloudBetaEqualsSeparateRuns) {
   EXPECT_GT(max_difference(final_cloud(together, 0), final_cloud(together, 1)), 1e-3);
 }
 
-TEST(FlowBatch, RecordsEveryKStepsAndTheLast) {
-  const auto x0 = initial_clouds<float>(InitialCloud::sphere, 2, 4, 3, 1);
-  FlowSettings s = continuous(1.0, 0.1, Integrator::euler, true);
-  s.record_every = 3;
-  const auto r = run_flow(
-      x0, {1.0}, one_layer<float>(3, OperatorKind::identity, OperatorKind::identity), s, on_cpu());
-  EXPECT_EQ(r.trajectory.shape(), (Shape{5, 2, 4, 3}));
-  EXPECT_EQ(r.steps, (std::vector<std::int64_t>{0, 3, 6, 9, 10}));
-  EXPECT_NEAR(r.times.back(), 1.0, 1e-12);
-  EXPECT_EQ(std::vector<float>(r.trajectory.data(), r.trajectory.data() + 24), x0.values());
-  for (const auto& o : r.observables) EXPECT_TRUE(std::isfinite(o.entropy));
-}
-
 // ---------------------------------------------------------------------------------------------
 // The layer stack
 
@@ -389,14 +364,9 @@ TEST(FlowLayers, PostAndPreNormFollowTheirFormulas) {
       make_layer<double>(d, OperatorKind::random, OperatorKind::random, 2)};
   layers[1].norm_gain = {1.0, 2.0, 0.5, 1.5};
   layers[1].norm_bias = {0.1, -0.2, 0.0, 0.3};
-  for (Normalization norm : {Normalization::none, Normalization::layernorm, Normalization::rmsnorm,
-                             Normalization::sphere}) {
+  for (Normalization norm : testing::every_normalization()) {
     for (bool pre : {false, true}) {
-      FlowSettings s;
-      s.layers = 2;
-      s.norm = norm;
-      s.pre_norm = pre;
-      const auto r = run_flow(x0, {1.3}, layers, s, on_cpu());
+      const auto r = run_flow(x0, {1.3}, layers, testing::stack(2, norm, pre), on_cpu());
       ASSERT_EQ(r.trajectory.extent(0), 3);
       // Replay with the reference attention and the normalisation by hand.
       std::vector<double> x(x0.values());
@@ -532,16 +502,8 @@ TEST(FlowValidation, BadSettingsNameTheirArgument) {
 
 TEST(FlowPhase, SpecialisedPathMatchesGenericPath) {
   for (std::int64_t d : {2, 3, 5}) {
-    PhaseSettings s;
-    s.tokens = 9;
-    s.dim = d;
-    s.beta_start = 0.5;
-    s.beta_stop = 6.0;
-    s.beta_count = 3;
-    s.time = 6.0;
-    s.dt = 0.1;
-    s.clouds = 7;  // 21 clouds: two lane groups, the second partly empty
-    s.seed = 3;
+    // 7 clouds at 3 betas, 21 clouds: two lane groups, the second partly empty.
+    const PhaseSettings s = testing::phase_settings(9, d, 0.5, 6.0, 3, 6.0, 0.1, 7, 3);
     const PhaseDiagram fast = phase_diagram(s, on_cpu());
     const PhaseDiagram generic = phase_diagram_generic(s, on_cpu());
     ASSERT_EQ(fast.clustered.size(), 61u * 3u);

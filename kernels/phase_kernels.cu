@@ -59,9 +59,8 @@
 #include "core/check.hpp"
 #include "cuda_support.hpp"
 #include "emflow/cuda.hpp"
-#include "flow/internal.hpp"
 #include "launch.cuh"
-#include "phase_cuda.hpp"
+#include "phase_kernels.hpp"
 
 namespace emflow::flow::detail {
 
@@ -84,7 +83,7 @@ struct PhaseParams {
   int clouds, tokens, dim, betas;
   int clouds_per_block, blocks_per_beta;
   std::int64_t steps;
-  float h, h_last;  // every step but the last, and the last (step_length)
+  float h, h_last;  // every step but the last, and the last
   float threshold;  // 1 - eps
 };
 
@@ -350,11 +349,11 @@ bool phase_kernel_cuda_fits(std::int64_t tokens, std::int64_t dim) {
 
 std::vector<double> phase_kernel_cuda(const std::vector<float>& initial, std::int64_t clouds,
                                       std::int64_t tokens, std::int64_t dim,
-                                      const std::vector<double>& betas, double time, double dt,
-                                      double cluster_eps, const Progress& progress) {
+                                      const std::vector<double>& betas, std::int64_t steps,
+                                      double step, double last_step, double cluster_eps,
+                                      const Progress& progress) {
   const char* operation = "phase";
   const auto K = static_cast<std::int64_t>(betas.size());
-  const std::int64_t steps = continuous_steps(time, dt);
   const auto records = static_cast<std::size_t>(steps + 1);
   const auto values = static_cast<std::size_t>(clouds * tokens * dim);
   if (initial.size() != values) {
@@ -408,8 +407,8 @@ std::vector<double> phase_kernel_cuda(const std::vector<float>& initial, std::in
   params.clouds_per_block = l.clouds_per_block;
   params.blocks_per_beta = static_cast<int>(blocks_per_beta);
   params.steps = steps;
-  params.h = static_cast<float>(step_length(time, dt, steps, 0));
-  params.h_last = static_cast<float>(step_length(time, dt, steps, steps - 1));
+  params.h = static_cast<float>(step);
+  params.h_last = static_cast<float>(last_step);
   params.threshold = static_cast<float>(1.0 - cluster_eps);
 
   const std::int64_t chunk =

@@ -1,9 +1,9 @@
-// The flow's own kernels (flow_cuda.hpp): the element-wise parts of a step, the normalisations,
+// The flow's own kernels (flow_kernels.hpp): the element-wise parts of a step, the normalisations,
 // and the observables of recorded clouds. Attention itself is emflow::cuda::attend_async.
 //
-// Element-wise kernels mirror the host code of src/flow/flow.cpp expression by expression (per
-// token statistics in double, in token order), so the device and the host differ by rounding
-// only (the device may contract a * b + c into one FMA).
+// Element-wise kernels mirror the host code of src/flow/host_ops.cpp and src/flow/normalize.cpp
+// expression by expression (per token statistics in double, in token order), so the device and
+// the host differ by rounding only (the device may contract a * b + c into one FMA).
 //
 // Observables, for B clouds at once, in three kernels and without floating-point atomics:
 //   token_norms   one thread per token: ||x_i|| in double.
@@ -25,7 +25,7 @@
 #include <cstdint>
 
 #include "cuda_support.hpp"
-#include "flow_cuda.hpp"
+#include "flow_kernels.hpp"
 #include "launch.cuh"
 
 namespace emflow::flow::detail {

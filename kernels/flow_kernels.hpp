@@ -1,43 +1,21 @@
-// The flow on the GPU: the seam between emflow::flow::run_flow and the device-resident run
-// (flow_cuda.cpp), and the launchers of the flow's own kernels (flow_cuda.cu).
-//
-// run_flow_cuda keeps the whole run in device memory: the state, the RK4 stages, the layers'
-// operators and one attention workspace. Every attention evaluation is one
-// emflow::cuda::attend_async per run of consecutive clouds that share beta (per head for USA
-// with several heads) on one owned stream; the element-wise parts of a step and the
-// observables of each recorded state are the kernels below. Only the recorded trajectory and
-// the observables come back to the host.
+// The flow's own kernels on the GPU (flow_kernels.cu): the element-wise parts of a step, the
+// normalisations, the USA rescaling, the mean entropy and the observables of recorded clouds.
+// The device-resident run that enqueues them, with emflow::cuda::attend_async for the attention,
+// is src/flow/device_ops_cuda.cpp.
 //
 // Every launcher enqueues on `stream`, checks the launch and never synchronises. Pointers are
-// device pointers; sizes have been checked to fit in int by run_flow_cuda.
+// device pointers; the caller has checked that the sizes fit in int.
 #pragma once
 
 #include <cstdint>
-#include <vector>
 
 #include "emflow/cuda.hpp"
 #include "emflow/flow.hpp"
 
 namespace emflow::flow::detail {
 
-/// The device-resident run_flow on arguments that validate_flow has accepted (`betas`: one per
-/// cloud). Same results contract as the host run; throws emflow::Error.
-template <class T>
-FlowResult<T> run_flow_cuda(const Tensor<T>& initial, const std::vector<double>& betas,
-                            const std::vector<FlowLayer<T>>& layers, const FlowSettings& settings,
-                            const Progress& progress);
-
-extern template FlowResult<float> run_flow_cuda<float>(const Tensor<float>&,
-                                                       const std::vector<double>&,
-                                                       const std::vector<FlowLayer<float>>&,
-                                                       const FlowSettings&, const Progress&);
-extern template FlowResult<double> run_flow_cuda<double>(const Tensor<double>&,
-                                                         const std::vector<double>&,
-                                                         const std::vector<FlowLayer<double>>&,
-                                                         const FlowSettings&, const Progress&);
-
 // ---------------------------------------------------------------------------------------------
-// Launchers (flow_cuda.cu)
+// Launchers
 
 /// The observables of one cloud as the device writes them: kObservableFields doubles in this
 /// order (the fields of emflow::flow::Observables; clusters as an exact integer-valued double).
