@@ -141,13 +141,13 @@ void run_attend(const AttendArguments& args, Dtype dtype) {
 
 void add_attend_command(CLI::App& app) {
   auto args = std::make_shared<AttendArguments>();
-  CLI::App* command = add_command(
-      app, "attend", "Contextual update of one attention layer on .npy files",
-      "For each query x_i and head h:\n"
-      "  s_ij = beta (x_i^T M_h x_j + u_h^T x_j),  p_ij = softmax_j(s_ij),\n"
-      "  delta_i = sum_h sum_j p_ij F_h x_j + c.\n"
-      "Inputs are float32 or float64 (all alike); outputs have the cloud's dtype. Outputs are\n"
-      "written only when the whole run succeeds.");
+  CLI::App* command =
+      add_command(app, "attend", "Contextual update of one attention layer on .npy files",
+                  R"(For each query x_i and head h:
+  s_ij = beta (x_i^T M_h x_j + u_h^T x_j),  p_ij = softmax_j(s_ij),
+  delta_i = sum_h sum_j p_ij F_h x_j + c.
+Inputs are float32 or float64 (all alike); outputs have the cloud's dtype. Outputs are
+written only when the whole run succeeds.)");
   command->add_option("--x", args->cloud, "cloud X (.npy): (N, d), or a batch (B, N, d)")
       ->required();
   command

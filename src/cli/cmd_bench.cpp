@@ -262,11 +262,11 @@ void add_bench_command(CLI::App& app) {
   auto args = std::make_shared<BenchArguments>();
   CLI::App* command = add_command(
       app, "bench", "Time the contextual update and print JSON lines (with --baseline, --peak)",
-      "Time the contextual update on a random float32 problem and print one JSON object per\n"
-      "line: op, device, precision, batch, heads, tokens, dim, mask, ms_median (median of\n"
-      "--repeats runs after one warm-up) and gflops (attention-equivalent 4 B H N^2 d / time,\n"
-      "halved for causal). --baseline and --peak are measured in the same run, so their ratios\n"
-      "to the fused update compare like with like.");
+      R"(Time the contextual update on a random float32 problem and print one JSON object per
+line: op, device, precision, batch, heads, tokens, dim, mask, ms_median (median of
+--repeats runs after one warm-up) and gflops (attention-equivalent 4 B H N^2 d / time,
+halved for causal). --baseline and --peak are measured in the same run, so their ratios
+to the fused update compare like with like.)");
   command->add_option("--device", args->device, "cpu (the fused CPU backend) or cuda")
       ->capture_default_str();
   command->add_option("--tokens", args->tokens, "tokens N per cloud")->capture_default_str();

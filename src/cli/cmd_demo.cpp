@@ -164,9 +164,9 @@ void add_demo_command(CLI::App& app) {
   CLI::App* command = add_command(
       app, "demo",
       "Time and check one causal attention layer on a seeded cloud (the GPU if present)",
-      "Updates a seeded token cloud with one causal attention layer in float32 (on the GPU when\n"
-      "present, else the CPU) and prints the time, the attention-equivalent GFLOP/s and the\n"
-      "relative error against the float64 reference on the first 512 queries.");
+      R"(Updates a seeded token cloud with one causal attention layer in float32 (on the GPU when
+present, else the CPU) and prints the time, the attention-equivalent GFLOP/s and the
+relative error against the float64 reference on the first 512 queries.)");
   command->add_option("--tokens", args->tokens, "tokens N in the cloud")->capture_default_str();
   command->add_option("--dim", args->dim, "dimension d of the token space")->capture_default_str();
   command->add_option("--heads", args->heads, "heads H in the layer")->capture_default_str();

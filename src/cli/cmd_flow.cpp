@@ -326,11 +326,11 @@ void add_flow_command(CLI::App& app) {
   auto args = std::make_shared<FlowArguments>();
   CLI::App* command = add_command(
       app, "flow", "Run the flow of token clouds (layers or continuous time); record and draw it",
-      "The flow of a token cloud under attention (REFERENCE.md 4): a stack of layers\n"
-      "  X <- N(X + Delta(X))  (post-norm)   or   X <- X + Delta(N(X))  (pre-norm),\n"
-      "or continuous time dx_i/dt = sum_j p_ij F x_j (SA; USA divides by N instead of Z_i),\n"
-      "on the sphere with --norm sphere, integrated by Euler or RK4. Records the clouds and\n"
-      "their observables; outputs are written only when the whole run succeeds.");
+      R"(The flow of a token cloud under attention (REFERENCE.md 4): a stack of layers
+  X <- N(X + Delta(X))  (post-norm)   or   X <- X + Delta(N(X))  (pre-norm),
+or continuous time dx_i/dt = sum_j p_ij F x_j (SA; USA divides by N instead of Z_i),
+on the sphere with --norm sphere, integrated by Euler or RK4. Records the clouds and
+their observables; outputs are written only when the whole run succeeds.)");
   auto* x = command->add_option("--x", args->cloud,
                                 "initial cloud (.npy): (N, d), or a batch (B, N, d); its dtype "
                                 "sets the precision");

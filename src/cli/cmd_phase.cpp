@@ -117,11 +117,10 @@ void add_phase_command(CLI::App& app) {
   flow::PhaseSettings& s = args->settings;
   CLI::App* command = add_command(
       app, "phase", "Sweep beta over random clouds on the sphere and draw the phase diagram",
-      "Phase diagram of clustering (Geshkovski et al.): clouds of n tokens uniform on the\n"
-      "sphere S^{d-1} flow by dx_i/dt = P_{x_i}(sum_j p_ij x_j), p_ij = softmax_j(beta <x_i, "
-      "x_j>)\n"
-      "(Q = K = V = I, RK4); the fraction of pairs with <x_i, x_j> > 1 - 1e-3, averaged over\n"
-      "the clouds, is recorded at every step for each beta. The same clouds serve every beta.");
+      R"(Phase diagram of clustering (Geshkovski et al.): clouds of n tokens uniform on the
+sphere S^{d-1} flow by dx_i/dt = P_{x_i}(sum_j p_ij x_j), p_ij = softmax_j(beta <x_i, x_j>)
+(Q = K = V = I, RK4); the fraction of pairs with <x_i, x_j> > 1 - 1e-3, averaged over
+the clouds, is recorded at every step for each beta. The same clouds serve every beta.)");
   command->add_option("--tokens", s.tokens, "tokens n per cloud")->capture_default_str();
   command->add_option("--dim", s.dim, "dimension d (the sphere S^{d-1})")->capture_default_str();
   command->add_option("--betas", args->betas, "START:STOP:COUNT, evenly spaced")
