@@ -63,7 +63,7 @@ void run_phase(PhaseArguments& args) {
     fail_option("--time", "must be finite and > 0, got ", s.time);
   }
   if (!(std::isfinite(s.dt) && s.dt > 0)) fail_option("--dt", "must be finite and > 0, got ", s.dt);
-  // The rest (the step count, the size of the sweep) as the library limits it.
+  // The step count and the size of the sweep are limited by the library.
   flow::validate(s);
   const ExecutionOptions options = execution_options(args.device, args.threads);
   // What phase_diagram runs on: the GPU when auto finds one (or cuda is named), else the CPU.
