@@ -1,12 +1,12 @@
 // emflow::OutputFiles: several outputs written all or none, errors that start with the name of
 // the target, and no temporary file left behind whatever happens.
 #include <gtest/gtest.h>
+#include <stdlib.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -20,10 +20,9 @@ namespace {
 class OutputFilesTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() / (std::string("emflow_outputs_") + info->name() + "_" +
-                                        std::to_string(std::random_device{}()));
-    fs::create_directories(dir_);
+    std::string folder = ::testing::TempDir() + "emflow_outputs_XXXXXX";
+    ASSERT_NE(::mkdtemp(&folder[0]), nullptr);
+    dir_ = folder;
   }
   void TearDown() override {
     std::error_code ignored;
