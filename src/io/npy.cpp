@@ -98,13 +98,7 @@ class HeaderParser {
       } else {
         bad("has an unexpected key '", key, "' (expected descr, fortran_order, shape)");
       }
-      skip_space();
-      if (peek() == ',') {
-        ++pos_;
-        skip_space();
-      } else if (peek() != '}') {
-        bad("expects ',' or '}' at byte ", pos_);
-      }
+      after_item('}', "");
     }
     ++pos_;  // '}'
     if (!have_descr) bad("lacks the key 'descr'");
@@ -128,6 +122,18 @@ class HeaderParser {
 
   void skip_space() {
     while (pos_ < text_.size() && (text_[pos_] == ' ' || text_[pos_] == '\t')) ++pos_;
+  }
+
+  // After an item of a list that `close` ends: a comma and spaces, or (left for the caller)
+  // `close` itself.
+  void after_item(char close, const char* where) {
+    skip_space();
+    if (peek() == ',') {
+      ++pos_;
+      skip_space();
+    } else if (peek() != close) {
+      bad("expects ',' or '", close, "'", where, " at byte ", pos_);
+    }
   }
 
   void expect(char c) {
@@ -186,13 +192,7 @@ class HeaderParser {
         ++pos_;
       }
       shape.push_back(extent);
-      skip_space();
-      if (peek() == ',') {
-        ++pos_;
-        skip_space();
-      } else if (peek() != ')') {
-        bad("expects ',' or ')' in 'shape' at byte ", pos_);
-      }
+      after_item(')', " in 'shape'");
     }
     ++pos_;  // ')'
     return shape;
