@@ -74,8 +74,8 @@ class OutputFiles {
   /// Writes `bytes` to a temporary file for the declared `path`.
   void stage_bytes(const std::string& path, const std::string& bytes);
 
-  /// Renames every staged file over its target (all or none, see above); the set is empty
-  /// afterwards. Targets declared but never staged are not written.
+  /// Renames every staged file over its target (all or none, see above); afterwards nothing is
+  /// staged. Targets declared but never staged are not written.
   void commit();
 
  private:
