@@ -10,17 +10,17 @@
 
 #include <cmath>
 #include <cstdint>
-#include <random>
 #include <vector>
 
-#include "cpu/blas_baseline.hpp"
-#include "cpu/measure.hpp"
 #include "emflow/attention.hpp"
+#include "tools/blas_baseline.hpp"
+#include "tools/measure.hpp"
+#include "tools/problem.hpp"
 
 namespace {
 
 // One cloud, one head, no mask: the problem `emflow bench` times.
-struct Problem : emflow::detail::cpu::BenchProblem {
+struct Problem : emflow::tools::BenchProblem {
   Problem(std::int64_t tokens, std::int64_t dim)
       : BenchProblem(1, tokens, dim, 1, emflow::Mask::none()) {}
 };
@@ -47,7 +47,7 @@ void BM_cpu_attend(benchmark::State& state) {
 void BM_blas_unfused(benchmark::State& state) {
   const std::int64_t tokens = state.range(0), dim = state.range(1);
   Problem p(tokens, dim);
-  emflow::detail::cpu::BlasBaseline baseline(tokens, dim);
+  emflow::tools::BlasBaseline baseline(tokens, dim);
   for (auto _ : state) {
     baseline.run(p.input, p.update.data(), 0);
     benchmark::DoNotOptimize(p.update.data());
@@ -57,10 +57,10 @@ void BM_blas_unfused(benchmark::State& state) {
 
 void BM_fma_peak(benchmark::State& state) {
   double flop = 0.0;
-  for (auto _ : state) flop = emflow::detail::cpu::fma_peak_work(0, 1 << 22);
+  for (auto _ : state) flop = emflow::tools::fma_peak_work(0, 1 << 22);
   state.counters["GFLOP/s"] =
       benchmark::Counter(flop * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  state.SetLabel(emflow::detail::cpu::compiled_instruction_set());
+  state.SetLabel(emflow::tools::compiled_instruction_set());
 }
 
 void shapes(benchmark::internal::Benchmark* b, std::int64_t max_tokens) {

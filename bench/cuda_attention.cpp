@@ -34,6 +34,7 @@
 
 #include "emflow/cuda.hpp"
 #include "emflow/error.hpp"
+#include "tools/problem.hpp"
 
 namespace {
 
@@ -132,14 +133,9 @@ void run_attention(benchmark::State& state, Algorithm algorithm) {
     DeviceBuffer<float> content = random_buffer(operator_size, 102, operator_scale, stream.handle);
     DeviceBuffer<float> update(shape.cloud_size());
 
-    emflow::AttentionInput<float> input;
-    input.cloud = clouds[0].data();
-    input.batch = shape.batch;
-    input.tokens = shape.tokens;
-    input.dim = shape.dim;
-    input.layer.heads = shape.heads;
-    input.layer.relevance = relevance.data();
-    input.layer.content = content.data();
+    emflow::AttentionInput<float> input =
+        emflow::tools::layer_input(clouds[0].data(), shape.batch, shape.tokens, shape.dim,
+                                   shape.heads, relevance.data(), content.data());
     input.mask = shape.causal ? emflow::Mask::causal() : emflow::Mask::none();
     emflow::AttentionOutput<float> output;
     output.update = update.data();

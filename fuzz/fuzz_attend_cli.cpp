@@ -28,7 +28,7 @@
 #include <string>
 #include <vector>
 
-#include "cli/commands.hpp"
+#include "commands.hpp"  // src/cli: the subcommands of the emflow binary
 #include "emflow/error.hpp"
 #include "emflow/io.hpp"
 

@@ -1,9 +1,11 @@
 // emflow: files. NumPy .npy arrays (float32 / float64, C order, little endian, rank 1 to 4)
 // and atomic output: every file emflow writes is written to a temporary file beside the target
-// and renamed into place, so a failed run never leaves a half-written or stale output.
+// and renamed into place, so a failed run never leaves a half-written or stale output;
+// OutputFiles does the same for several files at once, all or none.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "emflow/tensor.hpp"
@@ -40,11 +42,56 @@ void write_npy(const std::string& path, const Tensor<T>& array);
 /// Throws ErrorCode::io naming the path on failure and leaves no temporary file behind.
 void write_file_atomic(const std::string& path, const std::string& bytes);
 
+/// The output files of one run, written all together or not at all.
+///
+/// declare() every target first: it makes the cheap checks before any computing, so a mistyped
+/// folder fails in milliseconds, not after the work. Then stage each result (written in full to
+/// a temporary file beside its target) and commit() once: every target is renamed into place,
+/// and if one rename fails the targets this commit already renamed are removed again. A failed
+/// run (an exception, or an OutputFiles destroyed without commit()) leaves no output file and no
+/// temporary file behind.
+///
+/// Every target carries a `name` (a command-line option, say) that starts each error message
+/// about it: declare() throws ErrorCode::invalid_argument as "<name> <problem>", e.g.
+/// "--out 'a/b.npy': the folder 'a' does not exist"; staging and committing throw
+/// ErrorCode::io (ErrorCode::out_of_memory) as "<name>: <the message of write_npy>".
+class OutputFiles {
+ public:
+  OutputFiles();
+  ~OutputFiles();
+  OutputFiles(const OutputFiles&) = delete;
+  OutputFiles& operator=(const OutputFiles&) = delete;
+  OutputFiles(OutputFiles&&) noexcept;
+  OutputFiles& operator=(OutputFiles&&) noexcept;
+
+  /// Records that `name` will write `path`: the path must be non-empty, differ from every other
+  /// declared target, and lie in an existing, writable folder.
+  void declare(const std::string& name, const std::string& path);
+
+  /// Writes `array` (rank 1 to 4) as .npy to a temporary file for the declared `path`.
+  template <class T>
+  void stage_npy(const std::string& path, const Tensor<T>& array);
+  /// Writes `bytes` to a temporary file for the declared `path`.
+  void stage_bytes(const std::string& path, const std::string& bytes);
+
+  /// Renames every staged file over its target (all or none, see above); afterwards nothing is
+  /// staged. Targets declared but never staged are not written.
+  void commit();
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
 extern template Tensor<float> read_npy<float>(const std::string&);
 extern template Tensor<double> read_npy<double>(const std::string&);
 extern template Tensor<std::int64_t> read_npy<std::int64_t>(const std::string&);
 extern template void write_npy<float>(const std::string&, const Tensor<float>&);
 extern template void write_npy<double>(const std::string&, const Tensor<double>&);
 extern template void write_npy<std::int64_t>(const std::string&, const Tensor<std::int64_t>&);
+extern template void OutputFiles::stage_npy<float>(const std::string&, const Tensor<float>&);
+extern template void OutputFiles::stage_npy<double>(const std::string&, const Tensor<double>&);
+extern template void OutputFiles::stage_npy<std::int64_t>(const std::string&,
+                                                          const Tensor<std::int64_t>&);
 
 }  // namespace emflow

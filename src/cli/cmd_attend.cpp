@@ -7,11 +7,13 @@
 #include <memory>
 #include <string>
 
-#include "../core/memory.hpp"
 #include "commands.hpp"
 #include "common.hpp"
 #include "emflow/attention.hpp"
 #include "emflow/finite.hpp"
+#include "emflow/io.hpp"
+#include "emflow/memory.hpp"
+#include "tools/problem.hpp"
 
 namespace emflow::cli {
 namespace {
@@ -34,7 +36,7 @@ void run_attend(const AttendArguments& args, Dtype dtype) {
   // Fail before reading anything when the requested device is absent.
   naming_option("--device", [&] { return resolve_device(options.device); });
 
-  Outputs outputs;
+  OutputFiles outputs;
   outputs.declare("--out", args.update);
   if (!args.lse.empty()) outputs.declare("--lse", args.lse);
   if (!args.entropy.empty()) outputs.declare("--entropy", args.entropy);
@@ -95,14 +97,8 @@ void run_attend(const AttendArguments& args, Dtype dtype) {
     require_finite(offset, "--offset '" + args.offset + "'");
   }
 
-  AttentionInput<T> input;
-  input.cloud = cloud.data();
-  input.batch = batch;
-  input.tokens = tokens;
-  input.dim = dim;
-  input.layer.heads = heads;
-  input.layer.relevance = relevance.data();
-  input.layer.content = content.data();
+  AttentionInput<T> input =
+      tools::layer_input(cloud.data(), batch, tokens, dim, heads, relevance.data(), content.data());
   input.layer.key_bias = key_bias.size() > 0 ? key_bias.data() : nullptr;
   input.layer.offset = offset.size() > 0 ? offset.data() : nullptr;
   input.beta = args.beta;
@@ -114,15 +110,13 @@ void run_attend(const AttendArguments& args, Dtype dtype) {
   AttentionOutput<T> output;
   output.update = update.data();
   // Sizes that overflow or cannot fit in memory are refused before anything is allocated.
-  using detail::checked_multiply;
-  const std::int64_t rows = checked_multiply(
-      "attend", "--lse", checked_multiply("attend", "--lse", batch, heads), tokens);
+  const std::int64_t rows = checked_element_count({batch, heads, tokens}, "--lse");
   if (!args.lse.empty() || !args.entropy.empty()) {
-    detail::expect_fits_in_memory("attend", "--lse/--entropy (B H N values)", rows, sizeof(T));
+    expect_fits_in_memory("attend", "--lse/--entropy (B H N values)", rows, sizeof(T));
   }
   if (!args.weights.empty()) {
-    detail::expect_fits_in_memory("attend", "--weights (B H N N values)",
-                                  checked_multiply("attend", "--weights", rows, tokens), sizeof(T));
+    expect_fits_in_memory("attend", "--weights (B H N N values)",
+                          checked_element_count({rows, tokens}, "--weights"), sizeof(T));
     weights = Tensor<T>(Shape{batch, heads, tokens, tokens});
     output.weights = weights.data();
   }
@@ -148,13 +142,12 @@ void run_attend(const AttendArguments& args, Dtype dtype) {
 void add_attend_command(CLI::App& app) {
   auto args = std::make_shared<AttendArguments>();
   CLI::App* command =
-      app.add_subcommand("attend", "Contextual update of one attention layer on .npy files");
-  command->footer(
-      "For each query x_i and head h:\n"
-      "  s_ij = beta (x_i^T M_h x_j + u_h^T x_j),  p_ij = softmax_j(s_ij),\n"
-      "  delta_i = sum_h sum_j p_ij F_h x_j + c.\n"
-      "Inputs are float32 or float64 (all alike); outputs have the cloud's dtype. Outputs are\n"
-      "written only when the whole run succeeds.");
+      add_command(app, "attend", "Contextual update of one attention layer on .npy files",
+                  R"(For each query x_i and head h:
+  s_ij = beta (x_i^T M_h x_j + u_h^T x_j),  p_ij = softmax_j(s_ij),
+  delta_i = sum_h sum_j p_ij F_h x_j + c.
+Inputs are float32 or float64 (all alike); outputs have the cloud's dtype. Outputs are
+written only when the whole run succeeds.)");
   command->add_option("--x", args->cloud, "cloud X (.npy): (N, d), or a batch (B, N, d)")
       ->required();
   command

@@ -20,7 +20,6 @@
 #include <iomanip>
 #include <iostream>
 #include <memory>
-#include <random>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -28,9 +27,10 @@
 
 #include "commands.hpp"
 #include "common.hpp"
-#include "cpu/blas_baseline.hpp"
-#include "cpu/measure.hpp"
 #include "emflow/attention.hpp"
+#include "tools/blas_baseline.hpp"
+#include "tools/measure.hpp"
+#include "tools/problem.hpp"
 
 #if defined(EMFLOW_WITH_CUDA)
 #include <cuda_runtime.h>
@@ -54,7 +54,7 @@ struct BenchArguments {
 constexpr double kBaselineLimitBytes = 8.0 * (1 << 30);
 
 /// The seeded problem every timing uses (shared with bench/cpu_attention.cpp).
-struct Problem : detail::cpu::BenchProblem {
+struct Problem : tools::BenchProblem {
   Problem(const BenchArguments& args, const Mask& mask)
       : BenchProblem(args.batch, args.tokens, args.dim, args.heads, mask) {}
 };
@@ -144,7 +144,7 @@ void print_line(const std::string& op, const std::string& device, const BenchArg
 #if defined(EMFLOW_WITH_CUDA)
 void cuda_check(cudaError_t status, const char* call) {
   if (status != cudaSuccess) {
-    detail::fail(ErrorCode::device, "bench: ", call, " failed: ", cudaGetErrorString(status));
+    fail(ErrorCode::device, "bench: ", call, " failed: ", cudaGetErrorString(status));
   }
 }
 
@@ -210,20 +210,19 @@ void run_bench(const BenchArguments& args) {
   const int threads = args.threads > 0 ? args.threads : omp_get_max_threads();
   const double flop = 4.0 * static_cast<double>(args.batch * args.heads * args.dim) *
                       visible_pairs(args.tokens, mask);
-  const std::string isa =
-      std::string(", \"isa\": \"") + detail::cpu::compiled_instruction_set() + "\"";
+  const std::string isa = std::string(", \"isa\": \"") + tools::compiled_instruction_set() + "\"";
 
   std::vector<Measurement> measurements;
   if (args.peak) {
     // Calibrate to about 0.3 s per timed run.
     const auto start = std::chrono::steady_clock::now();
-    detail::cpu::fma_peak_work(threads, 1 << 20);
+    tools::fma_peak_work(threads, 1 << 20);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const auto iterations = static_cast<std::int64_t>(
         std::max(1.0, std::ceil(static_cast<double>(1 << 20) * 0.3 / std::max(seconds, 1e-6))));
     measurements.emplace_back("fma_peak", false, isa, [threads, iterations] {
-      return detail::cpu::fma_peak_work(threads, iterations);
+      return tools::fma_peak_work(threads, iterations);
     });
   }
 
@@ -235,10 +234,10 @@ void run_bench(const BenchArguments& args) {
       return flop;
     });
   }
-  std::unique_ptr<detail::cpu::BlasBaseline> baseline;
+  std::unique_ptr<tools::BlasBaseline> baseline;
   std::vector<float> baseline_update;
   if (args.baseline) {
-    baseline = std::make_unique<detail::cpu::BlasBaseline>(args.tokens, args.dim);
+    baseline = std::make_unique<tools::BlasBaseline>(args.tokens, args.dim);
     baseline_update.resize(problem.update.size());
     measurements.emplace_back("unfused_blas", true, "", [&] {
       baseline->run(problem.input, baseline_update.data(), threads);
@@ -261,14 +260,13 @@ void run_bench(const BenchArguments& args) {
 
 void add_bench_command(CLI::App& app) {
   auto args = std::make_shared<BenchArguments>();
-  CLI::App* command = app.add_subcommand(
-      "bench", "Time the contextual update and print JSON lines (with --baseline, --peak)");
-  command->footer(
-      "Time the contextual update on a random float32 problem and print one JSON object per\n"
-      "line: op, device, precision, batch, heads, tokens, dim, mask, ms_median (median of\n"
-      "--repeats runs after one warm-up) and gflops (attention-equivalent 4 B H N^2 d / time,\n"
-      "halved for causal). --baseline and --peak are measured in the same run, so their ratios\n"
-      "to the fused update compare like with like.");
+  CLI::App* command = add_command(
+      app, "bench", "Time the contextual update and print JSON lines (with --baseline, --peak)",
+      R"(Time the contextual update on a random float32 problem and print one JSON object per
+line: op, device, precision, batch, heads, tokens, dim, mask, ms_median (median of
+--repeats runs after one warm-up) and gflops (attention-equivalent 4 B H N^2 d / time,
+halved for causal). --baseline and --peak are measured in the same run, so their ratios
+to the fused update compare like with like.)");
   command->add_option("--device", args->device, "cpu (the fused CPU backend) or cuda")
       ->capture_default_str();
   command->add_option("--tokens", args->tokens, "tokens N per cloud")->capture_default_str();

@@ -21,6 +21,7 @@
 #include "commands.hpp"
 #include "common.hpp"
 #include "emflow/attention.hpp"
+#include "tools/problem.hpp"
 
 namespace emflow::cli {
 namespace {
@@ -83,13 +84,8 @@ void run_demo(const DemoArguments& args) {
   const std::vector<float> relevance = random_values(h * d * d, 10.0 / double(d), uniform);
   const std::vector<float> content = random_values(h * d * d, 1.0 / std::sqrt(double(d)), uniform);
 
-  AttentionInput<float> input;
-  input.cloud = cloud.data();
-  input.tokens = n;
-  input.dim = d;
-  input.layer.heads = h;
-  input.layer.relevance = relevance.data();
-  input.layer.content = content.data();
+  AttentionInput<float> input =
+      tools::layer_input(cloud.data(), 1, n, d, h, relevance.data(), content.data());
   input.mask = Mask::causal();
   std::vector<float> update(cloud.size());
   AttentionOutput<float> output;
@@ -119,13 +115,8 @@ void run_demo(const DemoArguments& args) {
   const std::vector<double> relevance64(relevance.begin(), relevance.end());
   const std::vector<double> content64(content.begin(), content.end());
   std::vector<double> expected(static_cast<std::size_t>(p * d));
-  AttentionInput<double> check;
-  check.cloud = cloud64.data();
-  check.tokens = p;
-  check.dim = d;
-  check.layer.heads = h;
-  check.layer.relevance = relevance64.data();
-  check.layer.content = content64.data();
+  AttentionInput<double> check =
+      tools::layer_input(cloud64.data(), 1, p, d, h, relevance64.data(), content64.data());
   check.mask = Mask::causal();
   AttentionOutput<double> check_output;
   check_output.update = expected.data();
@@ -161,9 +152,8 @@ void run_demo(const DemoArguments& args) {
             << "  update  |Delta| / |X| = "
             << norm(update.data(), n * d) / norm(cloud.data(), n * d) << "\n";
   if (!(error <= kTolerance)) {
-    detail::fail(ErrorCode::internal, "demo: the ", to_string(device),
-                 " update differs from the float64 reference by ", error, " (tolerance ",
-                 kTolerance, ")");
+    fail(ErrorCode::internal, "demo: the ", to_string(device),
+         " update differs from the float64 reference by ", error, " (tolerance ", kTolerance, ")");
   }
 }
 
@@ -171,12 +161,12 @@ void run_demo(const DemoArguments& args) {
 
 void add_demo_command(CLI::App& app) {
   auto args = std::make_shared<DemoArguments>();
-  CLI::App* command = app.add_subcommand(
-      "demo", "Time and check one causal attention layer on a seeded cloud (the GPU if present)");
-  command->footer(
-      "Updates a seeded token cloud with one causal attention layer in float32 (on the GPU when\n"
-      "present, else the CPU) and prints the time, the attention-equivalent GFLOP/s and the\n"
-      "relative error against the float64 reference on the first 512 queries.");
+  CLI::App* command = add_command(
+      app, "demo",
+      "Time and check one causal attention layer on a seeded cloud (the GPU if present)",
+      R"(Updates a seeded token cloud with one causal attention layer in float32 (on the GPU when
+present, else the CPU) and prints the time, the attention-equivalent GFLOP/s and the
+relative error against the float64 reference on the first 512 queries.)");
   command->add_option("--tokens", args->tokens, "tokens N in the cloud")->capture_default_str();
   command->add_option("--dim", args->dim, "dimension d of the token space")->capture_default_str();
   command->add_option("--heads", args->heads, "heads H in the layer")->capture_default_str();

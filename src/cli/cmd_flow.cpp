@@ -19,7 +19,10 @@
 #include "common.hpp"
 #include "emflow/finite.hpp"
 #include "emflow/flow.hpp"
-#include "plot.hpp"
+#include "emflow/io.hpp"
+#include "emflow/tensor.hpp"
+#include "tools/plot.hpp"
+#include "tools/progress.hpp"
 
 namespace emflow::cli {
 namespace {
@@ -138,7 +141,7 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
   const ExecutionOptions options = execution_options(args.device, args.threads);
   naming_option("--device", [&] { return resolve_device(options.device); });
 
-  Outputs outputs;
+  OutputFiles outputs;
   if (!args.out.empty()) outputs.declare("--out", args.out);
   if (!args.metrics.empty()) outputs.declare("--metrics", args.metrics);
   if (!args.plot.empty()) outputs.declare("--plot", args.plot);
@@ -193,13 +196,10 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
   settings.integrator = integrator;
   settings.unnormalized = args.unnormalized;
   settings.record_every = args.record_every;
-  const std::int64_t records = flow::step_count(settings) / args.record_every + 2;
-  naming_option("--record-every", [&] {
-    return checked_element_count({records, B, N, d}, "trajectory", std::int64_t{1} << 31);
-  });
+  // run_flow refuses a trajectory of more than 2^31 values before allocating it.
   const auto layers = read_layers<T>(args, d, continuous ? 1 : args.layers, dtype);
 
-  ProgressBar bar("emflow flow");
+  tools::ProgressBar bar("emflow flow");
   const auto start = std::chrono::steady_clock::now();
   const flow::FlowResult<T> result =
       flow::run_flow(initial, betas, layers, settings, options, bar.callback());
@@ -228,7 +228,7 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
     outputs.stage_bytes(args.metrics, csv.str());
   }
   if (!args.plot.empty()) {
-    FlowPicture picture;
+    tools::FlowPicture picture;
     picture.records = R;
     picture.clouds = B;
     picture.tokens = N;
@@ -257,7 +257,7 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
     }
     if (B > 1) title << "  (paths: cloud 0)";
     picture.title = title.str();
-    outputs.stage_bytes(args.plot, draw_flow(picture));
+    outputs.stage_bytes(args.plot, tools::draw_flow(picture));
   }
   outputs.commit();
 
@@ -276,14 +276,13 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
 
 void add_flow_command(CLI::App& app) {
   auto args = std::make_shared<FlowArguments>();
-  CLI::App* command = app.add_subcommand(
-      "flow", "Run the flow of token clouds (layers or continuous time); record and draw it");
-  command->footer(
-      "The flow of a token cloud under attention (REFERENCE.md 4): a stack of layers\n"
-      "  X <- N(X + Delta(X))  (post-norm)   or   X <- X + Delta(N(X))  (pre-norm),\n"
-      "or continuous time dx_i/dt = sum_j p_ij F x_j (SA; USA divides by N instead of Z_i),\n"
-      "on the sphere with --norm sphere, integrated by Euler or RK4. Records the clouds and\n"
-      "their observables; outputs are written only when the whole run succeeds.");
+  CLI::App* command = add_command(
+      app, "flow", "Run the flow of token clouds (layers or continuous time); record and draw it",
+      R"(The flow of a token cloud under attention (REFERENCE.md 4): a stack of layers
+  X <- N(X + Delta(X))  (post-norm)   or   X <- X + Delta(N(X))  (pre-norm),
+or continuous time dx_i/dt = sum_j p_ij F x_j (SA; USA divides by N instead of Z_i),
+on the sphere with --norm sphere, integrated by Euler or RK4. Records the clouds and
+their observables; outputs are written only when the whole run succeeds.)");
   auto* x = command->add_option("--x", args->cloud,
                                 "initial cloud (.npy): (N, d), or a batch (B, N, d); its dtype "
                                 "sets the precision");

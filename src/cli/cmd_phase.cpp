@@ -14,7 +14,9 @@
 #include "commands.hpp"
 #include "common.hpp"
 #include "emflow/flow.hpp"
-#include "plot.hpp"
+#include "emflow/io.hpp"
+#include "tools/plot.hpp"
+#include "tools/progress.hpp"
 
 namespace emflow::cli {
 namespace {
@@ -61,20 +63,17 @@ void run_phase(PhaseArguments& args) {
     fail_option("--time", "must be finite and > 0, got ", s.time);
   }
   if (!(std::isfinite(s.dt) && s.dt > 0)) fail_option("--dt", "must be finite and > 0, got ", s.dt);
-  if (s.time / s.dt > 1e7) fail_option("--dt", "gives more than 1e7 steps");
-  naming_option("--clouds", [&] {
-    flow::validate(s);
-    return 0;
-  });
+  // The step count and the size of the sweep are limited by the library.
+  flow::validate(s);
   const ExecutionOptions options = execution_options(args.device, args.threads);
   // What phase_diagram runs on: the GPU when auto finds one (or cuda is named), else the CPU.
   const Device device = naming_option("--device", [&] { return resolve_device(options.device); });
 
-  Outputs outputs;
+  OutputFiles outputs;
   if (!args.plot.empty()) outputs.declare("--plot", args.plot);
   if (!args.out.empty()) outputs.declare("--out", args.out);
 
-  ProgressBar bar("emflow phase");
+  tools::ProgressBar bar("emflow phase");
   const auto start = std::chrono::steady_clock::now();
   const flow::PhaseDiagram diagram = flow::phase_diagram(s, options, bar.callback());
   bar.finish();
@@ -95,9 +94,9 @@ void run_phase(PhaseArguments& args) {
   }
   if (!args.plot.empty()) {
     std::ostringstream title;
-    title << "Clustering on the sphere S" << superscript(s.dim - 1) << ": n = " << s.tokens
+    title << "Clustering on the sphere S" << tools::superscript(s.dim - 1) << ": n = " << s.tokens
           << ", d = " << s.dim << ", " << s.clouds << " clouds per \xCE\xB2, RK4 dt = " << s.dt;
-    outputs.stage_bytes(args.plot, draw_phase(diagram, title.str()));
+    outputs.stage_bytes(args.plot, tools::draw_phase(diagram, title.str()));
   }
   outputs.commit();
 
@@ -116,14 +115,12 @@ void run_phase(PhaseArguments& args) {
 void add_phase_command(CLI::App& app) {
   auto args = std::make_shared<PhaseArguments>();
   flow::PhaseSettings& s = args->settings;
-  CLI::App* command = app.add_subcommand(
-      "phase", "Sweep beta over random clouds on the sphere and draw the phase diagram");
-  command->footer(
-      "Phase diagram of clustering (Geshkovski et al.): clouds of n tokens uniform on the\n"
-      "sphere S^{d-1} flow by dx_i/dt = P_{x_i}(sum_j p_ij x_j), p_ij = softmax_j(beta <x_i, "
-      "x_j>)\n"
-      "(Q = K = V = I, RK4); the fraction of pairs with <x_i, x_j> > 1 - 1e-3, averaged over\n"
-      "the clouds, is recorded at every step for each beta. The same clouds serve every beta.");
+  CLI::App* command = add_command(
+      app, "phase", "Sweep beta over random clouds on the sphere and draw the phase diagram",
+      R"(Phase diagram of clustering (Geshkovski et al.): clouds of n tokens uniform on the
+sphere S^{d-1} flow by dx_i/dt = P_{x_i}(sum_j p_ij x_j), p_ij = softmax_j(beta <x_i, x_j>)
+(Q = K = V = I, RK4); the fraction of pairs with <x_i, x_j> > 1 - 1e-3, averaged over
+the clouds, is recorded at every step for each beta. The same clouds serve every beta.)");
   command->add_option("--tokens", s.tokens, "tokens n per cloud")->capture_default_str();
   command->add_option("--dim", s.dim, "dimension d (the sphere S^{d-1})")->capture_default_str();
   command->add_option("--betas", args->betas, "START:STOP:COUNT, evenly spaced")

@@ -1,15 +1,5 @@
 #include "common.hpp"
 
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
-
-#include "../io/npy_writer.hpp"
-#include "../io/staged_file.hpp"
-
 namespace emflow::cli {
 
 Dtype float_dtype(const std::string& option, const std::string& path) {
@@ -98,75 +88,11 @@ ExecutionOptions execution_options(const std::string& device, int threads) {
   return options;
 }
 
-Outputs::Outputs() = default;
-Outputs::~Outputs() = default;  // unique_ptr<StagedFile> removes what was never committed
-
-void Outputs::declare(const std::string& option, const std::string& path) {
-  if (path.empty()) fail_option(option, "needs a file name, got ''");
-  for (const auto& [other_option, other_path] : declared_) {
-    if (other_path == path) {
-      fail_option(option, "'", path, "' is also the file of ", other_option,
-                  "; each output needs its own file");
-    }
-  }
-  const std::size_t slash = path.find_last_of('/');
-  const std::string folder =
-      slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-  struct stat info {};
-  if (::stat(folder.c_str(), &info) != 0 || !S_ISDIR(info.st_mode)) {
-    fail_option(option, "'", path, "': the folder '", folder, "' does not exist");
-  }
-  if (::access(folder.c_str(), W_OK | X_OK) != 0) {
-    fail_option(option, "'", path, "': the folder '", folder,
-                "' is not writable: ", std::strerror(errno));
-  }
-  declared_.emplace_back(option, path);
-}
-
-const std::string& Outputs::option_of(const std::string& path) const {
-  for (const auto& [option, declared_path] : declared_) {
-    if (declared_path == path) return option;
-  }
-  detail::fail(ErrorCode::internal, "output '", path, "' was not declared");
-}
-
-template <class T>
-void Outputs::stage_npy(const std::string& path, const Tensor<T>& array) {
-  const std::string& option = option_of(path);
-  naming_option(option, [&] {
-    auto file = std::make_unique<detail::StagedFile>(path, "write_npy");
-    detail::write_npy_to(*file, array);
-    staged_.push_back(std::move(file));
-  });
-}
-
-template void Outputs::stage_npy<float>(const std::string&, const Tensor<float>&);
-template void Outputs::stage_npy<double>(const std::string&, const Tensor<double>&);
-template void Outputs::stage_npy<std::int64_t>(const std::string&, const Tensor<std::int64_t>&);
-
-void Outputs::stage_bytes(const std::string& path, const std::string& bytes) {
-  const std::string& option = option_of(path);
-  naming_option(option, [&] {
-    auto file = std::make_unique<detail::StagedFile>(path, "write");
-    file->write(bytes);
-    staged_.push_back(std::move(file));
-  });
-}
-
-void Outputs::commit() {
-  std::size_t done = 0;
-  try {
-    for (; done < staged_.size(); ++done) {
-      const std::string& option = option_of(staged_[done]->target());
-      naming_option(option, [&] { staged_[done]->commit(); });
-    }
-  } catch (...) {
-    // All or nothing: take back what this run already put in place.
-    for (std::size_t i = 0; i < done; ++i) std::remove(staged_[i]->target().c_str());
-    staged_.clear();
-    throw;
-  }
-  staged_.clear();
+CLI::App* add_command(CLI::App& app, const std::string& name, const std::string& summary,
+                      const std::string& footer) {
+  CLI::App* command = app.add_subcommand(name, summary);
+  command->footer(footer);
+  return command;
 }
 
 }  // namespace emflow::cli

@@ -1,31 +1,35 @@
-// Helpers shared by the emflow subcommands: reading input arrays with errors that name the
-// option and the file, the --device/--threads options, and outputs that are written all
-// together or not at all.
+// Helpers shared by the emflow subcommands: errors that name the option, reading input arrays
+// with errors that name the option and the file, the --device/--threads options, and the
+// registration of a subcommand.
 #pragma once
 
 #include <CLI/CLI.hpp>
 #include <cstdint>
-#include <memory>
+#include <sstream>
 #include <string>
 #include <utility>
-#include <vector>
 
-#include "../core/check.hpp"
 #include "emflow/attention.hpp"
+#include "emflow/error.hpp"
 #include "emflow/io.hpp"
 #include "emflow/tensor.hpp"
 
-namespace emflow::detail {
-class StagedFile;
-}
-
 namespace emflow::cli {
 
-/// Throws emflow::Error(invalid_argument) "option: <parts>", e.g.
-/// "--m 'M.npy': has shape (3, 3), expected (64, 64) or (H, 64, 64)".
+/// Throws emflow::Error(code) whose message is `parts` streamed one after the other.
+template <class... Parts>
+[[noreturn]] void fail(ErrorCode code, Parts&&... parts) {
+  std::ostringstream message;
+  message.exceptions(std::ios::badbit);  // a failed allocation is rethrown, not truncated text
+  (message << ... << std::forward<Parts>(parts));
+  throw Error(code, message.str());
+}
+
+/// Throws emflow::Error(invalid_argument) "option <parts>", e.g.
+/// "--m 'M.npy' has shape (3, 3), expected (64, 64) or (H, 64, 64)".
 template <class... Parts>
 [[noreturn]] void fail_option(const std::string& option, Parts&&... parts) {
-  detail::fail(ErrorCode::invalid_argument, option, " ", std::forward<Parts>(parts)...);
+  fail(ErrorCode::invalid_argument, option, " ", std::forward<Parts>(parts)...);
 }
 
 /// Runs `body`; an emflow::Error it throws is rethrown with "option: " in front, so a message
@@ -66,36 +70,8 @@ CLI::Option* add_threads_option(CLI::App& command, int& threads);
 /// Parses what add_device_option / add_threads_option collected.
 ExecutionOptions execution_options(const std::string& device, int threads);
 
-/// The output files of one run. Declare every target first (declare(): cheap checks before any
-/// computing, so a mistyped folder fails in milliseconds, not after the work); then stage each
-/// result (written in full to a temporary file beside its target) and commit() once: every
-/// target is renamed into place, and if one rename fails the targets this run already renamed
-/// are removed again, so a failed run leaves no output file and no temporary file behind.
-class Outputs {
- public:
-  Outputs();
-  ~Outputs();
-  Outputs(const Outputs&) = delete;
-  Outputs& operator=(const Outputs&) = delete;
-
-  /// Records that `option` will write `path`: the path must be non-empty, differ from every
-  /// other declared output, and lie in an existing folder.
-  void declare(const std::string& option, const std::string& path);
-
-  /// Writes `array` as .npy to a temporary file for the declared `path`.
-  template <class T>
-  void stage_npy(const std::string& path, const Tensor<T>& array);
-  /// Writes raw `bytes` to a temporary file for the declared `path`.
-  void stage_bytes(const std::string& path, const std::string& bytes);
-
-  /// Renames every staged file into place (all or none, see above).
-  void commit();
-
- private:
-  const std::string& option_of(const std::string& path) const;
-
-  std::vector<std::pair<std::string, std::string>> declared_;  // (option, path)
-  std::vector<std::unique_ptr<detail::StagedFile>> staged_;
-};
+/// Adds the subcommand `name` with its one-line `summary` and the `footer` its --help ends with.
+CLI::App* add_command(CLI::App& app, const std::string& name, const std::string& summary,
+                      const std::string& footer);
 
 }  // namespace emflow::cli

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "check.hpp"
+#include "emflow/memory.hpp"
 
 namespace emflow::detail {
 namespace {
@@ -56,3 +57,14 @@ void fail_out_of_memory(const char* operation, const std::string& file) {
 }
 
 }  // namespace emflow::detail
+
+namespace emflow {
+
+std::int64_t memory_limit_bytes() { return detail::memory_limit_bytes(); }
+
+void expect_fits_in_memory(const std::string& operation, const std::string& what,
+                           std::int64_t count, std::int64_t item_size) {
+  detail::expect_fits_in_memory(operation.c_str(), what, count, item_size);
+}
+
+}  // namespace emflow

@@ -7,7 +7,8 @@
 // with a baseline target) keeps the 4-lane generic vector, which the compiler lowers to whatever
 // the target has, down to scalar code: that is the portable fallback.
 //
-// Only src/cpu/*.cpp include this header; they are all compiled with the same flags.
+// Only src/cpu/*.cpp and src/tools/measure.cpp (the FMA peak of `emflow bench`) include this
+// header; they are all compiled with the same flags.
 #pragma once
 
 #include <cstdint>

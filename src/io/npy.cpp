@@ -26,22 +26,26 @@
 #endif
 
 namespace emflow {
-
-const char* to_string(Dtype dtype) noexcept {
-  switch (dtype) {
-    case Dtype::float32:
-      return "float32";
-    case Dtype::float64:
-      return "float64";
-    case Dtype::int64:
-      return "int64";
-    case Dtype::int32:
-      return "int32";
-  }
-  return "unknown";
-}
-
 namespace {
+
+// Each element type: its name, its .npy descr and its size in bytes.
+struct DtypeInfo {
+  Dtype dtype;
+  const char* name;
+  const char* descr;
+  std::int64_t size;
+};
+constexpr DtypeInfo kDtypes[] = {{Dtype::float32, "float32", "<f4", 4},
+                                 {Dtype::float64, "float64", "<f8", 8},
+                                 {Dtype::int64, "int64", "<i8", 8},
+                                 {Dtype::int32, "int32", "<i4", 4}};
+
+const DtypeInfo* info_of(Dtype dtype) noexcept {
+  for (const DtypeInfo& info : kDtypes) {
+    if (info.dtype == dtype) return &info;
+  }
+  return nullptr;
+}
 
 constexpr char kMagic[] = "\x93NUMPY";
 constexpr std::size_t kMagicSize = 6;
@@ -50,23 +54,9 @@ constexpr std::size_t kMagicSize = 6;
 constexpr std::uint32_t kMaxHeaderSize = 10000;
 constexpr std::int64_t kMaxRank = 4;
 
-std::int64_t item_size(Dtype dtype) {
-  return dtype == Dtype::float32 || dtype == Dtype::int32 ? 4 : 8;
-}
+std::int64_t item_size(Dtype dtype) { return info_of(dtype)->size; }
 
-const char* descr_of(Dtype dtype) {
-  switch (dtype) {
-    case Dtype::float32:
-      return "<f4";
-    case Dtype::float64:
-      return "<f8";
-    case Dtype::int64:
-      return "<i8";
-    case Dtype::int32:
-      return "<i4";
-  }
-  return "?";
-}
+const char* descr_of(Dtype dtype) { return info_of(dtype)->descr; }
 
 template <class... Parts>
 [[noreturn]] void fail_file(const char* op, const std::string& path, Parts&&... parts) {
@@ -108,13 +98,7 @@ class HeaderParser {
       } else {
         bad("has an unexpected key '", key, "' (expected descr, fortran_order, shape)");
       }
-      skip_space();
-      if (peek() == ',') {
-        ++pos_;
-        skip_space();
-      } else if (peek() != '}') {
-        bad("expects ',' or '}' at byte ", pos_);
-      }
+      after_item('}', "");
     }
     ++pos_;  // '}'
     if (!have_descr) bad("lacks the key 'descr'");
@@ -138,6 +122,18 @@ class HeaderParser {
 
   void skip_space() {
     while (pos_ < text_.size() && (text_[pos_] == ' ' || text_[pos_] == '\t')) ++pos_;
+  }
+
+  // After an item of a list that `close` ends: a comma and spaces, or (left for the caller)
+  // `close` itself.
+  void after_item(char close, const char* where) {
+    skip_space();
+    if (peek() == ',') {
+      ++pos_;
+      skip_space();
+    } else if (peek() != close) {
+      bad("expects ',' or '", close, "'", where, " at byte ", pos_);
+    }
   }
 
   void expect(char c) {
@@ -169,10 +165,9 @@ class HeaderParser {
   }
 
   Dtype parse_descr(const std::string& descr) {
-    if (descr == "<f4") return Dtype::float32;
-    if (descr == "<f8") return Dtype::float64;
-    if (descr == "<i8") return Dtype::int64;
-    if (descr == "<i4") return Dtype::int32;
+    for (const DtypeInfo& info : kDtypes) {
+      if (descr == info.descr) return info.dtype;
+    }
     if (!descr.empty() && descr[0] == '>') {
       fail_file("read_npy", path_, "is big endian (dtype '", descr,
                 "'); only little-endian '<f4', '<f8', '<i4', '<i8' are supported");
@@ -197,13 +192,7 @@ class HeaderParser {
         ++pos_;
       }
       shape.push_back(extent);
-      skip_space();
-      if (peek() == ',') {
-        ++pos_;
-        skip_space();
-      } else if (peek() != ')') {
-        bad("expects ',' or ')' in 'shape' at byte ", pos_);
-      }
+      after_item(')', " in 'shape'");
     }
     ++pos_;  // ')'
     return shape;
@@ -353,6 +342,11 @@ Tensor<T> read_npy_payload(const std::string& path) {
 }
 
 }  // namespace
+
+const char* to_string(Dtype dtype) noexcept {
+  const DtypeInfo* info = info_of(dtype);
+  return info ? info->name : "unknown";
+}
 
 NpyHeader read_npy_header(const std::string& path) {
   return detail::reporting_out_of_memory("read_npy", path, [&] {

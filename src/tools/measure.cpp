@@ -1,5 +1,6 @@
-// Measuring tools for benchmarks (measure.hpp), built with the vector layer of the backend.
-#include "measure.hpp"
+// Measuring tools for benchmarks (tools/measure.hpp), built with the vector layer of the CPU
+// backend (header-only) and its compiler flags.
+#include "tools/measure.hpp"
 
 #include <omp.h>
 
@@ -7,11 +8,19 @@
 #include <cmath>
 #include <limits>
 
-#include "simd.hpp"
+#include "cpu/simd.hpp"
 
-namespace emflow::detail::cpu {
+namespace emflow::tools {
 
-const char* compiled_instruction_set() { return instruction_set(); }
+using detail::cpu::exp_nonpositive;
+using detail::cpu::horizontal_sum;
+using detail::cpu::kLanes;
+using detail::cpu::load;
+using detail::cpu::splat;
+using detail::cpu::store;
+using detail::cpu::Vec;
+
+const char* compiled_instruction_set() { return detail::cpu::instruction_set(); }
 
 double fma_peak_work(int threads, std::int64_t iterations) {
   // FMA latency (4 cycles) x FMA issue rate (up to 2 per cycle) chains keep every pipe busy.
@@ -26,7 +35,7 @@ double fma_peak_work(int threads, std::int64_t iterations) {
     const Vec scale = splat(0.9999f), shift = splat(1.0e-4f);
     for (std::int64_t i = 0; i < iterations; ++i) {
 #pragma GCC unroll 16
-      for (int c = 0; c < kChains; ++c) chain[c] = fma(chain[c], scale, shift);
+      for (int c = 0; c < kChains; ++c) chain[c] = detail::cpu::fma(chain[c], scale, shift);
     }
     Vec total = chain[0];
     for (int c = 1; c < kChains; ++c) total += chain[c];
@@ -70,4 +79,4 @@ void softmax_rows(float* scores, std::int64_t rows, std::int64_t columns, const 
   }
 }
 
-}  // namespace emflow::detail::cpu
+}  // namespace emflow::tools

@@ -1,15 +1,14 @@
-// Pictures of the flow drawn with cairo (PNG bytes in memory, written atomically by the caller),
-// and the progress bar long runs show on a terminal.
+// Pictures of the flow drawn with cairo, returned as PNG bytes so that the caller writes them
+// atomically with its other outputs (emflow::OutputFiles).
 #pragma once
 
-#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "emflow/flow.hpp"
 
-namespace emflow::cli {
+namespace emflow::tools {
 
 /// What the flow picture shows: the trajectory of one cloud and the observables of every cloud.
 struct FlowPicture {
@@ -34,22 +33,4 @@ std::string draw_phase(const flow::PhaseDiagram& diagram, const std::string& tit
 /// `n` in Unicode superscript digits, e.g. for S^{d-1}.
 std::string superscript(long long n);
 
-/// A one-line progress bar on stderr, drawn only when stderr is a terminal; at most ten
-/// redraws a second. finish() clears the line.
-class ProgressBar {
- public:
-  explicit ProgressBar(std::string label);
-  ~ProgressBar();
-  void update(std::int64_t done, std::int64_t total);
-  void finish();
-  /// A callback for the library's long runs.
-  flow::Progress callback();
-
- private:
-  std::string label_;
-  bool enabled_;
-  bool drawn_ = false;
-  std::chrono::steady_clock::time_point start_, last_;
-};
-
-}  // namespace emflow::cli
+}  // namespace emflow::tools
