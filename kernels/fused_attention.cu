@@ -140,6 +140,13 @@ __global__ void __launch_bounds__(kThreads)
   first_key = (first_key / kBlockKeys) * kBlockKeys;
   const int dim_padded = (dim + 3) & ~3;  // the tiles are zero beyond dim
 
+  // The visible keys [row_first, row_last) of the thread's 4 query rows, for every tile.
+  int row_first[4], row_last[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    visible_keys(m0 + ty * 4 + i, length, args.mask, &row_first[i], &row_last[i]);
+  }
+
   float row_max[4], row_sum[4], row_moment[4];
   float acc[4][kChunks * 4];
 #pragma unroll
@@ -190,13 +197,11 @@ __global__ void __launch_bounds__(kThreads)
     // Mask, then the online softmax update of each of the thread's 4 rows.
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      int first = 0, last = 0;
-      visible_keys(m0 + ty * 4 + i, length, args.mask, &first, &last);
       float tile_max = -INFINITY;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int key = n0 + tx + 16 * j;
-        if (key < first || key >= last) t[i][j] = -INFINITY;
+        if (key < row_first[i] || key >= row_last[i]) t[i][j] = -INFINITY;
         tile_max = fmaxf(tile_max, t[i][j]);
       }
 #pragma unroll
