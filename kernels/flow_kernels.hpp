@@ -14,9 +14,6 @@
 
 namespace emflow::flow::detail {
 
-// ---------------------------------------------------------------------------------------------
-// Launchers
-
 /// The observables of one cloud as the device writes them: kObservableFields doubles in this
 /// order (the fields of emflow::flow::Observables; clusters as an exact integer-valued double).
 enum ObservableField : int {

@@ -106,8 +106,6 @@ class Stepper {
     ops.ready();
   }
 
-  T* update() noexcept { return update_.data(); }
-
   /// The attention update of `cloud` into `out` (SA or USA, tangent-projected when asked), the
   /// mean entropy of each cloud into `sink` when given.
   void drift(const T* cloud, const LayerView<T>& layer, T* out, EntropySink sink) {

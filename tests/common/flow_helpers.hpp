@@ -65,6 +65,11 @@ std::string device_name(const ::testing::TestParamInfo<Device>& info);
 
 }  // namespace emflow::testing
 
+namespace emflow {
+/// How gtest prints a Device parameter ("cpu", "cuda").
+inline void PrintTo(Device device, std::ostream* out) { *out << to_string(device); }
+}  // namespace emflow
+
 /// Use at the top of a test over flow_devices(): skips Device::cuda without a device.
 #define EMFLOW_REQUIRE_DEVICE(device)                            \
   do {                                                           \
