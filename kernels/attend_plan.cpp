@@ -151,6 +151,17 @@ AttentionPlan<T>::AttentionPlan(const AttentionInput<T>& shapes, const Attention
 }
 
 template <class T>
+bool AttentionPlan<T>::matches(const AttentionInput<T>& input,
+                               const AttentionOutput<T>& output) const noexcept {
+  const bool same_mask = input.mask.kind == mask_.kind &&
+                         (mask_.kind != MaskKind::window || input.mask.window == mask_.window);
+  return input.batch == batch_ && input.tokens == tokens_ && input.dim == dim_ &&
+         input.layer.heads == heads_ && same_mask && output.update != nullptr &&
+         (output.lse != nullptr) == lse_ && (output.entropy != nullptr) == entropy_ &&
+         (output.weights != nullptr) == weights_;
+}
+
+template <class T>
 void AttentionPlan<T>::check_matches(const AttentionInput<T>& input,
                                      const AttentionOutput<T>& output) const {
   const char* const operation = operation_.c_str();

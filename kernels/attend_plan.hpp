@@ -47,6 +47,10 @@ class AttentionPlan {
                 cuda::Algorithm algorithm, const char* operation, bool query_device = true);
 
   std::size_t workspace_bytes() const noexcept { return layout_.total; }
+
+  /// True when enqueue would accept this call's shapes, mask and outputs: for callers that keep
+  /// one plan per configuration and pick the one a call needs.
+  bool matches(const AttentionInput<T>& input, const AttentionOutput<T>& output) const noexcept;
   cuda::Algorithm algorithm() const noexcept { return algorithm_; }
 
   /// Enqueues on `stream`, on the device that was current when the plan was made. Checks only

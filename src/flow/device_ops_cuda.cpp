@@ -1,9 +1,9 @@
-// The flow in device memory: the operations of stepper.hpp on cuda::DeviceBuffer, every
-// attention evaluation cuda::attend_async on one owned stream with one workspace sized once for
-// the largest call, the element-wise parts and the observables the kernels of
-// kernels/flow_kernels.hpp. The host only enqueues, and waits for the stream where it needs data:
-// once per record (the recorded cloud) and once at the end (the observables). Compiled only with
-// CUDA.
+// The flow in device memory: the operations of stepper.hpp on cuda::DeviceBuffer. Every
+// attention evaluation enqueues an attention plan made once per configuration before the run
+// (kernels/attend_plan.hpp), on one owned stream, with one workspace sized for the largest; the
+// element-wise parts and the observables are the kernels of kernels/flow_kernels.hpp. The host
+// only enqueues, and waits for the stream where it needs data: once per record (the recorded
+// cloud) and once at the end (the observables). Compiled only with CUDA.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -15,6 +15,7 @@
 #include "core/check.hpp"
 #include "emflow/cuda.hpp"
 #include "internal.hpp"
+#include "kernels/attend_plan.hpp"
 #include "kernels/attention_kernels.hpp"
 #include "kernels/cuda_support.hpp"
 #include "kernels/flow_kernels.hpp"
@@ -86,15 +87,25 @@ class DeviceOps {
     return device;
   }
 
+  // One plan per configuration the run will call (a handful: runs of clouds sharing beta, with
+  // and without entropy), made before the first step with every check and device query, so a
+  // step only enqueues.
   void reserve(const AttentionInput<T>& in, const AttentionOutput<T>& out) {
-    workspace_bytes_ = std::max(workspace_bytes_, cuda::attend_workspace_size(in, out));
+    if (plan_for(in, out) != nullptr) return;
+    plans_.emplace_back(in, out, cuda::Algorithm::automatic, operation_);
+    workspace_bytes_ = std::max(workspace_bytes_, plans_.back().workspace_bytes());
   }
-  // One workspace for every call of the run: the largest any call needs.
+  // One workspace for every call of the run: the largest any plan needs.
   void ready() { workspace_ = cuda::DeviceBuffer<unsigned char>(workspace_bytes_); }
 
   // The one place the flow's attention is enqueued.
   void attend(const AttentionInput<T>& in, const AttentionOutput<T>& out) {
-    cuda::attend_async(in, out, workspace_.data(), workspace_bytes_, stream_);
+    const emflow::detail::AttentionPlan<T>* plan = plan_for(in, out);
+    if (plan == nullptr) {
+      fail(ErrorCode::internal, operation_, ": an attention call of a configuration ",
+           "that was not reserved before the run");
+    }
+    plan->enqueue(in, out, workspace_.data(), stream_);
   }
 
   void axpy(T* y, const T* x, const T* k, T step, std::int64_t n) {
@@ -192,6 +203,15 @@ class DeviceOps {
   const char* operation_;
   const emflow::detail::OwnedStream owned_;
   cudaStream_t stream_;
+  const emflow::detail::AttentionPlan<T>* plan_for(const AttentionInput<T>& in,
+                                                   const AttentionOutput<T>& out) const {
+    for (const auto& plan : plans_) {
+      if (plan.matches(in, out)) return &plan;
+    }
+    return nullptr;
+  }
+
+  std::vector<emflow::detail::AttentionPlan<T>> plans_;
   std::size_t workspace_bytes_ = 0;
   cuda::DeviceBuffer<unsigned char> workspace_;
   double cluster_eps_ = 0.0;
