@@ -26,8 +26,9 @@
 // A row with no visible key so far keeps max = -inf; the reference point for exp2 is then 0 and
 // the rescale factor 0, so no -inf - -inf appears. A NaN score is dropped by fmaxf but not by
 // the weights: 2^(NaN - m) makes the row's sum NaN (and stays NaN through every rescale), which
-// the end of the kernel turns into NaN outputs; no score is tested for NaN. Entropy is tracked online as
-// a = sum_j w_j (t_j - m) (w_j = 2^(t_j - m)), rescaled with the max: H = ln2 (log2 Z - a / Z).
+// the end of the kernel turns into NaN outputs; no score is tested for NaN. Entropy is tracked
+// online as a = sum_j w_j (t_j - m) (w_j = 2^(t_j - m)), rescaled with the max:
+// H = ln2 (log2 Z - a / Z).
 //
 // History: version 1 (this one) is the straightforward register-tiled FFMA kernel; it has been
 // checked on the CPU emulation (tests/cuda/emulation) but not yet run or timed on a GPU. Tuning

@@ -67,9 +67,8 @@ void expect_nan_reach(const Problem& p, const std::function<void(Buffers<T>&)>& 
           ASSERT_TRUE(std::isnan(got)) << "update of query " << i << " of cloud " << b << "[" << a
                                        << "] is " << got << ", not NaN";
         } else {
-          ASSERT_TRUE(same(got, clean.update[at]))
-              << "update of query " << i << " of cloud " << b << ": " << got << " vs "
-              << clean.update[at];
+          ASSERT_TRUE(same(got, clean.update[at])) << "update of query " << i << " of cloud " << b
+                                                   << ": " << got << " vs " << clean.update[at];
         }
       }
       const KeyRange keys = p.mask.visible_keys(i, length);
@@ -91,14 +90,15 @@ void expect_nan_reach(const Problem& p, const std::function<void(Buffers<T>&)>& 
         }
         if (!weights) continue;
         for (std::int64_t j = 0; j < N; ++j) {
-          const T w = dirty.weights[row * static_cast<std::size_t>(N) + static_cast<std::size_t>(j)];
+          const T w =
+              dirty.weights[row * static_cast<std::size_t>(N) + static_cast<std::size_t>(j)];
           if (!keys.contains(j)) {
             ASSERT_EQ(w, T(0)) << "masked weight (" << i << ", " << j << ")";
           } else if (stat_hit) {
             ASSERT_TRUE(std::isnan(w)) << "weight (" << i << ", " << j << ") is " << w;
           } else {
-            ASSERT_TRUE(same(w, clean.weights[row * static_cast<std::size_t>(N) +
-                                              static_cast<std::size_t>(j)]))
+            ASSERT_TRUE(same(
+                w, clean.weights[row * static_cast<std::size_t>(N) + static_cast<std::size_t>(j)]))
                 << "weight (" << i << ", " << j << ")";
           }
         }

@@ -3,8 +3,8 @@
 // no other; and a float beta that would overflow the float scores is refused (§6.6).
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -84,8 +84,9 @@ TEST(NaNSemantics, NaNTokenReachesItsCloudButNotPaddingOrOtherClouds) {
 
 // A NaN in an operator of head 1: M_1 or u_1 make every score of head 1 NaN, so head 1's lse
 // and entropy and every real query's update are NaN while head 0's statistics are untouched;
-// a NaN column of F_1 or a NaN c reach the update only (every coordinate of it). Padding queries (cloud 1 has key length 3) stay 0 / -inf / 0.
-// On the CPU device this is the float engine (finite clouds are not sent to the reference).
+// a NaN column of F_1 or a NaN c reach the update only (every coordinate of it). Padding queries
+// (cloud 1 has key length 3) stay 0 / -inf / 0. On the CPU device this is the float engine (finite
+// clouds are not sent to the reference).
 template <class T>
 void nan_operator(Mask mask, std::int64_t tokens) {
   Problem p = Problem::random(2, tokens, 3, 2, 11);
@@ -150,14 +151,9 @@ TEST(FloatBeta, BeyondTheFloatBoundIsRefusedOnEveryBackend) {
       expect_beta_refused([&] { attend(b.input, b.output, {device}); }, text);
     }
     Buffers<float> b(p);
-    FactoredLayer<float> layer{1,
-                               3,
-                               b.relevance.data(),
-                               b.relevance.data(),
-                               b.content.data(),
-                               b.content.data(),
-                               nullptr,
-                               nullptr};
+    FactoredLayer<float> layer{
+        1,       3,      b.relevance.data(), b.relevance.data(), b.content.data(), b.content.data(),
+        nullptr, nullptr};
     b.input.layer = {};
     expect_beta_refused([&] { attend_factored(b.input, layer, b.output, {Device::cpu}); }, text);
   }
