@@ -119,6 +119,9 @@ void AttentionPlan<T>::enqueue(const AttentionInput<T>& input, const AttentionOu
             cloud_stride, scores + h * square, N, square * H, h == 0 ? &zero : &one, output.update,
             d, cloud_stride, B, operation, "cublasGemmStridedBatched (update P C)");
   }
+  // Padding queries (i >= L_b) weight every key by 0, and 0 * NaN would give them the NaN of a
+  // non-finite content row: they are set to 0 (docs/MATH.md §6.6).
+  launch_zero_padding<T>(output.update, 1, B, N, d, mask, stream, operation);
   if (input.layer.offset != nullptr) {
     launch_add_offset<T>(output.update, input.layer.offset, B, N, d, mask, stream, operation);
   }

@@ -24,8 +24,11 @@
 // Masks: key tiles wholly outside the block's visible band (beyond L_b, above the causal
 // diagonal, before the window) are skipped; inside a tile each score is masked individually.
 // A row with no visible key so far keeps max = -inf; the reference point for exp2 is then 0 and
-// the rescale factor 0, so no -inf - -inf appears. Entropy is tracked online as
-// a = sum_j w_j (t_j - m) (w_j = 2^(t_j - m)), rescaled with the max: H = ln2 (log2 Z - a / Z).
+// the rescale factor 0, so no -inf - -inf appears. A NaN score is dropped by fmaxf but not by
+// the weights: 2^(NaN - m) makes the row's sum NaN (and stays NaN through every rescale), which
+// the end of the kernel turns into NaN outputs; no score is tested for NaN. Entropy is tracked
+// online as a = sum_j w_j (t_j - m) (w_j = 2^(t_j - m)), rescaled with the max:
+// H = ln2 (log2 Z - a / Z).
 //
 // History: version 1 (this one) is the straightforward register-tiled FFMA kernel; it has been
 // checked on the CPU emulation (tests/cuda/emulation) but not yet run or timed on a GPU. Tuning
@@ -280,8 +283,13 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = 0; i < 4; ++i) {
     const int qi = m0 + ty * 4 + i;
     if (qi >= N) continue;
-    const bool any_key = row_sum[i] > 0.f;  // the row's max key alone contributes 1
-    const float inverse = any_key ? 1.f / row_sum[i] : 0.f;
+    // A real query always sees a key. Its max key alone contributes 1 to the sum, so a sum that
+    // is not > 0 is NaN (a NaN or +inf score: NaN weights) or 0 (every visible score -inf):
+    // the weights are undefined and lse, entropy and the update are NaN (docs/MATH.md §6.6).
+    // Padding queries are written as 0 whatever their accumulators hold (0 * NaN content).
+    const bool any_key = row_first[i] < row_last[i];
+    const bool defined = row_sum[i] > 0.f;
+    const float inverse = defined ? 1.f / row_sum[i] : NAN;
     float* const out =
         args.out +
         (static_cast<std::size_t>(h) * args.batch + b) * static_cast<std::size_t>(N) * dim +
@@ -292,7 +300,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int e = 0; e < 4; ++e) {
         const int col = c * 64 + tx * 4 + e;
         if (col < dim) {
-          float value = acc[i][c * 4 + e] * inverse;
+          float value = any_key ? acc[i][c * 4 + e] * inverse : 0.f;
           if (add_offset && any_key) value += args.offset[col];
           out[col] = value;
         }
@@ -300,7 +308,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (tx == 0) {
       const std::size_t stat = (static_cast<std::size_t>(b) * args.heads + h) * N + qi;
-      const float log2_sum = any_key ? log2f(row_sum[i]) : 0.f;
+      const float log2_sum = defined ? log2f(row_sum[i]) : NAN;
       if (args.lse != nullptr)
         args.lse[stat] = any_key ? (row_max[i] + log2_sum) * kLn2 : -INFINITY;
       if (args.entropy != nullptr) {

@@ -7,7 +7,10 @@
 //       Z = sum exp(s - m) and a = sum exp(s - m)(s - m) over the visible keys, then the row is
 //       overwritten in place by p = exp(s - lse) (0 where masked); lse = m + log Z and
 //       H = log Z - a / Z. A row with no visible key becomes zeros, lse = -inf, H = 0.
-//       Reductions use a fixed tree, so the result is deterministic.
+//       Reductions use a fixed tree, so the result is deterministic. The max drops NaN scores
+//       but nothing else does: exp(NaN - m) makes Z, lse, H and the row's weights NaN, and a
+//       row whose visible scores are all -inf gets m = -inf and -inf - -inf = NaN, as
+//       docs/MATH.md §6.6 defines; no score is tested for NaN.
 //   add_offset_kernel      adds c to the update of every visible query.
 //   zero_padding_kernel    zeroes the content rows of padding tokens (j >= L_b), which may hold
 //       anything, even NaN: P C multiplies them by weight 0, and 0 * NaN would spread NaN.
@@ -100,7 +103,8 @@ __global__ void __launch_bounds__(kSoftmaxThreads)
     const T centred = s[j] - row_max;
     const T weight = exp_of(centred);
     local_sum += weight;
-    local_moment += weight * centred;
+    // A visible score of -inf has weight 0 and adds nothing to the entropy (0 * -inf would).
+    if (weight > T(0)) local_moment += weight * centred;
   }
   const T sum = block_reduce(local_sum, false, scratch);
   const T moment = block_reduce(local_moment, false, scratch);

@@ -10,6 +10,14 @@
 //
 // All arrays are dense and row-major. Pointers are host pointers for attend(); for
 // emflow::cuda::attend_async (cuda.hpp) they are device pointers.
+//
+// Non-finite values (docs/MATH.md §6.6, the same on every device): a query that sees a key but
+// one of whose visible scores is NaN or +inf, or all of whose visible scores are -inf, gets NaN
+// lse_i, H_i and weights for that head and a NaN delta_i (never the zeros of a query without
+// keys); a NaN or infinity in a content F_h x_j reaches delta_i of exactly the queries that see
+// key j (even with weight 0), one in c every query that sees a key. Masked keys and padding
+// never contribute; padding queries get 0, -inf and 0 whatever the input holds. See finite.hpp
+// for what each input reaches and for the CUDA device's one exception.
 #pragma once
 
 #include <cstdint>
@@ -36,7 +44,9 @@ struct AttentionInput {
   std::int64_t tokens = 0;   ///< N >= 1
   std::int64_t dim = 0;      ///< d >= 1
   LayerOperators<T> layer;
-  double beta = 1.0;  ///< inverse temperature; finite
+  /// Inverse temperature; finite, and |beta| <= 2^64 for float input so that beta * score
+  /// stays in float range for scores up to 2^64 (docs/MATH.md §6.6).
+  double beta = 1.0;
   Mask mask;
   /// Optional per-cloud key lengths L_b in [0, N] (host memory, `batch` entries): only keys
   /// j < L_b are visible; queries i >= L_b are padding and get a zero update and lse = -inf.

@@ -1,15 +1,18 @@
 // emflow: non-finite input (NaN, +-Inf).
 //
-// Policy (docs/RELIABILITY.md): emflow computes on whatever numbers it is given and never turns
-// a non-finite input into an error by itself; a NaN or Inf spreads exactly as far as the
-// mathematics carries it and no further:
+// Policy (docs/RELIABILITY.md §5, the rule in docs/MATH.md §6.6): emflow computes on whatever
+// numbers it is given, never turns a non-finite input into an error by itself, and never turns
+// one into a plausible number; a NaN or Inf spreads exactly as far as the mathematics carries it:
 //   * a cloud token x_j that is not finite makes non-finite only the outputs of the queries that
 //     can see key j (under the mask and the key lengths) and the outputs of query j itself;
 //     every other query's update, lse, entropy and weights are what they would be without it;
 //   * a non-finite entry of an operator (M_h, F_h, u_h) or of the offset c may reach every
-//     query, so every output is then unspecified (typically NaN).
-// The CUDA device keeps this promise for padding tokens (j >= L_b) only: a non-finite visible
-// token hidden from some queries by a causal or window mask may still reach them there.
+//     query that sees a key (typically NaN); padding queries always get 0, -inf and 0;
+//   * what a reached query gets is NaN, not "no key": a NaN or +inf among its visible scores (or
+//     only -inf ones) makes that head's lse, entropy and weights and the query's update NaN; a
+//     non-finite content F_h x_j makes the update non-finite for every query that sees key j.
+// The CUDA device keeps this promise except for one case: a non-finite visible token hidden from
+// some real queries by a causal or window mask may still reach them there (as 0 * NaN).
 // Callers who want a clean refusal instead check their arrays up front with find_non_finite
 // (the CLI's --check-finite does this for every float input).
 #pragma once

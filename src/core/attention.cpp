@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "backends.hpp"
 #include "check.hpp"
@@ -18,6 +19,12 @@ void validate(const AttentionInput<T>& in, const AttentionOutput<T>& out, const 
 }
 
 namespace detail {
+
+namespace {
+/// The largest |beta| a float call accepts: 2^64, the square root of the float range, leaves
+/// scores up to 2^64 in magnitude before beta * score overflows.
+constexpr double kMaxFloatBeta = 18446744073709551616.0;
+}  // namespace
 
 template <class T>
 void check_shapes(const AttentionInput<T>& in, const AttentionOutput<T>& out, const char* op) {
@@ -35,6 +42,13 @@ void check_shapes(const AttentionInput<T>& in, const AttentionOutput<T>& out, co
   if (out.weights != nullptr) checked_multiply(op, "weights", rows, in.tokens);
   (void)cloud;
   if (!std::isfinite(in.beta)) fail_argument(op, "beta", "must be finite, got ", in.beta);
+  // Float backends compute beta * score in float: beta and the score share the float range
+  // (docs/MATH.md §6.6), so a beta that is finite as a double but not as a float, or one that
+  // overflows against scores of order 1, never reaches them.
+  if (std::is_same_v<T, float> && std::abs(in.beta) > kMaxFloatBeta) {
+    fail_argument(op, "beta", "must satisfy |beta| <= 2^64 (", kMaxFloatBeta,
+                  ") for float input, got ", in.beta);
+  }
   if (in.mask.kind == MaskKind::window && in.mask.window < 1) {
     fail_argument(op, "mask", "window width must be >= 1, got ", in.mask.window);
   }

@@ -23,8 +23,8 @@ template <class T>
 void cuda_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output);
 
 /// The checks of validate() that read no array: batch, tokens, dim and heads >= 1, every size
-/// product fits in int64, beta is finite, the mask is valid. For callers that hold no host
-/// arrays (the CUDA backend's plan, which sees device pointers or none).
+/// product fits in int64, beta is finite (and |beta| <= 2^64 for float), the mask is valid. For
+/// callers that hold no host arrays (the CUDA backend's plan, which sees device pointers or none).
 template <class T>
 void check_shapes(const AttentionInput<T>& input, const AttentionOutput<T>& output,
                   const char* operation);

@@ -4,8 +4,11 @@
 //   s_ij = <beta (r_i + u_h), x_j>,  r_i = M_h^T x_i,
 // so the keys are the cloud itself, shared by all heads, and the content C_h = X F_h^T is the
 // engine's values. Nothing N x N is stored unless the weights are requested.
-// Input with a non-finite value where a query can see it goes to the reference too (see
-// cpu::clouds_finite).
+// A cloud with a non-finite visible token goes to the reference instead (see
+// cpu::clouds_finite): the engine's tiles would multiply its value row by the weight 0 of the
+// queries that the mask hides it from, and 0 * NaN would reach them. Non-finite operators reach
+// every visible query anyway, so the engine computes them: NaN scores, a NaN or inf in the
+// content, bias or offset come out NaN where docs/MATH.md §6.6 puts them.
 // double: the double-precision reference (src/reference/attend.cpp), single-threaded. Double
 // inputs are for checking, not for speed; the reference is exact to double rounding.
 #include <type_traits>
@@ -20,11 +23,8 @@ namespace {
 
 void attend_float(const AttentionInput<float>& in, const AttentionOutput<float>& out, int threads) {
   const std::int64_t H = in.layer.heads, d = in.dim;
-  // Non-finite input is rare, and its NaNs must land exactly where the reference puts them.
-  if (!cpu::clouds_finite(in.cloud, in.batch, in.tokens, d, in.key_lengths) ||
-      !cpu::all_finite(in.layer.relevance, H * d * d) ||
-      !cpu::all_finite(in.layer.content, H * d * d) || !cpu::all_finite(in.layer.key_bias, H * d) ||
-      !cpu::all_finite(in.layer.offset, d)) {
+  // Non-finite tokens are rare, and their NaNs must not reach the queries that cannot see them.
+  if (!cpu::clouds_finite(in.cloud, in.batch, in.tokens, d, in.key_lengths)) {
     reference_attend(in, out);
     return;
   }

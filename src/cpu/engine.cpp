@@ -225,8 +225,15 @@ void softmax_step(float* scores, std::int64_t local_row0, std::int64_t query0, s
         }
       }
       s.running_max[static_cast<std::size_t>(local)] = new_max;
-    } else if (old_max == kNegInf) {  // nothing visible to this row yet: weights 0
-      std::fill(row, row + kKeyTile, 0.0f);
+    } else if (old_max == kNegInf) {
+      // Nothing finite for this row yet: its scores here are -inf or NaN (which the max above
+      // drops). Rare (a window row past a partial tile, or NaN scores), so a sum tells them
+      // apart: a NaN makes the running max NaN, which every later step carries (§6.6).
+      Vec sum = load(row);
+      for (std::int64_t v = 1; v < kVectors; ++v) sum += load(row + v * kLanes);
+      const float total = horizontal_sum(sum);
+      std::fill(row, row + kKeyTile, total == total ? 0.0f : total);
+      if (total != total) s.running_max[static_cast<std::size_t>(local)] = total;
       continue;
     }
     const Vec m = splat(new_max);
@@ -301,12 +308,20 @@ void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
       }
     }
 
-    // Normalise, record lse and entropy, and add this head's output to the update.
+    // Normalise, record lse and entropy, and add this head's output to the update. A NaN score
+    // needs no test of its own in the loops above: it makes exp(s - m), hence Z and O, NaN, which
+    // the formulas below carry into lse, entropy and delta (+inf does the same through
+    // inf - inf). Only a live row whose running max stayed -inf (every visible score NaN or
+    // -inf: the tiles then add nothing) must be made NaN here; live rows always see a key.
     for (std::int64_t r = 0; r < rows; ++r) {
       const float m = r < live ? s.running_max[static_cast<std::size_t>(r)] : kNegInf;
       float* o = s.head_output.data() + r * g.value_stride;
       float lse = kNegInf, entropy = 0.0f;
-      if (m != kNegInf) {
+      if (m == kNegInf && r < live) {
+        lse = entropy = std::numeric_limits<float>::quiet_NaN();
+        std::fill(o, o + g.value_stride, lse);
+        s.saw_key[static_cast<std::size_t>(r)] = 1;
+      } else if (m != kNegInf) {
         const float z = horizontal_sum(load(s.sums.data() + r * kLanes));
         const float e = horizontal_sum(load(s.entropy_sums.data() + r * kLanes));
         const float log_z = std::log(z);
@@ -315,8 +330,6 @@ void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
         const Vec inv = splat(1.0f / z);
         for (std::int64_t a = 0; a < g.value_stride; a += kLanes) store(o + a, inv * load(o + a));
         s.saw_key[static_cast<std::size_t>(r)] = 1;
-      } else if (r < live) {
-        std::fill(o, o + g.value_stride, 0.0f);
       }
       s.row_lse[static_cast<std::size_t>(r)] = lse;
       if (out.lse) out.lse[stats_row + r] = lse;

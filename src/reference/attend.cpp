@@ -44,7 +44,7 @@ void reference_attend(const AttentionInput<T>& in, const AttentionOutput<T>& out
 
       for (std::int64_t i = 0; i < N; ++i) {
         // s_ij = beta * (<r_i, x_j> + <u, x_j>), -inf where masked (the mask and the key length
-        // L_b); m_i = max_j s_ij.
+        // L_b); m_i = max_j s_ij, NaN as soon as one visible score is NaN (docs/MATH.md §6.6).
         const KeyRange keys = in.mask.visible_keys(i, length);
         double m = -inf;
         for (std::int64_t j = 0; j < N; ++j) {
@@ -58,15 +58,29 @@ void reference_attend(const AttentionInput<T>& in, const AttentionOutput<T>& out
             score += (R[i * d + k] + (u ? static_cast<double>(u[k]) : 0.0)) * xk;
           }
           s[j] = in.beta * score;
-          m = std::max(m, s[j]);
+          if (s[j] > m || std::isnan(s[j])) m = s[j];  // m stays NaN once it is NaN
         }
 
         const std::int64_t row = (b * H + h) * N + i;
         T* weights_row = out.weights ? out.weights + row * N : nullptr;
-        if (m == -inf) {  // no visible key: delta_i = 0, lse_i = -inf, H_i = 0, p_i = 0
+        if (keys.empty()) {  // no visible key: delta_i = 0, lse_i = -inf, H_i = 0, p_i = 0
           if (out.lse) out.lse[row] = static_cast<T>(-inf);
           if (out.entropy) out.entropy[row] = T(0);
           if (weights_row) std::fill(weights_row, weights_row + N, T(0));
+          continue;
+        }
+        if (!std::isfinite(m)) {
+          // A NaN or +inf score, or only -inf ones: the weights are undefined, so the head's lse,
+          // entropy, visible weights and its share of delta_i are NaN.
+          const double nan = std::numeric_limits<double>::quiet_NaN();
+          if (out.lse) out.lse[row] = static_cast<T>(nan);
+          if (out.entropy) out.entropy[row] = static_cast<T>(nan);
+          if (weights_row) {
+            for (std::int64_t j = 0; j < N; ++j) {
+              weights_row[j] = keys.contains(j) ? static_cast<T>(nan) : T(0);
+            }
+          }
+          for (std::int64_t a = 0; a < d; ++a) delta[i * d + a] = nan;
           continue;
         }
 
@@ -77,13 +91,15 @@ void reference_attend(const AttentionInput<T>& in, const AttentionOutput<T>& out
         }
         const double lse = m + std::log(Z);
 
-        // delta_i += sum_j p_ij F x_j;  H_i = lse_i - sum_j p_ij s_ij.
+        // delta_i += sum_j p_ij F x_j;  H_i = lse_i - sum_j p_ij s_ij. Every visible key's
+        // content is weighted, even with p_ij = 0 (a score of -inf, or one that underflows), so a
+        // non-finite F x_j reaches exactly the queries that see key j, as in the fused backends.
         double expected_score = 0.0;
         for (std::int64_t j = 0; j < N; ++j) {
           const double p = (s[j] == -inf) ? 0.0 : std::exp(s[j] - lse);
           if (weights_row) weights_row[j] = static_cast<T>(p);
-          if (p == 0.0) continue;
-          expected_score += p * s[j];
+          if (!keys.contains(j)) continue;
+          if (p > 0.0) expected_score += p * s[j];
           for (std::int64_t a = 0; a < d; ++a) delta[i * d + a] += p * C[j * d + a];
         }
         if (out.lse) out.lse[row] = static_cast<T>(lse);

@@ -55,11 +55,11 @@ TEST(MultiIndex, WritesTheRowMajorPosition) {
 
 // The policy: run a causal problem twice, once with token j of cloud 0 replaced by NaN (or
 // +Inf). Queries i < j of that cloud never see key j, so their outputs must be finite and equal
-// to the clean run; so must every output of the other cloud. Queries i >= j see the token and
-// their outputs are unspecified. The reference must reproduce the clean run bit for bit; the CPU
-// backend computes input holding a visible non-finite value with the reference (so that NaNs
-// land exactly where the reference puts them), so against its own clean run it agrees to float
-// rounding.
+// to the clean run; so must every output of the other cloud. Queries i >= j see the token (what
+// they get is the NaN rule, tested in nan_semantics_test.cpp). The reference must reproduce the
+// clean run bit for bit; the CPU backend computes a cloud holding a visible non-finite token with
+// the reference (so that NaNs land exactly where the reference puts them), so against its own
+// clean run it agrees to float rounding.
 template <class T>
 void expect_token_reaches_only_its_viewers(Device device, T poison, std::int64_t j) {
   Problem p = Problem::random(2, 70, 6, 2, 21);
