@@ -44,10 +44,15 @@ void naming(const std::string& name, const char* operation, const std::string& p
 // for an output, whose last component is replaced rather than followed), and the (device, inode)
 // of the entry itself and of what it resolves to, so that hard links and symbolic links to one
 // file count as the same file.
+// The (device, inode) of the folder plus the name also catch a folder reached by two paths
+// that resolve differently (a bind mount) when the target does not exist yet.
 struct Identity {
   std::string name, path;  // the option and the path as given
   std::string canonical;
   std::vector<std::pair<dev_t, ino_t>> inodes;
+  bool has_folder = false;
+  std::pair<dev_t, ino_t> folder{};
+  std::string file;
 
   // "(both are 'P')", or for two names of one file on disk "('P' and 'Q' are one file)".
   std::string common_file(const Identity& other) const {
@@ -57,6 +62,9 @@ struct Identity {
 
   bool same_as(const Identity& other) const {
     if (canonical == other.canonical) return true;
+    if (has_folder && other.has_folder && folder == other.folder && file == other.file) {
+      return true;
+    }
     for (const auto& mine : inodes) {
       for (const auto& theirs : other.inodes) {
         if (mine == theirs) return true;
@@ -68,6 +76,12 @@ struct Identity {
 
 void add_inodes(Identity& identity, const std::string& path) {
   struct stat info {};
+  const std::string folder = detail::folder_of(identity.canonical);
+  if (::stat(folder.c_str(), &info) == 0) {
+    identity.has_folder = true;
+    identity.folder = {info.st_dev, info.st_ino};
+    identity.file = detail::file_name_of(identity.canonical);
+  }
   if (::lstat(path.c_str(), &info) == 0) identity.inodes.emplace_back(info.st_dev, info.st_ino);
   if (::stat(path.c_str(), &info) == 0) identity.inodes.emplace_back(info.st_dev, info.st_ino);
 }
@@ -140,7 +154,10 @@ void OutputFiles::declare(const std::string& name, const std::string& path) {
   if (::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode)) {
     fail(kInvalid, name, " '", path, "' is a folder; expected a file name");
   }
-  Identity target{name, path, canonical_or_absolute(folder) + "/" + file, {}};
+  Identity target;
+  target.name = name;
+  target.path = path;
+  target.canonical = canonical_or_absolute(folder) + "/" + file;
   add_inodes(target, path);
   state_->expect_distinct(target);
   state_->declared.push_back(std::move(target));
@@ -149,7 +166,10 @@ void OutputFiles::declare(const std::string& name, const std::string& path) {
 void OutputFiles::declare_input(const std::string& name, const std::string& path) {
   if (path.empty()) return;
   // An input is read through its links, so its identity is the file they lead to.
-  Identity input{name, path, canonical_or_absolute(path), {}};
+  Identity input;
+  input.name = name;
+  input.path = path;
+  input.canonical = canonical_or_absolute(path);
   add_inodes(input, path);
   for (const Identity& output : state_->declared) {
     if (output.same_as(input)) {
