@@ -213,8 +213,8 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
                  : " layers of --layers") +
             ", --record-every " + std::to_string(args.record_every) + ")"},
        {"--batch", B},
-       {from_file ? "--x" : "--tokens", N},
-       {from_file ? "--x" : "--dim", d}},
+       {from_file ? "--x" : "--tokens", N, from_file ? "N " + std::to_string(N) + " (--x)" : ""},
+       {from_file ? "--x" : "--dim", d, from_file ? "d " + std::to_string(d) + " (--x)" : ""}},
       std::int64_t{1} << 31, "values of the trajectory (raise --record-every to record fewer)");
   const auto layers = read_layers<T>(args, d, continuous ? 1 : args.layers, dtype);
 
