@@ -57,10 +57,10 @@ void write_file_atomic(const std::string& path, const std::string& bytes);
 /// ".<target name>.emflow-tmp-<pid>-<hex>", are removed by the next write to the same target
 /// once process <pid> is gone.
 ///
-/// Two targets are the same file when their folders are the same folder (after resolving `.`,
-/// `..` and symbolic links) and their names are equal, or when they are one file on disk (hard
-/// or symbolic links to it); declare() refuses the second, and refuses an output that is the
-/// same file as a declared input.
+/// Two targets are the same file when their folders are the same folder (the same canonical
+/// path, after resolving `.`, `..` and symbolic links, or the same device and inode) and their
+/// names are equal, or when they are one file on disk (hard or symbolic links to it); declare()
+/// refuses the second, and refuses an output that is the same file as a declared input.
 ///
 /// Every target carries a `name` (a command-line option, say) that starts each error message
 /// about it: declare() throws ErrorCode::invalid_argument as "<name> <problem>", e.g.
@@ -80,9 +80,10 @@ class OutputFiles {
   /// lie in an existing, writable folder.
   void declare(const std::string& name, const std::string& path);
   /// Records that the run reads `path` (given by `name`): no declared output may be that file.
-  /// An empty path is ignored; a missing file is compared by its path only.
+  /// An empty path is ignored; a missing file is compared by its folder and name only.
   void declare_input(const std::string& name, const std::string& path);
 
+  /// Writes `array` (rank 1 to 4) as .npy to a temporary file for the declared `path`.
   template <class T>
   void stage_npy(const std::string& path, const Tensor<T>& array);
   /// Writes `bytes` to a temporary file for the declared `path`.
