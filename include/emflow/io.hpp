@@ -44,12 +44,23 @@ void write_file_atomic(const std::string& path, const std::string& bytes);
 
 /// The output files of one run, written all together or not at all.
 ///
-/// declare() every target first: it makes the cheap checks before any computing, so a mistyped
-/// folder fails in milliseconds, not after the work. Then stage each result (written in full to
-/// a temporary file beside its target) and commit() once: every target is renamed into place,
-/// and if one rename fails the targets this commit already renamed are removed again. A failed
-/// run (an exception, or an OutputFiles destroyed without commit()) leaves no output file and no
-/// temporary file behind.
+/// declare() every target first (and declare_input() every file the run reads): it makes the
+/// cheap checks before any computing, so a mistyped folder fails in milliseconds, not after the
+/// work. Then stage each result (written in full to a temporary file beside its target) and
+/// commit() once. commit() first flushes (fsync) and closes every temporary file, then keeps a
+/// backup (a hard link) of every existing target, then renames every temporary file over its
+/// target back to back, then fsyncs each folder and removes the backups. If a rename fails, the
+/// targets this commit already replaced get their old files back (and new targets are removed).
+/// A failed run (an exception, or an OutputFiles destroyed without commit()) leaves no output
+/// file and no temporary file behind; a killed run leaves every old file as it was unless it is
+/// killed during the renames themselves (docs/RELIABILITY.md), and its temporary files, named
+/// ".<target name>.emflow-tmp-<pid>-<hex>", are removed by the next write to the same target
+/// once process <pid> is gone.
+///
+/// Two targets are the same file when their folders are the same folder (the same canonical
+/// path, after resolving `.`, `..` and symbolic links, or the same device and inode) and their
+/// names are equal, or when they are one file on disk (hard or symbolic links to it); declare()
+/// refuses the second, and refuses an output that is the same file as a declared input.
 ///
 /// Every target carries a `name` (a command-line option, say) that starts each error message
 /// about it: declare() throws ErrorCode::invalid_argument as "<name> <problem>", e.g.
@@ -64,9 +75,13 @@ class OutputFiles {
   OutputFiles(OutputFiles&&) noexcept;
   OutputFiles& operator=(OutputFiles&&) noexcept;
 
-  /// Records that `name` will write `path`: the path must be non-empty, differ from every other
-  /// declared target, and lie in an existing, writable folder.
+  /// Records that `name` will write `path`: the path must be a non-empty file name that is not
+  /// an existing folder, be a different file from every other declared target and input, and
+  /// lie in an existing, writable folder.
   void declare(const std::string& name, const std::string& path);
+  /// Records that the run reads `path` (given by `name`): no declared output may be that file.
+  /// An empty path is ignored; a missing file is compared by its folder and name only.
+  void declare_input(const std::string& name, const std::string& path);
 
   /// Writes `array` (rank 1 to 4) as .npy to a temporary file for the declared `path`.
   template <class T>
@@ -76,6 +91,10 @@ class OutputFiles {
 
   /// Renames every staged file over its target (all or none, see above); afterwards nothing is
   /// staged. Targets declared but never staged are not written.
+  ///
+  /// Test hook: with the environment variable EMFLOW_TEST_STOP_BEFORE_FSYNC set to the file name
+  /// of a target (its last component), the process stops itself (SIGSTOP) just before that
+  /// target's temporary file is flushed, so that a test can kill it there.
   void commit();
 
  private:

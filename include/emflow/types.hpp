@@ -62,7 +62,9 @@ struct Mask {
     return {first, kind == MaskKind::none ? length : i + 1};
   }
 };
-/// Parses "none", "causal" or "window:W"; throws emflow::Error naming `argument` otherwise.
+/// Parses "none", "causal" or "window:W" (W decimal digits only, >= 1); surrounding whitespace
+/// is ignored (" causal " is causal), whitespace inside is refused ("window: 3"). Throws
+/// emflow::Error naming `argument` otherwise.
 Mask parse_mask(const std::string& text, const char* argument = "mask");
 /// The inverse of parse_mask.
 std::string to_string(const Mask& mask);

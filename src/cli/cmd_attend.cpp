@@ -41,6 +41,13 @@ void run_attend(const AttendArguments& args, Dtype dtype) {
   if (!args.lse.empty()) outputs.declare("--lse", args.lse);
   if (!args.entropy.empty()) outputs.declare("--entropy", args.entropy);
   if (!args.weights.empty()) outputs.declare("--weights", args.weights);
+  // An output over an input would replace it at the commit: refused, as a likely mistake.
+  outputs.declare_input("--x", args.cloud);
+  outputs.declare_input("--m", args.relevance);
+  outputs.declare_input("--f", args.content);
+  outputs.declare_input("--key-bias", args.key_bias);
+  outputs.declare_input("--offset", args.offset);
+  outputs.declare_input("--key-lengths", args.key_lengths);
 
   // The cloud: (N, d) is one cloud, (B, N, d) a batch.
   const Tensor<T> cloud = read_float_input<T>("--x", args.cloud, dtype, "--x", 2, 3);
@@ -106,7 +113,7 @@ void run_attend(const AttendArguments& args, Dtype dtype) {
   input.key_lengths = key_lengths.size() > 0 ? key_lengths.data() : nullptr;
 
   // Validate before allocating the outputs (the weights can be large).
-  Tensor<T> update(cloud.shape()), lse, entropy, weights;
+  Tensor<T> update = allocate_output<T>("--out", cloud.shape()), lse, entropy, weights;
   AttentionOutput<T> output;
   output.update = update.data();
   // Sizes that overflow or cannot fit in memory are refused before anything is allocated.
@@ -117,15 +124,15 @@ void run_attend(const AttendArguments& args, Dtype dtype) {
   if (!args.weights.empty()) {
     expect_fits_in_memory("attend", "--weights (B H N N values)",
                           checked_element_count({rows, tokens}, "--weights"), sizeof(T));
-    weights = Tensor<T>(Shape{batch, heads, tokens, tokens});
+    weights = allocate_output<T>("--weights", Shape{batch, heads, tokens, tokens});
     output.weights = weights.data();
   }
   if (!args.lse.empty()) {
-    lse = Tensor<T>(Shape{batch, heads, tokens});
+    lse = allocate_output<T>("--lse", Shape{batch, heads, tokens});
     output.lse = lse.data();
   }
   if (!args.entropy.empty()) {
-    entropy = Tensor<T>(Shape{batch, heads, tokens});
+    entropy = allocate_output<T>("--entropy", Shape{batch, heads, tokens});
     output.entropy = entropy.data();
   }
   attend(input, output, options);

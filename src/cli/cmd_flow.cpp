@@ -11,6 +11,7 @@
 #include <iomanip>
 #include <iostream>
 #include <memory>
+#include <new>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -145,6 +146,9 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
   if (!args.out.empty()) outputs.declare("--out", args.out);
   if (!args.metrics.empty()) outputs.declare("--metrics", args.metrics);
   if (!args.plot.empty()) outputs.declare("--plot", args.plot);
+  outputs.declare_input("--x", args.cloud);
+  if (!is_generated(args.relevance)) outputs.declare_input("--m", args.relevance);
+  if (!is_generated(args.content)) outputs.declare_input("--f", args.content);
 
   // The initial clouds.
   Tensor<T> initial;
@@ -178,10 +182,9 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
       fail_option("--init", "orthonormal needs --tokens <= --dim, got ", args.tokens, " > ",
                   args.dim);
     }
-    naming_option("--batch", [&] {
-      return checked_element_count({args.batch, args.tokens, args.dim}, "clouds",
-                                   std::int64_t{1} << 31);
-    });
+    expect_product_at_most(
+        {{"--batch", args.batch}, {"--tokens", args.tokens}, {"--dim", args.dim}},
+        std::int64_t{1} << 31, "values of the generated clouds");
     initial = flow::initial_clouds<T>(init, args.batch, args.tokens, args.dim, args.seed);
   }
   const std::int64_t B = initial.extent(0), N = initial.extent(1), d = initial.extent(2);
@@ -196,13 +199,36 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
   settings.integrator = integrator;
   settings.unnormalized = args.unnormalized;
   settings.record_every = args.record_every;
-  // run_flow refuses a trajectory of more than 2^31 values before allocating it.
+  // run_flow refuses a trajectory of more than 2^31 values before allocating it; this names
+  // the option to change.
+  const std::int64_t steps = flow::step_count(settings);
+  const std::int64_t records =
+      steps / args.record_every + 1 + (steps % args.record_every != 0 ? 1 : 0);
+  const std::string step_options = continuous ? "--time/--dt" : "--layers";
+  const std::int64_t trajectory_values = expect_product_at_most(
+      {{step_options, records,
+        std::to_string(records) + " records (" + std::to_string(steps) +
+            (continuous
+                 ? " steps of --time " + csv_number(args.time) + " / --dt " + csv_number(args.dt)
+                 : " layers of --layers") +
+            ", --record-every " + std::to_string(args.record_every) + ")"},
+       {"--batch", B},
+       {from_file ? "--x" : "--tokens", N, from_file ? "N " + std::to_string(N) + " (--x)" : ""},
+       {from_file ? "--x" : "--dim", d, from_file ? "d " + std::to_string(d) + " (--x)" : ""}},
+      std::int64_t{1} << 31, "values of the trajectory (raise --record-every to record fewer)");
   const auto layers = read_layers<T>(args, d, continuous ? 1 : args.layers, dtype);
 
   tools::ProgressBar bar("emflow flow");
   const auto start = std::chrono::steady_clock::now();
-  const flow::FlowResult<T> result =
-      flow::run_flow(initial, betas, layers, settings, options, bar.callback());
+  const flow::FlowResult<T> result = [&] {
+    try {
+      return flow::run_flow(initial, betas, layers, settings, options, bar.callback());
+    } catch (const std::bad_alloc&) {
+      fail(ErrorCode::out_of_memory, "flow: out of memory: the trajectory (--out) alone needs ",
+           trajectory_values * static_cast<std::int64_t>(sizeof(T)), " bytes (", records, " x ", B,
+           " x ", N, " x ", d, " values of ", sizeof(T), " bytes)");
+    }
+  }();
   bar.finish();
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

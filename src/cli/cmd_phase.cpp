@@ -63,7 +63,15 @@ void run_phase(PhaseArguments& args) {
     fail_option("--time", "must be finite and > 0, got ", s.time);
   }
   if (!(std::isfinite(s.dt) && s.dt > 0)) fail_option("--dt", "must be finite and > 0, got ", s.dt);
-  // The step count and the size of the sweep are limited by the library.
+  // The sweep holds every cloud at every beta at once; the library limits it too, but this
+  // names the option to change.
+  expect_product_at_most(
+      {{"--clouds", s.clouds},
+       {"--betas", s.beta_count, "--betas COUNT " + std::to_string(s.beta_count)},
+       {"--tokens", s.tokens},
+       {"--dim", s.dim}},
+      std::int64_t{1} << 31, "values of the sweep (every cloud at every beta)");
+  // The step count is limited by the library.
   flow::validate(s);
   const ExecutionOptions options = execution_options(args.device, args.threads);
   // What phase_diagram runs on: the GPU when auto finds one (or cuda is named), else the CPU.

@@ -1,5 +1,9 @@
 #include "common.hpp"
 
+#include <algorithm>
+#include <new>
+#include <thread>
+
 namespace emflow::cli {
 
 Dtype float_dtype(const std::string& option, const std::string& path) {
@@ -67,6 +71,55 @@ void expect_shape(const std::string& option, const std::string& path, const Shap
               to_string(expected), meaning.empty() ? "" : " ", meaning);
 }
 
+std::int64_t expect_product_at_most(const std::vector<Factor>& factors, std::int64_t limit,
+                                    const std::string& what) {
+  std::int64_t product = 1;
+  bool overflow = false;
+  std::size_t largest = 0;
+  for (std::size_t i = 0; i < factors.size(); ++i) {
+    overflow = overflow || __builtin_mul_overflow(product, factors[i].value, &product);
+    if (factors[i].value > factors[largest].value) largest = i;
+  }
+  if (!overflow && product <= limit) return product;
+  std::ostringstream list;
+  list.exceptions(std::ios::badbit);
+  for (std::size_t i = 0; i < factors.size(); ++i) {
+    list << (i ? " x " : "");
+    if (factors[i].shown.empty()) {
+      list << factors[i].option << " " << factors[i].value;
+    } else {
+      list << factors[i].shown;
+    }
+  }
+  if (overflow) {
+    fail_option(factors[largest].option, "is too large: ", list.str(), " ", what,
+                " overflows 64 bits; the limit is ", limit);
+  }
+  fail_option(factors[largest].option, "is too large: ", list.str(), " = ", product, " ", what,
+              ", more than the limit of ", limit);
+}
+
+template <class T>
+Tensor<T> allocate_output(const std::string& option, const Shape& shape) {
+  try {
+    return Tensor<T>(shape);
+  } catch (const std::bad_alloc&) {
+    const std::int64_t count = checked_element_count(shape, "output");
+    fail(ErrorCode::out_of_memory, option, ": out of memory: the output needs ",
+         count * static_cast<std::int64_t>(sizeof(T)), " bytes: shape ", to_string(shape), ", ",
+         count, " values of ", sizeof(T), " bytes");
+  }
+}
+
+template Tensor<float> allocate_output<float>(const std::string&, const Shape&);
+template Tensor<double> allocate_output<double>(const std::string&, const Shape&);
+
+int max_threads() {
+  const unsigned cores = std::thread::hardware_concurrency();
+  if (cores == 0) return 1024;
+  return static_cast<int>(std::min(4u * cores, 1u << 16));
+}
+
 CLI::Option* add_device_option(CLI::App& command, std::string& text) {
   return command
       .add_option("--device", text,
@@ -76,7 +129,10 @@ CLI::Option* add_device_option(CLI::App& command, std::string& text) {
 }
 
 CLI::Option* add_threads_option(CLI::App& command, int& threads) {
-  return command.add_option("--threads", threads, "CPU threads; 0 uses every core")
+  return command
+      .add_option("--threads", threads,
+                  "CPU threads; 0 uses every core; at most 4 per core (" +
+                      std::to_string(max_threads()) + " here)")
       ->capture_default_str();
 }
 
@@ -84,6 +140,11 @@ ExecutionOptions execution_options(const std::string& device, int threads) {
   ExecutionOptions options;
   options.device = parse_device(device, "--device");
   if (threads < 0) fail_option("--threads", "must be >= 0, got ", threads);
+  if (threads > max_threads()) {
+    const unsigned cores = std::thread::hardware_concurrency();
+    fail_option("--threads", "must be at most ", max_threads(), " (4 per core of the ", cores,
+                " cores of this machine; more threads only slow the run down), got ", threads);
+  }
   options.threads = threads;
   return options;
 }

@@ -8,6 +8,7 @@
 #include <sstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "emflow/attention.hpp"
 #include "emflow/error.hpp"
@@ -63,9 +64,32 @@ Tensor<std::int64_t> read_integer_input(const std::string& option, const std::st
 void expect_shape(const std::string& option, const std::string& path, const Shape& actual,
                   const Shape& expected, const std::string& meaning = "");
 
+/// One factor of a size product, and the option (or the words) it comes from.
+struct Factor {
+  std::string option;  ///< "--tokens": named first when this factor is the largest
+  std::int64_t value;
+  std::string shown = "";  ///< how the list shows it; "<option> <value>" when empty
+};
+
+/// Returns the product of `factors`; throws emflow::Error(invalid_argument) when it overflows
+/// or exceeds `limit`, naming the option of the largest factor first and listing every factor,
+/// e.g. "--tokens is too large: --batch 1 x --tokens 1000000000 x --dim 3 = 3000000000 values
+/// of the clouds, more than the limit of 2147483648".
+std::int64_t expect_product_at_most(const std::vector<Factor>& factors, std::int64_t limit,
+                                    const std::string& what);
+
+/// A zeroed Tensor for the output of `option`; a failed allocation is reported as
+/// ErrorCode::out_of_memory naming the option and the bytes it needed.
+template <class T>
+Tensor<T> allocate_output(const std::string& option, const Shape& shape);
+
+/// The largest --threads accepted: 4 threads per core of this machine (more only slow a run
+/// down), or 1024 when the core count is unknown.
+int max_threads();
+
 /// Adds --device (auto|cpu|cuda|reference, default auto) bound to `text`.
 CLI::Option* add_device_option(CLI::App& command, std::string& text);
-/// Adds --threads (CPU threads, 0 = all, default 0) bound to `threads`.
+/// Adds --threads (CPU threads, 0 = all, default 0, at most max_threads()) bound to `threads`.
 CLI::Option* add_threads_option(CLI::App& command, int& threads);
 /// Parses what add_device_option / add_threads_option collected.
 ExecutionOptions execution_options(const std::string& device, int threads);

@@ -7,22 +7,33 @@
 
 namespace emflow {
 
-Mask parse_mask(const std::string& text, const char* argument) {
+Mask parse_mask(const std::string& original, const char* argument) {
+  // Surrounding whitespace is dropped (a value pasted with a trailing space still parses); any
+  // whitespace inside the value is refused below, W included.
+  constexpr const char* kSpace = " \t\n\v\f\r";
+  const std::size_t first = original.find_first_not_of(kSpace);
+  const std::string text =
+      first == std::string::npos
+          ? std::string()
+          : original.substr(first, original.find_last_not_of(kSpace) - first + 1);
   if (text == "none") return Mask::none();
   if (text == "causal") return Mask::causal();
   const std::string prefix = "window:";
   if (text.compare(0, prefix.size(), prefix) == 0) {
     const std::string width = text.substr(prefix.size());
+    // Digits only: strtoll alone would also take a leading space or sign.
+    const bool digits =
+        !width.empty() && width.find_first_not_of("0123456789") == std::string::npos;
     char* end = nullptr;
     errno = 0;
-    const long long w = std::strtoll(width.c_str(), &end, 10);
-    if (width.empty() || *end != '\0' || errno == ERANGE || w < 1) {
+    const long long w = digits ? std::strtoll(width.c_str(), &end, 10) : 0;
+    if (!digits || errno == ERANGE || w < 1) {
       detail::fail_argument("parse_mask", argument,
-                            "expects window:W with an integer W >= 1, got '", text, "'");
+                            "expects window:W with an integer W >= 1, got '", original, "'");
     }
     return Mask::sliding_window(w);
   }
-  detail::fail_argument("parse_mask", argument, "expects none, causal or window:W, got '", text,
+  detail::fail_argument("parse_mask", argument, "expects none, causal or window:W, got '", original,
                         "'");
 }
 

@@ -75,12 +75,12 @@ TEST_F(OutputFilesTest, CommitWritesEveryStagedFile) {
 }
 
 TEST_F(OutputFilesTest, AFailedRenameTakesBackTheTargetsAlreadyInPlace) {
-  fs::create_directory(path("taken"));
   emflow::OutputFiles outputs;
   outputs.declare("--out", path("a.npy"));
   outputs.declare("--weights", path("taken"));
   outputs.stage_npy(path("a.npy"), kArray);
   outputs.stage_npy(path("taken"), kArray);
+  fs::create_directory(path("taken"));  // after declare(), which refuses a folder
   const std::string message = error_of(emflow::ErrorCode::io, [&] { outputs.commit(); });
   EXPECT_EQ(message.rfind("--weights: write_npy: cannot write '" + path("taken") + "'", 0), 0u)
       << message;
@@ -105,7 +105,9 @@ TEST_F(OutputFilesTest, DeclareRefusesBadTargetsNamingThem) {
             "--lse needs a file name, got ''");
   EXPECT_EQ(
       error_of(ErrorCode::invalid_argument, [&] { outputs.declare("--lse", path("a.npy")); }),
-      "--lse '" + path("a.npy") + "' is also the file of --out; each output needs its own file");
+      "--lse '" + path("a.npy") + "' is also the file of --out '" + path("a.npy") +
+          "' (both are '" + fs::weakly_canonical(path("a.npy")).string() +
+          "'); each output needs its own file");
   EXPECT_EQ(
       error_of(ErrorCode::invalid_argument, [&] { outputs.declare("--lse", path("no/l.npy")); }),
       "--lse '" + path("no/l.npy") + "': the folder '" + path("no") + "' does not exist");
