@@ -26,8 +26,9 @@ esac
 # clean folder): the Small attention cases of the fused and unfused kernels through attend_async
 # (float and double), three through the blocking attend (its choice of kernel and the copies),
 # the generic properties on both kernels in float, the async API and workspace checks, the phase
-# diagram and the flow. The bitwise-determinism property runs N = 1000 and stays out.
-FILTER=${2:-'Small/*/cuda_fused_*:Small/*/cuda_unfused_*:Small/*/cuda_f??_B2_H2_N7_*:Properties/*/cuda_fused_f32:Properties/*/cuda_unfused_f32:CudaAsync.*:CudaWorkspace.*:CudaWithoutDevice.*:PhaseCuda*:FlowCuda*-*RepeatedRunsAreBitwiseEqual*'}
+# diagram and the flow. Left out: the unfused kernel at N = 101 (the emulated cuBLAS is slow;
+# fused covers that size) and the bitwise-determinism property (N = 1000).
+FILTER=${2:-'Small/*/cuda_fused_*:Small/*/cuda_unfused_*:Small/*/cuda_f??_B2_H2_N7_*:Properties/*/cuda_fused_f32:Properties/*/cuda_unfused_f32:CudaAsync.*:CudaWorkspace.*:CudaWithoutDevice.*:PhaseCuda*:FlowCuda*-*/cuda_unfused_*_N101_*:*RepeatedRunsAreBitwiseEqual*'}
 BUILD="$ROOT/build-emulation-$MODE"
 jobs=${EMULATION_JOBS:-$(nproc 2>/dev/null || echo 2)}
 
