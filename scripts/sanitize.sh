@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # AddressSanitizer + UndefinedBehaviorSanitizer build of the library, the CLI and the CPU test
-# suites that exercise them (core, reference, io, cli, cpu, reliability; CUDA, benchmarks and
-# the slower flow suite are left out to keep CI short), then ctest on those suites. Any sanitizer
-# report aborts the test that caused it, so ctest fails.
+# suites that exercise them (core, reference, io, cli, cpu, attention, reliability; CUDA,
+# benchmarks and the slower flow suite are left out to keep CI short; the attention suite's GPU
+# cases skip), then ctest on those suites. Any sanitizer report aborts the test that caused it,
+# so ctest fails.
 #
 #   scripts/sanitize.sh                   build and run the suites above
 #   SANITIZE_SUITES="io cli" scripts/sanitize.sh
@@ -15,7 +16,7 @@ cd "$(dirname "$0")/.."
 build=${SANITIZE_BUILD:-build-asan}
 mkdir -p "$build" && build=$(cd "$build" && pwd)  # absolute from here on
 jobs=${SANITIZE_JOBS:-$(nproc 2>/dev/null || echo 2)}
-read -r -a suites <<<"${SANITIZE_SUITES:-core reference io cli cpu reliability}"
+read -r -a suites <<<"${SANITIZE_SUITES:-core reference io cli cpu attention reliability}"
 flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g1"
 
 start=$(date +%s)

@@ -156,8 +156,7 @@ std::vector<T> read_values(const std::string& file, const emflow::Shape& shape,
 
 template <class T>
 class CliAttend : public Cli {};
-using FloatTypes = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(CliAttend, FloatTypes);
+TYPED_TEST_SUITE(CliAttend, emflow::testing::FloatTypes);
 
 TYPED_TEST(CliAttend, MatchesTheReferenceAndKeepsThePrecision) {
   using T = TypeParam;

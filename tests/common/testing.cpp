@@ -1,6 +1,12 @@
 #include "testing.hpp"
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
 #include <cmath>
+#include <system_error>
+#include <utility>
 
 #include "core/backends.hpp"
 
@@ -12,6 +18,11 @@ std::vector<double> uniform(std::size_t count, std::uint64_t seed, double lo, do
   std::vector<double> out(count);
   for (double& v : out) v = static_cast<double>(static_cast<float>(dist(engine)));
   return out;
+}
+
+Tensor<double> random_tensor(const Shape& shape, std::uint64_t seed, double lo, double hi) {
+  const auto n = static_cast<std::size_t>(checked_element_count(shape));
+  return Tensor<double>(shape, uniform(n, seed, lo, hi));
 }
 
 Problem Problem::random(std::int64_t batch, std::int64_t tokens, std::int64_t dim,
@@ -45,22 +56,16 @@ Buffers<T>::Buffers(const Problem& p, bool with_weights, bool with_stats)
     entropy.resize(rows);
   }
   if (with_weights) weights.resize(rows * static_cast<std::size_t>(p.tokens));
-  input.cloud = cloud.data();
-  input.batch = p.batch;
-  input.tokens = p.tokens;
-  input.dim = p.dim;
-  input.layer.heads = p.heads;
-  input.layer.relevance = relevance.data();
-  input.layer.content = content.data();
-  input.layer.key_bias = p.key_bias ? bias.data() : nullptr;
-  input.layer.offset = p.offset ? shift.data() : nullptr;
-  input.beta = p.beta;
-  input.mask = p.mask;
-  input.key_lengths = key_lengths.empty() ? nullptr : key_lengths.data();
-  output.update = update.data();
-  output.lse = lse.empty() ? nullptr : lse.data();
-  output.entropy = entropy.empty() ? nullptr : entropy.data();
-  output.weights = weights.empty() ? nullptr : weights.data();
+  // Every member in declaration order (attention.hpp).
+  const LayerOperators<T> layer{p.heads, relevance.data(), content.data(),
+                                p.key_bias ? bias.data() : nullptr,
+                                p.offset ? shift.data() : nullptr};
+  input = AttentionInput<T>{
+      cloud.data(), p.batch, p.tokens, p.dim,
+      layer,        p.beta,  p.mask,   key_lengths.empty() ? nullptr : key_lengths.data()};
+  output = AttentionOutput<T>{update.data(), lse.empty() ? nullptr : lse.data(),
+                              entropy.empty() ? nullptr : entropy.data(),
+                              weights.empty() ? nullptr : weights.data()};
   poison();
 }
 
@@ -112,6 +117,51 @@ template double max_abs_difference(const std::vector<float>&, const std::vector<
 template double max_abs_difference(const std::vector<double>&, const std::vector<double>&);
 template double max_abs_difference(const std::vector<float>&, const std::vector<float>&);
 
+template <class A, class B>
+::testing::AssertionResult close_to(const std::vector<A>& actual, const std::vector<B>& expected,
+                                    double tolerance) {
+  if (actual.size() != expected.size()) {
+    return ::testing::AssertionFailure()
+           << actual.size() << " values, expected " << expected.size();
+  }
+  const double error = relative_error(actual, expected);
+  if (error < tolerance) return ::testing::AssertionSuccess() << "relative error " << error;
+  double squares = 0.0;
+  for (const B& y : expected) {
+    if (std::isfinite(static_cast<double>(y))) squares += static_cast<double>(y) * y;
+  }
+  const double rms = expected.empty() ? 0.0 : std::sqrt(squares / expected.size());
+  std::size_t first = 0, worst = 0;
+  bool found = false;
+  double worst_diff = -1.0;
+  for (std::size_t i = 0; i < actual.size() && !found; ++i) {
+    const double x = static_cast<double>(actual[i]), y = static_cast<double>(expected[i]);
+    if (same_infinity(x, y)) continue;
+    const double diff = std::abs(x - y);
+    if (std::isnan(x) != std::isnan(y) || std::isinf(x) || std::isinf(y) || std::isnan(diff) ||
+        diff > tolerance * std::max(std::abs(y), rms)) {
+      first = i;
+      found = true;
+    } else if (diff > worst_diff) {
+      worst_diff = diff;
+      worst = i;
+    }
+  }
+  const std::size_t at = found ? first : worst;
+  return ::testing::AssertionFailure()
+         << "relative error " << error << " (tolerance " << tolerance << ") over " << actual.size()
+         << " values; " << (found ? "first mismatch" : "largest difference") << " at index " << at
+         << ": " << static_cast<double>(actual[at]) << " vs expected "
+         << static_cast<double>(expected[at]);
+}
+
+template ::testing::AssertionResult close_to(const std::vector<float>&, const std::vector<double>&,
+                                             double);
+template ::testing::AssertionResult close_to(const std::vector<double>&, const std::vector<double>&,
+                                             double);
+template ::testing::AssertionResult close_to(const std::vector<float>&, const std::vector<float>&,
+                                             double);
+
 template <class T>
 ::testing::AssertionResult all_finite_or_neg_inf(const std::vector<T>& values) {
   for (std::size_t i = 0; i < values.size(); ++i) {
@@ -124,6 +174,32 @@ template <class T>
 }
 template ::testing::AssertionResult all_finite_or_neg_inf(const std::vector<float>&);
 template ::testing::AssertionResult all_finite_or_neg_inf(const std::vector<double>&);
+
+void ScratchFolder::SetUp() {
+  folder_ = std::filesystem::temp_directory_path() /
+            (prefix_ + std::to_string(::getpid()) + "_" +
+             ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  std::filesystem::create_directories(folder_);
+}
+
+void ScratchFolder::TearDown() {
+  std::error_code ignored;
+  std::filesystem::remove_all(folder_, ignored);
+}
+
+std::string name_part(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    if (std::isalnum(static_cast<unsigned char>(c)) || c == '_') out += c;
+  }
+  return out;
+}
+
+std::string shape_name(std::int64_t batch, std::int64_t heads, std::int64_t tokens,
+                       std::int64_t dim, const Mask& mask) {
+  return "B" + std::to_string(batch) + "_H" + std::to_string(heads) + "_N" +
+         std::to_string(tokens) + "_d" + std::to_string(dim) + "_" + name_part(to_string(mask));
+}
 
 bool cuda_available(std::string* reason) { return detail::cuda_device_available(reason); }
 

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/testing.hpp"
 #include "emflow/error.hpp"
 #include "emflow/io.hpp"
 
@@ -107,8 +108,7 @@ emflow::Tensor<T> distinct_tensor(emflow::Shape shape) {
 
 template <class T>
 class NpyRoundTrip : public NpyFiles {};
-using FloatTypes = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(NpyRoundTrip, FloatTypes);
+TYPED_TEST_SUITE(NpyRoundTrip, emflow::testing::FloatTypes);
 
 TYPED_TEST(NpyRoundTrip, RanksOneToFourAreBitExact) {
   using T = TypeParam;

@@ -159,13 +159,8 @@ TEST(HandWorked, SlidingWindow) {
 //     query 1: s = [0, 0], p = [1/2, 1/2], lse = ln2, delta = [3/2, 1/2] + c
 //     query 2: no key: delta = 0 (no offset), lse = -inf, H = 0
 //   cloud 1 (L = 0): every query is padding.
-TEST(HandWorked, KeyLengthsInABatch) {
-  Layer layer = case2_layer();
-  layer.offset = T({2}, {1, -1});
-  std::vector<double> twice = kCloud.values();
-  twice.insert(twice.end(), kCloud.values().begin(), kCloud.values().end());
-  const Tensor<double> batch = T({2, 3, 2}, twice);
-  const reference::Attention out = reference::attend(batch, layer, kLn2, {}, {2, 0}, true);
+// These outputs, whichever function computed them (reference::attend or emflow::attend).
+void expect_key_lengths_case(const reference::Attention& out) {
   EXPECT_TRUE(tensors_near(
       out.update, T({2, 3, 2}, {5.0 / 3 + 1, 2.0 / 3 - 1, 2.5, -0.5, 0, 0, 0, 0, 0, 0, 0, 0}),
       kTight));
@@ -177,6 +172,19 @@ TEST(HandWorked, KeyLengthsInABatch) {
       out.weights,
       T({2, 1, 3, 3}, {1.0 / 3, 2.0 / 3, 0, 0.5, 0.5, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}),
       kTight));
+}
+
+// Two copies of the cloud above in a batch.
+Tensor<double> cloud_twice() {
+  std::vector<double> twice = kCloud.values();
+  twice.insert(twice.end(), kCloud.values().begin(), kCloud.values().end());
+  return T({2, 3, 2}, twice);
+}
+
+TEST(HandWorked, KeyLengthsInABatch) {
+  Layer layer = case2_layer();
+  layer.offset = T({2}, {1, -1});
+  expect_key_lengths_case(reference::attend(cloud_twice(), layer, kLn2, {}, {2, 0}, true));
 }
 
 // The Device::reference backend of emflow::attend on the same hand-worked case with bias and
@@ -198,21 +206,8 @@ TEST(HandWorked, FusedReferenceBackendMatchesPaper) {
 TEST(HandWorked, FusedReferenceBackendKeyLengths) {
   Layer layer = case2_layer();
   layer.offset = T({2}, {1, -1});
-  std::vector<double> twice = kCloud.values();
-  twice.insert(twice.end(), kCloud.values().begin(), kCloud.values().end());
-  const reference::Attention out =
-      testing::attend_via_api(T({2, 3, 2}, twice), layer, kLn2, {}, {2, 0}, true);
-  EXPECT_TRUE(tensors_near(
-      out.update, T({2, 3, 2}, {5.0 / 3 + 1, 2.0 / 3 - 1, 2.5, -0.5, 0, 0, 0, 0, 0, 0, 0, 0}),
-      kTight));
-  EXPECT_TRUE(
-      tensors_near(out.lse, T({2, 1, 3}, {kLn3, kLn2, -kInf, -kInf, -kInf, -kInf}), kTight));
-  EXPECT_TRUE(
-      tensors_near(out.entropy, T({2, 1, 3}, {kLn3 - 2.0 / 3 * kLn2, kLn2, 0, 0, 0, 0}), kTight));
-  EXPECT_TRUE(tensors_near(
-      out.weights,
-      T({2, 1, 3, 3}, {1.0 / 3, 2.0 / 3, 0, 0.5, 0.5, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}),
-      kTight));
+  expect_key_lengths_case(
+      testing::attend_via_api(cloud_twice(), layer, kLn2, {}, {2, 0}, /*with_weights=*/true));
 }
 
 // to_emf on hand-picked weights: H = 1, d = 2, d_k = 4 (so 1/sqrt(d_k) = 1/2), d_v = 1.
@@ -223,19 +218,19 @@ TEST(HandWorked, FusedReferenceBackendKeyLengths) {
 //   b_V = [3], b_O = [1/2, -1]: c = W_O b_V + b_O = [3, 0] + [1/2, -1] = [7/2, -1]
 //   b_K = [7, 7, 7, 7] changes nothing (it cancels in the softmax).
 TEST(HandWorked, MultiHeadAttentionToEmf) {
-  MultiHeadAttentionWeights w;
-  w.heads = 1;
-  w.model_dim = 2;
-  w.head_dim = 4;
-  w.value_dim = 1;
-  w.query = T({4, 2}, {1, 0, 0, 0, 0, 0, 0, 0});
-  w.key = T({4, 2}, {0, 1, 0, 0, 0, 0, 0, 0});
-  w.value = T({1, 2}, {1, 0});
-  w.output = T({2, 1}, {1, 0});
-  w.query_bias = T({4}, {2, 5, 5, 5});
-  w.key_bias = T({4}, {7, 7, 7, 7});
-  w.value_bias = T({1}, {3});
-  w.output_bias = T({2}, {0.5, -1});
+  // Every member in declaration order: H, d, d_k, d_v, W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O.
+  const MultiHeadAttentionWeights w{1,
+                                    2,
+                                    4,
+                                    1,
+                                    T({4, 2}, {1, 0, 0, 0, 0, 0, 0, 0}),
+                                    T({4, 2}, {0, 1, 0, 0, 0, 0, 0, 0}),
+                                    T({1, 2}, {1, 0}),
+                                    T({2, 1}, {1, 0}),
+                                    T({4}, {2, 5, 5, 5}),
+                                    T({4}, {7, 7, 7, 7}),
+                                    T({1}, {3}),
+                                    T({2}, {0.5, -1})};
   const Layer layer = to_emf(w);
   EXPECT_TRUE(tensors_near(layer.relevance, T({1, 2, 2}, {0, 0.5, 0, 0}), kTight));
   EXPECT_TRUE(tensors_near(layer.content, T({1, 2, 2}, {1, 0, 0, 0}), kTight));

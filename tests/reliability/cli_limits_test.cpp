@@ -3,7 +3,6 @@
 // before anything is computed; a refused run leaves no output file.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
@@ -14,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/testing.hpp"
 #include "emflow/io.hpp"
 #include "emflow/tensor.hpp"
 
@@ -27,20 +27,15 @@ struct Outcome {
   std::string err;
 };
 
-class CliLimits : public ::testing::Test {
+class CliLimits : public testing::ScratchFolder {
  protected:
+  CliLimits() : ScratchFolder("emflow_cli_limits_") {}
   void SetUp() override {
 #ifndef EMFLOW_CLI_PATH
     GTEST_SKIP() << "the emflow command-line tool is not built (EMFLOW_BUILD_CLI=OFF)";
 #endif
-    folder_ = fs::temp_directory_path() /
-              ("emflow_cli_limits_" + std::to_string(::getpid()) + "_" +
-               ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    ScratchFolder::SetUp();
     fs::create_directories(folder_ / "out");
-  }
-  void TearDown() override {
-    std::error_code ignored;
-    fs::remove_all(folder_, ignored);
   }
 
   std::string path(const std::string& name) const { return (folder_ / name).string(); }
@@ -79,8 +74,6 @@ class CliLimits : public ::testing::Test {
     }
     return names;
   }
-
-  fs::path folder_;
 };
 
 TEST_F(CliLimits, CheckFiniteNamesTheFileAndTheFirstBadElementOfTheCloud) {

@@ -4,7 +4,6 @@
 // swallow it, and must give back every allocation it made (the count of live allocations is
 // unchanged).
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <cstdint>
@@ -209,25 +208,15 @@ TEST(FaultInjection, InvalidInputIsReportedWithoutLeaking) {
   EXPECT_EQ(live_allocations.load(), live_before);
 }
 
-class FileFaults : public ::testing::Test {
+class FileFaults : public testing::ScratchFolder {
  protected:
-  void SetUp() override {
-    folder_ = fs::temp_directory_path() /
-              ("emflow_faults_" + std::to_string(::getpid()) + "_" +
-               ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(folder_);
-  }
-  void TearDown() override {
-    std::error_code ignored;
-    fs::remove_all(folder_, ignored);
-  }
+  FileFaults() : ScratchFolder("emflow_faults_") {}
   std::vector<std::string> names() const {
     std::vector<std::string> out;
     for (const auto& entry : fs::directory_iterator(folder_))
       out.push_back(entry.path().filename());
     return out;
   }
-  fs::path folder_;
 };
 
 TEST_F(FileFaults, ReadNpyReportsEveryFailedAllocation) {

@@ -22,8 +22,7 @@ using emflow::testing::Problem;
 
 template <class T>
 class FindNonFinite : public ::testing::Test {};
-using FloatTypes = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(FindNonFinite, FloatTypes);
+TYPED_TEST_SUITE(FindNonFinite, emflow::testing::FloatTypes);
 
 TYPED_TEST(FindNonFinite, NamesTheFirstNaNOrInfinity) {
   using T = TypeParam;
@@ -111,26 +110,26 @@ void expect_token_reaches_only_its_viewers(Device device, T poison, std::int64_t
 // last of a tile and of a block.
 const std::int64_t kPositions[] = {0, 5, 31, 32, 33, 63, 64, 69};
 
-TEST(NonFinitePolicy, NaNAndInfTokensReachOnlyTheQueriesThatSeeThemOnTheReference) {
-  const double nan = std::numeric_limits<double>::quiet_NaN();
-  const double inf = std::numeric_limits<double>::infinity();
+// NaN and +Inf, in float and in double, at every position of kPositions.
+void expect_every_poison_reaches_only_its_viewers(Device device) {
   for (std::int64_t j : kPositions) {
     SCOPED_TRACE(j);
-    expect_token_reaches_only_its_viewers<double>(Device::reference, nan, j);
-    expect_token_reaches_only_its_viewers<double>(Device::reference, inf, j);
-    expect_token_reaches_only_its_viewers<float>(Device::reference, static_cast<float>(nan), j);
+    expect_token_reaches_only_its_viewers<double>(device, std::numeric_limits<double>::quiet_NaN(),
+                                                  j);
+    expect_token_reaches_only_its_viewers<double>(device, std::numeric_limits<double>::infinity(),
+                                                  j);
+    expect_token_reaches_only_its_viewers<float>(device, std::numeric_limits<float>::quiet_NaN(),
+                                                 j);
+    expect_token_reaches_only_its_viewers<float>(device, std::numeric_limits<float>::infinity(), j);
   }
 }
 
+TEST(NonFinitePolicy, NaNAndInfTokensReachOnlyTheQueriesThatSeeThemOnTheReference) {
+  expect_every_poison_reaches_only_its_viewers(Device::reference);
+}
+
 TEST(NonFinitePolicy, NaNAndInfTokensReachOnlyTheQueriesThatSeeThemOnTheCpu) {
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  const float inf = std::numeric_limits<float>::infinity();
-  for (std::int64_t j : kPositions) {
-    SCOPED_TRACE(j);
-    expect_token_reaches_only_its_viewers<float>(Device::cpu, nan, j);
-    expect_token_reaches_only_its_viewers<float>(Device::cpu, inf, j);
-    expect_token_reaches_only_its_viewers<double>(Device::cpu, static_cast<double>(nan), j);
-  }
+  expect_every_poison_reaches_only_its_viewers(Device::cpu);
 }
 
 // Key lengths hide tokens j >= L: a NaN there reaches no visible query at all.

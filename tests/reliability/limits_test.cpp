@@ -1,7 +1,6 @@
 // Limits: sizes whose products overflow 64 bits, or that cannot fit in memory, are refused
 // before anything is allocated, with an error naming what was asked for.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <cstdint>
 #include <filesystem>
@@ -10,6 +9,7 @@
 #include <limits>
 #include <string>
 
+#include "common/testing.hpp"
 #include "core/memory.hpp"
 #include "emflow/attention.hpp"
 #include "emflow/error.hpp"
@@ -20,18 +20,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-class NpyLimits : public ::testing::Test {
+class NpyLimits : public testing::ScratchFolder {
  protected:
-  void SetUp() override {
-    folder_ = fs::temp_directory_path() /
-              ("emflow_limits_" + std::to_string(::getpid()) + "_" +
-               ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(folder_);
-  }
-  void TearDown() override {
-    std::error_code ignored;
-    fs::remove_all(folder_, ignored);
-  }
+  NpyLimits() : ScratchFolder("emflow_limits_") {}
 
   // A .npy file (format 1.0) with this header dict and `payload` bytes after it.
   std::string write(const std::string& name, const std::string& dict_text, std::uint64_t payload) {
@@ -49,8 +40,6 @@ class NpyLimits : public ::testing::Test {
     fs::resize_file(path, bytes.size() + payload, error);
     return error ? std::string() : path;
   }
-
-  fs::path folder_;
 };
 
 void expect_error(const std::function<void()>& call, ErrorCode code, const std::string& words) {
