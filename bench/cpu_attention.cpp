@@ -2,7 +2,7 @@
 // mask) at N = 1k..16k and d = 32, 64, 128, beside the unfused OpenBLAS baseline (sgemm, row
 // softmax, an N x N matrix) at the same shapes up to N = 8k (a 256 MiB matrix; 16k would need
 // 1 GiB), and the machine's fp32 FMA peak. Counters:
-//   GFLOP/s  attention-equivalent 4 N^2 d per iteration (REFERENCE.md §2), as a rate
+//   GFLOP/s  attention-equivalent 4 N^2 d per iteration (docs/MATH.md §2), as a rate
 //   bytes    working memory the method holds beyond its inputs and outputs
 //
 //   emflow_bench_cpu --benchmark_filter='N:4096/d:64'

@@ -15,7 +15,7 @@
 //
 // Counters:
 //   TFLOP/s       attention-equivalent: 4 B H N^2 d per call, halved for the causal mask
-//                 (REFERENCE.md §2); the projections R = X M, C = X F^T are not in it
+//                 (docs/MATH.md §2); the projections R = X M, C = X F^T are not in it
 //   proj_TFLOP/s  the projections alone: 4 B H N d^2 per call
 //   bytes_per_second  the device-memory traffic the algorithm cannot avoid: clouds, projections
 //                 and update once each, plus for the unfused path the N x N scores written, read

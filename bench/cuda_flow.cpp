@@ -1,4 +1,4 @@
-// GPU benchmarks of the flow (issue targets in REFERENCE.md §4), wall-clock timed through the
+// GPU benchmarks of the flow (targets in docs/PERF.md, section Flow), wall-clock timed through the
 // blocking library calls, as a user runs them (uploads, kernels, downloads and observables all
 // included):
 //   BM_PhaseDefault     flow::phase_diagram with its defaults (90 betas in [0.1, 9], 2048 clouds

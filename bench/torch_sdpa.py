@@ -2,7 +2,7 @@
 """PyTorch's CPU scaled_dot_product_attention (fp32) beside emflow's fused CPU backend.
 
 The dense EMF update of one head is SDPA with queries beta X M, keys X, values X F^T and scale 1
-(REFERENCE.md §1, §3), so both compute the same 4 B H N^2 d attention-equivalent FLOP. Torch
+(docs/MATH.md §1, §3), so both compute the same 4 B H N^2 d attention-equivalent FLOP. Torch
 is timed on the attention call alone (its projections are not counted); emflow's time includes
 its projections (2 of 2 N d^2, about d / N of the total).
 

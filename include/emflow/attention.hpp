@@ -1,4 +1,4 @@
-// emflow: the EMF contextual update (REFERENCE.md §1), one call for every backend.
+// emflow: the EMF contextual update (docs/MATH.md §1), one call for every backend.
 //
 // For a batch of B clouds X_b (N x d, row-major) and a layer of H heads (M_h, F_h, u_h) plus
 // one content offset c:

@@ -1,4 +1,4 @@
-// emflow: the factored form of an attention layer (REFERENCE.md §2), which is what QKV
+// emflow: the factored form of an attention layer (docs/MATH.md §2), which is what QKV
 // attention is. Per head h, with rank r:
 //
 //   M_h = A_h^T B_h      A_h, B_h in R^{r x d}   (relevance: s_ij = beta (<A_h x_i, B_h x_j> +

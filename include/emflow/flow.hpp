@@ -1,4 +1,4 @@
-// emflow::flow: the motion of token clouds under attention (REFERENCE.md §4).
+// emflow::flow: the motion of token clouds under attention (docs/MATH.md §4).
 //
 // Discrete (a stack of L layers, each with its own heads):
 //   post-norm:  X^{l+1} = N(X^l + Delta^l(X^l))
@@ -99,7 +99,7 @@ FlowLayer<T> make_layer(std::int64_t dim, OperatorKind relevance, OperatorKind c
 /// A d x d operator of `kind`.
 template <class T>
 std::vector<T> make_operator(OperatorKind kind, std::int64_t dim, std::uint64_t seed);
-/// The EMF layer of a multi-head attention sub-layer (REFERENCE.md §3, through emflow::to_emf).
+/// The EMF layer of a multi-head attention sub-layer (docs/MATH.md §3, through emflow::to_emf).
 template <class T>
 FlowLayer<T> layer_from_mha(const MultiHeadAttentionWeights& weights);
 
@@ -175,7 +175,7 @@ struct FlowSettings {
   double cluster_eps = 1e-3;      ///< pairs with cosine similarity > 1 - eps are clustered
 };
 
-/// The observables of one cloud at one recorded step (REFERENCE.md §4), pairs i < j.
+/// The observables of one cloud at one recorded step (docs/MATH.md §5), pairs i < j.
 struct Observables {
   double min_inner = 0;           ///< min <x_i, x_j>
   double mean_inner = 0;          ///< mean <x_i, x_j>

@@ -1,5 +1,5 @@
 // emflow: standard multi-head attention, and its exact conversion to an EMF layer
-// (REFERENCE.md §3).
+// (docs/MATH.md §3).
 //
 // Multi-head attention with H heads on a model dimension d, per head h:
 //   q = W_Q,h x + b_Q,h,  k = W_K,h x + b_K,h,  v = W_V,h x + b_V,h
@@ -46,7 +46,7 @@ struct MultiHeadAttentionWeights {
 /// Checks sizes and the shape of every weight; throws emflow::Error naming the first offender.
 void validate(const MultiHeadAttentionWeights& weights, const char* operation = "mha");
 
-/// The EMF layer equal to `weights` (REFERENCE.md §3): M (H, d, d), F (H, d, d), u (H, d) and
+/// The EMF layer equal to `weights` (docs/MATH.md §3): M (H, d, d), F (H, d, d), u (H, d) and
 /// c (d), always present (zero where the biases are absent). With beta = 1,
 /// reference::attend(X, to_emf(w)).update equals mha_reference(w, X) up to rounding.
 reference::Layer to_emf(const MultiHeadAttentionWeights& weights);
@@ -55,7 +55,7 @@ reference::Layer to_emf(const MultiHeadAttentionWeights& weights);
 /// q . k / sqrt(d_k), weighted values, output projection), in double.
 /// cloud: (N, d) or (B, N, d); mask and key_lengths as for reference::scores. Returns the
 /// sub-layer's output (without the residual), the cloud's shape. A query that sees no key gets
-/// 0 (not b_O), the EMF convention of REFERENCE.md §1, so the two forms agree everywhere.
+/// 0 (not b_O), the EMF convention of docs/MATH.md §1, so the two forms agree everywhere.
 Tensor<double> mha_reference(const MultiHeadAttentionWeights& weights, const Tensor<double>& cloud,
                              const Mask& mask = {},
                              const std::vector<std::int64_t>& key_lengths = {});

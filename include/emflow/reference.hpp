@@ -1,4 +1,4 @@
-// emflow::reference: every operation of the EMF model (REFERENCE.md §1), one function each, in
+// emflow::reference: every operation of the EMF model (docs/MATH.md §1), one function each, in
 // double precision on host tensors, written for clarity rather than speed.
 //
 // These functions are the ground truth that the fused backends of emflow::attend are measured
@@ -41,13 +41,13 @@ inline bool absent(const Tensor<double>& tensor) noexcept {
   return tensor.rank() == 0 && tensor.size() == 0;
 }
 
-/// Relevance gradients R = X M (REFERENCE.md §1): row i is r_{x_i}^T = (M^T x_i)^T, the normal of
+/// Relevance gradients R = X M (docs/MATH.md §1): row i is r_{x_i}^T = (M^T x_i)^T, the normal of
 /// the leaves {t : <r_{x_i}, t> = const} along which query x_i ranks the tokens.
 /// cloud: (N, d) or (B, N, d); relevance: M, (d, d). Returns R with the cloud's shape.
 Tensor<double> relevance_gradients(const Tensor<double>& cloud, const Tensor<double>& relevance);
 
 /// Scores s_ij = beta * (<r_i, x_j> + <u, x_j>), i.e. S = beta (R X^T + 1 u^T X^T), set to -inf
-/// where key j is not visible to query i (REFERENCE.md §1).
+/// where key j is not visible to query i (docs/MATH.md §1).
 /// relevance_gradients: R, same shape as cloud; cloud: (N, d) or (B, N, d); key_bias: u, (d) or
 /// absent; beta: finite; mask: none, causal or window (width >= 1); key_lengths: empty, or one
 /// length L_b in [0, N] per cloud (B entries, 1 for an unbatched cloud): keys j >= L_b are
@@ -65,7 +65,7 @@ struct Softmax {
 };
 
 /// Softmax over the last axis of `scores`, each row with its log-sum-exp and entropy
-/// (REFERENCE.md §1): m_i = max_j s_ij, Z_i = sum_j exp(s_ij - m_i), lse_i = m_i + log Z_i,
+/// (docs/MATH.md §1): m_i = max_j s_ij, Z_i = sum_j exp(s_ij - m_i), lse_i = m_i + log Z_i,
 /// p_ij = exp(s_ij - lse_i), H_i = lse_i - sum_j p_ij s_ij. Subtracting m_i keeps every
 /// exponent <= 0, so no score is too large to exponentiate.
 /// A row whose scores are all -inf (a query with no visible key) gives p_i = 0, lse_i = -inf
@@ -73,11 +73,11 @@ struct Softmax {
 /// scores: rank 1 to 4, with at least one key; entries finite or -inf (NaN and +inf throw).
 Softmax masked_softmax(const Tensor<double>& scores);
 
-/// Content C = X F^T (REFERENCE.md §1): row j is (F x_j)^T, what token j contributes.
+/// Content C = X F^T (docs/MATH.md §1): row j is (F x_j)^T, what token j contributes.
 /// cloud: (N, d) or (B, N, d); content: F, (d, d). Returns C with the cloud's shape.
 Tensor<double> content(const Tensor<double>& cloud, const Tensor<double>& content);
 
-/// Contextual update of one head, delta_i = sum_j p_ij C_j + c (REFERENCE.md §1), i.e.
+/// Contextual update of one head, delta_i = sum_j p_ij C_j + c (docs/MATH.md §1), i.e.
 /// Delta = P C + 1 c^T on the queries that see a key. A query whose weight row is all zero (no
 /// visible key, as masked_softmax returns it) gets delta_i = 0 and no offset.
 /// weights: P, (N, N) or (B, N, N); content: C, (N, d) or (B, N, d) with the same B and N;
@@ -85,7 +85,7 @@ Tensor<double> content(const Tensor<double>& cloud, const Tensor<double>& conten
 Tensor<double> contextual_update(const Tensor<double>& weights, const Tensor<double>& content,
                                  const Tensor<double>& offset = {});
 
-/// Residual update X* = X + Delta(X) (REFERENCE.md §1). cloud and update: the same shape.
+/// Residual update X* = X + Delta(X) (docs/MATH.md §1). cloud and update: the same shape.
 Tensor<double> residual_update(const Tensor<double>& cloud, const Tensor<double>& update);
 
 /// The operators of one layer in double: what emflow::LayerOperators points to.
@@ -110,7 +110,7 @@ struct Attention {
 };
 
 /// The contextual update of a layer of H heads composed from the functions above:
-/// delta_i = sum_h sum_j p^h_ij F_h x_j + c (REFERENCE.md §1), with lse and entropy per head.
+/// delta_i = sum_h sum_j p^h_ij F_h x_j + c (docs/MATH.md §1), with lse and entropy per head.
 /// Equals emflow::attend on Device::reference up to rounding (B = 1 for an (N, d) cloud).
 /// cloud: (N, d) or (B, N, d); layer: see Layer; beta, mask and key_lengths: as for scores.
 Attention attend(const Tensor<double>& cloud, const Layer& layer, double beta = 1.0,

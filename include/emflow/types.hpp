@@ -16,7 +16,7 @@
 
 namespace emflow {
 
-/// Which keys a query may attend to (REFERENCE.md §1). Per-cloud key lengths are given
+/// Which keys a query may attend to (docs/MATH.md §1). Per-cloud key lengths are given
 /// separately (AttentionInput::key_lengths) and combine with any of these.
 enum class MaskKind {
   none,    ///< every key j

@@ -1,4 +1,4 @@
-// emflow attend: the contextual update of one layer (REFERENCE.md §1) on .npy files.
+// emflow attend: the contextual update of one layer (docs/MATH.md §1) on .npy files.
 //
 // The cloud's dtype decides the precision: float64 files are computed and written in float64,
 // float32 in float32, and every other float input must match it. Every input is read and

@@ -2,7 +2,7 @@
 // line. With --baseline the unfused BLAS attention and with --peak the machine's fp32 FMA rate
 // are measured in the same run, so ratios come from one process on one machine state.
 //
-// FLOP are attention-equivalent (REFERENCE.md §2): 4 B H N^2 d for the whole score matrix,
+// FLOP are attention-equivalent (docs/MATH.md §2): 4 B H N^2 d for the whole score matrix,
 // halved for a causal mask, 4 B H d (visible pairs) for a window; the projections are not
 // counted. Every figure is the median of --repeats timed runs after one untimed warm-up run;
 // the CPU measurements are timed in rounds (one run of each per round), so a change in load on

@@ -36,7 +36,7 @@ struct DemoArguments {
 };
 
 constexpr std::int64_t kCheckedQueries = 512;
-constexpr double kTolerance = 1e-3;  // float32 and TF32 paths are well inside (REFERENCE.md §6)
+constexpr double kTolerance = 1e-3;  // the float32 paths are far inside (docs/MATH.md §6)
 
 // Uniform values in [-1, 1) from splitmix64: the same cloud for a seed on every platform (the
 // standard distributions are not specified bit for bit).
@@ -104,7 +104,7 @@ void run_demo(const DemoArguments& args) {
   double best = timed_run();
   for (int r = 1; r < runs; ++r) best = std::min(best, timed_run());
 
-  // Attention-equivalent FLOP (REFERENCE.md §2): 4 d per visible query-key pair and head;
+  // Attention-equivalent FLOP (docs/MATH.md §2): 4 d per visible query-key pair and head;
   // the causal mask sees N (N + 1) / 2 pairs, about half of 4 B H N^2 d.
   const double pairs = double(n) * double(n + 1) / 2.0;
   const double flop = 4.0 * double(h) * double(d) * pairs;

@@ -1,4 +1,4 @@
-// emflow flow: the motion of token clouds under attention (REFERENCE.md §4), layer after layer
+// emflow flow: the motion of token clouds under attention (docs/MATH.md §4), layer after layer
 // or in continuous time, with its observables and a picture.
 //
 // Precision: a --x file decides it (float32 or float64, like emflow attend); generated clouds
@@ -38,7 +38,7 @@ struct FlowArguments {
   std::string integrator = "rk4";
   std::string relevance = "identity", content = "identity";
   std::string beta = "1";
-  std::string norm = "sphere";  // the default run is the sphere dynamics of REFERENCE.md §4
+  std::string norm = "sphere";  // the default run is the sphere dynamics of docs/MATH.md §4
   bool pre_norm = false, unnormalized = false;
   bool check_finite = false;
   std::int64_t record_every = 1;
@@ -304,7 +304,7 @@ void add_flow_command(CLI::App& app) {
   auto args = std::make_shared<FlowArguments>();
   CLI::App* command = add_command(
       app, "flow", "Run the flow of token clouds (layers or continuous time); record and draw it",
-      R"(The flow of a token cloud under attention (REFERENCE.md 4): a stack of layers
+      R"(The flow of a token cloud under attention (docs/MATH.md section 4): a stack of layers
   X <- N(X + Delta(X))  (post-norm)   or   X <- X + Delta(N(X))  (pre-norm),
 or continuous time dx_i/dt = sum_j p_ij F x_j (SA; USA divides by N instead of Z_i),
 on the sphere with --norm sphere, integrated by Euler or RK4. Records the clouds and

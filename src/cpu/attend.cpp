@@ -14,7 +14,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "../core/backends.hpp"
+#include "core/backends.hpp"
 #include "engine.hpp"
 
 namespace emflow::detail {

@@ -31,7 +31,7 @@
 #include <memory>
 #include <vector>
 
-#include "../core/check.hpp"
+#include "core/check.hpp"
 #include "simd.hpp"
 
 namespace emflow::detail::cpu {

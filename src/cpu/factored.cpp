@@ -11,8 +11,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "../core/backends.hpp"
-#include "../core/check.hpp"
+#include "core/backends.hpp"
+#include "core/check.hpp"
 #include "engine.hpp"
 
 namespace emflow {

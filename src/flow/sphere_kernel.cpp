@@ -30,7 +30,7 @@
 #include <omp.h>
 #endif
 
-#include "../core/parallel.hpp"
+#include "core/parallel.hpp"
 #include "internal.hpp"
 
 #if defined(__GNUC__)

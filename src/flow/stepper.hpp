@@ -1,4 +1,4 @@
-// The flow written once (REFERENCE.md §4): the attention update of a batch (SA or USA, one
+// The flow written once (docs/MATH.md §4): the attention update of a batch (SA or USA, one
 // attention call per run of clouds sharing beta, USA head by head, the offset, the tangent
 // projection, the mean entropy), the Euler and RK4 steps, a layer of a stack, the recorded run
 // and the generic phase sweep. All are templates over an operations type `Ops` that owns the

@@ -16,8 +16,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "../core/check.hpp"
-#include "../core/memory.hpp"
+#include "core/check.hpp"
+#include "core/memory.hpp"
 #include "emflow/io.hpp"
 #include "npy_writer.hpp"
 

@@ -1,11 +1,11 @@
 // The double-precision reference of the EMF contextual update, written for clarity: each line
-// is a formula of REFERENCE.md §1. It is the ground truth every backend is tested against.
+// is a formula of docs/MATH.md §1. It is the ground truth every backend is tested against.
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
-#include "../core/backends.hpp"
+#include "core/backends.hpp"
 
 namespace emflow::detail {
 

@@ -1,4 +1,4 @@
-// Standard multi-head attention in double, and its exact EMF form (REFERENCE.md §3).
+// Standard multi-head attention in double, and its exact EMF form (docs/MATH.md §3).
 //
 // mha_reference computes attention the way every framework does (project, score, softmax,
 // weight the values, project out) so that it shares no code path with the EMF operations: the

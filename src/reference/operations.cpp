@@ -1,4 +1,4 @@
-// The EMF operations of REFERENCE.md §1, one function each, in double precision. Written as the
+// The EMF operations of docs/MATH.md §1, one function each, in double precision. Written as the
 // formulas read (plain loops over b, i, j and the coordinates), not for speed: these are the
 // ground truth that tests hold the fused backends against.
 #include <algorithm>

@@ -36,7 +36,7 @@ struct Target {
   bool offers_weights() const { return backend != Backend::cuda_fused; }
   /// Whether the target accepts this shape (the fused kernel: dim <= 256, float, no weights).
   bool accepts(std::int64_t dim, bool weights) const;
-  /// The accuracy contract against the double reference (REFERENCE.md §6).
+  /// The accuracy contract against the double reference (docs/MATH.md §6).
   double tolerance() const { return is_double ? 1e-12 : 1e-5; }
 };
 

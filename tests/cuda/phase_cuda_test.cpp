@@ -19,7 +19,7 @@
 #include "emflow/flow.hpp"
 
 #if defined(EMFLOW_WITH_CUDA)
-#include "../../kernels/phase_kernels.hpp"
+#include "kernels/phase_kernels.hpp"
 #endif
 
 namespace emflow::flow {

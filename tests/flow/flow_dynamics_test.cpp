@@ -1,4 +1,4 @@
-// The flow of token clouds against the known behaviour of REFERENCE.md §4 (published theorems)
+// The flow of token clouds against the known behaviour of docs/MATH.md §4 (published theorems)
 // and against direct formulas: energy monotone on the sphere, collapse to one cluster in
 // d >= 3, the shrinking hull of the rescaled tokens, integrator orders, the sphere norm, USA
 // against SA, per-cloud beta, the layer stack, observables, generators and the phase sweep.

@@ -1,6 +1,6 @@
 // The reference operations composed one by one (reference::attend) against the fused reference
 // behind emflow::attend(Device::reference) (src/reference/attend.cpp): two independent codings
-// of REFERENCE.md §1 that must agree to 1e-12 on awkward sizes, masks and key lengths.
+// of docs/MATH.md §1 that must agree to 1e-12 on awkward sizes, masks and key lengths.
 #include <gtest/gtest.h>
 
 #include <ostream>

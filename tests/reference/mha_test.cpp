@@ -1,4 +1,4 @@
-// Standard multi-head attention against its EMF form (REFERENCE.md §3): on random weights, with
+// Standard multi-head attention against its EMF form (docs/MATH.md §3): on random weights, with
 // and without biases and masks, d_k != d, the EMF update of to_emf(w) equals the plain QKV
 // computation to 1e-12 in double.
 #include "emflow/mha.hpp"

@@ -1,4 +1,4 @@
-// Properties that the EMF operations must have whatever the numbers (REFERENCE.md §1), checked on
+// Properties that the EMF operations must have whatever the numbers (docs/MATH.md §1), checked on
 // seeded random clouds and layers through the reference functions.
 #include <gtest/gtest.h>
 
@@ -257,7 +257,7 @@ TEST(Properties, EntropyIsShannonEntropyOfTheWeights) {
   EXPECT_NEAR(flat.entropy[0], std::log(4.0), 1e-15);
 }
 
-// Why softmax (REFERENCE.md §1): p_i minimises the free energy G(q) = -sum_j q_j s_ij +
+// Why softmax (docs/MATH.md §1): p_i minimises the free energy G(q) = -sum_j q_j s_ij +
 // sum_j q_j log q_j over the simplex, with minimum -lse_i; any other distribution does worse.
 TEST(Properties, WeightsMinimiseTheFreeEnergy) {
   const std::int64_t N = 7;
@@ -284,7 +284,7 @@ TEST(Properties, WeightsMinimiseTheFreeEnergy) {
   }
 }
 
-// Why the weighted average (REFERENCE.md §1): for one head without offset, delta_i minimises
+// Why the weighted average (docs/MATH.md §1): for one head without offset, delta_i minimises
 // sum_j p_ij ||y - F x_j||^2 over y; the minimum is the weighted variance of the content, and
 // moving y by e costs exactly ||e||^2.
 TEST(Properties, UpdateIsTheWeightedLeastSquaresPoint) {

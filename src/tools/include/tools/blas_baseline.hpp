@@ -1,6 +1,6 @@
 // The unfused baseline that `emflow bench --baseline` and the CPU benchmarks hold the fused
 // backend against: attention as numpy would write it, with BLAS products and the whole N x N
-// matrix in memory (REFERENCE.md §5):
+// matrix in memory (measured beside the fused path in docs/PERF.md):
 //
 //   R = X M,  C = X F^T,  S = R X^T (N x N, sgemm),  P = row softmax(S),  Delta += P C (sgemm)
 //
