@@ -36,15 +36,16 @@ configure_and_build() {  # $1: build folder
   cmake -S . -B "$1" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DEMFLOW_WITH_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DEMFLOW_BUILD_CLI=OFF -DEMFLOW_BUILD_TESTS=ON \
     -DEMFLOW_BUILD_BENCHMARKS=ON "${prefix[@]}" &&
-    cmake --build "$1" --target emflow_cuda_tests emflow_bench_cuda -j "$JOBS"
+    cmake --build "$1" --target emflow_attention_tests emflow_cuda_tests emflow_bench_cuda \
+      -j "$JOBS"
 }
 
 if [[ "${1:-}" == "--prepare" ]]; then
   set -e
   configure_and_build "$PREBUILT/build"
   mkdir -p "$PREBUILT/bin" "$PREBUILT/lib"
-  cp "$PREBUILT/build/tests/emflow_cuda_tests" "$PREBUILT/build/bench/emflow_bench_cuda" \
-    "$PREBUILT/bin/"
+  cp "$PREBUILT/build/tests/emflow_attention_tests" "$PREBUILT/build/tests/emflow_cuda_tests" \
+    "$PREBUILT/build/bench/emflow_bench_cuda" "$PREBUILT/bin/"
   # Google Benchmark is a shared library on Debian; GoogleTest is linked statically.
   ldd "$PREBUILT/bin/emflow_bench_cuda" | awk '/libbenchmark/ {print $3}' |
     xargs -r -I{} cp -L {} "$PREBUILT/lib/"
@@ -75,6 +76,9 @@ echo
 
 # 1. Build (or fall back to carried binaries).
 step_start=$(elapsed)
+# The attention suite (every backend; its GPU cases and the async API's tests) and the CUDA
+# suite (the plan, cuBLAS loading, NaN rule, flow and phase on the device).
+ATTENTION="$BUILD/tests/emflow_attention_tests"
 TESTS="$BUILD/tests/emflow_cuda_tests"
 BENCH="$BUILD/bench/emflow_bench_cuda"
 echo "== build for sm_90 in $BUILD"
@@ -84,6 +88,7 @@ export JOBS DEPS_PREFIX
 if timeout 300 bash -c 'configure_and_build "$0"' "$BUILD"; then
   record "build (sm_90)" "ok" $(($(elapsed) - step_start))
 elif [[ -x "$PREBUILT/bin/emflow_cuda_tests" ]]; then
+  ATTENTION="$PREBUILT/bin/emflow_attention_tests"
   TESTS="$PREBUILT/bin/emflow_cuda_tests"
   BENCH="$PREBUILT/bin/emflow_bench_cuda"
   export LD_LIBRARY_PATH="$PWD/$PREBUILT/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -100,7 +105,7 @@ run_step() {  # $1 name, $2 timeout seconds, rest: command
     record "$name" "skipped (time budget)" 0
     return
   fi
-  if [[ ! -x "$TESTS" ]]; then
+  if [[ ! -x "$TESTS" || ! -x "$ATTENTION" ]]; then
     record "$name" "skipped (no binary)" 0
     return
   fi
@@ -125,22 +130,25 @@ run_step() {  # $1 name, $2 timeout seconds, rest: command
 }
 
 # 2. The GPU tests (the CPU reference they compare with runs on the host).
-run_step "gpu tests" 180 "$TESTS" --gtest_color=no
+GPU_ATTENTION='*/cuda_*:CudaAsync.*:CudaWorkspace.*:CudaWithoutDevice.*'
+run_step "gpu tests: attention" 240 "$ATTENTION" --gtest_filter="$GPU_ATTENTION" --gtest_color=no
+run_step "gpu tests: cuda suite" 180 "$TESTS" --gtest_color=no
 
-# 3. compute-sanitizer on small cases: both attention algorithms, every tile width, masks, heads;
-#    the phase kernel (register and shared-memory layouts, the fallback); the flow's kernels.
+# 3. compute-sanitizer on small cases: both attention algorithms, every tile width, masks, heads
+#    (the Small cases: N up to 101, d up to 255); the phase kernel (register and shared-memory
+#    layouts, the fallback); the flow's kernels.
 SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-SMALL='Fused/CudaFloat.MatchesReference/n7_d3*:Fused/CudaFloat.MatchesReference/n101_d128*'
-SMALL+=':Fused/CudaFloat.MatchesReference/n33_d255*:Fused/CudaFloat.MatchesReference/n33_d64*'
-SMALL+=':Unfused/CudaFloat.MatchesReference/n33_d64*:Unfused/CudaDouble.MatchesReference/n7_d3*'
-SMALL+=':CudaAsync.*'
+SMALL_ATTENTION='Small/*/cuda_fused_*:Small/*/cuda_unfused_*:CudaAsync.*'
+SMALL='AttentionPlan.*:CudaNaN.*'
 SMALL+=':PhaseCuda/PhaseCudaPaths.MatchesCpuAndGenericPaths/n33_d*:PhaseCudaSweep.*'
-SMALL+=':FlowCuda.RecordsEveryKStepsAndTheLast:FlowCuda.ObservablesOfALargerCloud'
+SMALL+=':FlowCuda/FlowOnEveryDevice.RecordsEveryKStepsAndTheLast/cuda:FlowCuda.ObservablesOfALargerCloud'
 SMALL+=':FlowCudaTyped/0.DiscreteStackWithEveryNormalisationMatchesCpu'
-run_step "memcheck" 120 "$SANITIZER" --tool memcheck --error-exitcode 1 "$TESTS" \
-  --gtest_filter="$SMALL" --gtest_color=no
-run_step "racecheck" 120 "$SANITIZER" --tool racecheck --error-exitcode 1 "$TESTS" \
-  --gtest_filter="$SMALL" --gtest_color=no
+for tool in memcheck racecheck; do
+  run_step "$tool: attention" 120 "$SANITIZER" --tool "$tool" --error-exitcode 1 "$ATTENTION" \
+    --gtest_filter="$SMALL_ATTENTION" --gtest_color=no
+  run_step "$tool: cuda suite" 120 "$SANITIZER" --tool "$tool" --error-exitcode 1 "$TESTS" \
+    --gtest_filter="$SMALL" --gtest_color=no
+done
 
 # 4. Benchmarks, briefly.
 BENCH_JSON="$LOG_DIR/device-check-bench.json"
