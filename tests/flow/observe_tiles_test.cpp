@@ -229,7 +229,8 @@ TEST(ObserveTiles, LongChainInScrambledOrderIsOneCluster) {
   }
   const Observables got = observe(x.data(), N, d, 1.0, 1e-4);
   EXPECT_EQ(got.clusters, 1);
-  EXPECT_EQ(got.clustered_fraction, static_cast<double>(N - 1) / static_cast<double>(N * (N - 1) / 2));
+  EXPECT_EQ(got.clustered_fraction,
+            static_cast<double>(N - 1) / static_cast<double>(N * (N - 1) / 2));
   EXPECT_EQ(got.clusters, oracle_observe(x.data(), N, d, 1.0, 1e-4).clusters);
 }
 
