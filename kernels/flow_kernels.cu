@@ -6,18 +6,19 @@
 // the host differ by rounding only (the device may contract a * b + c into one FMA).
 //
 // Observables, for B clouds at once, in three kernels and without floating-point atomics:
-//   token_norms   one thread per token: ||x_i|| in double.
+//   token_norms   one thread per token: ||x_i|| in double, and the token's union-find parent set
+//                 to itself.
 //   pair_rows     one block per token i: its pairs (i, j > i) in double, each thread a fixed set
-//                 of 32-token words of j; per-thread sums, then a fixed tree over the block, into
+//                 of 32-token tiles of j; per-thread sums, then a fixed tree over the block, into
 //                 the token's row of partial sums (sum <x_i, x_j>, energy, clustered pairs, min
-//                 inner product, max squared distance) and a bit per clustered pair.
-//   finish        one block per cloud: the connected components of the clustered-pair graph
-//                 (hooking the larger of two roots onto the smaller with atomicMin on int labels,
-//                 then pointer jumping, until no pair joins two trees; the roots that remain are
-//                 unique whatever the order), then a fixed tree over the token rows.
-// Every reduction has an order that depends on the sizes only, so two runs agree bit for bit.
-// The labels and the edge bits live in global memory: any N fits, not only what shared memory
-// holds.
+//                 inner product, max squared distance). Each clustered pair joins the trees of i
+//                 and j at once, in a lock-free union-find over the cloud's parents (ECL-CC:
+//                 the larger root hooked under the smaller with atomicCAS, finds halving paths).
+//   finish        one block per cloud: the clusters are the roots left (parent[i] == i), then a
+//                 fixed tree over the token rows.
+// Every reduction has an order that depends on the sizes only, so two runs agree bit for bit;
+// the joins race, but the connected components, hence the number of roots, do not depend on
+// the order in which the pairs are joined. Scratch is O(B N) in global memory, whatever N.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -38,12 +39,12 @@ using emflow::detail::grid_for;
 constexpr const char* kOperation = "run_flow";
 constexpr int kThreads = 128;  // every block size below is a power of two <= kThreads
 constexpr int kMaxBlocks = 4096;
-constexpr int kWordBits = 32;
+constexpr int kTileTokens = 32;  // the j of a pair_rows thread come in tiles of this many
 
 // The per-token partial sums of pair_rows, in this order.
 enum RowField : int { kRowSum, kRowEnergy, kRowClustered, kRowMin, kRowMax, kRowFields };
 
-int words_for(int tokens) { return tokens / kWordBits + (tokens % kWordBits != 0 ? 1 : 0); }
+int tiles_for(int tokens) { return tokens / kTileTokens + (tokens % kTileTokens != 0 ? 1 : 0); }
 
 __device__ int first_index() { return static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); }
 __device__ int grid_stride() { return static_cast<int>(gridDim.x * blockDim.x); }
@@ -162,12 +163,65 @@ __global__ void mean_entropy_kernel(const T* entropy, int heads, int tokens, lon
 // Observables
 
 template <class T>
-__global__ void token_norms_kernel(const T* clouds, int rows, int dim, double* norms) {
+__global__ void token_norms_kernel(const T* clouds, int rows, int tokens, int dim, double* norms,
+                                   int* parents) {
   for (int r = first_index(); r < rows; r += grid_stride()) {
     const T* x = clouds + static_cast<std::size_t>(r) * dim;
     double square = 0.0;
     for (int a = 0; a < dim; ++a) square += static_cast<double>(x[a]) * x[a];
     norms[r] = sqrt(square);
+    parents[r] = r % tokens;  // indices within the cloud
+  }
+}
+
+// The union-find of a cloud's clustered pairs, shared by every thread of every block of
+// pair_rows. Invariant: parent[v] <= v, equality for the roots; a node that is not a root never
+// becomes one again. Hooks (atomicCAS) only change roots; the plain stores of path halving only
+// change non-roots, each time to an ancestor, so concurrent finds and hooks keep the partition
+// right. The plain accesses are relaxed atomics under the CPU emulation (a checked data race
+// otherwise) and volatile on the device (no stale value kept in a register).
+__device__ int parent_of(int* parent, int v) {
+#if defined(EMFLOW_CUDA_EMULATION)
+  return __atomic_load_n(parent + v, __ATOMIC_RELAXED);
+#else
+  return *static_cast<volatile int*>(parent + v);
+#endif
+}
+__device__ void set_parent(int* parent, int v, int to) {
+#if defined(EMFLOW_CUDA_EMULATION)
+  __atomic_store_n(parent + v, to, __ATOMIC_RELAXED);
+#else
+  *static_cast<volatile int*>(parent + v) = to;
+#endif
+}
+
+// The root of v's tree, each node on the way pointed at its grandparent (path halving).
+__device__ int find_root(int* parent, int v) {
+  int up = parent_of(parent, v);
+  if (up == v) return v;
+  int below = v, next;
+  while (up > (next = parent_of(parent, up))) {
+    set_parent(parent, below, next);
+    below = up;
+    up = next;
+  }
+  return up;
+}
+
+// Joins the trees of a and b: the larger root under the smaller; when another thread hooked
+// that root first, climbs from where it went and tries again.
+__device__ void unite(int* parent, int a, int b) {
+  int root_a = find_root(parent, a), root_b = find_root(parent, b);
+  while (root_a != root_b) {
+    const int high = root_a > root_b ? root_a : root_b, low = root_a + root_b - high;
+    const int seen = atomicCAS(parent + high, high, low);
+    if (seen == high) return;
+    const int moved = find_root(parent, seen);
+    if (root_a == high) {
+      root_a = moved;
+    } else {
+      root_b = moved;
+    }
   }
 }
 
@@ -193,12 +247,12 @@ __device__ void reduce_row_fields(double (*partial)[kThreads], int t, int thread
   }
 }
 
-// One block per token i (blockIdx.x = b * N + i). Thread t takes the words w = first + t,
+// One block per token i (blockIdx.x = b * N + i). Thread t takes the tiles w = first + t,
 // first + t + blockDim, ... of tokens j in [32 w, 32 w + 32), j > i.
 template <class T>
-__global__ void pair_rows_kernel(const T* clouds, int tokens, int dim, int words,
+__global__ void pair_rows_kernel(const T* clouds, int tokens, int dim, int tiles,
                                  const double* betas, const double* norms, double cluster_eps,
-                                 double* rows, std::uint32_t* edges) {
+                                 double* rows, int* parents) {
   __shared__ double partial[kRowFields][kThreads];
   const int row = static_cast<int>(blockIdx.x), t = static_cast<int>(threadIdx.x);
   const int threads = static_cast<int>(blockDim.x);
@@ -207,7 +261,7 @@ __global__ void pair_rows_kernel(const T* clouds, int tokens, int dim, int words
   const T* xi = cloud + static_cast<std::size_t>(i) * dim;
   const double beta = betas[b], norm_i = norms[row];
   const double* cloud_norms = norms + static_cast<std::size_t>(b) * tokens;
-  std::uint32_t* row_edges = edges + static_cast<std::size_t>(row) * words;
+  int* const parent = parents + static_cast<std::size_t>(b) * tokens;
 
   double sum = 0.0, energy = 0.0, clustered = 0.0;
   double low = static_cast<double>(INFINITY), high = 0.0;
@@ -217,10 +271,9 @@ __global__ void pair_rows_kernel(const T* clouds, int tokens, int dim, int words
     for (int a = 0; a < dim; ++a) square += static_cast<double>(xi[a]) * xi[a];
     energy = exp(beta * square);
   }
-  for (int w = (i + 1) / kWordBits + t; w < words; w += threads) {
-    std::uint32_t bits = 0;
-    const int j0 = w * kWordBits;
-    const int j_end = j0 + kWordBits < tokens ? j0 + kWordBits : tokens;
+  for (int w = (i + 1) / kTileTokens + t; w < tiles; w += threads) {
+    const int j0 = w * kTileTokens;
+    const int j_end = j0 + kTileTokens < tokens ? j0 + kTileTokens : tokens;
     for (int j = j0 > i + 1 ? j0 : i + 1; j < j_end; ++j) {
       const T* xj = cloud + static_cast<std::size_t>(j) * dim;
       double g = 0.0, e = 0.0;
@@ -237,10 +290,9 @@ __global__ void pair_rows_kernel(const T* clouds, int tokens, int dim, int words
       const double scale = norm_i * cloud_norms[j];
       if (scale > 0.0 && g > (1.0 - cluster_eps) * scale) {
         clustered += 1.0;
-        bits |= 1u << (j - j0);
+        unite(parent, i, j);
       }
     }
-    row_edges[w] = bits;
   }
 
   partial[kRowSum][t] = sum;
@@ -252,57 +304,14 @@ __global__ void pair_rows_kernel(const T* clouds, int tokens, int dim, int words
   if (t < kRowFields) rows[static_cast<std::size_t>(row) * kRowFields + t] = partial[t][0];
 }
 
-// One block per cloud: the clusters (connected components of the clustered pairs) and the
-// reduction of the token rows into the cloud's observables (all but the entropy).
-__global__ void finish_kernel(int tokens, int words, const double* betas, const double* rows,
-                              const std::uint32_t* edges, int* labels, double* out) {
+// One block per cloud: the clusters (the roots of the union-find that pair_rows completed) and
+// the reduction of the token rows into the cloud's observables (all but the entropy).
+__global__ void finish_kernel(int tokens, const double* betas, const double* rows,
+                              const int* parents, double* out) {
   __shared__ double partial[kRowFields + 1][kThreads];
   const int b = static_cast<int>(blockIdx.x), t = static_cast<int>(threadIdx.x);
   const int threads = static_cast<int>(blockDim.x);
-  int* const label = labels + static_cast<std::size_t>(b) * 2 * tokens;
-  int* const next = label + tokens;
-  const std::uint32_t* cloud_edges = edges + static_cast<std::size_t>(b) * tokens * words;
-
-  for (int i = t; i < tokens; i += threads) label[i] = next[i] = i;
-  __syncthreads();
-  // Invariant at the top: label == next, and every label is a root (label[label[i]] ==
-  // label[i]), the smallest token of its tree.
-  for (;;) {
-    // Hook: for each clustered pair in two trees, the larger root under the smaller one. Reads
-    // `label` only; writes `next` only, through atomicMin.
-    bool hooked = false;
-    for (int i = t; i < tokens; i += threads) {
-      const int root_i = label[i];
-      const std::uint32_t* row = cloud_edges + static_cast<std::size_t>(i) * words;
-      for (int w = (i + 1) / kWordBits; w < words; ++w) {
-        std::uint32_t bits = row[w];
-        for (int k = 0; bits != 0; ++k, bits >>= 1) {
-          if ((bits & 1u) == 0) continue;
-          const int root_j = label[w * kWordBits + k];
-          if (root_j != root_i) {
-            const int high = root_i > root_j ? root_i : root_j;
-            atomicMin(&next[high], root_i + root_j - high);
-            hooked = true;
-          }
-        }
-      }
-    }
-    if (!__syncthreads_or(hooked)) break;
-    // Pointer jumping, double-buffered (label from next, then next from label), until every
-    // token points at a root again. Labels only decrease, so there are no cycles.
-    bool changed = false;
-    do {
-      for (int i = t; i < tokens; i += threads) label[i] = next[next[i]];
-      __syncthreads();
-      changed = false;
-      for (int i = t; i < tokens; i += threads) {
-        if (next[i] != label[i]) {
-          next[i] = label[i];
-          changed = true;
-        }
-      }
-    } while (__syncthreads_or(changed));
-  }
+  const int* const parent = parents + static_cast<std::size_t>(b) * tokens;
 
   double sum = 0.0, energy = 0.0, clustered = 0.0, roots = 0.0;
   double low = static_cast<double>(INFINITY), high = 0.0;
@@ -314,7 +323,7 @@ __global__ void finish_kernel(int tokens, int words, const double* betas, const 
     clustered += r[kRowClustered];
     low = r[kRowMin] < low ? r[kRowMin] : low;
     high = high < r[kRowMax] ? r[kRowMax] : high;
-    if (label[i] == i) roots += 1.0;
+    if (parent[i] == i) roots += 1.0;
   }
   partial[kRowSum][t] = sum;
   partial[kRowEnergy][t] = energy;
@@ -342,8 +351,7 @@ ObserveScratchSizes observe_scratch_sizes(std::int64_t batch, std::int64_t token
   ObserveScratchSizes sizes;
   sizes.norms = batch * tokens;
   sizes.rows = batch * tokens * kRowFields;
-  sizes.edges = batch * tokens * words_for(static_cast<int>(tokens));
-  sizes.labels = 2 * batch * tokens;
+  sizes.parents = batch * tokens;
   return sizes;
 }
 
@@ -413,20 +421,19 @@ void launch_observe(const T* clouds, int batch, int tokens, int dim, const doubl
                     double cluster_eps, const ObserveScratch& scratch, double* out,
                     cuda::Stream stream) {
   const int rows = batch * tokens;
-  const int words = words_for(tokens);
+  const int tiles = tiles_for(tokens);
   emflow::detail::launch(kOperation, "token_norms_kernel", token_norms_kernel<T>,
                          grid_for(rows, kThreads, kMaxBlocks), kThreads, 0, stream, clouds, rows,
-                         dim, scratch.norms);
-  // A block per token, as wide as its words need (a size that depends on N only, so the
+                         tokens, dim, scratch.norms, scratch.parents);
+  // A block per token, as wide as its tiles need (a size that depends on N only, so the
   // reduction order does too).
-  const int pair_threads = words <= 32 ? 32 : (words <= 64 ? 64 : kThreads);
+  const int pair_threads = tiles <= 32 ? 32 : (tiles <= 64 ? 64 : kThreads);
   emflow::detail::launch(kOperation, "pair_rows_kernel", pair_rows_kernel<T>,
                          static_cast<unsigned>(rows), static_cast<unsigned>(pair_threads), 0,
-                         stream, clouds, tokens, dim, words, betas, scratch.norms, cluster_eps,
-                         scratch.rows, scratch.edges);
+                         stream, clouds, tokens, dim, tiles, betas, scratch.norms, cluster_eps,
+                         scratch.rows, scratch.parents);
   emflow::detail::launch(kOperation, "finish_kernel", finish_kernel, static_cast<unsigned>(batch),
-                         kThreads, 0, stream, tokens, words, betas, scratch.rows, scratch.edges,
-                         scratch.labels, out);
+                         kThreads, 0, stream, tokens, betas, scratch.rows, scratch.parents, out);
 }
 
 #define EMFLOW_FLOW_CUDA_INSTANTIATE(T)                                                        \

@@ -29,15 +29,14 @@ enum ObservableField : int {
 
 /// Device scratch of the observables of B clouds of N tokens (sizes from observe_scratch_sizes).
 struct ObserveScratch {
-  double* norms = nullptr;         ///< (B * N): ||x_i||
-  double* rows = nullptr;          ///< (B * N, kRowFields): per-token sums over its pairs j > i
-  std::uint32_t* edges = nullptr;  ///< (B * N, words): bit j of token i: pair (i, j) clustered
-  int* labels = nullptr;           ///< (B, 2, N): component labels, double-buffered
+  double* norms = nullptr;  ///< (B * N): ||x_i||
+  double* rows = nullptr;   ///< (B * N, kRowFields): per-token sums over its pairs j > i
+  int* parents = nullptr;   ///< (B * N): union-find of the clustered pairs, indices per cloud
 };
 
 /// Element counts of the ObserveScratch arrays for B clouds of N tokens.
 struct ObserveScratchSizes {
-  std::int64_t norms = 0, rows = 0, edges = 0, labels = 0;
+  std::int64_t norms = 0, rows = 0, parents = 0;
 };
 ObserveScratchSizes observe_scratch_sizes(std::int64_t batch, std::int64_t tokens);
 
@@ -77,7 +76,8 @@ void launch_mean_entropy(const T* entropy, int batch, int heads, int tokens,
                          int out_stride, cuda::Stream stream);
 
 /// The observables of B clouds (B, N, d) except the entropy: out (B, kObservableFields).
-/// betas: B doubles on the device. Deterministic: fixed reduction orders, no float atomics.
+/// betas: B doubles on the device. Deterministic: fixed reduction orders, no float atomics; the
+/// cluster count is exact whatever the order of the union-find's joins. O(B N) scratch.
 template <class T>
 void launch_observe(const T* clouds, int batch, int tokens, int dim, const double* betas,
                     double cluster_eps, const ObserveScratch& scratch, double* out,

@@ -150,8 +150,7 @@ class DeviceOps {
     observed_ = cuda::DeviceBuffer<double>(records * betas.size() * kObservableFields);
     norms_ = cuda::DeviceBuffer<double>(static_cast<std::size_t>(sizes.norms));
     rows_ = cuda::DeviceBuffer<double>(static_cast<std::size_t>(sizes.rows));
-    edges_ = cuda::DeviceBuffer<std::uint32_t>(static_cast<std::size_t>(sizes.edges));
-    labels_ = cuda::DeviceBuffer<int>(static_cast<std::size_t>(sizes.labels));
+    parents_ = cuda::DeviceBuffer<int>(static_cast<std::size_t>(sizes.parents));
     betas_.copy_from_host(betas.data(), betas.size(), stream_);
   }
 
@@ -166,8 +165,7 @@ class DeviceOps {
     ObserveScratch scratch;
     scratch.norms = norms_.data();
     scratch.rows = rows_.data();
-    scratch.edges = edges_.data();
-    scratch.labels = labels_.data();
+    scratch.parents = parents_.data();
     launch_observe<T>(x, to_int(B), to_int(N), to_int(d), betas_.data(), cluster_eps_, scratch,
                       observed, stream_);
     return {observed + kEntropy, kObservableFields};
@@ -216,8 +214,7 @@ class DeviceOps {
   cuda::DeviceBuffer<unsigned char> workspace_;
   double cluster_eps_ = 0.0;
   cuda::DeviceBuffer<double> betas_, observed_, norms_, rows_;
-  cuda::DeviceBuffer<std::uint32_t> edges_;
-  cuda::DeviceBuffer<int> labels_;
+  cuda::DeviceBuffer<int> parents_;
 };
 
 // Refuses a batch of B clouds of N tokens in R^d with `heads` heads (and, when `observed`, the
@@ -236,7 +233,6 @@ std::int64_t check_sizes(const char* operation, std::int64_t B, std::int64_t N, 
   if (observed) {
     const ObserveScratchSizes sizes = observe_scratch_sizes(B, N);
     check_fits_int(operation, sizes.rows, "batch * tokens * 5 (observables)");
-    check_fits_int(operation, sizes.edges, "batch * tokens * ceil(tokens / 32) (clustered pairs)");
   }
   emflow::detail::check_no_pending_error(operation);
   return elements;

@@ -1,6 +1,6 @@
 // What the flow does to a cloud, in numbers (REFERENCE.md §4): pairwise inner products, the
 // clustered pairs and their clusters, the interaction energy and the diameter. One pass over
-// the pairs in double on the host.
+// the pairs in double on the host, a row of pairs at a time: O(N d) memory, whatever N.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -46,25 +46,24 @@ struct Components {
 #define EMFLOW_OBSERVE_CLONES
 #endif
 
-// The inner products and squared distances of every pair i < j of a double cloud: the O(N^2 d)
-// part, vectorised (the simd reductions let the compiler reorder the sums) and compiled for
-// AVX2 as well as the baseline, since the library is built without -march.
-EMFLOW_OBSERVE_CLONES void pair_products(const double* x, std::int64_t N, std::int64_t d,
-                                         double* inner, double* distance_sq) {
+// The inner products and squared distances of token i with every later token j > i: the
+// O(N d) inner part of the O(N^2 d) pass, vectorised (the simd reductions let the compiler
+// reorder the sums) and compiled for AVX2 as well as the baseline, since the library is built
+// without -march. Row by row, so the pass needs O(N) scratch rather than two arrays of N^2 / 2.
+EMFLOW_OBSERVE_CLONES void row_products(const double* x, std::int64_t N, std::int64_t d,
+                                        std::int64_t i, double* inner, double* distance_sq) {
+  const double* xi = x + i * d;
   std::int64_t p = 0;
-  for (std::int64_t i = 0; i < N; ++i) {
-    const double* xi = x + i * d;
-    for (std::int64_t j = i + 1; j < N; ++j, ++p) {
-      const double* xj = x + j * d;
-      double g = 0.0, e = 0.0;
+  for (std::int64_t j = i + 1; j < N; ++j, ++p) {
+    const double* xj = x + j * d;
+    double g = 0.0, e = 0.0;
 #pragma omp simd reduction(+ : g, e)
-      for (std::int64_t a = 0; a < d; ++a) {
-        g += xi[a] * xj[a];
-        e += (xi[a] - xj[a]) * (xi[a] - xj[a]);
-      }
-      inner[p] = g;
-      distance_sq[p] = e;
+    for (std::int64_t a = 0; a < d; ++a) {
+      g += xi[a] * xj[a];
+      e += (xi[a] - xj[a]) * (xi[a] - xj[a]);
     }
+    inner[p] = g;
+    distance_sq[p] = e;
   }
 }
 
@@ -79,8 +78,6 @@ Observables observe(const T* cloud, std::int64_t tokens, std::int64_t dim, doubl
   const std::int64_t N = tokens, d = dim;
   const std::vector<double> x(cloud, cloud + N * d);
   const auto pairs = static_cast<std::size_t>(N * (N - 1) / 2);
-  std::vector<double> inner(pairs), distance_sq(pairs);
-  pair_products(x.data(), N, d, inner.data(), distance_sq.data());
 
   std::vector<double> norms(static_cast<std::size_t>(N));
   double energy = 0.0;  // sum_ij exp(beta <x_i, x_j>), the diagonal included
@@ -91,21 +88,26 @@ Observables observe(const T* cloud, std::int64_t tokens, std::int64_t dim, doubl
     energy += std::exp(beta * square);
   }
 
+  // The pairs in the order (i, j > i), i ascending, as every sum below has always run: one row
+  // of inner products and squared distances at a time, the clustered pairs joined as found.
   Observables o;
   o.min_inner = std::numeric_limits<double>::infinity();
   double sum_inner = 0.0, diameter_sq = 0.0;
   std::int64_t clustered = 0, components = N;
   Components graph(N);
-  std::size_t p = 0;
-  for (std::int64_t i = 0; i < N; ++i) {
-    for (std::int64_t j = i + 1; j < N; ++j, ++p) {
+  std::vector<double> inner(static_cast<std::size_t>(N)), distance_sq(inner.size());
+  for (std::int64_t i = 0; i + 1 < N; ++i) {
+    row_products(x.data(), N, d, i, inner.data(), distance_sq.data());
+    const double norm_i = norms[static_cast<std::size_t>(i)];
+    for (std::int64_t j = i + 1; j < N; ++j) {
+      const auto p = static_cast<std::size_t>(j - i - 1);
       const double g = inner[p];
       o.min_inner = std::min(o.min_inner, g);
       sum_inner += g;
       diameter_sq = std::max(diameter_sq, distance_sq[p]);
       energy += 2.0 * std::exp(beta * g);
       // Clustering is about directions: the cosine, which is the inner product on the sphere.
-      const double scale = norms[static_cast<std::size_t>(i)] * norms[static_cast<std::size_t>(j)];
+      const double scale = norm_i * norms[static_cast<std::size_t>(j)];
       if (scale > 0.0 && g > (1.0 - cluster_eps) * scale) {
         ++clustered;
         if (graph.join(i, j)) --components;

@@ -145,8 +145,8 @@ TYPED_TEST(FlowCudaTyped, ObservablesMatchHostObserveWithKnownClusters) {
   }
 }
 
-// More tokens than a block has threads (each thread takes several tokens in the component
-// search) and seven words of pair bits per token (testing::chain_and_groups: 6 clusters).
+// More tokens than a block has threads (each thread takes several tokens in the final count)
+// and seven 32-token tiles of pairs per token (testing::chain_and_groups: 6 clusters).
 TEST(FlowCuda, ObservablesOfALargerCloud) {
   EMFLOW_REQUIRE_CUDA();
   constexpr std::int64_t N = 200, d = 3;
@@ -159,6 +159,53 @@ TEST(FlowCuda, ObservablesOfALargerCloud) {
   const auto gpu = run_flow(x0, {1.0}, {random_layer<float>(d, 1, 4, false)}, s, on(Device::cuda));
   expect_observables(gpu.observables[0], host, "initial cloud");
   const Observables moved = observe(gpu.trajectory.data() + N * d, N, d, 1.0);
+  expect_observables(gpu.observables[1], moved, "after one layer");
+}
+
+// Many clusters and a long chain, for the union-find that pair_rows joins the clustered pairs
+// into: in the plane, a chain of 100 tokens 0.01 rad apart (neighbours clustered at eps = 1e-4,
+// second neighbours not) under scrambled token indices, so that joins meet trees whose roots
+// other threads are hooking; then 20 pairs and 60 single tokens in directions 0.06 rad apart.
+// 81 clusters, 119 clustered pairs.
+template <class T>
+Tensor<T> chain_and_many_clusters() {
+  constexpr std::int64_t N = 200, d = 2;
+  std::vector<std::int64_t> order(N);
+  for (std::int64_t k = 0; k < N; ++k) order[static_cast<std::size_t>(k)] = (k * 73) % N;
+  Tensor<T> x({1, N, d});
+  std::int64_t k = 0;
+  const auto place = [&](double angle) {
+    const std::int64_t i = order[static_cast<std::size_t>(k)];
+    const double radius = 0.5 + 0.1 * static_cast<double>(k % 7);
+    x.data()[i * d] = static_cast<T>(radius * std::cos(angle));
+    x.data()[i * d + 1] = static_cast<T>(radius * std::sin(angle));
+    ++k;
+  };
+  for (int c = 0; c < 100; ++c) place(0.01 * c);
+  for (int g = 0; g < 80; ++g) {
+    place(1.2 + 0.06 * g);
+    if (g < 20) place(1.2 + 0.06 * g);
+  }
+  return x;
+}
+
+TYPED_TEST(FlowCudaTyped, ObservablesWithManyClustersAndALongChain) {
+  using T = TypeParam;
+  EMFLOW_REQUIRE_CUDA();
+  constexpr std::int64_t N = 200, d = 2;
+  constexpr double eps = 1e-4;
+  const Tensor<T> x0 = chain_and_many_clusters<T>();
+  const Observables host = observe(x0.data(), N, d, 1.0, eps);
+  ASSERT_EQ(host.clusters, 81);
+  ASSERT_EQ(host.clustered_fraction, 119.0 / static_cast<double>(N * (N - 1) / 2));
+  FlowSettings s;
+  s.layers = 1;
+  s.cluster_eps = eps;
+  const auto gpu = run_flow(x0, {1.0}, {random_layer<T>(d, 1, 5, false)}, s, on(Device::cuda));
+  ASSERT_EQ(gpu.observables.size(), 2u);
+  EXPECT_EQ(gpu.observables[0].clusters, 81);
+  expect_observables(gpu.observables[0], host, "initial cloud");
+  const Observables moved = observe(gpu.trajectory.data() + N * d, N, d, 1.0, eps);
   expect_observables(gpu.observables[1], moved, "after one layer");
 }
 

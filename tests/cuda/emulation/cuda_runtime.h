@@ -235,8 +235,8 @@ inline cudaError_t cudaMemsetAsync(void* d, int value, std::size_t n, cudaStream
   return cudaSuccess;
 }
 
-// Atomics (phase counts, flow cluster labels): one global lock (blocks run one after another;
-// threads of a block are host threads).
+// Atomics (phase counts, the flow's cluster union-find): one global lock (blocks run one after
+// another; threads of a block are host threads).
 namespace emu {
 inline std::mutex atomic_mutex;  // one for every address and operation
 }
@@ -254,4 +254,14 @@ T atomicAdd(T* address, T value) {
 template <class T>
 T atomicMin(T* address, T value) {
   return emu_atomic(address, [&](T old) { return value < old ? value : old; });
+}
+// The flow's union-find also reads and halves paths without the lock (relaxed __atomic loads and
+// stores in kernels/flow_kernels.cu), so the compare-and-swap reads and writes the word
+// atomically as well as under the lock.
+template <class T>
+T atomicCAS(T* address, T compare, T value) {
+  std::lock_guard<std::mutex> lock(emu::atomic_mutex);
+  const T old = __atomic_load_n(address, __ATOMIC_RELAXED);
+  if (old == compare) __atomic_store_n(address, value, __ATOMIC_RELAXED);
+  return old;
 }
