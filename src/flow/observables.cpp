@@ -1,4 +1,4 @@
-// What the flow does to a cloud, in numbers (REFERENCE.md §4): pairwise inner products, the
+// What the flow does to a cloud, in numbers (docs/MATH.md §5): pairwise inner products, the
 // clustered pairs and their clusters, the interaction energy and the diameter. One pass over
 // the pairs in double on the host, a row of pairs at a time: O(N d) memory, whatever N.
 #include <algorithm>
@@ -7,7 +7,7 @@
 #include <numeric>
 #include <vector>
 
-#include "../core/check.hpp"
+#include "core/check.hpp"
 #include "emflow/flow.hpp"
 
 namespace emflow::flow {
