@@ -3,17 +3,16 @@
 // failed rename brings the old files back, and the temporary files of dead processes are
 // removed by the next write to their target.
 #include <gtest/gtest.h>
-#include <stdlib.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <string>
 #include <vector>
 
+#include "common/files.hpp"
 #include "emflow/error.hpp"
 #include "emflow/io.hpp"
 
@@ -21,60 +20,26 @@ namespace fs = std::filesystem;
 
 namespace {
 
-class OutputCommit : public ::testing::Test {
+using emflow::testing::error_of;
+
+class OutputCommit : public emflow::testing::FileFolder {
  protected:
-  void SetUp() override {
-    std::string folder = ::testing::TempDir() + "emflow_commit_XXXXXX";
-    ASSERT_NE(::mkdtemp(&folder[0]), nullptr);
-    dir_ = fs::canonical(folder);
-  }
+  OutputCommit() : FileFolder("emflow_commit_") {}
   void TearDown() override {
     std::error_code ignored;
     fs::current_path(start_, ignored);
-    fs::remove_all(dir_, ignored);
+    FileFolder::TearDown();
   }
 
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-
-  std::vector<std::string> entries() const {
-    std::vector<std::string> names;
-    for (const auto& entry : fs::directory_iterator(dir_)) {
-      names.push_back(entry.path().filename().string());
-    }
-    std::sort(names.begin(), names.end());
-    return names;
-  }
-
-  void put(const std::string& name, const std::string& text) const {
-    std::ofstream(path(name), std::ios::binary) << text;
-  }
-  std::string text_of(const std::string& name) const {
-    std::ifstream in(path(name), std::ios::binary);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  }
-
-  // The temporary files beside `target` (a file name in dir_).
+  // The temporary files beside `target` (a file name in folder_).
   std::vector<std::string> temporaries_of(const std::string& target) const {
     std::vector<std::string> found;
-    for (const std::string& name : entries()) {
+    for (const std::string& name : entries(".")) {
       if (name.rfind("." + target + ".emflow-tmp-", 0) == 0) found.push_back(name);
     }
     return found;
   }
 
-  template <class Body>
-  static std::string error_of(emflow::ErrorCode code, Body&& body) {
-    try {
-      body();
-    } catch (const emflow::Error& e) {
-      EXPECT_EQ(e.code(), code) << e.what();
-      return e.what();
-    }
-    ADD_FAILURE() << "no emflow::Error";
-    return "";
-  }
-
-  fs::path dir_;
   fs::path start_ = fs::current_path();
 };
 
@@ -91,15 +56,15 @@ pid_t dead_pid() {
 
 TEST_F(OutputCommit, OneFileUnderAnotherSpellingIsRefusedNamingBothOptionsAndTheFile) {
   fs::create_directory(path("sub"));
-  fs::create_directory_symlink(dir_, path("link"));
+  fs::create_directory_symlink(folder_, path("link"));
   put("a.npy", "OLD");
   fs::create_hard_link(path("a.npy"), path("hard.npy"));
   fs::create_symlink(path("a.npy"), path("soft.npy"));
-  fs::current_path(dir_);
+  fs::current_path(folder_);
   const std::string canonical = path("a.npy");
   const std::vector<std::string> spellings = {path("./a.npy"),    path("sub/../a.npy"),
                                               path("link/a.npy"), "a.npy",
-                                              "./sub/../a.npy",   dir_.string() + "//a.npy"};
+                                              "./sub/../a.npy",   folder_.string() + "//a.npy"};
   for (const std::string& spelling : spellings) {
     SCOPED_TRACE(spelling);
     emflow::OutputFiles outputs;
@@ -135,7 +100,7 @@ TEST_F(OutputCommit, DifferentFilesAreAccepted) {
   outputs.stage_npy(path("a.npy2"), kArray);
   outputs.stage_npy(path(".a.npy"), kArray);
   outputs.commit();
-  EXPECT_EQ(entries(), (std::vector<std::string>{".a.npy", "a.npy", "a.npy2"}));
+  EXPECT_EQ(entries("."), (std::vector<std::string>{".a.npy", "a.npy", "a.npy2"}));
   EXPECT_EQ(emflow::read_npy<double>(path("a.npy")).values(), kArray.values());
 }
 
@@ -199,7 +164,7 @@ TEST_F(OutputCommit, AFailedRenameBringsBackTheOldFiles) {
       << message;
   EXPECT_EQ(text_of("a.npy"), "OLD-A");
   EXPECT_EQ(text_of("c.npy"), "OLD-C");
-  EXPECT_EQ(entries(), (std::vector<std::string>{"a.npy", "c.npy"}));  // no backup, no temporary
+  EXPECT_EQ(entries("."), (std::vector<std::string>{"a.npy", "c.npy"}));  // no backup, no temporary
 }
 
 TEST_F(OutputCommit, AFolderAppearingAfterDeclareIsRefusedBeforeAnyRename) {
@@ -214,7 +179,7 @@ TEST_F(OutputCommit, AFolderAppearingAfterDeclareIsRefusedBeforeAnyRename) {
   EXPECT_EQ(message, "--weights: write_npy: cannot write '" + path("w.npy") +
                          "': it is a folder: Is a directory");
   EXPECT_EQ(text_of("a.npy"), "OLD-A");
-  EXPECT_EQ(entries(), (std::vector<std::string>{"a.npy", "w.npy"}));
+  EXPECT_EQ(entries("."), (std::vector<std::string>{"a.npy", "w.npy"}));
   EXPECT_TRUE(fs::is_empty(path("w.npy")));
 }
 
@@ -230,7 +195,7 @@ TEST_F(OutputCommit, TemporariesAreNamedForTheirTargetAndTheProcess) {
   EXPECT_FALSE(word.empty());
   EXPECT_EQ(word.find_first_not_of("0123456789abcdef"), std::string::npos) << word;
   outputs.commit();
-  EXPECT_EQ(entries(), std::vector<std::string>{"a.npy"});
+  EXPECT_EQ(entries("."), std::vector<std::string>{"a.npy"});
 }
 
 TEST_F(OutputCommit, LeftoversOfDeadProcessesAreRemovedByTheNextWriteToTheirTarget) {
@@ -253,12 +218,12 @@ TEST_F(OutputCommit, LeftoversOfDeadProcessesAreRemovedByTheNextWriteToTheirTarg
   std::vector<std::string> expected = kept;
   expected.push_back("a.npy");
   std::sort(expected.begin(), expected.end());
-  EXPECT_EQ(entries(), expected);
+  EXPECT_EQ(entries("."), expected);
 
   // write_npy of one file cleans up the same way.
   put(".b.npy.emflow-tmp-" + dead + "-9", "partial");
   emflow::write_npy(path("b.npy"), kArray);
-  for (const std::string& name : entries()) {
+  for (const std::string& name : entries(".")) {
     EXPECT_EQ(name.find(".b.npy.emflow-tmp-" + dead), std::string::npos) << name;
   }
 }

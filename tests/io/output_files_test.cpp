@@ -1,15 +1,14 @@
 // emflow::OutputFiles: several outputs written all or none, errors that start with the name of
 // the target, and no temporary file left behind whatever happens.
 #include <gtest/gtest.h>
-#include <stdlib.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
 
+#include "common/files.hpp"
 #include "emflow/error.hpp"
 #include "emflow/io.hpp"
 
@@ -17,43 +16,11 @@ namespace fs = std::filesystem;
 
 namespace {
 
-class OutputFilesTest : public ::testing::Test {
+using emflow::testing::error_of;
+
+class OutputFilesTest : public emflow::testing::FileFolder {
  protected:
-  void SetUp() override {
-    std::string folder = ::testing::TempDir() + "emflow_outputs_XXXXXX";
-    ASSERT_NE(::mkdtemp(&folder[0]), nullptr);
-    dir_ = folder;
-  }
-  void TearDown() override {
-    std::error_code ignored;
-    fs::remove_all(dir_, ignored);
-  }
-
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-
-  std::vector<std::string> entries() const {
-    std::vector<std::string> names;
-    for (const auto& entry : fs::directory_iterator(dir_)) {
-      names.push_back(entry.path().filename().string());
-    }
-    std::sort(names.begin(), names.end());
-    return names;
-  }
-
-  // Runs `body`, which must throw emflow::Error with `code`; returns its message.
-  template <class Body>
-  static std::string error_of(emflow::ErrorCode code, Body&& body) {
-    try {
-      body();
-    } catch (const emflow::Error& e) {
-      EXPECT_EQ(e.code(), code) << e.what();
-      return e.what();
-    }
-    ADD_FAILURE() << "no emflow::Error";
-    return "";
-  }
-
-  fs::path dir_;
+  OutputFilesTest() : FileFolder("emflow_outputs_") {}
 };
 
 const emflow::Tensor<double> kArray({2, 3}, {1, 2, 3, 4, 5, 6.5});
@@ -64,9 +31,9 @@ TEST_F(OutputFilesTest, CommitWritesEveryStagedFile) {
   outputs.declare("--csv", path("b.csv"));
   outputs.stage_npy(path("a.npy"), kArray);
   outputs.stage_bytes(path("b.csv"), "x,y\n1,2\n");
-  EXPECT_EQ(entries().size(), 2u);  // two temporary files, no target yet
+  EXPECT_EQ(entries(".").size(), 2u);  // two temporary files, no target yet
   outputs.commit();
-  EXPECT_EQ(entries(), (std::vector<std::string>{"a.npy", "b.csv"}));
+  EXPECT_EQ(entries("."), (std::vector<std::string>{"a.npy", "b.csv"}));
   const emflow::Tensor<double> back = emflow::read_npy<double>(path("a.npy"));
   EXPECT_EQ(back.shape(), kArray.shape());
   EXPECT_EQ(back.values(), kArray.values());
@@ -84,7 +51,7 @@ TEST_F(OutputFilesTest, AFailedRenameTakesBackTheTargetsAlreadyInPlace) {
   const std::string message = error_of(emflow::ErrorCode::io, [&] { outputs.commit(); });
   EXPECT_EQ(message.rfind("--weights: write_npy: cannot write '" + path("taken") + "'", 0), 0u)
       << message;
-  EXPECT_EQ(entries(), std::vector<std::string>{"taken"});
+  EXPECT_EQ(entries("."), std::vector<std::string>{"taken"});
   EXPECT_TRUE(fs::is_empty(path("taken")));
 }
 
@@ -94,7 +61,7 @@ TEST_F(OutputFilesTest, WithoutCommitNothingIsWritten) {
     outputs.declare("--out", path("a.npy"));
     outputs.stage_npy(path("a.npy"), kArray);
   }
-  EXPECT_TRUE(entries().empty());
+  EXPECT_TRUE(entries(".").empty());
 }
 
 TEST_F(OutputFilesTest, DeclareRefusesBadTargetsNamingThem) {
@@ -103,18 +70,17 @@ TEST_F(OutputFilesTest, DeclareRefusesBadTargetsNamingThem) {
   using emflow::ErrorCode;
   EXPECT_EQ(error_of(ErrorCode::invalid_argument, [&] { outputs.declare("--lse", ""); }),
             "--lse needs a file name, got ''");
-  EXPECT_EQ(
-      error_of(ErrorCode::invalid_argument, [&] { outputs.declare("--lse", path("a.npy")); }),
-      "--lse '" + path("a.npy") + "' is also the file of --out '" + path("a.npy") +
-          "' (both are '" + fs::weakly_canonical(path("a.npy")).string() +
-          "'); each output needs its own file");
+  EXPECT_EQ(error_of(ErrorCode::invalid_argument, [&] { outputs.declare("--lse", path("a.npy")); }),
+            "--lse '" + path("a.npy") + "' is also the file of --out '" + path("a.npy") +
+                "' (both are '" + fs::weakly_canonical(path("a.npy")).string() +
+                "'); each output needs its own file");
   EXPECT_EQ(
       error_of(ErrorCode::invalid_argument, [&] { outputs.declare("--lse", path("no/l.npy")); }),
       "--lse '" + path("no/l.npy") + "': the folder '" + path("no") + "' does not exist");
   const std::string undeclared =
       error_of(ErrorCode::invalid_argument, [&] { outputs.stage_npy(path("b.npy"), kArray); });
   EXPECT_NE(undeclared.find("was not declared"), std::string::npos) << undeclared;
-  EXPECT_TRUE(entries().empty());
+  EXPECT_TRUE(entries(".").empty());
 }
 
 }  // namespace

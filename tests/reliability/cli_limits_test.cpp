@@ -2,17 +2,15 @@
 // option, the file and the first offending element; outputs too large for memory are refused
 // before anything is computed; a refused run leaves no output file.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <string>
 #include <vector>
 
+#include "common/cli.hpp"
 #include "common/testing.hpp"
 #include "emflow/io.hpp"
 #include "emflow/tensor.hpp"
@@ -22,23 +20,11 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct Outcome {
-  int status = -1;  // exit status, -1 when the process did not exit normally
-  std::string err;
-};
+using testing::CliRun;
 
-class CliLimits : public testing::ScratchFolder {
+class CliLimits : public testing::CliFolder {
  protected:
-  CliLimits() : ScratchFolder("emflow_cli_limits_") {}
-  void SetUp() override {
-#ifndef EMFLOW_CLI_PATH
-    GTEST_SKIP() << "the emflow command-line tool is not built (EMFLOW_BUILD_CLI=OFF)";
-#endif
-    ScratchFolder::SetUp();
-    fs::create_directories(folder_ / "out");
-  }
-
-  std::string path(const std::string& name) const { return (folder_ / name).string(); }
+  CliLimits() : CliFolder("emflow_cli_limits_", "out") {}
 
   template <class T>
   std::string input(const std::string& name, const Shape& shape, double scale = 0.25) {
@@ -48,31 +34,6 @@ class CliLimits : public testing::ScratchFolder {
     }
     write_npy(path(name), array);
     return path(name);
-  }
-
-  Outcome emflow(const std::string& arguments) const {
-#ifdef EMFLOW_CLI_PATH
-    const std::string err = path("stderr.txt");
-    const std::string command =
-        std::string("'") + EMFLOW_CLI_PATH + "' " + arguments + " >/dev/null 2>'" + err + "'";
-    const int raw = std::system(command.c_str());
-    Outcome run;
-    run.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-    std::ifstream in(err);
-    run.err.assign(std::istreambuf_iterator<char>(in), {});
-    return run;
-#else
-    (void)arguments;
-    return {};
-#endif
-  }
-
-  std::vector<std::string> outputs() const {
-    std::vector<std::string> names;
-    for (const auto& entry : fs::directory_iterator(folder_ / "out")) {
-      names.push_back(entry.path().filename().string());
-    }
-    return names;
   }
 };
 
@@ -85,17 +46,17 @@ TEST_F(CliLimits, CheckFiniteNamesTheFileAndTheFirstBadElementOfTheCloud) {
   const std::string common = "attend --x " + path("x.npy") + " --m " + m + " --f " + f +
                              " --device cpu --out " + path("out/u.npy");
 
-  const Outcome refused = emflow(common + " --check-finite");
+  const CliRun refused = emflow(common + " --check-finite");
   EXPECT_EQ(refused.status, 1) << refused.err;
   EXPECT_EQ(
       refused.err.rfind("emflow: error: --x '" + path("x.npy") + "': element [1, 5, 2] is ", 0), 0u)
       << refused.err;
   EXPECT_NE(refused.err.find("nan"), std::string::npos) << refused.err;
-  EXPECT_TRUE(outputs().empty());
+  EXPECT_TRUE(entries("out").empty());
 
   // Without the option the run goes ahead (the policy: the NaN reaches the queries that see it):
   // cloud 0 is untouched and stays finite.
-  const Outcome accepted = emflow(common);
+  const CliRun accepted = emflow(common);
   ASSERT_EQ(accepted.status, 0) << accepted.err;
   const Tensor<float> update = read_npy<float>(path("out/u.npy"));
   for (std::int64_t i = 0; i < 21; ++i) EXPECT_TRUE(std::isfinite(update[i])) << i;
@@ -109,7 +70,7 @@ TEST_F(CliLimits, CheckFiniteCoversEveryFloatInput) {
                              " --f " + f + " --key-bias " + u + " --offset " + c + " --out " +
                              path("out/u.npy");
   // Clean input passes the check.
-  const Outcome clean = emflow(common);
+  const CliRun clean = emflow(common);
   ASSERT_EQ(clean.status, 0) << clean.err;
   fs::remove(path("out/u.npy"));
 
@@ -129,12 +90,12 @@ TEST_F(CliLimits, CheckFiniteCoversEveryFloatInput) {
     Tensor<double> values = clean_values;
     values[bad.flat] = -std::numeric_limits<double>::infinity();
     write_npy(bad.file, values);
-    const Outcome run = emflow(common);
+    const CliRun run = emflow(common);
     EXPECT_EQ(run.status, 1);
     EXPECT_NE(run.err.find(bad.option + " '" + bad.file + "': element " + bad.index + " is -inf"),
               std::string::npos)
         << run.err;
-    EXPECT_TRUE(outputs().empty());
+    EXPECT_TRUE(entries("out").empty());
     write_npy(bad.file, clean_values);
   }
 }
@@ -148,12 +109,12 @@ TEST_F(CliLimits, FlowCheckFiniteNamesTheFileAndTheFirstBadElement) {
   const std::string common = "flow --layers 2 --x " + path("x.npy") + " --f " + f + " --out " +
                              path("out/t.npy") + " --check-finite --m ";
 
-  Outcome refused = emflow(common + path("m.npy"));
+  CliRun refused = emflow(common + path("m.npy"));
   EXPECT_EQ(refused.status, 1) << refused.err;
   EXPECT_NE(refused.err.find("--x '" + path("x.npy") + "': element [2, 1] is nan"),
             std::string::npos)
       << refused.err;
-  EXPECT_TRUE(outputs().empty());
+  EXPECT_TRUE(entries("out").empty());
 
   input<float>("x.npy", {4, 3});  // clean again
   relevance[9 + 4] = std::numeric_limits<float>::infinity();
@@ -163,20 +124,20 @@ TEST_F(CliLimits, FlowCheckFiniteNamesTheFileAndTheFirstBadElement) {
   EXPECT_NE(refused.err.find("--m '" + path("m.npy") + "': element [1, 1, 1] is inf"),
             std::string::npos)
       << refused.err;
-  EXPECT_TRUE(outputs().empty());
+  EXPECT_TRUE(entries("out").empty());
 }
 
 TEST_F(CliLimits, WeightsThatCannotFitInMemoryAreRefusedUpFront) {
   // 2^20 tokens make a 4 MiB cloud but 2^40 weights (4 TiB): refused, not attempted.
   const std::string x = input<float>("x.npy", {std::int64_t{1} << 20, 1});
   const std::string m = input<float>("m.npy", {1, 1}), f = input<float>("f.npy", {1, 1});
-  const Outcome run = emflow("attend --device cpu --x " + x + " --m " + m + " --f " + f +
-                             " --out " + path("out/u.npy") + " --weights " + path("out/w.npy"));
+  const CliRun run = emflow("attend --device cpu --x " + x + " --m " + m + " --f " + f + " --out " +
+                            path("out/u.npy") + " --weights " + path("out/w.npy"));
   EXPECT_EQ(run.status, 1) << run.err;
   EXPECT_NE(run.err.find("--weights (B H N N values) needs 4398046511104 bytes"), std::string::npos)
       << run.err;
   EXPECT_NE(run.err.find("bytes of memory available"), std::string::npos) << run.err;
-  EXPECT_TRUE(outputs().empty());
+  EXPECT_TRUE(entries("out").empty());
 }
 
 TEST_F(CliLimits, StatisticsThatCannotFitInMemoryAreRefusedUpFront) {
@@ -184,13 +145,13 @@ TEST_F(CliLimits, StatisticsThatCannotFitInMemoryAreRefusedUpFront) {
   const std::string x = input<float>("x.npy", {std::int64_t{1} << 22, 1});
   const std::string m = input<float>("m.npy", {std::int64_t{1} << 20, 1, 1});
   const std::string f = input<float>("f.npy", {std::int64_t{1} << 20, 1, 1});
-  const Outcome run = emflow("attend --device cpu --x " + x + " --m " + m + " --f " + f +
-                             " --out " + path("out/u.npy") + " --lse " + path("out/l.npy"));
+  const CliRun run = emflow("attend --device cpu --x " + x + " --m " + m + " --f " + f + " --out " +
+                            path("out/u.npy") + " --lse " + path("out/l.npy"));
   EXPECT_EQ(run.status, 1) << run.err;
   EXPECT_NE(run.err.find("--lse/--entropy (B H N values) needs 17592186044416 bytes"),
             std::string::npos)
       << run.err;
-  EXPECT_TRUE(outputs().empty());
+  EXPECT_TRUE(entries("out").empty());
 }
 
 }  // namespace

@@ -2,16 +2,14 @@
 // largest factor and list them all, out of memory names the output and its bytes, --threads is
 // bounded, and --mask parses surrounding whitespace the same for every form.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <string>
 #include <thread>
 
+#include "common/cli.hpp"
+#include "common/testing.hpp"
 #include "emflow/error.hpp"
 #include "emflow/io.hpp"
 #include "emflow/types.hpp"
@@ -21,47 +19,11 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct Outcome {
-  int status = -1;
-  std::string err;
-};
+using testing::CliRun;
 
-class CliMessages : public ::testing::Test {
+class CliMessages : public testing::CliFolder {
  protected:
-  void SetUp() override {
-#ifndef EMFLOW_CLI_PATH
-    GTEST_SKIP() << "the emflow command-line tool is not built (EMFLOW_BUILD_CLI=OFF)";
-#endif
-    folder_ = fs::temp_directory_path() /
-              ("emflow_cli_messages_" + std::to_string(::getpid()) + "_" +
-               ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(folder_ / "out");
-  }
-  void TearDown() override {
-    std::error_code ignored;
-    fs::remove_all(folder_, ignored);
-  }
-
-  std::string path(const std::string& name) const { return (folder_ / name).string(); }
-
-  // Runs emflow with `arguments` after the shell words `prefix` (e.g. a ulimit).
-  Outcome emflow(const std::string& arguments, const std::string& prefix = "") const {
-#ifdef EMFLOW_CLI_PATH
-    const std::string err = path("stderr.txt");
-    const std::string command =
-        prefix + " '" + EMFLOW_CLI_PATH + "' " + arguments + " >/dev/null 2>'" + err + "'";
-    const int raw = std::system(command.c_str());
-    Outcome run;
-    run.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-    std::ifstream in(err);
-    run.err.assign(std::istreambuf_iterator<char>(in), {});
-    return run;
-#else
-    (void)arguments;
-    (void)prefix;
-    return {};
-#endif
-  }
+  CliMessages() : CliFolder("emflow_cli_messages_", "out") {}
 
   std::string attend(std::int64_t tokens = 6) const {
     Tensor<float> x({tokens, 2}), m({2, 2}, {0.5f, 0, 0, 0.5f});
@@ -71,12 +33,10 @@ class CliMessages : public ::testing::Test {
     return "attend --device cpu --x " + path("x.npy") + " --m " + path("m.npy") + " --f " +
            path("m.npy");
   }
-
-  fs::path folder_;
 };
 
 TEST_F(CliMessages, SizesTooLargeNameTheLargestFactor) {
-  Outcome run = emflow("flow --tokens 1000000000");
+  CliRun run = emflow("flow --tokens 1000000000");
   EXPECT_EQ(run.status, 1);
   EXPECT_EQ(run.err,
             "emflow: error: --tokens is too large: --batch 1 x --tokens 1000000000 x --dim 3 = "
@@ -117,9 +77,9 @@ TEST_F(CliMessages, OutOfMemoryNamesTheOutputAndItsBytes) {
 #else
   // 2^15 tokens: the weights need 2^30 floats (4 GiB), far more than the 1 GiB of address
   // space the run gets, but less than the machine's memory, so only the allocation fails.
-  const Outcome run = emflow(attend(std::int64_t{1} << 15) + " --out " + path("out/d.npy") +
-                                 " --weights " + path("out/w.npy"),
-                             "ulimit -v 1048576;");
+  const CliRun run = emflow(attend(std::int64_t{1} << 15) + " --out " + path("out/d.npy") +
+                                " --weights " + path("out/w.npy"),
+                            "ulimit -v 1048576;");
   EXPECT_EQ(run.status, 1);
   if (run.err.find("bytes of memory available") != std::string::npos) {
     GTEST_SKIP() << "this machine has less than 4 GiB: " << run.err;
@@ -136,7 +96,7 @@ TEST_F(CliMessages, ThreadsAreBounded) {
   const unsigned cores = std::thread::hardware_concurrency();
   const int limit = cores == 0 ? 1024 : static_cast<int>(4 * cores);
   const std::string common = attend() + " --out " + path("out/d.npy") + " --threads ";
-  Outcome run = emflow(common + "10000");
+  CliRun run = emflow(common + "10000");
   EXPECT_EQ(run.status, 1);
   EXPECT_EQ(run.err, "emflow: error: --threads must be at most " + std::to_string(limit) +
                          " (4 per core of the " + std::to_string(cores) +
@@ -170,7 +130,7 @@ TEST_F(CliMessages, MaskWhitespaceIsTrimmedAroundAndRefusedInside) {
   }
   // The command line agrees: "causal " computes what "causal" does.
   const std::string common = attend() + " --mask ";
-  Outcome run = emflow(common + "'causal ' --out " + path("out/a.npy"));
+  CliRun run = emflow(common + "'causal ' --out " + path("out/a.npy"));
   ASSERT_EQ(run.status, 0) << run.err;
   run = emflow(common + "causal --out " + path("out/b.npy"));
   ASSERT_EQ(run.status, 0) << run.err;

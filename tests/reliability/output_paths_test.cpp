@@ -7,16 +7,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "common/cli.hpp"
+#include "common/testing.hpp"
 #include "emflow/io.hpp"
 #include "emflow/tensor.hpp"
 
@@ -25,32 +25,19 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct Outcome {
-  int status = -1;  // exit status, -1 when the process did not exit normally
-  std::string err;
-};
+using testing::CliRun;
 
-class OutputPaths : public ::testing::Test {
+class OutputPaths : public testing::CliFolder {
  protected:
+  OutputPaths() : CliFolder("emflow_output_paths_", "o") {}
   void SetUp() override {
-#ifndef EMFLOW_CLI_PATH
-    GTEST_SKIP() << "the emflow command-line tool is not built (EMFLOW_BUILD_CLI=OFF)";
-#endif
-    folder_ = fs::temp_directory_path() /
-              ("emflow_output_paths_" + std::to_string(::getpid()) + "_" +
-               ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(folder_);
-    fs::create_directories(folder_ / "o");
-    folder_ = fs::canonical(folder_);
+    CliFolder::SetUp();
+    if (IsSkipped()) return;
     write_npy(path("x.npy"), cloud(64, 4));
     Tensor<float> identity({4, 4});
     for (int i = 0; i < 4; ++i) identity[i * 5] = 0.5f;
     write_npy(path("m.npy"), identity);
     write_npy(path("f.npy"), identity);
-  }
-  void TearDown() override {
-    std::error_code ignored;
-    fs::remove_all(folder_, ignored);
   }
 
   static Tensor<float> cloud(std::int64_t tokens, std::int64_t dim) {
@@ -61,7 +48,6 @@ class OutputPaths : public ::testing::Test {
     return x;
   }
 
-  std::string path(const std::string& name) const { return (folder_ / name).string(); }
   std::string attend() const {
     return "attend --device cpu --x " + path("x.npy") + " --m " + path("m.npy") + " --f " +
            path("f.npy");
@@ -92,32 +78,11 @@ class OutputPaths : public ::testing::Test {
     return child;
   }
 
-  Outcome emflow(const std::string& arguments) const {
+  CliRun emflow(const std::string& arguments) const {
     const pid_t child = start(arguments);
     int raw = 0;
     ::waitpid(child, &raw, 0);
-    Outcome run;
-    run.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-    std::ifstream in(path("stderr.txt"));
-    run.err.assign(std::istreambuf_iterator<char>(in), {});
-    return run;
-  }
-
-  std::vector<std::string> entries(const std::string& sub = "o") const {
-    std::vector<std::string> names;
-    for (const auto& entry : fs::directory_iterator(folder_ / sub)) {
-      names.push_back(entry.path().filename().string());
-    }
-    std::sort(names.begin(), names.end());
-    return names;
-  }
-
-  void put(const std::string& name, const std::string& text) const {
-    std::ofstream(path(name), std::ios::binary) << text;
-  }
-  std::string text_of(const std::string& name) const {
-    std::ifstream in(path(name), std::ios::binary);
-    return std::string(std::istreambuf_iterator<char>(in), {});
+    return testing::cli_outcome(raw, path("stderr.txt"));
   }
 
   // Whether `name` still holds what put() wrote there ("OLD <name>"), without printing a whole
@@ -128,8 +93,6 @@ class OutputPaths : public ::testing::Test {
     return ::testing::AssertionFailure() << name << " was replaced (" << text.size()
                                          << " bytes, starting '" << text.substr(0, 6) << "')";
   }
-
-  fs::path folder_;
 };
 
 TEST_F(OutputPaths, AttendRefusesTwoOutputsThatAreOneFile) {
@@ -139,16 +102,16 @@ TEST_F(OutputPaths, AttendRefusesTwoOutputsThatAreOneFile) {
                                               "olink/d.npy", path("o//d.npy")};
   for (const std::string& spelling : spellings) {
     SCOPED_TRACE(spelling);
-    const Outcome run = emflow(attend() + " --out o/d.npy --lse " + spelling);
+    const CliRun run = emflow(attend() + " --out o/d.npy --lse " + spelling);
     EXPECT_EQ(run.status, 1) << run.err;
     EXPECT_EQ(run.err, "emflow: error: --lse '" + spelling + "' is also the file of --out " +
                            "'o/d.npy' (both are '" + d + "'); each output needs its own file\n");
-    EXPECT_TRUE(entries().empty());
+    EXPECT_TRUE(entries("o").empty());
   }
   // A hard link to an existing output.
   put("o/d.npy", "OLD");
   fs::create_hard_link(d, path("o/e.npy"));
-  const Outcome run = emflow(attend() + " --out o/d.npy --weights o/e.npy");
+  const CliRun run = emflow(attend() + " --out o/d.npy --weights o/e.npy");
   EXPECT_EQ(run.status, 1) << run.err;
   EXPECT_NE(run.err.find("--weights 'o/e.npy' is also the file of --out 'o/d.npy'"),
             std::string::npos)
@@ -157,33 +120,33 @@ TEST_F(OutputPaths, AttendRefusesTwoOutputsThatAreOneFile) {
 }
 
 TEST_F(OutputPaths, FlowAndPhaseRefuseTwoOutputsThatAreOneFile) {
-  Outcome run = emflow("flow --tokens 4 --time 0.2 --out o/o.npy --plot o/./o.npy");
+  CliRun run = emflow("flow --tokens 4 --time 0.2 --out o/o.npy --plot o/./o.npy");
   EXPECT_EQ(run.status, 1) << run.err;
   EXPECT_NE(run.err.find("--plot 'o/./o.npy' is also the file of --out 'o/o.npy' (both are '" +
                          path("o/o.npy") + "')"),
             std::string::npos)
       << run.err;
-  EXPECT_TRUE(entries().empty());
+  EXPECT_TRUE(entries("o").empty());
   run = emflow("phase --tokens 4 --clouds 2 --betas 1:2:2 --time 0.2 --plot o/p.png --out " +
                path("o/p.png"));
   EXPECT_EQ(run.status, 1) << run.err;
   EXPECT_NE(run.err.find("--out '" + path("o/p.png") + "' is also the file of --plot 'o/p.png'"),
             std::string::npos)
       << run.err;
-  EXPECT_TRUE(entries().empty());
+  EXPECT_TRUE(entries("o").empty());
 }
 
 TEST_F(OutputPaths, AnOutputOverAnInputIsRefused) {
   const std::string before = text_of("x.npy");
   for (const std::string& spelling : {std::string("x.npy"), std::string("./o/../x.npy")}) {
     SCOPED_TRACE(spelling);
-    const Outcome run = emflow(attend() + " --out " + spelling);
+    const CliRun run = emflow(attend() + " --out " + spelling);
     EXPECT_EQ(run.status, 1) << run.err;
     EXPECT_EQ(run.err, "emflow: error: --out '" + spelling + "' is the input file of --x '" +
                            path("x.npy") + "' (both are '" + path("x.npy") +
                            "'); an output may not replace an input of the same run\n");
   }
-  Outcome run = emflow(attend() + " --out o/d.npy --lse " + path("m.npy"));
+  CliRun run = emflow(attend() + " --out o/d.npy --lse " + path("m.npy"));
   EXPECT_EQ(run.status, 1) << run.err;
   EXPECT_NE(run.err.find("--lse '" + path("m.npy") + "' is the input file of --m"),
             std::string::npos)
@@ -193,17 +156,17 @@ TEST_F(OutputPaths, AnOutputOverAnInputIsRefused) {
   EXPECT_NE(run.err.find("--out './x.npy' is the input file of --x 'x.npy'"), std::string::npos)
       << run.err;
   EXPECT_EQ(text_of("x.npy"), before);
-  EXPECT_TRUE(entries().empty());
+  EXPECT_TRUE(entries("o").empty());
 }
 
 TEST_F(OutputPaths, AFolderWhereAnOutputShouldGoKeepsTheOldFiles) {
   put("o/d.npy", "OLD");
   fs::create_directory(path("o/wdir"));
-  const Outcome run = emflow(attend() + " --out o/d.npy --weights o/wdir");
+  const CliRun run = emflow(attend() + " --out o/d.npy --weights o/wdir");
   EXPECT_EQ(run.status, 1) << run.err;
   EXPECT_EQ(run.err, "emflow: error: --weights 'o/wdir' is a folder; expected a file name\n");
   EXPECT_EQ(text_of("o/d.npy"), "OLD");
-  EXPECT_EQ(entries(), (std::vector<std::string>{"d.npy", "wdir"}));
+  EXPECT_EQ(entries("o"), (std::vector<std::string>{"d.npy", "wdir"}));
 }
 
 // Killed while the last temporary file is being flushed (the long part of a large --weights),
@@ -220,7 +183,7 @@ TEST_F(OutputPaths, AKillBeforeTheRenamesLeavesEveryOldFile) {
   const std::string prefix = ".emflow-tmp-" + std::to_string(child) + "-";
   auto temporaries = [&] {
     int count = 0;
-    for (const std::string& name : entries()) count += name.find(prefix) != std::string::npos;
+    for (const std::string& name : entries("o")) count += name.find(prefix) != std::string::npos;
     return count;
   };
   EXPECT_EQ(temporaries(), 3);
@@ -232,9 +195,9 @@ TEST_F(OutputPaths, AKillBeforeTheRenamesLeavesEveryOldFile) {
   EXPECT_EQ(temporaries(), 3);  // SIGKILL cleans nothing up
 
   // The next run on the same targets writes every output and removes the leftovers.
-  const Outcome run = emflow(arguments);
+  const CliRun run = emflow(arguments);
   ASSERT_EQ(run.status, 0) << run.err;
-  EXPECT_EQ(entries(), (std::vector<std::string>{"d.npy", "l.npy", "w.npy"}));
+  EXPECT_EQ(entries("o"), (std::vector<std::string>{"d.npy", "l.npy", "w.npy"}));
   EXPECT_EQ(read_npy<float>(path("o/d.npy")).shape(), (Shape{1, 1024, 4}));
   EXPECT_EQ(read_npy<float>(path("o/l.npy")).shape(), (Shape{1, 1, 1024}));
   const Tensor<float> weights = read_npy<float>(path("o/w.npy"));

@@ -107,4 +107,14 @@ void expect_nan_reach(const Problem& p, const std::function<void(Buffers<T>&)>& 
   }
 }
 
+/// The checks of a float run `actual` at the largest beta a float call accepts against the double
+/// reference `expected`: the softmax is a hard maximum and both find the same key.
+inline void expect_agrees_at_beta_bound(const Buffers<float>& actual,
+                                        const Buffers<double>& expected) {
+  ASSERT_TRUE(all_finite_or_neg_inf(actual.update));
+  EXPECT_LT(relative_error(actual.update, expected.update), 1e-5);
+  EXPECT_LT(relative_error(actual.lse, expected.lse), 1e-5);
+  EXPECT_LT(max_abs_difference(actual.entropy, expected.entropy), 1e-6);
+}
+
 }  // namespace emflow::testing

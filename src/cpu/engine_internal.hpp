@@ -1,0 +1,111 @@
+// Internal to the fused CPU engine (engine.cpp, engine_block.cpp): its tile sizes, its working
+// memory and the shapes and operands its two phases share.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "core/check.hpp"
+#include "engine.hpp"
+#include "simd.hpp"
+
+namespace emflow::detail::cpu::engine {
+
+inline constexpr std::int64_t kKeyTile = 32;     // keys per score tile
+inline constexpr std::int64_t kTokenAlign = 64;  // buffers hold the tokens rounded up to this
+#if EMFLOW_CPU_LANES == 16
+inline constexpr int kChunkRows = 8;  // 8 x 32 scores = 16 accumulators of 16 lanes
+#else
+inline constexpr int kChunkRows = 4;
+#endif
+inline constexpr int kContentRows = kChunkRows;  // rows per content micro-kernel call (O += P V)
+inline constexpr std::int64_t kProjectionRows = 4;
+inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+static_assert(kTokenAlign % kKeyTile == 0 && kTokenAlign % kChunkRows == 0, "tile sizes");
+
+/// Zero-filled float storage aligned to a cache line, freed with the object.
+class AlignedBuffer {
+ public:
+  AlignedBuffer() = default;
+  explicit AlignedBuffer(std::int64_t count) {
+    const std::size_t bytes = (static_cast<std::size_t>(count) * sizeof(float) + 63) / 64 * 64;
+    if (bytes == 0) return;
+    data_.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
+    if (!data_) {
+      fail(ErrorCode::out_of_memory, "attend: could not allocate ", bytes,
+           " bytes of CPU working memory");
+    }
+    std::memset(data_.get(), 0, bytes);
+  }
+  float* data() const { return data_.get(); }
+
+ private:
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  std::unique_ptr<float, Free> data_;
+};
+
+inline std::int64_t round_up(std::int64_t n, std::int64_t multiple) {
+  return (n + multiple - 1) / multiple * multiple;
+}
+
+/// The shapes every task shares.
+struct Geometry {
+  std::int64_t tokens = 0, padded_tokens = 0, dim = 0, heads = 0;
+  std::int64_t score_dim = 0, score_stride = 0;  // query rows, key panels
+  std::int64_t value_dim = 0, value_stride = 0;
+  std::int64_t dim_stride = 0;  // update rows
+  std::int64_t query_block = 64;
+  bool shared_keys = true;
+  std::int64_t query_floats() const { return padded_tokens * score_stride; }
+  std::int64_t key_floats() const { return padded_tokens * score_dim; }
+  std::int64_t value_floats() const { return padded_tokens * value_stride; }
+};
+
+/// Per-thread working memory: O(query_block x (value_dim + dim)) floats.
+struct Scratch {
+  AlignedBuffer head_output;       // O: query_block x value_stride
+  AlignedBuffer update;            // delta: query_block x dim_stride
+  AlignedBuffer scores;            // S, then P: kChunkRows x kKeyTile
+  AlignedBuffer sums;              // Z per lane: query_block x kLanes
+  AlignedBuffer entropy_sums;      // E per lane: query_block x kLanes
+  AlignedBuffer projected;         // one block of projected keys: kTokenAlign x score_stride
+  AlignedBuffer rows;              // kProjectionRows cloud rows, zero padded
+  std::vector<float> running_max;  // m: query_block
+  std::vector<float> row_lse;      // lse of the current head: query_block
+  std::vector<char> saw_key;       // per query row: some head had a visible key
+
+  explicit Scratch(const Geometry& g)
+      : head_output(g.query_block * g.value_stride),
+        update(g.query_block * g.dim_stride),
+        scores(kChunkRows * kKeyTile),
+        sums(g.query_block * kLanes),
+        entropy_sums(g.query_block * kLanes),
+        projected(g.shared_keys ? 0 : kTokenAlign * g.score_stride),
+        rows(kProjectionRows * g.dim),
+        running_max(static_cast<std::size_t>(g.query_block)),
+        row_lse(static_cast<std::size_t>(g.query_block)),
+        saw_key(static_cast<std::size_t>(g.query_block)) {}
+};
+
+/// The operands of one head of one cloud.
+struct HeadOperands {
+  float* queries;  // padded_tokens x score_stride
+  float* panels;   // padded_tokens / kKeyTile panels of score_dim x kKeyTile
+  float* values;   // padded_tokens x value_stride
+};
+
+/// Attention of the queries [query_begin, query_begin + g.query_block) of cloud `b` (all heads)
+/// against the projected operands `heads`, written to the outputs (phase 2, engine_block.cpp).
+void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
+                  const std::vector<HeadOperands>& heads, const EngineLayer& layer,
+                  const Mask& mask, std::int64_t length, const AttentionOutput<float>& out,
+                  Scratch& s);
+
+}  // namespace emflow::detail::cpu::engine

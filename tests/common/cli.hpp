@@ -1,0 +1,73 @@
+// Runs the emflow binary of the build from a test. Header-only: EMFLOW_CLI_PATH is defined for
+// each test suite, not for the shared helper library.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <utility>
+
+#include "common/files.hpp"
+
+namespace emflow::testing {
+
+/// How a run of emflow ended.
+struct CliRun {
+  int status = -1;  // exit status, -1 when the process did not exit normally
+  std::string err;  // what it wrote to stderr
+};
+
+/// The CliRun of a child whose wait status is `raw` and whose stderr went to `stderr_path`.
+inline CliRun cli_outcome(int raw, const std::string& stderr_path) {
+  CliRun run;
+  run.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  std::ifstream in(stderr_path);
+  run.err.assign(std::istreambuf_iterator<char>(in), {});
+  return run;
+}
+
+/// Runs emflow with `arguments` (shell words) after the shell words `prefix` (e.g. a ulimit),
+/// stdout discarded and stderr written to `stderr_path`.
+inline CliRun run_cli(const std::string& arguments, const std::string& stderr_path,
+                      const std::string& prefix = "") {
+#ifdef EMFLOW_CLI_PATH
+  const std::string command =
+      prefix + " '" + EMFLOW_CLI_PATH + "' " + arguments + " >/dev/null 2>'" + stderr_path + "'";
+  return cli_outcome(std::system(command.c_str()), stderr_path);
+#else
+  (void)arguments;
+  (void)stderr_path;
+  (void)prefix;
+  return {};
+#endif
+}
+
+/// A FileFolder for tests of the emflow binary, with the subfolder `outputs` (none when empty)
+/// made in it: skips the test when the binary is not built.
+class CliFolder : public FileFolder {
+ protected:
+  explicit CliFolder(std::string prefix, std::string outputs = "")
+      : FileFolder(std::move(prefix)), outputs_(std::move(outputs)) {}
+  void SetUp() override {
+#ifndef EMFLOW_CLI_PATH
+    GTEST_SKIP() << "the emflow command-line tool is not built (EMFLOW_BUILD_CLI=OFF)";
+#endif
+    FileFolder::SetUp();
+    if (!outputs_.empty()) std::filesystem::create_directories(folder_ / outputs_);
+  }
+
+  /// run_cli() with its stderr in the folder.
+  CliRun emflow(const std::string& arguments, const std::string& prefix = "") const {
+    return run_cli(arguments, path("stderr.txt"), prefix);
+  }
+
+ private:
+  std::string outputs_;
+};
+
+}  // namespace emflow::testing
