@@ -23,6 +23,24 @@ std::int64_t at(std::int64_t b, std::int64_t i, std::int64_t a, std::int64_t row
   return (b * rows + i) * cols + a;
 }
 
+// Every token mapped by a (d, d) matrix A given element by element: row i of the result is
+// A x_i, y_{b,i,a} = sum_k A(a, k) x_{b,i,k}, summed over k in order.
+template <class Element>
+Tensor<double> map_tokens(const Tensor<double>& cloud, const CloudShape& s, Element element) {
+  Tensor<double> Y(cloud.shape());
+  const std::int64_t N = s.tokens, d = s.dim;
+  for (std::int64_t b = 0; b < s.batch; ++b) {
+    for (std::int64_t i = 0; i < N; ++i) {
+      for (std::int64_t a = 0; a < d; ++a) {
+        double y = 0.0;
+        for (std::int64_t k = 0; k < d; ++k) y += element(a, k) * cloud[at(b, i, k, N, d)];
+        Y[at(b, i, a, N, d)] = y;
+      }
+    }
+  }
+  return Y;
+}
+
 // Head h's (d, d) operator or (d) bias from a per-head stack (H, ...), or from a layer given
 // without the head axis (then h is 0).
 Tensor<double> head_slice(const Tensor<double>& stacked, std::int64_t h, const Shape& slice) {
@@ -39,18 +57,8 @@ Tensor<double> relevance_gradients(const Tensor<double>& cloud, const Tensor<dou
   detail::expect_shape(op, "relevance", relevance, {s.dim, s.dim});
 
   // R = X M: r_{b,i,a} = sum_k x_{b,i,k} M_{k,a}, i.e. row i is (M^T x_i)^T.
-  Tensor<double> R(cloud.shape());
-  const std::int64_t N = s.tokens, d = s.dim;
-  for (std::int64_t b = 0; b < s.batch; ++b) {
-    for (std::int64_t i = 0; i < N; ++i) {
-      for (std::int64_t a = 0; a < d; ++a) {
-        double r = 0.0;
-        for (std::int64_t k = 0; k < d; ++k) r += cloud[at(b, i, k, N, d)] * relevance[k * d + a];
-        R[at(b, i, a, N, d)] = r;
-      }
-    }
-  }
-  return R;
+  const std::int64_t d = s.dim;
+  return map_tokens(cloud, s, [&](std::int64_t a, std::int64_t k) { return relevance[k * d + a]; });
 }
 
 Tensor<double> scores(const Tensor<double>& relevance_gradients, const Tensor<double>& cloud,
@@ -146,18 +154,8 @@ Tensor<double> content(const Tensor<double>& cloud, const Tensor<double>& conten
   detail::expect_shape(op, "content", content, {s.dim, s.dim});
 
   // C = X F^T: c_{b,j,a} = sum_k F_{a,k} x_{b,j,k}, i.e. row j is (F x_j)^T.
-  Tensor<double> C(cloud.shape());
-  const std::int64_t N = s.tokens, d = s.dim;
-  for (std::int64_t b = 0; b < s.batch; ++b) {
-    for (std::int64_t j = 0; j < N; ++j) {
-      for (std::int64_t a = 0; a < d; ++a) {
-        double c = 0.0;
-        for (std::int64_t k = 0; k < d; ++k) c += content[a * d + k] * cloud[at(b, j, k, N, d)];
-        C[at(b, j, a, N, d)] = c;
-      }
-    }
-  }
-  return C;
+  const std::int64_t d = s.dim;
+  return map_tokens(cloud, s, [&](std::int64_t a, std::int64_t k) { return content[a * d + k]; });
 }
 
 Tensor<double> contextual_update(const Tensor<double>& weights, const Tensor<double>& content,

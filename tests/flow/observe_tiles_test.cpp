@@ -26,29 +26,32 @@
 namespace emflow::flow {
 namespace {
 
-// ---- The oracle: the all-pairs pass as it was, unchanged but for the argument check. ----
+// ---- The oracle: the all-pairs pass as it was (its sums unchanged), components by search. ----
 
-struct OracleComponents {
-  std::vector<std::int64_t> parent;
-  explicit OracleComponents(std::int64_t n) : parent(static_cast<std::size_t>(n)) {
-    std::iota(parent.begin(), parent.end(), std::int64_t{0});
-  }
-  std::int64_t find(std::int64_t a) {
-    while (parent[static_cast<std::size_t>(a)] != a) {
-      auto& p = parent[static_cast<std::size_t>(a)];
-      p = parent[static_cast<std::size_t>(p)];
-      a = p;
+// Components counted by a depth-first search over the clustered pairs: a different algorithm
+// from the library's union-find, so the two check each other.
+std::int64_t count_components(std::int64_t n, const std::vector<std::vector<std::int64_t>>& edges) {
+  std::vector<char> seen(static_cast<std::size_t>(n), 0);
+  std::vector<std::int64_t> stack;
+  std::int64_t components = 0;
+  for (std::int64_t start = 0; start < n; ++start) {
+    if (seen[static_cast<std::size_t>(start)]) continue;
+    ++components;
+    seen[static_cast<std::size_t>(start)] = 1;
+    stack.assign(1, start);
+    while (!stack.empty()) {
+      const std::int64_t at = stack.back();
+      stack.pop_back();
+      for (std::int64_t next : edges[static_cast<std::size_t>(at)]) {
+        if (!seen[static_cast<std::size_t>(next)]) {
+          seen[static_cast<std::size_t>(next)] = 1;
+          stack.push_back(next);
+        }
+      }
     }
-    return a;
   }
-  bool join(std::int64_t a, std::int64_t b) {
-    a = find(a);
-    b = find(b);
-    if (a == b) return false;
-    parent[static_cast<std::size_t>(std::max(a, b))] = std::min(a, b);
-    return true;
-  }
-};
+  return components;
+}
 
 void oracle_pair_products(const double* x, std::int64_t N, std::int64_t d, double* inner,
                           double* distance_sq) {
@@ -80,8 +83,8 @@ Observables oracle_observe(const T* cloud, std::int64_t tokens, std::int64_t dim
   std::vector<double> norms(static_cast<std::size_t>(N));
   double energy = 0.0;
   for (std::int64_t i = 0; i < N; ++i) {
-    double square = 0.0;
-    for (std::int64_t a = 0; a < d; ++a) square += x[i * d + a] * x[i * d + a];
+    const double* xi = x.data() + i * d;
+    const double square = std::inner_product(xi, xi + d, xi, 0.0);  // summed in order, as before
     norms[static_cast<std::size_t>(i)] = std::sqrt(square);
     energy += std::exp(beta * square);
   }
@@ -89,8 +92,8 @@ Observables oracle_observe(const T* cloud, std::int64_t tokens, std::int64_t dim
   Observables o;
   o.min_inner = std::numeric_limits<double>::infinity();
   double sum_inner = 0.0, diameter_sq = 0.0;
-  std::int64_t clustered = 0, components = N;
-  OracleComponents graph(N);
+  std::int64_t clustered = 0;
+  std::vector<std::vector<std::int64_t>> edges(static_cast<std::size_t>(N));
   std::size_t p = 0;
   for (std::int64_t i = 0; i < N; ++i) {
     for (std::int64_t j = i + 1; j < N; ++j, ++p) {
@@ -102,14 +105,15 @@ Observables oracle_observe(const T* cloud, std::int64_t tokens, std::int64_t dim
       const double scale = norms[static_cast<std::size_t>(i)] * norms[static_cast<std::size_t>(j)];
       if (scale > 0.0 && g > (1.0 - cluster_eps) * scale) {
         ++clustered;
-        if (graph.join(i, j)) --components;
+        edges[static_cast<std::size_t>(i)].push_back(j);
+        edges[static_cast<std::size_t>(j)].push_back(i);
       }
     }
   }
   const double pair_count = static_cast<double>(pairs);
   o.mean_inner = sum_inner / pair_count;
   o.clustered_fraction = static_cast<double>(clustered) / pair_count;
-  o.clusters = components;
+  o.clusters = count_components(N, edges);
   o.energy = energy / (2.0 * beta * static_cast<double>(N) * static_cast<double>(N));
   o.diameter = std::sqrt(diameter_sq);
   return o;
