@@ -5,7 +5,8 @@
 // memory and does the work:
 //   HostOps   (host_ops.cpp): std::vector buffers, emflow::attend, OpenMP loops, observe();
 //   DeviceOps (device_ops_cuda.cpp): cuda::DeviceBuffer, one owned stream, the kernels of
-//             kernels/flow_kernels.hpp, cuda::attend_async with one workspace sized once.
+//             kernels/flow_kernels.hpp, attention plans made once per configuration
+//             (kernels/attend_plan.hpp) sharing one workspace sized once.
 // Both make the same calls in the same order, so the two runs differ by rounding only.
 //
 // What Ops provides (T = Ops::Value; every pointer is memory of Ops' kind; counts in elements):
