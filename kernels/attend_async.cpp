@@ -53,11 +53,11 @@ void attend_async(const AttentionInput<T>& input, const AttentionOutput<T>& outp
   AttentionInput<T> shapes = input;
   shapes.key_lengths = nullptr;
   check_arguments(shapes, output, operation);
-  // Shapes, algorithm, device (unsupported without one), a pending error, shared memory.
+  // Shapes, algorithm, device (unsupported without one), a pending error, shared memory. The
+  // plan reads a pending error before any query of its own, so launch failures read back later
+  // are ours; the pointer queries below leave none behind (check_cuda clears what it reports).
   const AttentionPlan<T> plan(input, output, algorithm, operation);
-
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), operation, "cudaGetDevice");
+  const int device = plan.device();
   expect_device_pointer(operation, "cloud", input.cloud, device);
   expect_device_pointer(operation, "relevance", input.layer.relevance, device);
   expect_device_pointer(operation, "content", input.layer.content, device);
@@ -79,9 +79,6 @@ void attend_async(const AttentionInput<T>& input, const AttentionOutput<T>& outp
                   " bytes, got address ", workspace);
   }
   check_no_overlap(input, output, operation, workspace, plan.workspace_bytes());
-  // Launch failures are read back with cudaGetLastError: an error already pending would be
-  // taken for ours, so it is reported as what it is before anything is enqueued.
-  check_no_pending_error(operation);
   plan.enqueue(input, output, workspace, stream);
 }
 

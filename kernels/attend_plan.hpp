@@ -52,6 +52,8 @@ class AttentionPlan {
   /// one plan per configuration and pick the one a call needs.
   bool matches(const AttentionInput<T>& input, const AttentionOutput<T>& output) const noexcept;
   cuda::Algorithm algorithm() const noexcept { return algorithm_; }
+  /// The device that was current when the plan was made (-1 for a sizing-only plan).
+  int device() const noexcept { return device_; }
 
   /// Enqueues on `stream`, on the device that was current when the plan was made. Checks only
   /// that the call matches the plan (the same batch, tokens, dim, heads, mask, the same outputs
