@@ -36,12 +36,23 @@ struct LayerOperators {
   const T* offset = nullptr;     ///< c: (dim), added to every visible query's update. Optional.
 };
 
+/// Marks AttentionInput::query_position as "aligned to the end of the real keys".
+inline constexpr std::int64_t kAlignToEnd = INT64_MIN;
+
 /// Everything the contextual update reads.
+///
+/// Self-attention (queries null): every token of X is a query against all of X. Cross-attention
+/// (docs/MATH.md §1): queries Q (batch, query_tokens, dim) against the keys X (batch, tokens,
+/// dim); outputs then have Nq = query_tokens rows per cloud. Masks act on sequence positions:
+/// key j sits at key_position + j, and query i of cloud b at query_position + i, or, by default
+/// (kAlignToEnd), at Lk_b - Lq_b + i, so that the last real query sits beside the last real key
+/// as in a decoder (Lk_b, Lq_b: the cloud's key and query lengths, N and Nq without them). For
+/// self-attention this is position i.
 template <class T>
 struct AttentionInput {
-  const T* cloud = nullptr;  ///< X: (batch, tokens, dim). Required.
+  const T* cloud = nullptr;  ///< X: (batch, tokens, dim): the keys (and the queries if unset)
   std::int64_t batch = 1;    ///< B >= 1
-  std::int64_t tokens = 0;   ///< N >= 1
+  std::int64_t tokens = 0;   ///< N (the key count) >= 1
   std::int64_t dim = 0;      ///< d >= 1
   LayerOperators<T> layer;
   /// Inverse temperature; finite, and |beta| <= 2^64 for float input so that beta * score
@@ -51,15 +62,27 @@ struct AttentionInput {
   /// Optional per-cloud key lengths L_b in [0, N] (host memory, `batch` entries): only keys
   /// j < L_b are visible; queries i >= L_b are padding and get a zero update and lse = -inf.
   const std::int64_t* key_lengths = nullptr;
+  /// Q: (batch, query_tokens, dim), or null for self-attention (Q = X).
+  const T* queries = nullptr;
+  /// Nq >= 1 with `queries`; without them 0 (meaning N) or N.
+  std::int64_t query_tokens = 0;
+  /// Optional per-cloud query lengths Lq_b in [0, Nq] (host memory, `batch` entries): queries
+  /// i >= Lq_b are padding (zero update, lse = -inf). Null: Nq with `queries`; for
+  /// self-attention the key lengths.
+  const std::int64_t* query_lengths = nullptr;
+  /// Sequence position of key 0 (for the mask; see above).
+  std::int64_t key_position = 0;
+  /// Sequence position of query 0, or kAlignToEnd (see above).
+  std::int64_t query_position = kAlignToEnd;
 };
 
 /// Where the contextual update writes. Only `update` is required.
 template <class T>
 struct AttentionOutput {
-  T* update = nullptr;   ///< Delta: (batch, tokens, dim)
-  T* lse = nullptr;      ///< (batch, heads, tokens); -inf for a query with no visible key
-  T* entropy = nullptr;  ///< (batch, heads, tokens); 0 for a query with no visible key
-  T* weights = nullptr;  ///< (batch, heads, tokens, tokens); needs the N x N matrix
+  T* update = nullptr;   ///< Delta: (batch, Nq, dim) (Nq = tokens for self-attention)
+  T* lse = nullptr;      ///< (batch, heads, Nq); -inf for a query with no visible key
+  T* entropy = nullptr;  ///< (batch, heads, Nq); 0 for a query with no visible key
+  T* weights = nullptr;  ///< (batch, heads, Nq, tokens); needs the Nq x N matrix
 };
 
 /// How an operation runs.

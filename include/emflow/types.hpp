@@ -61,6 +61,24 @@ struct Mask {
     const std::int64_t first = kind == MaskKind::window && i - window + 1 > 0 ? i - window + 1 : 0;
     return {first, kind == MaskKind::none ? length : i + 1};
   }
+
+  /// The keys a query at sequence position `position` sees among `count` keys whose first sits
+  /// at `key_position` and of which the first `length` are real, as local indices j in
+  /// [0, count): the j < length with allows(position, key_position + j), one interval (empty
+  /// when none). visible_keys(i, length) is visible_keys_at(i, 0, length). Callers decide
+  /// separately whether the query itself is padding.
+  EMFLOW_HOST_DEVICE constexpr KeyRange visible_keys_at(std::int64_t position,
+                                                        std::int64_t key_position,
+                                                        std::int64_t length) const {
+    if (kind == MaskKind::none) return {0, length > 0 ? length : 0};
+    // Absolute key positions p with p <= position (and p > position - window), made local.
+    std::int64_t first = kind == MaskKind::window ? position - window + 1 - key_position : 0;
+    std::int64_t last = position - key_position + 1;
+    if (first < 0) first = 0;
+    if (last > length) last = length;
+    if (last < first) last = first;
+    return {first, last};
+  }
 };
 /// Parses "none", "causal" or "window:W" (W decimal digits only, >= 1); surrounding whitespace
 /// is ignored (" causal " is causal), whitespace inside is refused ("window: 3"). Throws

@@ -61,6 +61,12 @@ void check_arguments(const AttentionInput<T>& in, const AttentionOutput<T>& out,
   expect_not_null(op, "relevance", in.layer.relevance);
   expect_not_null(op, "content", in.layer.content);
   expect_not_null(op, "update", out.update);
+  if (in.queries != nullptr || in.query_tokens != 0 || in.query_lengths != nullptr ||
+      in.key_position != 0 || in.query_position != kAlignToEnd) {
+    fail(ErrorCode::unsupported, op,
+         ": cross-attention (queries, query_tokens, query_lengths, key_position, "
+         "query_position) is declared but not implemented yet");
+  }
   if (in.key_lengths != nullptr) {
     for (std::int64_t b = 0; b < in.batch; ++b) {
       const std::int64_t length = in.key_lengths[b];

@@ -1,0 +1,82 @@
+// emflow: the update over part of the keys, and the exact merge of such parts (docs/MATH.md §1).
+//
+// A cloud too large for one pass (or spread over devices or processes) is split into blocks of
+// keys. Over one block K_a, per cloud b, head h and query i, the partial state is
+//
+//   lse_a   = log sum_{j in K_a} exp(s_ij)                          (-inf: no visible key in K_a)
+//   o_a     = sum_{j in K_a} exp(s_ij - lse_a) F_h x_j              (0 when lse_a = -inf)
+//   H_a     = lse_a - sum_{j in K_a} exp(s_ij - lse_a) s_ij         (0 when lse_a = -inf)
+//
+// and two parts over disjoint key sets merge exactly into the state over their union:
+//
+//   lse = m + log(exp(lse_a - m) + exp(lse_b - m)),  m = max(lse_a, lse_b)
+//   w_a = exp(lse_a - lse),  o = w_a o_a + w_b o_b,  H = lse - w_a (lse_a - H_a) - w_b (lse_b - H_b)
+//
+// where a part with lse = -inf has weight 0 and changes nothing. finish_partial() then forms the
+// update delta_i = sum_h o^h_i + c (c only for queries that saw a key), lse and entropy, equal to
+// emflow::attend over all the keys. The keys of a block are given as the cloud of an
+// AttentionInput (with key_position set to where the block starts, so masks see true positions,
+// and an explicit query_position); the queries as its `queries`.
+#pragma once
+
+#include <cstdint>
+
+#include "emflow/attention.hpp"
+
+namespace emflow {
+
+/// The partial state over one block of keys. All three arrays are required.
+template <class T>
+struct PartialOutput {
+  T* heads = nullptr;    ///< o: (batch, heads, Nq, dim), per head, before the sum over heads
+  T* lse = nullptr;      ///< (batch, heads, Nq)
+  T* entropy = nullptr;  ///< H: (batch, heads, Nq)
+};
+
+/// The same state, read-only.
+template <class T>
+struct PartialInput {
+  const T* heads = nullptr;
+  const T* lse = nullptr;
+  const T* entropy = nullptr;
+};
+
+/// The shape every array of a partial state shares.
+struct PartialShape {
+  std::int64_t batch = 1;
+  std::int64_t heads = 1;
+  std::int64_t query_tokens = 1;  ///< Nq
+  std::int64_t dim = 1;
+};
+
+/// The partial state of `input`'s queries over `input`'s keys (input.layer.offset is not used:
+/// it belongs to finish_partial). Same validation and devices as emflow::attend.
+template <class T>
+void attend_partial(const AttentionInput<T>& input, const PartialOutput<T>& output,
+                    const ExecutionOptions& options = {});
+
+/// into = merge(into, part), element by element, on the host.
+template <class T>
+void merge_partial(const PartialShape& shape, const PartialInput<T>& part,
+                   const PartialOutput<T>& into);
+
+/// The update, lse and entropy (any of lse / entropy may be null) of a merged state on the host:
+/// update = sum_h heads + offset (offset: dim entries or null, added where a query saw a key).
+template <class T>
+void finish_partial(const PartialShape& shape, const PartialInput<T>& state, const T* offset,
+                    const AttentionOutput<T>& output);
+
+extern template void attend_partial<float>(const AttentionInput<float>&,
+                                           const PartialOutput<float>&, const ExecutionOptions&);
+extern template void attend_partial<double>(const AttentionInput<double>&,
+                                            const PartialOutput<double>&, const ExecutionOptions&);
+extern template void merge_partial<float>(const PartialShape&, const PartialInput<float>&,
+                                          const PartialOutput<float>&);
+extern template void merge_partial<double>(const PartialShape&, const PartialInput<double>&,
+                                           const PartialOutput<double>&);
+extern template void finish_partial<float>(const PartialShape&, const PartialInput<float>&,
+                                           const float*, const AttentionOutput<float>&);
+extern template void finish_partial<double>(const PartialShape&, const PartialInput<double>&,
+                                            const double*, const AttentionOutput<double>&);
+
+}  // namespace emflow
