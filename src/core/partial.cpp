@@ -89,6 +89,7 @@ void attend_partial(const AttentionInput<T>& input, const PartialOutput<T>& outp
         {"offset", input.layer.offset, d * sizeof(T), false},
         {"key_lengths", input.key_lengths, B * sizeof(std::int64_t), false},
         {"query_lengths", input.query_lengths, B * sizeof(std::int64_t), false},
+        {"query_positions", input.query_positions, B * sizeof(std::int64_t), false},
         {"heads", output.heads, bytes.heads, true},
         {"lse", output.lse, bytes.rows, true},
         {"entropy", output.entropy, bytes.rows, true},
