@@ -60,6 +60,7 @@ std::vector<Case> cases() {
       {"B3_H1_N200_q1_d32_none_ragged", make(3, 1, 200, 1, 32, none, true)},
       {"B2_H2_N90_q90_d6_causal_self", make(2, 2, 90, 90, 6, causal, false, true)},
       {"B1_H2_N1000_q16_d64_window37", make(1, 2, 1000, 16, 64, w, false)},
+      {"B2_H1_N9000_q3_d8_causal_ragged", make(2, 1, 9000, 3, 8, causal, true)},
   };
 }
 
