@@ -20,45 +20,42 @@
 
 namespace emflow::detail {
 
-namespace {
+namespace cpu {
 
-/// The dense layer in the engine's terms: query_map_h = beta M_h (R = Q M_h), query_bias_h =
-/// beta u_h, value_map_h = F_h^T; the keys are the cloud itself.
-struct DenseMaps {
-  std::vector<float> query_map, value_map, query_bias;
-  cpu::EngineLayer layer;
-
-  explicit DenseMaps(const AttentionInput<float>& in) {
-    const std::int64_t H = in.layer.heads, d = in.dim;
-    const std::int64_t stride = cpu::padded_columns(d);
-    const float beta = static_cast<float>(in.beta);
-    query_map.assign(static_cast<std::size_t>(H * d * stride), 0.0f);
-    value_map.assign(query_map.size(), 0.0f);
-    if (in.layer.key_bias != nullptr) query_bias.assign(static_cast<std::size_t>(H * stride), 0.0f);
-    for (std::int64_t h = 0; h < H; ++h) {
-      const float* M = in.layer.relevance + h * d * d;
-      const float* F = in.layer.content + h * d * d;
-      for (std::int64_t k = 0; k < d; ++k) {
-        for (std::int64_t a = 0; a < d; ++a) {
-          query_map[static_cast<std::size_t>((h * d + k) * stride + a)] = beta * M[k * d + a];
-          value_map[static_cast<std::size_t>((h * d + k) * stride + a)] = F[a * d + k];
-        }
-      }
-      if (!query_bias.empty()) {
-        for (std::int64_t a = 0; a < d; ++a) {
-          query_bias[static_cast<std::size_t>(h * stride + a)] =
-              beta * in.layer.key_bias[h * d + a];
-        }
+DenseMaps::DenseMaps(const AttentionInput<float>& in) {
+  const std::int64_t H = in.layer.heads, d = in.dim;
+  const std::int64_t stride = cpu::padded_columns(d);
+  const float beta = static_cast<float>(in.beta);
+  query_map.assign(static_cast<std::size_t>(H * d * stride), 0.0f);
+  value_map.assign(query_map.size(), 0.0f);
+  if (in.layer.key_bias != nullptr) query_bias.assign(static_cast<std::size_t>(H * stride), 0.0f);
+  for (std::int64_t h = 0; h < H; ++h) {
+    const float* M = in.layer.relevance + h * d * d;
+    const float* F = in.layer.content + h * d * d;
+    for (std::int64_t k = 0; k < d; ++k) {
+      for (std::int64_t a = 0; a < d; ++a) {
+        query_map[static_cast<std::size_t>((h * d + k) * stride + a)] = beta * M[k * d + a];
+        value_map[static_cast<std::size_t>((h * d + k) * stride + a)] = F[a * d + k];
       }
     }
-    layer.heads = H;
-    layer.dim = layer.score_dim = layer.value_dim = d;
-    layer.query_map = query_map.data();
-    layer.query_bias = query_bias.empty() ? nullptr : query_bias.data();
-    layer.value_map = value_map.data();
-    layer.offset = in.layer.offset;
+    if (!query_bias.empty()) {
+      for (std::int64_t a = 0; a < d; ++a) {
+        query_bias[static_cast<std::size_t>(h * stride + a)] =
+            beta * in.layer.key_bias[h * d + a];
+      }
+    }
   }
-};
+  layer.heads = H;
+  layer.dim = layer.score_dim = layer.value_dim = d;
+  layer.query_map = query_map.data();
+  layer.query_bias = query_bias.empty() ? nullptr : query_bias.data();
+  layer.value_map = value_map.data();
+  layer.offset = in.layer.offset;
+}
+
+}  // namespace cpu
+
+namespace {
 
 /// The clouds and rules of a call, for the engine.
 struct Clouds {
@@ -92,7 +89,7 @@ void attend_float(const AttentionInput<float>& in, const AttentionOutput<float>&
     reference_attend(in, out);
     return;
   }
-  const DenseMaps maps(in);
+  const cpu::DenseMaps maps(in);
   const Clouds clouds(in);
   cpu::EngineOutput sink;
   sink.attend = out;
@@ -104,7 +101,7 @@ void partial_float(const AttentionInput<float>& in, const PartialOutput<float>& 
     reference_partial(in, out);
     return;
   }
-  const DenseMaps maps(in);
+  const cpu::DenseMaps maps(in);
   const Clouds clouds(in);
   cpu::EngineOutput sink;
   sink.partial = out;

@@ -27,7 +27,6 @@
 #include <memory>
 #include <vector>
 
-#include "core/partial_rows.hpp"
 #include "engine_internal.hpp"
 #include "simd.hpp"
 
@@ -39,10 +38,6 @@ namespace {
 
 // Bytes of projected operands to hold at once; clouds are processed in groups within it.
 constexpr std::int64_t kGroupBytes = std::int64_t{96} << 20;
-// Key splitting: only below this many query blocks in a group, into spans of at least this many
-// keys (a span's merge costs O(Nq d), its attention O(Nq span d)).
-constexpr std::int64_t kSplitBelowBlocks = 8;
-constexpr std::int64_t kMinSpanKeys = 2048;
 
 /// out[rows x columns] = X[rows x dim] map[dim x columns] (+ bias) for the cloud rows
 /// [row_begin, row_begin + rows) of a cloud whose first `tokens` rows are read; rows past those
@@ -134,7 +129,6 @@ void fused_attend(const EngineClouds& clouds, const EngineLayer& layer, const En
   g.value_stride = padded_columns(layer.value_dim);
   g.dim_stride = padded_columns(layer.dim);
   g.shared_keys = layer.key_map == nullptr;
-  const bool partial = out.partial.heads != nullptr;
   const std::int64_t Nq = g.query_tokens;
 
   // With the thread count left to us, small calls run on one thread: waking a team costs a few
@@ -151,41 +145,16 @@ void fused_attend(const EngineClouds& clouds, const EngineLayer& layer, const En
       H * (g.query_floats() + g.value_floats()) + key_sets * g.key_floats();
   const std::int64_t group = std::clamp<std::int64_t>(kGroupBytes / (4 * cloud_floats), 1, batch);
 
-  // Few queries against many keys: split the keys into spans of whole tiles, one task per
-  // (cloud, query block, span), and merge the spans' partial states in order. The split follows
-  // from the shape alone, so results do not depend on the thread count.
-  std::int64_t spans = 1;
-  if (clouds.split_keys && out.attend.weights == nullptr && layer.output_map == nullptr) {
-    const std::int64_t query_blocks = group * ((Nq + 63) / 64);
-    if (query_blocks < kSplitBelowBlocks) {
-      spans = std::min<std::int64_t>((kSplitBelowBlocks * 2 + query_blocks - 1) / query_blocks,
-                                     tokens / kMinSpanKeys);
-    }
-    spans = std::max<std::int64_t>(spans, 1);
-  }
-  const std::int64_t span_keys = round_up((tokens + spans - 1) / spans, kKeyTile);
-  if (spans > 1) spans = (tokens + span_keys - 1) / span_keys;
-
-  // Smaller query blocks when there are few, so every thread gets work; the results do not
-  // depend on the block size (rows are computed independently, tiles in the same order).
-  const std::int64_t wide_blocks = group * ((Nq + 63) / 64);
-  g.query_block = 64;
-  while (spans == 1 && g.query_block > kChunkRows && wide_blocks * (64 / g.query_block) < 4 * team) {
-    g.query_block /= 2;
-  }
-  if (spans > 1) g.query_block = std::min<std::int64_t>(64, round_up(Nq, kChunkRows));
-  const std::int64_t blocks = (Nq + g.query_block - 1) / g.query_block;
-
+  const SpanPlan plan =
+      plan_spans(g, group, clouds.split_keys && out.attend.weights == nullptr &&
+                               layer.output_map == nullptr, team);
+  g.query_block = plan.query_block;
   AlignedBuffer queries(group * H * g.query_floats());
   AlignedBuffer panels(group * key_sets * g.key_floats());
   AlignedBuffer values(group * H * g.value_floats());
   std::vector<std::unique_ptr<Scratch>> scratch;
   for (int t = 0; t < team; ++t) scratch.push_back(std::make_unique<Scratch>(g));
-  // Split: the partial state of every span, (span, cloud of the group, head, query, dim).
-  const std::int64_t state_rows = spans > 1 ? group * H * Nq : 0;
-  AlignedBuffer span_heads(spans * state_rows * g.dim);
-  AlignedBuffer span_lse(spans * state_rows), span_entropy(spans * state_rows);
-
+  SpanStates states(g, group, plan);
   auto operands = [&](std::int64_t local_cloud) {
     std::vector<HeadOperands> heads(static_cast<std::size_t>(H));
     for (std::int64_t h = 0; h < H; ++h) {
@@ -242,63 +211,77 @@ void fused_attend(const EngineClouds& clouds, const EngineLayer& layer, const En
         }
       }
 
-      // Phase 2: attention, one block of queries of one cloud (and one span of keys) per task,
-      // the last blocks first (under a causal mask they have the most keys).
-      const std::int64_t attention_tasks = count * blocks * spans;
-#pragma omp for schedule(dynamic, 1)
-      for (std::int64_t task = 0; task < attention_tasks; ++task) {
-        const std::int64_t span = task % spans;
-        const std::int64_t c = (task / spans) % count;
-        const std::int64_t block = blocks - 1 - task / (spans * count);
-        const std::int64_t b = first + c;
-        const QueryRule& rule = clouds.rules[b];
-        if (spans == 1) {
-          attend_block(b, block * g.query_block, g, cloud_operands[static_cast<std::size_t>(c)],
-                       layer, rule, {0, tokens}, out, s);
-          continue;
-        }
-        EngineOutput state;
-        state.partial = {span_heads.data() + span * state_rows * g.dim,
-                         span_lse.data() + span * state_rows,
-                         span_entropy.data() + span * state_rows};
-        attend_block(c, block * g.query_block, g, cloud_operands[static_cast<std::size_t>(c)],
-                     layer, rule, {span * span_keys, std::min(tokens, (span + 1) * span_keys)},
-                     state, s);
-      }
-
-      // Phase 3 (split only): merge the spans of each query in order 0, 1, ..., then write the
-      // partial state or finish the update.
-      if (spans > 1) {
-#pragma omp for schedule(static)
-        for (std::int64_t task = 0; task < count * Nq; ++task) {
-          const std::int64_t c = task / Nq, i = task % Nq, b = first + c;
-          for (std::int64_t h = 0; h < H; ++h) {
-            const std::int64_t row = (c * H + h) * Nq + i;
-            float* lse = span_lse.data() + row;
-            float* entropy = span_entropy.data() + row;
-            float* o = span_heads.data() + row * g.dim;
-            for (std::int64_t k = 1; k < spans; ++k) {
-              const std::int64_t other = k * state_rows + row;
-              merge_state(*lse, *entropy, o, span_lse.data()[other], span_entropy.data()[other],
-                          span_heads.data() + other * g.dim, g.dim);
-            }
-            if (partial) {
-              const std::int64_t dst = (b * H + h) * Nq + i;
-              out.partial.lse[dst] = *lse;
-              out.partial.entropy[dst] = *entropy;
-              std::copy(o, o + g.dim, out.partial.heads + dst * g.dim);
-            }
-          }
-          if (partial) continue;
-          const std::int64_t row = c * H * Nq + i, dst = b * H * Nq + i;
-          finish_query(H, Nq, span_lse.data() + row, span_entropy.data() + row,
-                       span_heads.data() + row * g.dim, g.dim, layer.offset,
-                       out.attend.update + (b * Nq + i) * g.dim,
-                       out.attend.lse ? out.attend.lse + dst : nullptr,
-                       out.attend.entropy ? out.attend.entropy + dst : nullptr);
-        }
-      }
+      // Phases 2 and 3 (engine_spans.cpp).
+      attend_tasks(g, plan, clouds.rules + first, first, count, cloud_operands, layer, out,
+                   states, s);
     }
+  }
+}
+
+}  // namespace emflow::detail::cpu
+
+namespace emflow::detail::cpu {
+
+using namespace engine;
+
+std::int64_t key_tile() { return kKeyTile; }
+
+void pack_key_rows(const float* rows, std::int64_t dim, std::int64_t first, std::int64_t count,
+                   float* panels) {
+  pack_keys(rows, dim, dim, first, count, panels);
+}
+
+void project_rows(const float* rows, std::int64_t count, std::int64_t dim, const float* map,
+                  std::int64_t columns, float* out) {
+  std::vector<float> scratch(static_cast<std::size_t>(kProjectionRows * dim));
+  project(rows, count, dim, 0, round_up(count, kProjectionRows), map, columns, nullptr, out,
+          scratch.data());
+}
+
+void attend_cached(const float* queries, std::int64_t query_tokens, const QueryRule& rule,
+                   const CachedOperands& keys, const EngineLayer& layer,
+                   const AttentionOutput<float>& out, int threads) {
+  Geometry g;
+  g.tokens = keys.tokens;
+  g.padded_tokens = round_up(keys.tokens, kTokenAlign);
+  g.query_tokens = query_tokens;
+  g.padded_queries = round_up(query_tokens, kTokenAlign);
+  g.dim = layer.dim;
+  g.heads = layer.heads;
+  g.score_dim = layer.score_dim;
+  g.score_stride = padded_columns(layer.score_dim);
+  g.value_dim = layer.value_dim;
+  g.value_stride = padded_columns(layer.value_dim);
+  g.dim_stride = padded_columns(layer.dim);
+  g.shared_keys = true;
+  const double work = 4.0 * static_cast<double>(layer.heads) * static_cast<double>(query_tokens) *
+                      static_cast<double>(keys.tokens) * static_cast<double>(layer.dim);
+  const int team = threads > 0 ? threads : work < 4e6 ? 1 : omp_get_max_threads();
+  const SpanPlan plan = plan_spans(g, 1, true, team);
+  g.query_block = plan.query_block;
+
+  // Only the queries are projected here; the keys and contents are the cache's.
+  const std::int64_t H = g.heads;
+  AlignedBuffer projected(H * g.query_floats());
+  std::vector<std::vector<HeadOperands>> operands(1);
+  std::vector<float> rows(static_cast<std::size_t>(kProjectionRows * g.dim));
+  for (std::int64_t h = 0; h < H; ++h) {
+    float* q = projected.data() + h * g.query_floats();
+    const float* bias = layer.query_bias ? layer.query_bias + h * g.score_stride : nullptr;
+    project(queries, query_tokens, g.dim, 0, g.padded_queries,
+            layer.query_map + h * g.dim * g.score_stride, g.score_stride, bias, q, rows.data());
+    operands[0].push_back({q, const_cast<float*>(keys.panels),
+                           const_cast<float*>(keys.values[static_cast<std::size_t>(h)])});
+  }
+  std::vector<std::unique_ptr<Scratch>> scratch;
+  for (int t = 0; t < team; ++t) scratch.push_back(std::make_unique<Scratch>(g));
+  SpanStates states(g, 1, plan);
+  EngineOutput sink;
+  sink.attend = out;
+#pragma omp parallel num_threads(team)
+  {
+    Scratch& s = *scratch[static_cast<std::size_t>(omp_get_thread_num())];
+    attend_tasks(g, plan, &rule, 0, 1, operands, layer, sink, states, s);
   }
 }
 

@@ -116,4 +116,33 @@ void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
                   const std::vector<HeadOperands>& heads, const EngineLayer& layer,
                   const QueryRule& rule, KeySpan span, const EngineOutput& out, Scratch& s);
 
+/// How phase 2 divides the work: query blocks of `query_block` rows and, when the query blocks
+/// are few, the keys into `spans` spans of `span_keys` keys (whole tiles) whose partial states
+/// phase 3 merges. Follows from the shape (and, for the query block without a split, the team
+/// size, which the results do not depend on).
+struct SpanPlan {
+  std::int64_t query_block = 64;
+  std::int64_t blocks = 1;  ///< query blocks per cloud
+  std::int64_t spans = 1;
+  std::int64_t span_keys = 0;
+};
+
+SpanPlan plan_spans(const Geometry& g, std::int64_t group, bool split, int team);
+
+/// The partial states of every span of a group when the keys are split (empty otherwise):
+/// (span, cloud of the group, head, query, dim) as partial.hpp lays them out.
+struct SpanStates {
+  std::int64_t rows = 0;  ///< per span: group H Nq
+  AlignedBuffer heads, lse, entropy;
+  SpanStates(const Geometry& g, std::int64_t group, const SpanPlan& plan);
+};
+
+/// Phases 2 and 3 for the clouds [first, first + count) (rules: theirs, from `first`), run by
+/// every thread of an enclosing parallel region: attention tasks of (cloud, query block, span),
+/// then, when split, the merge of the spans and the finished update or partial state.
+void attend_tasks(const Geometry& g, const SpanPlan& plan, const QueryRule* rules,
+                  std::int64_t first, std::int64_t count,
+                  const std::vector<std::vector<HeadOperands>>& operands, const EngineLayer& layer,
+                  const EngineOutput& out, SpanStates& states, Scratch& s);
+
 }  // namespace emflow::detail::cpu::engine
