@@ -5,6 +5,9 @@
 // FLOP are attention-equivalent (docs/MATH.md §2): 4 B H N^2 d for the whole score matrix,
 // halved for a causal mask, 4 B H d (visible pairs) for a window; the projections are not
 // counted. Every figure is the median of --repeats timed runs after one untimed warm-up run;
+// With --queries-tokens NQ the decoding shapes are timed: NQ queries of their own against the
+// cloud through emflow::attend (attend_queries, which projects the contents each call), through a
+// DecodeCache holding them (decode_queries), and one token appended and attended (decode_token).
 // the CPU measurements are timed in rounds (one run of each per round), so a change in load on
 // a shared machine falls on all of them alike. cpu_ms_median is the process's CPU time per run
 // (all threads, spinning included): on a loaded machine a one-thread run's CPU time is close to
@@ -28,6 +31,7 @@
 #include "commands.hpp"
 #include "common.hpp"
 #include "emflow/attention.hpp"
+#include "emflow/decode.hpp"
 #include "tools/blas_baseline.hpp"
 #include "tools/measure.hpp"
 #include "tools/problem.hpp"
@@ -272,6 +276,31 @@ void run_bench(const BenchArguments& args) {
                                 attend(args.query_tokens > 0 ? cross : problem.input,
                                        args.query_tokens > 0 ? cross_out : out, options);
                                 return flop;
+                              });
+  }
+  // Decoding: the problem's cloud in a DecodeCache (filled once, untimed), then NQ queries
+  // against it (decode_queries), and one token appended and attended (decode_token: the cache
+  // grows by one token per run).
+  std::unique_ptr<DecodeCache> cache;
+  std::vector<float> token_update(static_cast<std::size_t>(args.dim));
+  if (args.query_tokens > 0 && args.batch == 1) {
+    cache = std::make_unique<DecodeCache>(problem.input.layer, args.dim, 1.0);
+    cache->append(problem.cloud.data(), args.tokens);
+    const std::string members =
+        isa + ", \"query_tokens\": " + std::to_string(args.query_tokens);
+    measurements.emplace_back("decode_queries", true, members, [&] {
+      cache->attend(queries.data(), args.query_tokens, mask,
+                    {query_update.data(), nullptr, nullptr, nullptr}, kAlignToEnd, args.threads);
+      return flop;
+    });
+    const double token_flop = per_pair * cross_pairs(1, args.tokens, mask);
+    measurements.emplace_back("decode_token", true, isa + ", \"query_tokens\": 1",
+                              [&, token_flop] {
+                                cache->append(queries.data(), 1);
+                                cache->attend(queries.data(), 1, mask,
+                                              {token_update.data(), nullptr, nullptr, nullptr},
+                                              kAlignToEnd, args.threads);
+                                return token_flop;
                               });
   }
   // Self-attention at --self-tokens in the same rounds, for a ratio measured like with like.
