@@ -146,8 +146,8 @@ void run_attend(const AttendArguments& args, Dtype dtype) {
 
   // Validate before allocating the outputs (the weights can be large). The update has the
   // queries' shape (the cloud's for self-attention).
-  Tensor<T> update = allocate_output<T>("--out", queries.size() > 0 ? queries.shape()
-                                                                    : cloud.shape()),
+  Tensor<T> update =
+                allocate_output<T>("--out", queries.size() > 0 ? queries.shape() : cloud.shape()),
             lse, entropy, weights;
   AttentionOutput<T> output;
   output.update = update.data();
@@ -220,8 +220,9 @@ written only when the whole run succeeds.)");
   command->add_flag("--check-finite", args->check_finite,
                     "refuse inputs holding NaN or infinity, naming the file and the first such "
                     "element (without it a non-finite token reaches the queries that see it)");
-  command->add_option("--out", args->update,
-                      "output: the update Delta (.npy), X's shape (Q's with --queries)")
+  command
+      ->add_option("--out", args->update,
+                   "output: the update Delta (.npy), X's shape (Q's with --queries)")
       ->required();
   command->add_option("--lse", args->lse,
                       "output: log-sum-exp of the scores (.npy), (B, H, Nq); -inf for a query "

@@ -223,16 +223,17 @@ void run_bench(const BenchArguments& args) {
                 kBaselineLimitBytes / (1 << 30), " GiB");
   }
 
-  if (args.query_tokens < 0) fail_option("--queries-tokens", "must be >= 0, got ", args.query_tokens);
+  if (args.query_tokens < 0)
+    fail_option("--queries-tokens", "must be >= 0, got ", args.query_tokens);
   if (args.self_tokens < 0) fail_option("--self-tokens", "must be >= 0, got ", args.self_tokens);
   if (args.query_tokens > 0 && (args.baseline || args.device != "cpu")) {
     fail_option("--queries-tokens", "times the CPU backend alone (no --baseline, --device cpu)");
   }
   const int threads = args.threads > 0 ? args.threads : omp_get_max_threads();
   const double per_pair = 4.0 * static_cast<double>(args.batch * args.heads * args.dim);
-  const double flop = per_pair * (args.query_tokens > 0
-                                      ? cross_pairs(args.query_tokens, args.tokens, mask)
-                                      : visible_pairs(args.tokens, mask));
+  const double flop =
+      per_pair * (args.query_tokens > 0 ? cross_pairs(args.query_tokens, args.tokens, mask)
+                                        : visible_pairs(args.tokens, mask));
   const std::string isa = std::string(", \"isa\": \"") + tools::compiled_instruction_set() + "\"";
 
   std::vector<Measurement> measurements;
@@ -286,22 +287,19 @@ void run_bench(const BenchArguments& args) {
   if (args.query_tokens > 0 && args.batch == 1) {
     cache = std::make_unique<DecodeCache>(problem.input.layer, args.dim, 1.0);
     cache->append(problem.cloud.data(), args.tokens);
-    const std::string members =
-        isa + ", \"query_tokens\": " + std::to_string(args.query_tokens);
+    const std::string members = isa + ", \"query_tokens\": " + std::to_string(args.query_tokens);
     measurements.emplace_back("decode_queries", true, members, [&] {
       cache->attend(queries.data(), args.query_tokens, mask,
                     {query_update.data(), nullptr, nullptr, nullptr}, kAlignToEnd, args.threads);
       return flop;
     });
     const double token_flop = per_pair * cross_pairs(1, args.tokens, mask);
-    measurements.emplace_back("decode_token", true, isa + ", \"query_tokens\": 1",
-                              [&, token_flop] {
-                                cache->append(queries.data(), 1);
-                                cache->attend(queries.data(), 1, mask,
-                                              {token_update.data(), nullptr, nullptr, nullptr},
-                                              kAlignToEnd, args.threads);
-                                return token_flop;
-                              });
+    measurements.emplace_back("decode_token", true, isa + ", \"query_tokens\": 1", [&, token_flop] {
+      cache->append(queries.data(), 1);
+      cache->attend(queries.data(), 1, mask, {token_update.data(), nullptr, nullptr, nullptr},
+                    kAlignToEnd, args.threads);
+      return token_flop;
+    });
   }
   // Self-attention at --self-tokens in the same rounds, for a ratio measured like with like.
   std::unique_ptr<Problem> self;
@@ -311,8 +309,8 @@ void run_bench(const BenchArguments& args) {
     self = std::make_unique<Problem>(self_shape, mask);
     const double self_flop = per_pair * visible_pairs(args.self_tokens, mask);
     measurements.emplace_back(
-        "attend_self", true,
-        isa + ", \"self_tokens\": " + std::to_string(args.self_tokens), [&, self_flop] {
+        "attend_self", true, isa + ", \"self_tokens\": " + std::to_string(args.self_tokens),
+        [&, self_flop] {
           attend(self->input, {self->update.data(), nullptr, nullptr, nullptr}, options);
           return self_flop;
         });

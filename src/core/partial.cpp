@@ -77,7 +77,8 @@ void attend_partial(const AttentionInput<T>& input, const PartialOutput<T>& outp
     const PartialShape shape = shape_of(input);
     check_partial_shape(op, shape);
     const PartialBytes bytes = partial_bytes<T>(shape);
-    const auto B = static_cast<std::size_t>(input.batch), N = static_cast<std::size_t>(input.tokens);
+    const auto B = static_cast<std::size_t>(input.batch),
+               N = static_cast<std::size_t>(input.tokens);
     const auto d = static_cast<std::size_t>(input.dim), H = static_cast<std::size_t>(shape.heads);
     const auto Nq = static_cast<std::size_t>(shape.query_tokens);
     const detail::MemoryRange ranges[] = {
@@ -101,7 +102,8 @@ void attend_partial(const AttentionInput<T>& input, const PartialOutput<T>& outp
         detail::reference_partial(input, output);
         return;
       case Device::cuda:
-        detail::fail(ErrorCode::unsupported, op, ": the CUDA backend does not compute partial "
+        detail::fail(ErrorCode::unsupported, op,
+                     ": the CUDA backend does not compute partial "
                      "states yet; use Device::cpu or Device::reference");
       case Device::cpu:
       case Device::automatic:

@@ -53,8 +53,8 @@ inline bool saw_no_key(T lse, T entropy) {
 /// lse_out and entropy_out (same strides) may be null.
 template <class T>
 inline void finish_query(std::int64_t heads, std::int64_t head_stride, const T* lse,
-                         const T* entropy, const T* o, std::int64_t dim, const T* offset,
-                         T* delta, T* lse_out, T* entropy_out) {
+                         const T* entropy, const T* o, std::int64_t dim, const T* offset, T* delta,
+                         T* lse_out, T* entropy_out) {
   const T nan = std::numeric_limits<T>::quiet_NaN();
   for (std::int64_t a = 0; a < dim; ++a) delta[a] = T(0);
   // Every head sees the same keys: lse = -inf with H = 0 in each means no key at all.

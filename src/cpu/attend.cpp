@@ -40,8 +40,7 @@ DenseMaps::DenseMaps(const AttentionInput<float>& in) {
     }
     if (!query_bias.empty()) {
       for (std::int64_t a = 0; a < d; ++a) {
-        query_bias[static_cast<std::size_t>(h * stride + a)] =
-            beta * in.layer.key_bias[h * d + a];
+        query_bias[static_cast<std::size_t>(h * stride + a)] = beta * in.layer.key_bias[h * d + a];
       }
     }
   }
@@ -130,8 +129,7 @@ void cpu_partial(const AttentionInput<T>& input, const PartialOutput<T>& output,
 }
 
 template void cpu_partial<float>(const AttentionInput<float>&, const PartialOutput<float>&, int);
-template void cpu_partial<double>(const AttentionInput<double>&, const PartialOutput<double>&,
-                                  int);
+template void cpu_partial<double>(const AttentionInput<double>&, const PartialOutput<double>&, int);
 template void cpu_attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&, int);
 template void cpu_attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&,
                                  int);

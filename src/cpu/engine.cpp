@@ -145,9 +145,9 @@ void fused_attend(const EngineClouds& clouds, const EngineLayer& layer, const En
       H * (g.query_floats() + g.value_floats()) + key_sets * g.key_floats();
   const std::int64_t group = std::clamp<std::int64_t>(kGroupBytes / (4 * cloud_floats), 1, batch);
 
-  const SpanPlan plan =
-      plan_spans(g, group, clouds.split_keys && out.attend.weights == nullptr &&
-                               layer.output_map == nullptr, team);
+  const SpanPlan plan = plan_spans(
+      g, group, clouds.split_keys && out.attend.weights == nullptr && layer.output_map == nullptr,
+      team);
   g.query_block = plan.query_block;
   AlignedBuffer queries(group * H * g.query_floats());
   AlignedBuffer panels(group * key_sets * g.key_floats());
@@ -212,8 +212,8 @@ void fused_attend(const EngineClouds& clouds, const EngineLayer& layer, const En
       }
 
       // Phases 2 and 3 (engine_spans.cpp).
-      attend_tasks(g, plan, clouds.rules + first, first, count, cloud_operands, layer, out,
-                   states, s);
+      attend_tasks(g, plan, clouds.rules + first, first, count, cloud_operands, layer, out, states,
+                   s);
     }
   }
 }

@@ -58,8 +58,8 @@ struct EngineClouds {
   const float* keys = nullptr;
   const float* queries = nullptr;
   std::int64_t batch = 1;
-  std::int64_t tokens = 0;        ///< N: keys per cloud
-  std::int64_t query_tokens = 0;  ///< Nq: queries per cloud
+  std::int64_t tokens = 0;           ///< N: keys per cloud
+  std::int64_t query_tokens = 0;     ///< Nq: queries per cloud
   const QueryRule* rules = nullptr;  ///< `batch` entries
   /// Whether the keys may be split into blocks across threads when the queries are few (their
   /// partial states merged exactly, docs/MATH.md §1.6). The split depends on the shape only,

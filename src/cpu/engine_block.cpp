@@ -141,8 +141,8 @@ void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
         const float* values = op.values + key0 * g.value_stride;
         for (std::int64_t c = 0; c < live_chunks; c += kChunkRows) {
           const std::int64_t query0 = query_begin + c;
-          const TileCover tile = cover(rule, span, query0,
-                                       std::min(query0 + kChunkRows, query_begin + live), key0);
+          const TileCover tile =
+              cover(rule, span, query0, std::min(query0 + kChunkRows, query_begin + live), key0);
           if (tile == TileCover::empty) continue;
           float* scores = s.scores.data();
           row_block_gemm<kChunkRows>(g.score_dim, op.queries + query0 * g.score_stride,

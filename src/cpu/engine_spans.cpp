@@ -80,8 +80,8 @@ void attend_tasks(const Geometry& g, const SpanPlan& plan, const QueryRule* rule
   }
   if (spans == 1) return;
 
-  // Phase 3: merge the spans of each query in order 0, 1, ..., then write the partial state or
-  // finish the update.
+    // Phase 3: merge the spans of each query in order 0, 1, ..., then write the partial state or
+    // finish the update.
 #pragma omp for schedule(static)
   for (std::int64_t task = 0; task < count * Nq; ++task) {
     const std::int64_t c = task / Nq, i = task % Nq, b = first + c;

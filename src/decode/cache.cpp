@@ -5,8 +5,6 @@
 // shared by every head, and per head the contents C_h = X F_h^T, rows padded to whole vectors.
 // Capacity doubles when full, and the rows are copied, never recomputed, so an append of n
 // tokens costs O(n H d^2) amortised and attend() of Nq queries O(Nq H N d).
-#include "emflow/decode.hpp"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -16,6 +14,7 @@
 #include "core/check.hpp"
 #include "core/queries.hpp"
 #include "cpu/engine.hpp"
+#include "emflow/decode.hpp"
 #include "emflow/error.hpp"
 
 namespace emflow {
@@ -117,10 +116,9 @@ void DecodeCache::append(const float* tokens, std::int64_t count) {
   s.reserve(s.size + count + 4);
   detail::cpu::pack_key_rows(tokens, s.dim, s.size, count, s.panels.data());
   for (std::int64_t h = 0; h < s.heads; ++h) {
-    detail::cpu::project_rows(tokens, count, s.dim,
-                              s.maps->value_map.data() + h * s.dim * s.value_stride,
-                              s.value_stride,
-                              s.values[static_cast<std::size_t>(h)].data() + s.size * s.value_stride);
+    detail::cpu::project_rows(
+        tokens, count, s.dim, s.maps->value_map.data() + h * s.dim * s.value_stride, s.value_stride,
+        s.values[static_cast<std::size_t>(h)].data() + s.size * s.value_stride);
   }
   s.size += count;
 }

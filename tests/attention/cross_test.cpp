@@ -7,6 +7,8 @@
 // Case names: target, then B, H, N (keys), q (queries), d, mask, then ragged (key and query
 // lengths), at<P> (explicit query position P, keys at 5), per (a position per cloud), self,
 // bias, offset, weights.
+#include "attention/cross.hpp"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,7 +17,6 @@
 #include <vector>
 
 #include "attention/backends.hpp"
-#include "attention/cross.hpp"
 #include "common/testing.hpp"
 
 namespace emflow::testing {

@@ -123,7 +123,8 @@ void check(const Target& target, const CrossProblem& p, int seed) {
   std::mt19937 random(static_cast<unsigned>(seed));
   const int blocks = 1 + static_cast<int>(random() % 8);
   std::vector<std::int64_t> cuts{0, p.tokens};
-  for (int k = 1; k < blocks; ++k) cuts.push_back(static_cast<std::int64_t>(random() % (p.tokens + 1)));
+  for (int k = 1; k < blocks; ++k)
+    cuts.push_back(static_cast<std::int64_t>(random() % (p.tokens + 1)));
   std::sort(cuts.begin(), cuts.end());
   cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
   std::vector<std::size_t> order(cuts.size() - 1);
@@ -172,7 +173,8 @@ void check(const Target& target, const CrossProblem& p, int seed) {
   attend_partial(nothing.input, empty.out(), options);
   State<T> after = merged;
   merge_partial(shape, empty.in(), after.out());
-  EXPECT_EQ(0, std::memcmp(after.heads.data(), merged.heads.data(), after.heads.size() * sizeof(T)));
+  EXPECT_EQ(0,
+            std::memcmp(after.heads.data(), merged.heads.data(), after.heads.size() * sizeof(T)));
   EXPECT_EQ(0, std::memcmp(after.lse.data(), merged.lse.data(), after.lse.size() * sizeof(T)));
   EXPECT_EQ(0, std::memcmp(after.entropy.data(), merged.entropy.data(),
                            after.entropy.size() * sizeof(T)));
@@ -183,7 +185,8 @@ class SplitAndMerge : public ::testing::TestWithParam<Param> {};
 TEST_P(SplitAndMerge, EqualsOnePass) {
   const Param& param = GetParam();
   EMFLOW_REQUIRE_TARGET(param.target);
-  if (param.target.backend == Backend::cuda_fused || param.target.backend == Backend::cuda_unfused) {
+  if (param.target.backend == Backend::cuda_fused ||
+      param.target.backend == Backend::cuda_unfused) {
     GTEST_SKIP() << param.target.name()
                  << ": attend_partial has no asynchronous form; its CUDA path is cuda_f32/f64";
   }

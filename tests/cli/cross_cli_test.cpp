@@ -22,7 +22,8 @@ class CrossCli : public CliFolder {
 
   static constexpr std::int64_t B = 2, N = 11, Nq = 4, d = 3, H = 2;
   std::vector<double> cloud = uniform(B * N * d, 31), queries = uniform(B * Nq * d, 32);
-  std::vector<double> relevance = uniform(H * d * d, 33, -1.5, 1.5), content = uniform(H * d * d, 34);
+  std::vector<double> relevance = uniform(H * d * d, 33, -1.5, 1.5),
+                      content = uniform(H * d * d, 34);
   std::vector<std::int64_t> key_lengths{11, 6}, query_lengths{4, 2};
 
   void SetUp() override {
@@ -37,18 +38,17 @@ class CrossCli : public CliFolder {
   }
 
   std::string common() const {
-    return "attend --x " + path("x.npy") + " --queries " + path("q.npy") + " --m " +
-           path("m.npy") + " --f " + path("f.npy") + " --mask causal --key-lengths " +
-           path("l.npy");
+    return "attend --x " + path("x.npy") + " --queries " + path("q.npy") + " --m " + path("m.npy") +
+           " --f " + path("f.npy") + " --mask causal --key-lengths " + path("l.npy");
   }
 };
 
 TEST_F(CrossCli, OutputsHaveTheQueriesShapeAndMatchTheReference) {
   for (const char* device : {"reference", "cpu"}) {
     SCOPED_TRACE(device);
-    const CliRun run = emflow(common() + " --query-lengths " + path("lq.npy") + " --device " +
-                              device + " --out " + path("delta.npy") + " --lse " +
-                              path("lse.npy") + " --weights " + path("p.npy"));
+    const CliRun run =
+        emflow(common() + " --query-lengths " + path("lq.npy") + " --device " + device + " --out " +
+               path("delta.npy") + " --lse " + path("lse.npy") + " --weights " + path("p.npy"));
     ASSERT_EQ(run.status, 0) << run.err;
     std::vector<double> update(B * Nq * d, NAN), lse(B * H * Nq, NAN), weights(B * H * Nq * N, NAN);
     AttentionInput<double> in;

@@ -57,8 +57,9 @@ TEST(BenchCommand, PrintsOneJsonObjectPerMeasurement) {
 // Decoding shapes: NQ queries through attend, through a DecodeCache, one token appended and
 // attended, and self-attention at --self-tokens in the same rounds.
 TEST(BenchCommand, TimesDecodingShapes) {
-  const Result r = run("bench --tokens 300 --dim 8 --queries-tokens 4 --self-tokens 64 "
-                       "--mask causal --repeats 1 --threads 2");
+  const Result r =
+      run("bench --tokens 300 --dim 8 --queries-tokens 4 --self-tokens 64 "
+          "--mask causal --repeats 1 --threads 2");
   ASSERT_EQ(r.status, 0);
   ASSERT_EQ(r.lines.size(), 4u);
   EXPECT_TRUE(has(r.lines[0], "\"op\": \"attend_queries\""));

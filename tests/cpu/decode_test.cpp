@@ -121,7 +121,8 @@ TEST(DecodeCache, LongCacheMatchesTheReference) {
   const float* queries = cloud.data() + (N - Nq) * 8;
   for (const Mask& mask : {Mask::causal(), Mask::none(), Mask::sliding_window(3000)}) {
     std::vector<float> update(Nq * 8, NAN), lse(2 * Nq, NAN), entropy(2 * Nq, NAN);
-    cache.attend(queries, Nq, mask, {update.data(), lse.data(), entropy.data(), nullptr}, N - Nq, 2);
+    cache.attend(queries, Nq, mask, {update.data(), lse.data(), entropy.data(), nullptr}, N - Nq,
+                 2);
     AttentionInput<float> in;
     in.cloud = cloud.data();
     in.tokens = N;
@@ -164,19 +165,23 @@ TEST(DecodeCache, RefusesNonFiniteTokensAndBadArguments) {
   DecodeCache cache(layer.operators(), 4);
   std::vector<float> x(8, 0.5f);
   x[6] = NAN;
-  EXPECT_TRUE(testing::throws_error([&] { cache.append(x.data(), 2); },
-                                    ErrorCode::invalid_argument, {"'tokens'", "row 1"}));
+  EXPECT_TRUE(testing::throws_error([&] { cache.append(x.data(), 2); }, ErrorCode::invalid_argument,
+                                    {"'tokens'", "row 1"}));
   EXPECT_EQ(cache.size(), 0);
   std::vector<float> update(4);
   EXPECT_TRUE(testing::throws_error(
-      [&] { cache.attend(x.data(), 1, Mask::causal(), {update.data(), nullptr, nullptr, x.data()}); },
+      [&] {
+        cache.attend(x.data(), 1, Mask::causal(), {update.data(), nullptr, nullptr, x.data()});
+      },
       ErrorCode::invalid_argument, {"'weights'"}));
   EXPECT_TRUE(testing::throws_error(
-      [&] { cache.attend(x.data(), 1, Mask::causal(), {x.data() + 2, nullptr, nullptr, nullptr}); },
+      [&] {
+        cache.attend(x.data(), 1, Mask::causal(), {x.data() + 2, nullptr, nullptr, nullptr});
+      },
       ErrorCode::invalid_argument, {"'update'", "queries"}));
   LayerOperators<float> empty;
-  EXPECT_TRUE(testing::throws_error([&] { DecodeCache bad(empty, 4); },
-                                    ErrorCode::invalid_argument, {"'relevance'"}));
+  EXPECT_TRUE(testing::throws_error([&] { DecodeCache bad(empty, 4); }, ErrorCode::invalid_argument,
+                                    {"'relevance'"}));
 }
 
 }  // namespace
