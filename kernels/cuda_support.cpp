@@ -54,6 +54,53 @@ OwnedStream::~OwnedStream() {
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
+PinnedBuffer::PinnedBuffer(std::size_t bytes, const char* operation) : bytes_(bytes) {
+  if (bytes == 0) return;
+  check_cuda(cudaMallocHost(&data_, bytes), operation, "cudaMallocHost");
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  // cudaFreeHost waits for the device, so no queued copy still uses the memory.
+  if (data_ != nullptr) cudaFreeHost(data_);
+}
+
+PinnedBuffer::PinnedBuffer(PinnedBuffer&& other) noexcept
+    : data_(other.data_), bytes_(other.bytes_) {
+  other.data_ = nullptr;
+  other.bytes_ = 0;
+}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) cudaFreeHost(data_);
+    data_ = other.data_;
+    bytes_ = other.bytes_;
+    other.data_ = nullptr;
+    other.bytes_ = 0;
+  }
+  return *this;
+}
+
+OwnedEvent::OwnedEvent(const char* operation) : operation_(operation) {
+  check_cuda(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), operation,
+             "cudaEventCreateWithFlags");
+}
+
+OwnedEvent::~OwnedEvent() {
+  if (event_ != nullptr) cudaEventDestroy(event_);
+}
+
+void OwnedEvent::record(cudaStream_t stream) {
+  check_cuda(cudaEventRecord(event_, stream), operation_, "cudaEventRecord");
+  recorded_ = true;
+}
+
+void OwnedEvent::wait() {
+  if (!recorded_) return;
+  check_cuda(cudaEventSynchronize(event_), operation_, "cudaEventSynchronize");
+  recorded_ = false;
+}
+
 }  // namespace emflow::detail
 
 namespace emflow::cuda {

@@ -6,6 +6,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
+
 namespace emflow::detail {
 
 /// Throws emflow::Error when `status` is not cudaSuccess: "<operation>: <call> failed: <why>".
@@ -31,6 +33,43 @@ class OwnedStream {
 
  private:
   cudaStream_t stream_ = nullptr;
+};
+
+/// Page-locked host memory (cudaMallocHost): a copy to or from it is a DMA of its own, queued
+/// without the stream being drained, and it stays valid until the copy has run.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(std::size_t bytes, const char* operation);
+  ~PinnedBuffer();
+  PinnedBuffer(PinnedBuffer&& other) noexcept;
+  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  void* data() const noexcept { return data_; }
+  std::size_t bytes() const noexcept { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+/// An owned event without timing: marks a point of a stream the host can wait for.
+class OwnedEvent {
+ public:
+  explicit OwnedEvent(const char* operation);
+  ~OwnedEvent();
+  OwnedEvent(const OwnedEvent&) = delete;
+  OwnedEvent& operator=(const OwnedEvent&) = delete;
+  /// Marks the work queued on `stream` so far.
+  void record(cudaStream_t stream);
+  /// Waits until the marked work has completed; nothing when never recorded.
+  void wait();
+
+ private:
+  const char* operation_;
+  cudaEvent_t event_ = nullptr;
+  bool recorded_ = false;
 };
 
 }  // namespace emflow::detail

@@ -3,14 +3,16 @@
 //
 // Element-wise kernels mirror the host code of src/flow/host_ops.cpp and src/flow/normalize.cpp
 // expression by expression (per token statistics in double, in token order), so the device and
-// the host differ by rounding only (the device may contract a * b + c into one FMA).
+// the host differ by rounding only. The file is compiled with -fmad=false (CMakeLists.txt,
+// EMFLOW_EXACT_ROUNDING_SOURCES): every product and sum is rounded on its own, as on the host,
+// so the observables' pair terms, and with them the cluster decisions, are the host's exactly.
 //
 // Observables, for B clouds at once, in three kernels and without floating-point atomics:
 //   token_norms   one thread per token: ||x_i|| in double, and the token's union-find parent set
 //                 to itself.
-//   pair_rows     one block per token i: its pairs (i, j > i) in double, each thread a fixed set
-//                 of 32-token tiles of j; per-thread sums, then a fixed tree over the block, into
-//                 the token's row of partial sums (sum <x_i, x_j>, energy, clustered pairs, min
+//   pair_rows     one block per token i: its pairs (i, j > i) in double, thread t the tokens
+//                 j = i + 1 + t + k blockDim, so all threads share the row; per-thread sums,
+//                 then a fixed tree over the block, into the token's row of partial sums (sum <x_i, x_j>, energy, clustered pairs, min
 //                 inner product, max squared distance). Each clustered pair joins the trees of i
 //                 and j at once, in a lock-free union-find over the cloud's parents (ECL-CC:
 //                 the larger root hooked under the smaller with atomicCAS, finds halving paths).
@@ -39,35 +41,36 @@ using emflow::detail::grid_for;
 constexpr const char* kOperation = "run_flow";
 constexpr int kThreads = 128;  // every block size below is a power of two <= kThreads
 constexpr int kMaxBlocks = 4096;
-constexpr int kTileTokens = 32;  // the j of a pair_rows thread come in tiles of this many
 
 // The per-token partial sums of pair_rows, in this order.
 enum RowField : int { kRowSum, kRowEnergy, kRowClustered, kRowMin, kRowMax, kRowFields };
 
-int tiles_for(int tokens) { return tokens / kTileTokens + (tokens % kTileTokens != 0 ? 1 : 0); }
-
-__device__ int first_index() { return static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); }
-__device__ int grid_stride() { return static_cast<int>(gridDim.x * blockDim.x); }
+// 64-bit indices for every grid-stride loop: an index below INT_MAX plus a stride of up to
+// kMaxBlocks * kThreads would wrap an int (the element counts are only checked to fit in int).
+__device__ std::int64_t first_index() {
+  return static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ std::int64_t grid_stride() { return static_cast<std::int64_t>(gridDim.x) * blockDim.x; }
 
 // ---------------------------------------------------------------------------------------------
 // Steps
 
 template <class T>
 __global__ void axpy_kernel(T* y, const T* x, const T* k, T step, int n) {
-  for (int e = first_index(); e < n; e += grid_stride()) y[e] = x[e] + step * k[e];
+  for (std::int64_t e = first_index(); e < n; e += grid_stride()) y[e] = x[e] + step * k[e];
 }
 
 template <class T>
 __global__ void rk4_combine_kernel(T* x, const T* k1, const T* k2, const T* k3, const T* k4,
                                    T sixth, int n) {
-  for (int e = first_index(); e < n; e += grid_stride()) {
+  for (std::int64_t e = first_index(); e < n; e += grid_stride()) {
     x[e] += sixth * (k1[e] + T(2) * (k2[e] + k3[e]) + k4[e]);
   }
 }
 
 template <class T>
 __global__ void add_kernel(T* x, const T* delta, int n) {
-  for (int e = first_index(); e < n; e += grid_stride()) x[e] += delta[e];
+  for (std::int64_t e = first_index(); e < n; e += grid_stride()) x[e] += delta[e];
 }
 
 // One thread per token, the host's normalize() line by line (eps as PyTorch's defaults).
@@ -78,7 +81,7 @@ __global__ void normalize_kernel(int norm, const T* in, T* out, int rows, int di
   const double inv_dim = 1.0 / static_cast<double>(dim);
   const bool layernorm = norm == static_cast<int>(Normalization::layernorm);
   const bool sphere = norm == static_cast<int>(Normalization::sphere);
-  for (int r = first_index(); r < rows; r += grid_stride()) {
+  for (std::int64_t r = first_index(); r < rows; r += grid_stride()) {
     const T* x = in + static_cast<std::size_t>(r) * dim;
     T* y = out + static_cast<std::size_t>(r) * dim;
     double shift = 0.0, scale = 1.0;
@@ -116,7 +119,7 @@ __global__ void normalize_kernel(int norm, const T* in, T* out, int rows, int di
 // P_x y = y - <x, y> x, one thread per token.
 template <class T>
 __global__ void tangent_kernel(const T* cloud, T* update, int rows, int dim) {
-  for (int r = first_index(); r < rows; r += grid_stride()) {
+  for (std::int64_t r = first_index(); r < rows; r += grid_stride()) {
     const T* x = cloud + static_cast<std::size_t>(r) * dim;
     T* y = update + static_cast<std::size_t>(r) * dim;
     double dot = 0.0;
@@ -129,8 +132,8 @@ __global__ void tangent_kernel(const T* cloud, T* update, int rows, int dim) {
 template <class T>
 __global__ void usa_accumulate_kernel(T* update, const T* delta, const T* lse, double log_tokens,
                                       bool first, int rows, int dim) {
-  const int n = rows * dim;
-  for (int e = first_index(); e < n; e += grid_stride()) {
+  const std::int64_t n = static_cast<std::int64_t>(rows) * dim;
+  for (std::int64_t e = first_index(); e < n; e += grid_stride()) {
     const double scale = exp(static_cast<double>(lse[e / dim]) - log_tokens);
     const T term = static_cast<T>(scale * static_cast<double>(delta[e]));
     update[e] = (first ? T(0) : update[e]) + term;
@@ -141,7 +144,7 @@ __global__ void usa_accumulate_kernel(T* update, const T* delta, const T* lse, d
 template <class T>
 __global__ void mean_entropy_kernel(const T* entropy, int heads, int tokens, long long cloud_stride,
                                     long long head_stride, double* out, int out_stride) {
-  __shared__ double sums[kThreads];
+  EMFLOW_SHARED(double, sums, [kThreads]);
   const int b = static_cast<int>(blockIdx.x), t = static_cast<int>(threadIdx.x);
   const int threads = static_cast<int>(blockDim.x);
   const long long count = static_cast<long long>(heads) * tokens;
@@ -165,12 +168,12 @@ __global__ void mean_entropy_kernel(const T* entropy, int heads, int tokens, lon
 template <class T>
 __global__ void token_norms_kernel(const T* clouds, int rows, int tokens, int dim, double* norms,
                                    int* parents) {
-  for (int r = first_index(); r < rows; r += grid_stride()) {
+  for (std::int64_t r = first_index(); r < rows; r += grid_stride()) {
     const T* x = clouds + static_cast<std::size_t>(r) * dim;
     double square = 0.0;
     for (int a = 0; a < dim; ++a) square += static_cast<double>(x[a]) * x[a];
     norms[r] = sqrt(square);
-    parents[r] = r % tokens;  // indices within the cloud
+    parents[r] = static_cast<int>(r % tokens);  // indices within the cloud
   }
 }
 
@@ -247,13 +250,13 @@ __device__ void reduce_row_fields(double (*partial)[kThreads], int t, int thread
   }
 }
 
-// One block per token i (blockIdx.x = b * N + i). Thread t takes the tiles w = first + t,
-// first + t + blockDim, ... of tokens j in [32 w, 32 w + 32), j > i.
+// One block per token i (blockIdx.x = b * N + i). Thread t takes the tokens j = i + 1 + t,
+// i + 1 + t + blockDim, ...: every thread has work until fewer than blockDim pairs are left.
 template <class T>
-__global__ void pair_rows_kernel(const T* clouds, int tokens, int dim, int tiles,
+__global__ void pair_rows_kernel(const T* clouds, int tokens, int dim,
                                  const double* betas, const double* norms, double cluster_eps,
                                  double* rows, int* parents) {
-  __shared__ double partial[kRowFields][kThreads];
+  EMFLOW_SHARED(double, partial, [kRowFields][kThreads]);
   const int row = static_cast<int>(blockIdx.x), t = static_cast<int>(threadIdx.x);
   const int threads = static_cast<int>(blockDim.x);
   const int b = row / tokens, i = row - b * tokens;
@@ -271,27 +274,23 @@ __global__ void pair_rows_kernel(const T* clouds, int tokens, int dim, int tiles
     for (int a = 0; a < dim; ++a) square += static_cast<double>(xi[a]) * xi[a];
     energy = exp(beta * square);
   }
-  for (int w = (i + 1) / kTileTokens + t; w < tiles; w += threads) {
-    const int j0 = w * kTileTokens;
-    const int j_end = j0 + kTileTokens < tokens ? j0 + kTileTokens : tokens;
-    for (int j = j0 > i + 1 ? j0 : i + 1; j < j_end; ++j) {
-      const T* xj = cloud + static_cast<std::size_t>(j) * dim;
-      double g = 0.0, e = 0.0;
-      for (int a = 0; a < dim; ++a) {
-        const double p = static_cast<double>(xi[a]), q = static_cast<double>(xj[a]);
-        g += p * q;
-        e += (p - q) * (p - q);
-      }
-      sum += g;
-      energy += 2.0 * exp(beta * g);
-      low = g < low ? g : low;  // as std::min / std::max on the host
-      high = high < e ? e : high;
-      // Clustering is about directions: the cosine, which is the inner product on the sphere.
-      const double scale = norm_i * cloud_norms[j];
-      if (scale > 0.0 && g > (1.0 - cluster_eps) * scale) {
-        clustered += 1.0;
-        unite(parent, i, j);
-      }
+  for (int j = i + 1 + t; j < tokens; j += threads) {
+    const T* xj = cloud + static_cast<std::size_t>(j) * dim;
+    double g = 0.0, e = 0.0;
+    for (int a = 0; a < dim; ++a) {
+      const double p = static_cast<double>(xi[a]), q = static_cast<double>(xj[a]);
+      g += p * q;
+      e += (p - q) * (p - q);
+    }
+    sum += g;
+    energy += 2.0 * exp(beta * g);
+    low = g < low ? g : low;  // as std::min / std::max on the host
+    high = high < e ? e : high;
+    // Clustering is about directions: the cosine, which is the inner product on the sphere.
+    const double scale = norm_i * cloud_norms[j];
+    if (scale > 0.0 && g > (1.0 - cluster_eps) * scale) {
+      clustered += 1.0;
+      unite(parent, i, j);
     }
   }
 
@@ -308,7 +307,7 @@ __global__ void pair_rows_kernel(const T* clouds, int tokens, int dim, int tiles
 // the reduction of the token rows into the cloud's observables (all but the entropy).
 __global__ void finish_kernel(int tokens, const double* betas, const double* rows,
                               const int* parents, double* out) {
-  __shared__ double partial[kRowFields + 1][kThreads];
+  EMFLOW_SHARED(double, partial, [kRowFields + 1][kThreads]);
   const int b = static_cast<int>(blockIdx.x), t = static_cast<int>(threadIdx.x);
   const int threads = static_cast<int>(blockDim.x);
   const int* const parent = parents + static_cast<std::size_t>(b) * tokens;
@@ -421,16 +420,15 @@ void launch_observe(const T* clouds, int batch, int tokens, int dim, const doubl
                     double cluster_eps, const ObserveScratch& scratch, double* out,
                     cuda::Stream stream) {
   const int rows = batch * tokens;
-  const int tiles = tiles_for(tokens);
   emflow::detail::launch(kOperation, "token_norms_kernel", token_norms_kernel<T>,
                          grid_for(rows, kThreads, kMaxBlocks), kThreads, 0, stream, clouds, rows,
                          tokens, dim, scratch.norms, scratch.parents);
-  // A block per token, as wide as its tiles need (a size that depends on N only, so the
+  // A block per token, as wide as its first row needs (a size that depends on N only, so the
   // reduction order does too).
-  const int pair_threads = tiles <= 32 ? 32 : (tiles <= 64 ? 64 : kThreads);
+  const int pair_threads = tokens <= 32 ? 32 : (tokens <= 64 ? 64 : kThreads);
   emflow::detail::launch(kOperation, "pair_rows_kernel", pair_rows_kernel<T>,
                          static_cast<unsigned>(rows), static_cast<unsigned>(pair_threads), 0,
-                         stream, clouds, tokens, dim, tiles, betas, scratch.norms, cluster_eps,
+                         stream, clouds, tokens, dim, betas, scratch.norms, cluster_eps,
                          scratch.rows, scratch.parents);
   emflow::detail::launch(kOperation, "finish_kernel", finish_kernel, static_cast<unsigned>(batch),
                          kThreads, 0, stream, tokens, betas, scratch.rows, scratch.parents, out);

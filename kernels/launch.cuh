@@ -48,7 +48,7 @@ template <class... Params, class... Args>
 void launch(const char* operation, const char* name, void (*kernel)(Params...), unsigned blocks,
             unsigned threads, std::size_t shared_bytes, cudaStream_t stream, Args&&... args) {
 #if defined(EMFLOW_CUDA_EMULATION)
-  emu_launch(kernel, blocks, threads, shared_bytes, stream, std::forward<Args>(args)...);
+  emu_launch(name, kernel, blocks, threads, shared_bytes, stream, std::forward<Args>(args)...);
 #else
   // clang-format off
   kernel<<<blocks, threads, shared_bytes, stream>>>(std::forward<Args>(args)...);
@@ -60,8 +60,16 @@ void launch(const char* operation, const char* name, void (*kernel)(Params...), 
 }  // namespace emflow::detail
 
 /// Declares `name` as the block's dynamic shared memory, an array of float4 (16-byte aligned).
+/// EMFLOW_SHARED(type, name, extents) declares static shared memory: `type name extents`, as
+/// EMFLOW_SHARED(double, sums, [128]) for `__shared__ double sums[128]`. The CPU emulation
+/// poisons both at every block start, as a GPU leaves them holding garbage.
 #if defined(EMFLOW_CUDA_EMULATION)
 #define EMFLOW_DYNAMIC_SHARED(name) float4* const name = emu_dynamic_shared()
+#define EMFLOW_SHARED(type, name, extents)                                              \
+  static type name extents;                                                             \
+  [[maybe_unused]] static const bool name##_poisoned_at_block_start =                   \
+      emu::register_static_shared(static_cast<void*>(&name), sizeof(name))
 #else
 #define EMFLOW_DYNAMIC_SHARED(name) extern __shared__ float4 name[]
+#define EMFLOW_SHARED(type, name, extents) __shared__ type name extents
 #endif

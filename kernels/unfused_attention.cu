@@ -75,7 +75,7 @@ template <class T>
 __global__ void __launch_bounds__(kSoftmaxThreads)
     row_softmax_kernel(T* __restrict__ scores, T* __restrict__ lse, T* __restrict__ entropy,
                        int heads, int tokens, KernelMask mask) {
-  __shared__ T scratch[kWarps];
+  EMFLOW_SHARED(T, scratch, [kWarps]);
   const std::size_t row = blockIdx.x;  // (b * heads + h) * tokens + i
   const int i = static_cast<int>(row % static_cast<std::size_t>(tokens));
   const int b = static_cast<int>(row / (static_cast<std::size_t>(tokens) * heads));

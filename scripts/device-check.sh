@@ -5,8 +5,9 @@
 #   bash scripts/device-check.sh --prepare   # on a build machine without a GPU (see below)
 #
 # It builds the GPU tests and benchmarks for sm_90 (Release, -j16), runs the GPU tests, runs
-# compute-sanitizer memcheck and racecheck on small cases, runs the GPU benchmarks briefly, and
-# prints a short table last. Everything is also written to $OUT/device-check.log when OUT is set
+# compute-sanitizer memcheck, racecheck, synccheck and initcheck over the whole GPU suite (the
+# four at once), runs the GPU benchmarks briefly, and prints a short table last. Expected on an
+# H200: build 2 to 3 minutes, tests 1, sanitizers at most 3.5, benchmarks 1.5: under 8 in all. Everything is also written to $OUT/device-check.log when OUT is set
 # (else to ./device-check.log), with the date, the GPU and the commit at the top, ready to be
 # committed under bench/results/ (see bench/results/README.md).
 #
@@ -17,7 +18,8 @@
 # folder to the GPU machine and the check uses it when its own build is not possible.
 #
 # Environment: JOBS (16), BUILD (build-device), PREBUILT (build-device-prebuilt),
-# BENCH_MIN_TIME (0.05 seconds per benchmark), BENCH_FILTER (all), DEPS_PREFIX (none).
+# BENCH_MIN_TIME (0.05 seconds per benchmark), BENCH_FILTER (all), DEPS_PREFIX (none),
+# SANITIZER_LIMIT (210 seconds for each compute-sanitizer tool).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,7 +28,7 @@ BUILD=${BUILD:-build-device}
 PREBUILT=${PREBUILT:-build-device-prebuilt}
 BENCH_MIN_TIME=${BENCH_MIN_TIME:-0.05}
 BENCH_FILTER=${BENCH_FILTER:-.}
-BUDGET_S=450  # later steps are skipped once this much time has gone, to stay under 8 minutes
+BUDGET_S=390  # later steps are skipped once this much time has gone, to stay under 8 minutes
 
 configure_and_build() {  # $1: build folder
   local prefix=()
@@ -134,25 +136,63 @@ GPU_ATTENTION='*/cuda_*:CudaAsync.*:CudaWorkspace.*:CudaWithoutDevice.*'
 run_step "gpu tests: attention" 240 "$ATTENTION" --gtest_filter="$GPU_ATTENTION" --gtest_color=no
 run_step "gpu tests: cuda suite" 180 "$TESTS" --gtest_color=no
 
-# 3. compute-sanitizer on small cases: both attention algorithms, every tile width, masks, heads
-#    (the Small cases: N up to 101, d up to 255); the phase kernel (register and shared-memory
-#    layouts, the fallback); the flow's kernels.
+# 3. compute-sanitizer over the whole GPU suite (both attention algorithms, every tile width,
+#    the Large cases up to N = 4097, masks, heads, the phase kernel, the flow's kernels): memcheck
+#    (out-of-bounds and misaligned device accesses, leaks), racecheck (shared-memory hazards),
+#    synccheck (barriers and shuffles reached by part of a block or warp) and initcheck (reads of
+#    device memory never written). The four tools run at once, each over both binaries in turn
+#    (the host's reference computations use the CPU cores, the GPU is shared), so the step takes
+#    as long as the slowest tool, at most SANITIZER_LIMIT seconds.
 SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-SMALL_ATTENTION='Small/*/cuda_fused_*:Small/*/cuda_unfused_*:CudaAsync.*'
-SMALL='AttentionPlan.*:CudaNaN.*'
-SMALL+=':PhaseCuda/PhaseCudaPaths.MatchesCpuAndGenericPaths/n33_d*:PhaseCudaSweep.*'
-SMALL+=':FlowCuda/FlowOnEveryDevice.RecordsEveryKStepsAndTheLast/cuda:FlowCuda.ObservablesOfALargerCloud'
-SMALL+=':FlowCudaTyped/0.DiscreteStackWithEveryNormalisationMatchesCpu'
-for tool in memcheck racecheck; do
-  run_step "$tool: attention" 120 "$SANITIZER" --tool "$tool" --error-exitcode 1 "$ATTENTION" \
-    --gtest_filter="$SMALL_ATTENTION" --gtest_color=no
-  run_step "$tool: cuda suite" 120 "$SANITIZER" --tool "$tool" --error-exitcode 1 "$TESTS" \
-    --gtest_filter="$SMALL" --gtest_color=no
-done
+SANITIZER_LIMIT=${SANITIZER_LIMIT:-210}
+sanitize_suite() {  # $1 tool; writes $LOG_DIR/sanitizer-$1.log, exit status 0 when both pass
+  local tool=$1 extra=() status=0
+  [[ "$tool" == racecheck ]] && extra=(--racecheck-report hazard)
+  {
+    "$SANITIZER" --tool "$tool" "${extra[@]}" --error-exitcode 1 "$ATTENTION" \
+      --gtest_filter="$GPU_ATTENTION" --gtest_color=no || status=1
+    "$SANITIZER" --tool "$tool" "${extra[@]}" --error-exitcode 1 "$TESTS" --gtest_color=no ||
+      status=1
+  } >"$LOG_DIR/sanitizer-$tool.log" 2>&1
+  return $status
+}
+if over_budget || [[ ! -x "$TESTS" || ! -x "$ATTENTION" ]]; then
+  record "compute-sanitizer" "skipped (time budget or no binary)" 0
+else
+  echo
+  echo "== compute-sanitizer memcheck, racecheck, synccheck, initcheck (at once, ${SANITIZER_LIMIT} s each at most)"
+  t0=$(elapsed)
+  declare -A SANITIZER_PID
+  for tool in memcheck racecheck synccheck initcheck; do
+    export -f sanitize_suite
+    export SANITIZER ATTENTION TESTS GPU_ATTENTION LOG_DIR
+    # shellcheck disable=SC2016  # $0 is expanded by the inner shell
+    timeout "$SANITIZER_LIMIT" bash -c 'sanitize_suite "$0"' "$tool" &
+    SANITIZER_PID[$tool]=$!
+  done
+  for tool in memcheck racecheck synccheck initcheck; do
+    wait "${SANITIZER_PID[$tool]}"
+    status=$?
+    log="$LOG_DIR/sanitizer-$tool.log"
+    summary=$(grep -E '^\[ +(PASSED|FAILED) +\] [0-9]+ test' "$log" 2>/dev/null |
+      sed -E 's/^\[ *([A-Z]+) *\] ([0-9]+) tests?.*/\2 \1/' | tr '\n' ' ' | tr '[:upper:]' '[:lower:]')
+    summary="$summary$(grep -E '(ERROR|RACECHECK) SUMMARY' "$log" 2>/dev/null | sed -E 's/.*SUMMARY: /; /' |
+      tr '\n' ' ')"
+    echo "-- $tool (exit $status): $summary"
+    grep -E '^=========' "$log" 2>/dev/null | grep -vE 'SUMMARY|COMPUTE-SANITIZER' | head -n 20
+    if ((status == 0)); then
+      record "$tool: gpu suite" "ok ${summary}" $(($(elapsed) - t0))
+    elif ((status == 124)); then
+      record "$tool: gpu suite" "TIMED OUT after ${SANITIZER_LIMIT}s ${summary}" $(($(elapsed) - t0))
+    else
+      record "$tool: gpu suite" "FAILED (exit $status) ${summary}" $(($(elapsed) - t0))
+    fi
+  done
+fi
 
 # 4. Benchmarks, briefly.
 BENCH_JSON="$LOG_DIR/device-check-bench.json"
-run_step "benchmarks" 180 "$BENCH" --benchmark_min_time="$BENCH_MIN_TIME" \
+run_step "benchmarks" 90 "$BENCH" --benchmark_min_time="$BENCH_MIN_TIME" \
   --benchmark_filter="$BENCH_FILTER" --benchmark_out="$BENCH_JSON" --benchmark_out_format=json
 rm -f "$LOG_DIR/.step.out"
 

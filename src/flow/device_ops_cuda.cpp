@@ -2,14 +2,17 @@
 // attention evaluation enqueues an attention plan made once per configuration before the run
 // (kernels/attend_plan.hpp), on one owned stream, with one workspace sized for the largest; the
 // element-wise parts and the observables are the kernels of kernels/flow_kernels.hpp. The host
-// only enqueues, and waits for the stream where it needs data: once per record (the recorded
-// cloud) and once at the end (the observables). Compiled only with CUDA.
+// only enqueues, and waits where it needs data: for the copy of the record before last at each
+// record (page-locked staging, so the stream keeps its work) and for the stream at the end (the
+// observables). Compiled only with CUDA.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <vector>
 
 #include "core/check.hpp"
@@ -28,11 +31,25 @@ namespace {
 using emflow::detail::check_cuda;
 using emflow::detail::fail;
 
-// One layer's operators in one device allocation.
+// One layer's operators in one device allocation, and the host copy they were uploaded from:
+// kept until the layer goes, as the upload is asynchronous (declared first, so freed after the
+// device buffer, whose cudaFree waits for the device).
 template <class T>
 struct DeviceLayer {
+  std::vector<T> packed;
   cuda::DeviceBuffer<T> storage;
   LayerView<T> view;
+};
+
+// A recorded state on its way to the trajectory: copied from the device into page-locked memory
+// (a copy queued on the stream that does not drain it), then into the trajectory by the host
+// once the event says it is there.
+struct StagedRecord {
+  explicit StagedRecord(const char* operation) : copied(operation) {}
+  emflow::detail::PinnedBuffer buffer;
+  emflow::detail::OwnedEvent copied;
+  void* to = nullptr;  // where in the trajectory; null: nothing pending
+  std::size_t bytes = 0;
 };
 
 // The kernels and launches index with int: refuse what does not fit before allocating.
@@ -54,7 +71,9 @@ class DeviceOps {
   // Every buffer of the run is declared after the ops, so they are freed (cudaFree waits for
   // the device) before the stream is destroyed.
   explicit DeviceOps(const char* operation)
-      : operation_(operation), owned_(operation), stream_(owned_.get()) {}
+      : operation_(operation), owned_(operation), stream_(owned_.get()) {
+    for (int k = 0; k < 2; ++k) staging_.push_back(std::make_unique<StagedRecord>(operation));
+  }
 
   cudaStream_t stream() const noexcept { return stream_; }
 
@@ -63,13 +82,14 @@ class DeviceOps {
   DeviceLayer<T> upload(const FlowLayer<T>& layer) {
     const std::vector<T>* parts[] = {&layer.relevance, &layer.content,   &layer.key_bias,
                                      &layer.offset,    &layer.norm_gain, &layer.norm_bias};
-    std::vector<T> packed;
+    DeviceLayer<T> device;
+    std::vector<T>& packed = device.packed;
     for (const std::vector<T>* part : parts) {
       packed.insert(packed.end(), part->begin(), part->end());
     }
-    DeviceLayer<T> device;
     device.storage = Buffer(packed.size());
-    // Pageable source: the copy returns once it is staged, so `packed` may go out of scope.
+    // Asynchronous: `packed` stays alive with the layer until the copy has run (moving the layer
+    // keeps its heap block where it is).
     device.storage.copy_from_host(packed.data(), packed.size(), stream_);
     const T* cursor = device.storage.data();
     const T* at[6];
@@ -157,10 +177,18 @@ class DeviceOps {
   EntropySink record(const T* x, std::int64_t r, FlowResult<T>& result) {
     const Shape& shape = result.trajectory.shape();
     const std::int64_t B = shape[1], N = shape[2], d = shape[3];
-    // Into pageable host memory, so the copy returns only once it is done: one wait for the
-    // stream per record, the price of handing the trajectory back as it is recorded.
-    cuda::detail::copy_device_to_host(result.trajectory.data() + r * B * N * d, x,
-                                      static_cast<std::size_t>(B * N * d) * sizeof(T), stream_);
+    // Into page-locked staging, one of two used in turn, so the stream is never drained: the
+    // host waits only for the copy of the record before last, while this one's work runs.
+    StagedRecord& slot = *staging_[next_slot_];
+    next_slot_ = (next_slot_ + 1) % staging_.size();
+    deliver(slot);
+    const auto bytes = static_cast<std::size_t>(B * N * d) * sizeof(T);
+    if (slot.buffer.bytes() < bytes) slot.buffer = emflow::detail::PinnedBuffer(bytes, operation_);
+    check_cuda(cudaMemcpyAsync(slot.buffer.data(), x, bytes, cudaMemcpyDeviceToHost, stream_),
+               operation_, "cudaMemcpyAsync (record to page-locked staging)");
+    slot.copied.record(stream_);
+    slot.to = result.trajectory.data() + r * B * N * d;
+    slot.bytes = bytes;
     double* const observed = observed_.data() + r * B * kObservableFields;
     ObserveScratch scratch;
     scratch.norms = norms_.data();
@@ -176,6 +204,7 @@ class DeviceOps {
     std::vector<double> host(observed_.size());
     observed_.copy_to_host(host.data(), host.size(), stream_);
     check_cuda(cudaStreamSynchronize(stream_), operation_, "cudaStreamSynchronize");
+    for (const auto& slot : staging_) deliver(*slot);
     for (std::size_t e = 0; e < result.observables.size(); ++e) {
       const double* o = host.data() + e * kObservableFields;
       Observables& to = result.observables[e];
@@ -198,6 +227,14 @@ class DeviceOps {
   }
 
  private:
+  // A staged record into the trajectory, once its copy has completed.
+  static void deliver(StagedRecord& slot) {
+    if (slot.to == nullptr) return;
+    slot.copied.wait();
+    std::memcpy(slot.to, slot.buffer.data(), slot.bytes);
+    slot.to = nullptr;
+  }
+
   const char* operation_;
   const emflow::detail::OwnedStream owned_;
   cudaStream_t stream_;
@@ -215,6 +252,9 @@ class DeviceOps {
   double cluster_eps_ = 0.0;
   cuda::DeviceBuffer<double> betas_, observed_, norms_, rows_;
   cuda::DeviceBuffer<int> parents_;
+  // Last, so freed first (cudaFreeHost waits for the device's copies into them).
+  std::vector<std::unique_ptr<StagedRecord>> staging_;
+  std::size_t next_slot_ = 0;
 };
 
 // Refuses a batch of B clouds of N tokens in R^d with `heads` heads (and, when `observed`, the

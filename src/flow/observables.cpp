@@ -47,23 +47,25 @@ struct Components {
 #endif
 
 // The inner products and squared distances of token i with every later token j > i: the
-// O(N d) inner part of the O(N^2 d) pass, vectorised (the simd reductions let the compiler
-// reorder the sums) and compiled for AVX2 as well as the baseline, since the library is built
-// without -march. Row by row, so the pass needs O(N) scratch rather than two arrays of N^2 / 2.
+// O(N d) inner part of the O(N^2 d) pass, compiled for AVX2 as well as the baseline, since the
+// library is built without -march. Row by row, so the pass needs O(N) scratch rather than two
+// arrays of N^2 / 2. Each pair's sums run over a in order, every product and sum rounded on its
+// own (this file is compiled with -ffp-contract=off): the rounding rule the device's
+// pair_rows_kernel follows too (kernels/flow_kernels.cu, compiled with -fmad=false), so the
+// cluster decisions at the threshold agree bit for bit. Vectorised across j, never across a.
 EMFLOW_OBSERVE_CLONES void row_products(const double* x, std::int64_t N, std::int64_t d,
                                         std::int64_t i, double* inner, double* distance_sq) {
   const double* xi = x + i * d;
-  std::int64_t p = 0;
-  for (std::int64_t j = i + 1; j < N; ++j, ++p) {
+#pragma omp simd
+  for (std::int64_t j = i + 1; j < N; ++j) {
     const double* xj = x + j * d;
     double g = 0.0, e = 0.0;
-#pragma omp simd reduction(+ : g, e)
     for (std::int64_t a = 0; a < d; ++a) {
       g += xi[a] * xj[a];
       e += (xi[a] - xj[a]) * (xi[a] - xj[a]);
     }
-    inner[p] = g;
-    distance_sq[p] = e;
+    inner[j - i - 1] = g;
+    distance_sq[j - i - 1] = e;
   }
 }
 

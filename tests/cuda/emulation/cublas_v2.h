@@ -42,48 +42,56 @@ inline cublasStatus_t cublasSetWorkspace(cublasHandle_t h, void* w, std::size_t 
   h->bytes = b;
   return CUBLAS_STATUS_SUCCESS;
 }
+// Checks the arguments now, as cuBLAS does, and queues the product on the handle's stream (the
+// scalars are read now: host pointer mode).
 template <class T>
-cublasStatus_t emu_gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
-                        const T* alpha, const T* A, int lda, long long sa, const T* B, int ldb,
-                        long long sb, const T* beta, T* C, int ldc, long long sc, int count) {
+cublasStatus_t emu_gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                        int n, int k, const T* alpha_at, const T* A, int lda, long long sa,
+                        const T* B, int ldb, long long sb, const T* beta_at, T* C, int ldc,
+                        long long sc, int count) {
   if (m < 0 || n < 0 || k < 0 || count < 0) return CUBLAS_STATUS_INVALID_VALUE;
   if (lda < std::max(1, ta == CUBLAS_OP_N ? m : k)) return CUBLAS_STATUS_INVALID_VALUE;
   if (ldb < std::max(1, tb == CUBLAS_OP_N ? k : n)) return CUBLAS_STATUS_INVALID_VALUE;
   if (ldc < std::max(1, m)) return CUBLAS_STATUS_INVALID_VALUE;
-  for (int b = 0; b < count; ++b) {
-    const T* a = A + b * sa;
-    const T* bb = B + b * sb;
-    T* c = C + b * sc;
-    for (int j = 0; j < n; ++j)
-      for (int i = 0; i < m; ++i) {
-        T acc = 0;
-        if (*alpha != T(0))
-          for (int l = 0; l < k; ++l) {
-            const T av = ta == CUBLAS_OP_N ? a[i + (long long)l * lda] : a[l + (long long)i * lda];
-            const T bv =
-                tb == CUBLAS_OP_N ? bb[l + (long long)j * ldb] : bb[j + (long long)l * ldb];
-            acc += av * bv;
-          }
-        T value = *alpha * acc;
-        if (*beta != T(0)) value += *beta * c[i + (long long)j * ldc];
-        c[i + (long long)j * ldc] = value;
-      }
-  }
+  const T alpha = *alpha_at, beta = *beta_at;
+  emu::enqueue(h->stream, [=] {
+    for (int b = 0; b < count; ++b) {
+      const T* a = A + b * sa;
+      const T* bb = B + b * sb;
+      T* c = C + b * sc;
+      for (int j = 0; j < n; ++j)
+        for (int i = 0; i < m; ++i) {
+          T acc = 0;
+          if (alpha != T(0))
+            for (int l = 0; l < k; ++l) {
+              const T av =
+                  ta == CUBLAS_OP_N ? a[i + (long long)l * lda] : a[l + (long long)i * lda];
+              const T bv =
+                  tb == CUBLAS_OP_N ? bb[l + (long long)j * ldb] : bb[j + (long long)l * ldb];
+              acc += av * bv;
+            }
+          T value = alpha * acc;
+          if (beta != T(0)) value += beta * c[i + (long long)j * ldc];
+          c[i + (long long)j * ldc] = value;
+        }
+    }
+    return true;
+  });
   return CUBLAS_STATUS_SUCCESS;
 }
-inline cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t, cublasOperation_t ta,
+inline cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
                                                 cublasOperation_t tb, int m, int n, int k,
                                                 const float* alpha, const float* A, int lda,
                                                 long long sa, const float* B, int ldb, long long sb,
                                                 const float* beta, float* C, int ldc, long long sc,
                                                 int count) {
-  return emu_gemm(ta, tb, m, n, k, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, count);
+  return emu_gemm(h, ta, tb, m, n, k, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, count);
 }
-inline cublasStatus_t cublasDgemmStridedBatched(cublasHandle_t, cublasOperation_t ta,
+inline cublasStatus_t cublasDgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
                                                 cublasOperation_t tb, int m, int n, int k,
                                                 const double* alpha, const double* A, int lda,
                                                 long long sa, const double* B, int ldb,
                                                 long long sb, const double* beta, double* C,
                                                 int ldc, long long sc, int count) {
-  return emu_gemm(ta, tb, m, n, k, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, count);
+  return emu_gemm(h, ta, tb, m, n, k, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, count);
 }

@@ -1,31 +1,58 @@
 // CPU emulation of the part of the CUDA runtime that emflow uses (tests/cuda/emulation/run.sh),
-// for checking kernel logic without a GPU. Each CUDA thread of a launch is a std::thread, blocks
-// run one after another; __syncthreads is a block barrier and
-// warp shuffles go through a per-warp exchange with barriers.
+// for checking kernel logic without a GPU. Kernels run as host threads, block by block in a
+// shuffled order, with the hardware's rules checked (emu_block.h). What is stricter than a GPU
+// usually is, on purpose:
+//   * asynchronous work (kernel launches, cudaMemcpyAsync, cudaMemsetAsync, cuBLAS calls) is
+//     only queued; it runs when the host synchronises with it (cudaStreamSynchronize, an
+//     event's cudaEventSynchronize, cudaDeviceSynchronize, cudaFree / cudaFreeHost, which
+//     synchronise on a GPU too), so host memory freed before its copy completes is a
+//     use-after-free for AddressSanitizer, and results read too early are stale;
+//   * a launch is checked as the hardware checks it: at most 1024 threads, and at most 48 KiB
+//     of dynamic shared memory unless cudaFuncSetAttribute(MaxDynamicSharedMemorySize) raised
+//     that kernel's limit (227 KiB at most);
+//   * fresh device memory and shared memory at every block start hold all bits set (NaN).
+// Queued work runs in the order it was queued, whatever its stream: one order a GPU may choose.
 #pragma once
-#include <algorithm>
-#include <barrier>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <map>
-#include <memory>
 #include <mutex>
 #include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
+
+#include <sys/mman.h>
+
+#include "emu_block.h"
 
 #define __global__
 #define __device__
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __shared__ static
 
-struct CUstream_st {};
+struct CUstream_st {
+  unsigned pending = 0;  // queued operations not yet run
+};
 using cudaStream_t = CUstream_st*;
-enum cudaError_t { cudaSuccess = 0, cudaErrorMemoryAllocation = 2, cudaErrorInvalidValue = 1 };
+struct CUevent_st {
+  unsigned long long at = 0;  // the queue position it completes at (0: never recorded)
+};
+using cudaEvent_t = CUevent_st*;
+enum cudaError_t {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorInvalidConfiguration = 9,
+  cudaErrorNotReady = 600,
+  cudaErrorLaunchFailure = 719
+};
 enum cudaMemoryType {
   cudaMemoryTypeUnregistered = 0,
   cudaMemoryTypeHost = 1,
@@ -48,120 +75,147 @@ enum cudaMemcpyKind {
 enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 constexpr unsigned cudaStreamNonBlocking = 1;
+constexpr unsigned cudaEventDisableTiming = 2;
 
-struct dim3 {
-  unsigned x = 1, y = 1, z = 1;
-};
-struct alignas(16) float4 {
-  float x, y, z, w;
-};
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 
 namespace emu {
-inline thread_local dim3 thread_index, block_index;
-inline dim3 block_dim, grid_dim;
-inline std::vector<float4> dynamic_shared;
+
+constexpr std::size_t kMaxOptinShared = 232448;  // 227 KiB, as an H100 / H200 reports
+constexpr std::size_t kDefaultShared = 48 * 1024;
+
 // Dynamic shared memory each kernel may use: 48 KiB unless cudaFuncSetAttribute raised it (the
 // attribute belongs to the kernel, as on a GPU).
 inline std::map<const void*, std::size_t> dynamic_limits;
 inline std::size_t dynamic_limit(const void* kernel) {
   const auto it = dynamic_limits.find(kernel);
-  return it == dynamic_limits.end() ? 48 * 1024 : it->second;
+  return it == dynamic_limits.end() ? kDefaultShared : it->second;
 }
-inline std::unique_ptr<std::barrier<>> block_barrier;
-inline std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
-inline std::vector<double> exchange;  // one slot per thread
-inline std::map<const char*, std::size_t, std::less<>> allocations;
+
+struct Allocation {
+  std::size_t bytes;
+  bool mapped;  // a large allocation, mmap'ed without reserving memory
+  cudaMemoryType type;
+};
+inline std::map<const char*, Allocation, std::less<>> allocations;
 inline std::mutex allocation_mutex;
 inline cudaError_t last_error = cudaSuccess;
-inline long launches = 0;
+
+// The queue of asynchronous work, run in order when the host synchronises.
+struct Operation {
+  cudaStream_t stream;
+  std::function<bool()> run;  // false: the operation failed (a violation stopped a kernel)
+};
+inline std::recursive_mutex queue_mutex;
+inline std::deque<Operation> queue;
+inline unsigned long long queued = 0, done = 0;  // operations queued and run, ever
+inline unsigned null_stream_pending = 0;
+
+// What the host did, for tests of how a caller uses the stream.
+struct Counters {
+  long launches = 0;
+  long pageable_device_to_host = 0;  // cudaMemcpyAsync into pageable host memory
+  long pageable_host_to_device = 0;
+};
+inline Counters counters;
+
+inline unsigned& pending_of(cudaStream_t s) { return s != nullptr ? s->pending : null_stream_pending; }
+
+inline void enqueue(cudaStream_t s, std::function<bool()> run) {
+  std::lock_guard<std::recursive_mutex> lock(queue_mutex);
+  queue.push_back({s, std::move(run)});
+  ++queued;
+  ++pending_of(s);
+}
+
+// Runs queued work until `until` operations have run in all; an operation that failed makes the
+// call report cudaErrorLaunchFailure (also left as the last error, as a GPU's would be).
+inline cudaError_t run_until(unsigned long long until) {
+  std::lock_guard<std::recursive_mutex> lock(queue_mutex);
+  cudaError_t status = cudaSuccess;
+  while (done < until && !queue.empty()) {
+    Operation op = std::move(queue.front());
+    queue.pop_front();
+    ++done;
+    --pending_of(op.stream);
+    if (!op.run()) status = last_error = cudaErrorLaunchFailure;
+  }
+  return status;
+}
+inline cudaError_t run_all() { return run_until(queued); }
+// Runs queued work until nothing of stream `s` is left.
+inline cudaError_t run_stream(cudaStream_t s) {
+  std::lock_guard<std::recursive_mutex> lock(queue_mutex);
+  cudaError_t status = cudaSuccess;
+  while (pending_of(s) > 0) {
+    const cudaError_t one = run_until(done + 1);
+    if (one != cudaSuccess) status = one;
+  }
+  return status;
+}
+
+inline cudaMemoryType memory_type(const void* p) {
+  std::lock_guard<std::mutex> lock(allocation_mutex);
+  const char* c = static_cast<const char*>(p);
+  auto it = allocations.upper_bound(c);
+  if (it == allocations.begin()) return cudaMemoryTypeUnregistered;
+  --it;
+  return c < it->first + it->second.bytes ? it->second.type : cudaMemoryTypeUnregistered;
+}
+
 }  // namespace emu
 
-#define threadIdx (emu::thread_index)
-#define blockIdx (emu::block_index)
-#define blockDim (emu::block_dim)
-#define gridDim (emu::grid_dim)
-
-inline void __syncthreads() { emu::block_barrier->arrive_and_wait(); }
-// A barrier that also tells every thread whether `predicate` held for any thread of the block.
-inline int __syncthreads_or(int predicate) {
-  emu::exchange[emu::thread_index.x] = predicate != 0 ? 1.0 : 0.0;
-  emu::block_barrier->arrive_and_wait();
-  int any = 0;
-  for (unsigned u = 0; u < emu::block_dim.x; ++u) any |= emu::exchange[u] != 0.0 ? 1 : 0;
-  emu::block_barrier->arrive_and_wait();  // every thread has read before the slots are reused
-  return any;
-}
-
-template <class T>
-T __shfl_xor_sync(unsigned, T value, int lane_mask) {
-  const unsigned t = emu::thread_index.x;
-  const unsigned warp = t / 32, lane = t % 32;
-  emu::warp_barriers[warp]->arrive_and_wait();
-  emu::exchange[t] = static_cast<double>(value);
-  emu::warp_barriers[warp]->arrive_and_wait();
-  const T other =
-      static_cast<T>(emu::exchange[warp * 32 + (lane ^ static_cast<unsigned>(lane_mask))]);
-  emu::warp_barriers[warp]->arrive_and_wait();
-  return other;
-}
-
-inline float4* emu_dynamic_shared() { return emu::dynamic_shared.data(); }
-
 template <class... P, class... A>
-void emu_launch(void (*kernel)(P...), unsigned grid, unsigned block, std::size_t shared,
-                cudaStream_t, A&&... args) {
-  ++emu::launches;
+void emu_launch(const char* name, void (*kernel)(P...), unsigned grid, unsigned block,
+                std::size_t shared, cudaStream_t stream, A&&... args) {
+  ++emu::counters.launches;
   if (shared > emu::dynamic_limit(reinterpret_cast<const void*>(kernel))) {
     emu::last_error = cudaErrorInvalidValue;
     return;
   }
-  if (block > 1024 || grid == 0) {
-    emu::last_error = cudaErrorInvalidValue;
+  if (block == 0 || block > 1024 || grid == 0 || grid > 0x7fffffffu) {
+    emu::last_error = cudaErrorInvalidConfiguration;
     return;
   }
-  emu::block_dim = {block, 1, 1};
-  emu::grid_dim = {grid, 1, 1};
-  emu::exchange.assign(block, 0.0);
-  emu::warp_barriers.clear();
-  for (unsigned w = 0; w < (block + 31) / 32; ++w)
-    emu::warp_barriers.push_back(std::make_unique<std::barrier<>>(std::min(32u, block - w * 32)));
-  emu::block_barrier = std::make_unique<std::barrier<>>(block);
-  emu::dynamic_shared.assign((shared + sizeof(float4) - 1) / sizeof(float4),
-                             float4{NAN, NAN, NAN, NAN});
-  // One thread per CUDA thread for the whole launch; blocks run one after another, and shared
-  // memory is re-poisoned between blocks.
-  std::barrier between_blocks(static_cast<std::ptrdiff_t>(block), []() noexcept {
-    std::fill(emu::dynamic_shared.begin(), emu::dynamic_shared.end(), float4{NAN, NAN, NAN, NAN});
+  // The arguments as the kernel takes them, copied now, as a launch copies them.
+  std::tuple<std::decay_t<P>...> params(static_cast<P>(std::forward<A>(args))...);
+  emu::enqueue(stream, [=]() {
+    return emu::run_blocks(name, grid, block, shared,
+                           [&params, kernel]() { std::apply(kernel, params); });
   });
-  std::vector<std::thread> threads;
-  threads.reserve(block);
-  for (unsigned t = 0; t < block; ++t) {
-    threads.emplace_back([&, t] {
-      for (unsigned b = 0; b < grid; ++b) {
-        emu::thread_index = {t, 0, 0};
-        emu::block_index = {b, 0, 0};
-        kernel(static_cast<P>(args)...);
-        between_blocks.arrive_and_wait();
-      }
-    });
-  }
-  for (auto& th : threads) th.join();
 }
 
+inline float4* emu_dynamic_shared() { return emu::dynamic_shared.data(); }
+
 inline const char* cudaGetErrorString(cudaError_t e) {
-  return e == cudaSuccess ? "no error" : "emulated error";
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorNotReady: return "device not ready";
+    default: return "unspecified launch failure (emulated: a violation stopped a kernel)";
+  }
 }
 inline const char* cudaGetErrorName(cudaError_t e) {
-  return e == cudaSuccess ? "cudaSuccess" : "cudaErrorEmulated";
+  switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
+    default: return "cudaErrorLaunchFailure";
+  }
 }
 inline cudaError_t cudaGetLastError() {
   auto e = emu::last_error;
   emu::last_error = cudaSuccess;
   return e;
 }
+// Pending-error checks at every GPU entry point.
+inline cudaError_t cudaPeekAtLastError() { return emu::last_error; }
 inline cudaError_t cudaGetDeviceCount(int* n) {
   *n = std::getenv("EMU_NO_DEVICE") ? 0 : 1;
   return cudaSuccess;
@@ -171,72 +225,129 @@ inline cudaError_t cudaGetDevice(int* d) {
   return cudaSuccess;
 }
 inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) {
-  *v = 232448;
+  *v = static_cast<int>(emu::kMaxOptinShared);
   return cudaSuccess;
 }
 template <class F>
 cudaError_t cudaFuncSetAttribute(F kernel, cudaFuncAttribute, int bytes) {
-  if (bytes > 232448) return cudaErrorInvalidValue;
+  if (bytes < 0 || static_cast<std::size_t>(bytes) > emu::kMaxOptinShared) {
+    return emu::last_error = cudaErrorInvalidValue;
+  }
   emu::dynamic_limits[reinterpret_cast<const void*>(kernel)] = static_cast<std::size_t>(bytes);
   return cudaSuccess;
 }
+
 inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
   *s = new CUstream_st;
   return cudaSuccess;
 }
+// The stream's queued work still completes, as on a GPU.
 inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  emu::run_stream(s);
   delete s;
   return cudaSuccess;
 }
-inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-inline cudaError_t cudaMalloc(void** p, std::size_t bytes) {
-  *p = bytes > (std::size_t{1} << 40) ? nullptr : std::malloc(bytes);
-  if (!*p) return emu::last_error = cudaErrorMemoryAllocation;
-  // Poison fresh device memory so reads of unwritten workspace show up as NaN.
-  std::memset(*p, 0xff, bytes);
-  std::lock_guard<std::mutex> lock(emu::allocation_mutex);
-  emu::allocations[static_cast<const char*>(*p)] = bytes;
+inline cudaError_t cudaStreamSynchronize(cudaStream_t s) { return emu::run_stream(s); }
+inline cudaError_t cudaDeviceSynchronize() { return emu::run_all(); }
+
+inline cudaError_t cudaEventCreate(cudaEvent_t* e) {
+  *e = new CUevent_st;
   return cudaSuccess;
 }
-inline cudaError_t cudaFree(void* p) {
-  std::lock_guard<std::mutex> lock(emu::allocation_mutex);
-  emu::allocations.erase(static_cast<const char*>(p));
-  std::free(p);
+inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) { return cudaEventCreate(e); }
+inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  delete e;
   return cudaSuccess;
 }
-inline cudaError_t cudaMemcpyAsync(void* d, const void* s, std::size_t n, cudaMemcpyKind,
-                                   cudaStream_t) {
-  std::memcpy(d, s, n);
+inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s = nullptr) {
+  std::lock_guard<std::recursive_mutex> lock(emu::queue_mutex);
+  emu::enqueue(s, [] { return true; });
+  e->at = emu::queued;
   return cudaSuccess;
 }
-inline cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const void* p) {
-  std::lock_guard<std::mutex> lock(emu::allocation_mutex);
-  *a = {};
-  const char* c = static_cast<const char*>(p);
-  auto it = emu::allocations.upper_bound(c);
-  if (it != emu::allocations.begin()) {
-    --it;
-    if (c < it->first + it->second) {
-      a->type = cudaMemoryTypeDevice;
-      a->device = 0;
-      return cudaSuccess;
-    }
+inline cudaError_t cudaEventSynchronize(cudaEvent_t e) { return emu::run_until(e->at); }
+inline cudaError_t cudaEventQuery(cudaEvent_t e) {
+  return emu::done >= e->at ? cudaSuccess : cudaErrorNotReady;
+}
+// Work is run in the order it was queued, so a later operation of `s` already follows `e`.
+inline cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned = 0) {
+  return cudaSuccess;
+}
+
+inline cudaError_t emu_allocate(void** p, std::size_t bytes, cudaMemoryType type) {
+  // Past 1 GiB the memory is mapped without being reserved (pages are committed as touched) and
+  // not poisoned: room for tests of the indexing of arrays of 2^31 elements.
+  const bool mapped = bytes > (std::size_t{1} << 30);
+  if (bytes > (std::size_t{1} << 40)) {
+    *p = nullptr;
+  } else if (mapped) {
+    *p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+              -1, 0);
+    if (*p == MAP_FAILED) *p = nullptr;
+  } else {
+    *p = std::malloc(bytes == 0 ? 1 : bytes);
+    // Fresh memory is poisoned, so reads of unwritten workspace show up as NaN.
+    if (*p != nullptr) std::memset(*p, 0xff, bytes);
   }
-  a->type = cudaMemoryTypeUnregistered;
+  if (*p == nullptr) return emu::last_error = cudaErrorMemoryAllocation;
+  std::lock_guard<std::mutex> lock(emu::allocation_mutex);
+  emu::allocations[static_cast<const char*>(*p)] = {bytes, mapped, type};
+  return cudaSuccess;
+}
+inline cudaError_t emu_release(void* p) {
+  if (p == nullptr) return cudaSuccess;
+  emu::run_all();  // cudaFree and cudaFreeHost wait for the device
+  std::lock_guard<std::mutex> lock(emu::allocation_mutex);
+  const auto it = emu::allocations.find(static_cast<const char*>(p));
+  if (it == emu::allocations.end()) return cudaErrorInvalidValue;
+  if (it->second.mapped) {
+    munmap(p, it->second.bytes);
+  } else {
+    std::free(p);
+  }
+  emu::allocations.erase(it);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMalloc(void** p, std::size_t bytes) {
+  return emu_allocate(p, bytes, cudaMemoryTypeDevice);
+}
+inline cudaError_t cudaFree(void* p) { return emu_release(p); }
+inline cudaError_t cudaMallocHost(void** p, std::size_t bytes) {
+  return emu_allocate(p, bytes, cudaMemoryTypeHost);
+}
+inline cudaError_t cudaFreeHost(void* p) { return emu_release(p); }
+
+inline cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const void* p) {
+  *a = {};
+  a->type = emu::memory_type(p);
   return cudaSuccess;
 }
 
-inline cudaError_t cudaEventCreate(void**) { return cudaSuccess; }
-
-// Pending-error checks at every GPU entry point, and the phase kernel's zeroed counts.
-inline cudaError_t cudaPeekAtLastError() { return emu::last_error; }
-inline cudaError_t cudaMemsetAsync(void* d, int value, std::size_t n, cudaStream_t = nullptr) {
-  std::memset(d, value, n);
+inline cudaError_t cudaMemcpyAsync(void* d, const void* s, std::size_t n, cudaMemcpyKind kind,
+                                   cudaStream_t stream = nullptr) {
+  if (n == 0) return cudaSuccess;
+  if (kind == cudaMemcpyDeviceToHost && emu::memory_type(d) != cudaMemoryTypeHost) {
+    ++emu::counters.pageable_device_to_host;
+  }
+  if (kind == cudaMemcpyHostToDevice && emu::memory_type(s) != cudaMemoryTypeHost) {
+    ++emu::counters.pageable_host_to_device;
+  }
+  emu::enqueue(stream, [=] {
+    std::memcpy(d, s, n);
+    return true;
+  });
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemsetAsync(void* d, int value, std::size_t n, cudaStream_t s = nullptr) {
+  emu::enqueue(s, [=] {
+    std::memset(d, value, n);
+    return true;
+  });
   return cudaSuccess;
 }
 
-// Atomics (phase counts, the flow's cluster union-find): one global lock (blocks run one after
-// another; threads of a block are host threads).
+// Atomics (phase counts, the flow's union-find): one global lock (blocks run one after another;
+// threads of a block are host threads).
 namespace emu {
 inline std::mutex atomic_mutex;  // one for every address and operation
 }

@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # Runs the CUDA backend's tests on the CPU, against the emulated runtime and cuBLAS in this folder:
-# a check of the kernels' logic (indexing, masks, tiles, shared-memory barriers, the cuBLAS
-# argument mapping, the workspace layout) on machines without a GPU. It is not a GPU: timing,
-# warp scheduling and device memory faults are not reproduced. Slow (one host thread per CUDA
-# thread), so keep to small cases.
+# a check of the kernels' logic (indexing, masks, tiles, shared-memory barriers, shuffle masks,
+# the cuBLAS argument mapping, the workspace layout, host buffers that must outlive asynchronous
+# copies) on machines without a GPU. It is not a GPU: timing, the GPU's own rounding, warp
+# scheduling and device memory faults outside the emulated allocations are not reproduced
+# (docs/RELIABILITY.md, "What the CUDA emulation checks").
 #
-#   bash tests/cuda/emulation/run.sh address ['gtest filter']   # ASan + UBSan (bounds, alignment)
+#   bash tests/cuda/emulation/run.sh address ['gtest filter']   # ASan + UBSan (bounds, lifetimes)
 #   bash tests/cuda/emulation/run.sh thread  ['gtest filter']   # TSan: shared-memory races
 #
 # It configures the CMake preset emulation-<mode> (CMakePresets.json: EMFLOW_CUDA_EMULATION=ON,
 # the sanitizer in CMAKE_CXX_FLAGS) into build-emulation-<mode>, builds the test binary of the
-# GPU suites (tests/attention, tests/cuda) and runs it. The .cu files compile as C++ with
-# EMFLOW_CUDA_EMULATION defined: kernels/launch.cuh then launches through emu_launch and hands
-# out the emulated block's dynamic shared memory (poisoned with NaN before every block). Fresh
-# device allocations are NaN-poisoned. EMU_NO_DEVICE=1 makes the emulated runtime report no
-# device. EMULATION_JOBS sets the build's parallelism (default: every core).
+# GPU suites (tests/attention, tests/cuda) and runs it in EMULATION_SHARDS processes at once
+# (gtest sharding; default: one per core, at most 4), each logging to
+# build-emulation-<mode>/shard-<k>.log, then prints one summary. The .cu files compile as C++
+# with EMFLOW_CUDA_EMULATION defined: kernels/launch.cuh launches through emu_launch. What the
+# emulation enforces is listed in cuda_runtime.h and emu_block.h. EMU_NO_DEVICE=1 makes the
+# emulated runtime report no device; EMU_SEED picks the order of the blocks (default 1).
+# EMULATION_JOBS sets the build's parallelism (default: every core).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
 MODE=${1:-address}
@@ -22,15 +25,25 @@ case "$MODE" in
   address | thread) ;;
   *) echo "mode must be 'address' or 'thread'" >&2; exit 2 ;;
 esac
-# The default: small cases of every kernel (CI runs it, about 5 to 7 minutes on 2 cores from a
-# clean folder): the Small attention cases of the fused and unfused kernels through attend_async
-# (float and double), three through the blocking attend (its choice of kernel and the copies),
-# the generic properties on both kernels in float, the async API and workspace checks, the phase
-# diagram and the flow. Left out: the unfused kernel at N = 101 (the emulated cuBLAS is slow;
-# fused covers that size) and the bitwise-determinism property (N = 1000).
-FILTER=${2:-'Small/*/cuda_fused_*:Small/*/cuda_unfused_*:Small/*/cuda_f??_B2_H2_N7_*:Properties/*/cuda_fused_f32:Properties/*/cuda_unfused_f32:CudaAsync.*:CudaWorkspace.*:CudaWithoutDevice.*:PhaseCuda*:FlowCuda*-*/cuda_unfused_*_N101_*:*RepeatedRunsAreBitwiseEqual*'}
+cores=$(nproc 2>/dev/null || echo 2)
+# The default (CI runs it): every strictness check of the emulation (EmulationStrictness*) and
+# the defects it exposed (FlowCuda*); the small cases of every kernel: the Small attention cases
+# of the fused and unfused kernels through attend_async (float and double), three through the
+# blocking attend, the generic properties on both kernels in float, the async API and workspace
+# checks, the phase diagram and the flow; and the large cases (N = 200 to 4097: several key
+# tiles and query blocks, key-tile skipping with a first visible key above zero, every mask) on
+# the fused kernel in float and the unfused one in double. Left out: the unfused kernel at
+# N = 101 among the small cases and the unfused float / automatic targets of the large cases
+# (the emulated cuBLAS is slow; the kernels they run are covered above), and the
+# bitwise-determinism property (N = 1000).
+SMALL='Small/*/cuda_fused_*:Small/*/cuda_unfused_*:Small/*/cuda_f??_B2_H2_N7_*'
+SMALL+=':Properties/*/cuda_fused_f32:Properties/*/cuda_unfused_f32'
+SMALL+=':CudaAsync.*:CudaWorkspace.*:CudaWithoutDevice.*:PhaseCuda*:FlowCuda*:Emulation*'
+LARGE='Large/*/cuda_fused_f32_*:Large/*/cuda_unfused_f64_*'
+FILTER=${2:-"$SMALL:$LARGE-*/cuda_unfused_*_N101_*:*RepeatedRunsAreBitwiseEqual*"}
 BUILD="$ROOT/build-emulation-$MODE"
-jobs=${EMULATION_JOBS:-$(nproc 2>/dev/null || echo 2)}
+jobs=${EMULATION_JOBS:-$cores}
+shards=${EMULATION_SHARDS:-$((cores < 4 ? cores : 4))}
 
 cd "$ROOT"
 mkdir -p "$BUILD"
@@ -38,5 +51,41 @@ cmake --preset "emulation-$MODE" >"$BUILD/configure.log" 2>&1 || { cat "$BUILD/c
 cmake --build "$BUILD" -j "$jobs" --target emflow_cuda_emulated_tests
 # libgomp is not instrumented, so TSan would flag the host's OpenMP regions: one OpenMP thread.
 [[ "$MODE" == thread ]] && export OMP_NUM_THREADS=1
-TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1} "$BUILD/tests/emflow_cuda_emulated_tests" \
-  --gtest_filter="$FILTER"
+export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1}
+
+start=$(date +%s)
+pids=()
+for ((k = 0; k < shards; ++k)); do
+  GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$k \
+    "$BUILD/tests/emflow_cuda_emulated_tests" --gtest_filter="$FILTER" --gtest_color=no \
+    >"$BUILD/shard-$k.log" 2>&1 &
+  pids+=($!)
+done
+failed=0
+for ((k = 0; k < shards; ++k)); do
+  if ! wait "${pids[$k]}"; then failed=1; fi
+done
+passed=0
+for ((k = 0; k < shards; ++k)); do
+  log="$BUILD/shard-$k.log"
+  n=$(sed -n 's/^\[  PASSED  \] \([0-9]*\) tests\?\..*/\1/p' "$log" | tail -n 1)
+  passed=$((passed + ${n:-0}))
+  # The slowest tests of the shard and every failure, so the CI log says where time went.
+  echo "== shard $k of $shards ($log)"
+  grep -E '^\[ +(FAILED|SKIPPED) +\]' "$log" || true
+  grep -E '^\[       OK \]' "$log" | sed -E 's/.*\] (.*) \(([0-9]+) ms\)/\2 \1/' | sort -rn | head -n 5 |
+    awk '{printf "   %8.1f s  %s\n", $1 / 1000, $2}'
+done
+if ((failed)); then
+  for ((k = 0; k < shards; ++k)); do
+    grep -q '^\[  PASSED  \]' "$BUILD/shard-$k.log" && ! grep -q '^\[  FAILED  \]' "$BUILD/shard-$k.log" &&
+      continue
+    echo "== shard $k failed; the end of its log:"
+    tail -n 60 "$BUILD/shard-$k.log"
+  done
+  echo "emulated CUDA tests FAILED after $(($(date +%s) - start)) s" >&2
+  exit 1
+fi
+echo "emulated CUDA tests: $shards shards in $(($(date +%s) - start)) s"
+# The line CI's summary reads.
+echo "[  PASSED  ] $passed tests."

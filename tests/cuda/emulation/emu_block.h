@@ -1,0 +1,408 @@
+// The execution of one emulated kernel launch (cuda_runtime.h): one host thread per CUDA thread
+// of a block, the blocks one after another in a shuffled order, and every rule of the hardware
+// the emulation can check reported as a violation instead of being quietly tolerated:
+//   * a __syncthreads reached by only part of the block (some threads exited or wait elsewhere),
+//     or reached at two different places of the code, is a violation, not a hang;
+//   * a shuffle's mask must name the calling lane and the lane it reads, no lane beyond the
+//     block and no lane that has exited; lanes named in the mask that never arrive (waiting at
+//     a barrier, say) are a deadlock, reported as a violation;
+//   * shared memory, static (EMFLOW_SHARED) and dynamic, holds a poison pattern (all bits set:
+//     NaN as float or double, -1 as an integer) at the start of every block.
+// A violation prints what happened (kernel, block, thread, place in the code) and aborts the
+// process, unless a test expects it (emu::ExpectViolation): then the launch stops, its error is
+// returned by the call that synchronises with it, and the message is kept for the test to read.
+#pragma once
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+
+namespace emu {
+
+inline thread_local dim3 thread_index, block_index;
+inline dim3 block_dim, grid_dim;
+
+// Thrown inside a kernel's threads to unwind them once their launch has failed.
+struct KernelStopped {};
+
+// --- Violations ---------------------------------------------------------------------------------
+inline std::mutex violation_mutex;
+inline int violations_expected = 0;          // > 0 inside an ExpectViolation scope
+inline std::vector<std::string> violations;  // those seen while expected
+inline const char* current_kernel = "";
+
+inline void report_violation(const std::string& what) {
+  std::lock_guard<std::mutex> lock(violation_mutex);
+  const std::string message = std::string("emulated CUDA: ") + current_kernel + ": " + what;
+  if (violations_expected == 0) {
+    std::fprintf(stderr, "%s\n(a rule of the hardware was broken; see tests/cuda/emulation)\n",
+                 message.c_str());
+    std::fflush(stderr);
+    std::abort();
+  }
+  violations.push_back(message);
+}
+
+// While alive, violations are recorded (messages()) instead of aborting the process.
+class ExpectViolation {
+ public:
+  ExpectViolation() {
+    std::lock_guard<std::mutex> lock(violation_mutex);
+    ++violations_expected;
+    violations.clear();
+  }
+  ~ExpectViolation() {
+    std::lock_guard<std::mutex> lock(violation_mutex);
+    --violations_expected;
+  }
+  ExpectViolation(const ExpectViolation&) = delete;
+  ExpectViolation& operator=(const ExpectViolation&) = delete;
+  std::vector<std::string> messages() const {
+    std::lock_guard<std::mutex> lock(violation_mutex);
+    return violations;
+  }
+};
+
+inline std::string where(const char* file, int line) {
+  const char* slash = std::strrchr(file, '/');
+  return std::string(slash != nullptr ? slash + 1 : file) + ":" + std::to_string(line);
+}
+inline std::string thread_name() {
+  return "block " + std::to_string(block_index.x) + " thread " + std::to_string(thread_index.x);
+}
+inline std::string hex(unsigned v) {
+  char text[16];
+  std::snprintf(text, sizeof text, "0x%08x", v);
+  return text;
+}
+
+// --- Shared memory --------------------------------------------------------------------------------
+constexpr unsigned char kPoison = 0xff;
+
+// Fills without ASan's memset interceptor: the static arrays sit among ASan's red zones only
+// as a whole, so a plain loop over exactly their bytes is what is wanted.
+inline void poison(void* at, std::size_t bytes) {
+  auto* p = static_cast<volatile unsigned char*>(at);
+  for (std::size_t i = 0; i < bytes; ++i) p[i] = kPoison;
+}
+
+struct StaticShared {
+  void* at;
+  std::size_t bytes;
+};
+inline std::mutex static_shared_mutex;
+inline std::vector<StaticShared> static_shared;
+
+// Called once per EMFLOW_SHARED declaration, by the first thread that reaches it (a function
+// static's initialisation, which the other threads wait for): poisons it and keeps it so that
+// every later block start poisons it again.
+inline bool register_static_shared(void* at, std::size_t bytes) {
+  poison(at, bytes);
+  std::lock_guard<std::mutex> lock(static_shared_mutex);
+  static_shared.push_back({at, bytes});
+  return true;
+}
+inline void poison_static_shared() {
+  std::lock_guard<std::mutex> lock(static_shared_mutex);
+  for (const StaticShared& s : static_shared) poison(s.at, s.bytes);
+}
+
+inline std::vector<float4> dynamic_shared;
+
+// --- One block's threads and their synchronisation ------------------------------------------------
+struct Warp {
+  unsigned valid = 0;    // lanes that exist (the last warp of a block may be partial)
+  unsigned exited = 0;   // lanes that have returned from the kernel
+  unsigned mask = 0;     // mask of the shuffle being gathered (0: none)
+  unsigned arrived = 0;  // lanes of that shuffle that have arrived
+  const char* file = "";
+  int line = 0;
+  std::atomic<unsigned> generation{0};
+  double slots[2][32] = {};  // by generation parity: a lane may start the next shuffle early
+};
+
+struct Block {
+  std::mutex mutex;
+  unsigned threads = 0, live = 0, blocked = 0;
+  std::atomic<bool> failed{false};
+  // The barrier being gathered.
+  unsigned arrived = 0;
+  const char* file = "";
+  int line = 0;
+  const char* barrier = "";
+  int vote = 0;
+  int votes[2] = {0, 0};
+  std::atomic<unsigned> generation{0};
+  std::unique_ptr<Warp[]> warps;
+  unsigned warp_count = 0;
+
+  void reset(unsigned block_threads) {
+    threads = live = block_threads;
+    blocked = arrived = 0;
+    vote = 0;
+    failed.store(false);
+    warp_count = (block_threads + 31) / 32;
+    warps = std::make_unique<Warp[]>(warp_count);
+    for (unsigned w = 0; w < warp_count; ++w) {
+      const unsigned lanes = std::min(32u, block_threads - w * 32);
+      warps[w].valid = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
+    }
+  }
+
+  // With `mutex` held: records the violation, releases every waiting thread (they stop).
+  void fail(const std::string& what) {
+    report_violation(thread_name() + ": " + what);
+    failed.store(true);
+    generation.fetch_add(1);
+    generation.notify_all();
+    for (unsigned w = 0; w < warp_count; ++w) {
+      warps[w].generation.fetch_add(1);
+      warps[w].generation.notify_all();
+    }
+  }
+
+  std::string waiting() const {
+    std::string s;
+    if (arrived > 0) {
+      s += std::to_string(arrived) + " thread(s) at " + barrier + " (" + where(file, line) + ")";
+    }
+    for (unsigned w = 0; w < warp_count; ++w) {
+      if (warps[w].mask == 0) continue;
+      s += (s.empty() ? "" : "; ") + std::string("warp ") + std::to_string(w) +
+           " in a shuffle (" + where(warps[w].file, warps[w].line) + ", mask " +
+           hex(warps[w].mask) + ", arrived " + hex(warps[w].arrived) + ")";
+    }
+    return s;
+  }
+
+  // With `mutex` held, after the caller became blocked: every live thread waits and none can be
+  // released, so the block would hang on a GPU.
+  void check_deadlock() {
+    if (blocked == live) fail("every live thread of the block waits: " + waiting());
+  }
+
+  void wait(std::atomic<unsigned>& gen, unsigned seen, std::unique_lock<std::mutex>& lock) {
+    lock.unlock();
+    while (gen.load() == seen) gen.wait(seen);
+    if (failed.load()) throw KernelStopped{};
+  }
+
+  int sync(const char* name, const char* at_file, int at_line, int predicate) {
+    std::unique_lock<std::mutex> lock(mutex);
+    if (failed.load()) throw KernelStopped{};
+    if (live < threads) {
+      fail(std::string(name) + " (" + where(at_file, at_line) + ") reached after " +
+           std::to_string(threads - live) +
+           " thread(s) of the block exited: a barrier reached by part of the block");
+      throw KernelStopped{};
+    }
+    if (arrived == 0) {
+      file = at_file;
+      line = at_line;
+      barrier = name;
+      vote = 0;
+    } else if (line != at_line || std::strcmp(file, at_file) != 0) {
+      fail(std::string(name) + " at " + where(at_file, at_line) + " while " +
+           std::to_string(arrived) + " thread(s) wait at " + barrier + " (" + where(file, line) +
+           "): divergent barriers");
+      throw KernelStopped{};
+    }
+    vote |= predicate != 0 ? 1 : 0;
+    const unsigned seen = generation.load();
+    if (++arrived == live) {
+      votes[seen & 1] = vote;
+      blocked -= arrived - 1;
+      arrived = 0;
+      generation.fetch_add(1);
+      generation.notify_all();
+      return votes[seen & 1];
+    }
+    ++blocked;
+    check_deadlock();
+    if (failed.load()) throw KernelStopped{};
+    wait(generation, seen, lock);
+    return votes[seen & 1];
+  }
+
+  double shuffle(unsigned mask, double value, unsigned source, const char* at_file, int at_line) {
+    const unsigned t = thread_index.x, lane = t % 32;
+    std::unique_lock<std::mutex> lock(mutex);
+    if (failed.load()) throw KernelStopped{};
+    Warp& w = warps[t / 32];
+    // Built only for a violation: the common path stays cheap.
+    const auto call = [&] {
+      return "__shfl_xor_sync (" + where(at_file, at_line) + ", mask " + hex(mask);
+    };
+    if ((mask >> lane & 1u) == 0) {
+      fail(call() + ") by lane " + std::to_string(lane) + ", which the mask leaves out");
+      throw KernelStopped{};
+    }
+    if ((mask & ~w.valid) != 0) {
+      fail(call() + ") names lanes " + hex(mask & ~w.valid) + " beyond the block");
+      throw KernelStopped{};
+    }
+    if ((mask & w.exited) != 0) {
+      fail(call() + ") names exited lanes " + hex(mask & w.exited));
+      throw KernelStopped{};
+    }
+    if (source >= 32 || (mask >> source & 1u) == 0) {
+      fail(call() + ") reads lane " + std::to_string(source) + ", outside the mask");
+      throw KernelStopped{};
+    }
+    if (w.mask != 0 && (w.mask != mask || w.line != at_line || std::strcmp(w.file, at_file))) {
+      fail(call() + ") while lanes " + hex(w.arrived) + " of the warp wait in a shuffle at " +
+           where(w.file, w.line) + " with mask " + hex(w.mask));
+      throw KernelStopped{};
+    }
+    const unsigned seen = w.generation.load();
+    if (w.mask == 0) {
+      w.mask = mask;
+      w.file = at_file;
+      w.line = at_line;
+    }
+    w.slots[seen & 1][lane] = value;
+    w.arrived |= 1u << lane;
+    if (w.arrived == mask) {
+      blocked -= static_cast<unsigned>(__builtin_popcount(mask)) - 1;
+      w.mask = w.arrived = 0;
+      w.generation.fetch_add(1);
+      w.generation.notify_all();
+      return w.slots[seen & 1][source];
+    }
+    ++blocked;
+    check_deadlock();
+    if (failed.load()) throw KernelStopped{};
+    wait(w.generation, seen, lock);
+    return w.slots[seen & 1][source];
+  }
+
+  // The calling thread has returned from the kernel (or was stopped).
+  void exit(bool stopped) {
+    const unsigned t = thread_index.x, lane = t % 32;
+    std::lock_guard<std::mutex> lock(mutex);
+    --live;
+    warps[t / 32].exited |= 1u << lane;
+    if (stopped || failed.load()) return;
+    if (arrived > 0) {
+      fail("returned while " + waiting() + ": a barrier reached by part of the block");
+    } else if ((warps[t / 32].mask >> lane & 1u) != 0) {
+      fail("returned while its warp waits for it: " + waiting());
+    } else if (live > 0 && blocked == live) {
+      fail("returned, and every other live thread waits: " + waiting());
+    }
+  }
+};
+
+inline Block block;
+
+// The order of the blocks: a permutation drawn from EMU_SEED (default 1) and the launch's
+// number, so a run is reproducible and every launch sees another order.
+inline unsigned long long seed() {
+  static const unsigned long long value = [] {
+    const char* text = std::getenv("EMU_SEED");
+    return text != nullptr ? std::strtoull(text, nullptr, 10) : 1ull;
+  }();
+  return value;
+}
+inline unsigned long long launches = 0;
+
+// Runs only the last `n` blocks of each launch when n > 0 (a test of the indexing at the end
+// of a grid over an array too large to be processed whole on a CPU).
+inline unsigned only_last_blocks = 0;
+
+// Runs a kernel: `grid` blocks of `threads` threads, `shared` bytes of dynamic shared memory.
+// Returns false when a violation stopped it.
+template <class Kernel>
+bool run_blocks(const char* name, unsigned grid, unsigned threads, std::size_t shared,
+                Kernel&& kernel) {
+  current_kernel = name;
+  block.failed.store(false);
+  block_dim = {threads, 1, 1};
+  grid_dim = {grid, 1, 1};
+  std::vector<unsigned> order(grid);
+  for (unsigned b = 0; b < grid; ++b) order[b] = b;
+  std::mt19937_64 random(seed() * 0x9e3779b97f4a7c15ull + launches++);
+  std::shuffle(order.begin(), order.end(), random);
+  if (only_last_blocks > 0 && only_last_blocks < grid) {
+    order.assign({});
+    for (unsigned b = grid - only_last_blocks; b < grid; ++b) order.push_back(b);
+  }
+  dynamic_shared.assign((shared + sizeof(float4) - 1) / sizeof(float4), float4{});
+  bool stopped = false;
+  std::size_t next = 0;
+  const auto start_block = [&]() noexcept {
+    if (block.failed.load()) stopped = true;
+    if (stopped || next == order.size()) return;
+    block.reset(threads);
+    poison(dynamic_shared.data(), dynamic_shared.size() * sizeof(float4));
+    poison_static_shared();
+    ++next;
+  };
+  start_block();
+  std::barrier between_blocks(static_cast<std::ptrdiff_t>(threads), start_block);
+  std::vector<std::thread> team;
+  team.reserve(threads);
+  for (unsigned t = 0; t < threads; ++t) {
+    team.emplace_back([&, t] {
+      for (std::size_t k = 0; k < order.size(); ++k) {
+        thread_index = {t, 0, 0};
+        block_index = {order[k], 0, 0};
+        bool halted = false;
+        try {
+          kernel();
+        } catch (const KernelStopped&) {
+          halted = true;
+        }
+        block.exit(halted);
+        between_blocks.arrive_and_wait();
+        if (stopped) break;
+      }
+    });
+  }
+  for (auto& member : team) member.join();
+  current_kernel = "";
+  return !stopped && !block.failed.load();
+}
+
+}  // namespace emu
+
+#define threadIdx (emu::thread_index)
+#define blockIdx (emu::block_index)
+#define blockDim (emu::block_dim)
+#define gridDim (emu::grid_dim)
+
+#define __syncthreads() (void)emu::block.sync("__syncthreads", __FILE__, __LINE__, 0)
+// A barrier that also tells every thread whether `predicate` held for any thread of the block.
+#define __syncthreads_or(predicate) \
+  emu::block.sync("__syncthreads_or", __FILE__, __LINE__, (predicate))
+#define __shfl_xor_sync(mask, value, lane_mask) \
+  emu::shfl_xor(mask, value, lane_mask, __FILE__, __LINE__)
+
+namespace emu {
+template <class T>
+T shfl_xor(unsigned mask, T value, int lane_mask, const char* file, int line) {
+  const unsigned lane = thread_index.x % 32;
+  return static_cast<T>(block.shuffle(mask, static_cast<double>(value),
+                                      lane ^ static_cast<unsigned>(lane_mask), file, line));
+}
+}  // namespace emu
+
+// Static shared memory is declared with EMFLOW_SHARED (kernels/launch.cuh), which the
+// emulation poisons at every block start; a bare __shared__ declaration would escape that.
+#define __shared__ \
+  static_assert(false, "declare static shared memory with EMFLOW_SHARED (kernels/launch.cuh)");
