@@ -28,7 +28,7 @@ from ._emflow import cuda_available, resolve_device
 
 __version__ = _emflow.__version__
 #: True when the extension was built with the CUDA backend.
-with_cuda: bool = _emflow.with_cuda
+with_cuda: bool = _emflow.built_with_cuda()
 
 __all__ = [
     "Attention", "FlowResult", "PhaseDiagram", "attend", "attend_factored", "cuda_available",

@@ -23,11 +23,17 @@ NB_MODULE(_emflow, m) {
   m.doc() = "emflow: EMF attention and the flow of token clouds (the C++ extension; use the "
             "package emflow)";
   m.attr("__version__") = EMFLOW_PYTHON_VERSION;
+  // A function rather than an attribute, so that the stubs are the same for every build.
+  m.def(
+      "built_with_cuda",
+      []() {
 #ifdef EMFLOW_WITH_CUDA
-  m.attr("with_cuda") = true;
+        return true;
 #else
-  m.attr("with_cuda") = false;
+        return false;
 #endif
+      },
+      "True when emflow was built with the CUDA backend.");
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
