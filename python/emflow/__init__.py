@@ -19,6 +19,7 @@ files), ``emflow.torch`` (the PyTorch operator, imported on demand).
 from __future__ import annotations
 
 import sys
+from functools import partial
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
@@ -97,8 +98,8 @@ def _lengths(key_lengths: Any, x: Any, is_torch: bool, cuda: bool) -> Any:
 def _run(dense: bool, x: Any, operators: tuple, key_bias: Any, offset: Any, beta: float,
          mask: Mask, key_lengths: Any, lse: bool, entropy: bool, weights: bool, device: str,
          threads: int, out: Any, copy: bool, stream: Any) -> Any:
-    kind, window = _mask(mask)
-    is_torch = _torch_tensor(x)
+    kind, window = (0, 0) if mask is None else _mask(mask)
+    is_torch = type(x) is not np.ndarray and _torch_tensor(x)
     if not is_torch and type(x) is not np.ndarray:
         x = np.asarray(x)
     if copy:
@@ -109,49 +110,44 @@ def _run(dense: bool, x: Any, operators: tuple, key_bias: Any, offset: Any, beta
         key_bias = _converted(key_bias, x, is_torch)
         offset = _converted(offset, x, is_torch)
     cuda = is_torch and x.is_cuda
-    lengths = _lengths(key_lengths, x, is_torch, cuda)
-    shape = x.shape
-    per_head = [] if len(shape) != 3 else [shape[0]]
-    if getattr(operators[0], "ndim", 0) == 3:
-        per_head.append(operators[0].shape[0])
-    per_head.append(shape[-2] if len(shape) >= 2 else 0)
+    lengths = None if key_lengths is None else _lengths(key_lengths, x, is_torch, cuda)
     stream_handle = 0
     allocate = None
     if is_torch:
         import torch
 
-        def empty(extents: Sequence[int]) -> Any:
-            return torch.empty(extents, dtype=x.dtype, device=x.device)
-
         if cuda:
-            if dense:
-                stream_handle, allocate = _cuda_stream(torch, x, stream)
-            else:
+            if not dense:
                 # No stream-ordered factored form in the C++ API: expand to dense M_h = A_h^T B_h
                 # and F_h = U_h V_h on the stream, then the dense update.
                 a, b, u, v = operators
                 with torch.cuda.stream(_external_stream(torch, x, stream)):
                     operators = (a.transpose(-1, -2) @ b, u @ v)
                 dense = True
-                stream_handle, allocate = _cuda_stream(torch, x, stream)
+            stream_handle, allocate = _cuda_stream(torch, x, stream)
+        empty = partial(torch.empty, dtype=x.dtype, device=x.device)
     else:
-        def empty(extents: Sequence[int]) -> Any:
-            return np.empty(extents, dtype=x.dtype)
-
-    update = empty(shape) if out is None else out
-    lse_out = empty(per_head) if lse else None
-    entropy_out = empty(per_head) if entropy else None
-    weights_out = empty(per_head + [shape[-2]]) if weights else None
+        empty = partial(np.empty, dtype=x.dtype)
+    update = empty(x.shape) if out is None else out
+    lse_out = entropy_out = weights_out = None
+    extras = lse or entropy or weights
+    if extras:
+        shape = x.shape
+        per_head = [] if len(shape) != 3 else [shape[0]]
+        if getattr(operators[0], "ndim", 0) == 3:
+            per_head.append(operators[0].shape[0])
+        per_head.append(shape[-2] if len(shape) >= 2 else 0)
+        lse_out = empty(per_head) if lse else None
+        entropy_out = empty(per_head) if entropy else None
+        weights_out = empty(per_head + [shape[-2]]) if weights else None
     if dense:
         _emflow.attend(x, operators[0], operators[1], key_bias, offset, beta, kind, window,
                        lengths, update, lse_out, entropy_out, weights_out, device, threads,
                        stream_handle, allocate)
     else:
-        if cuda:
-            raise AssertionError("unreachable")
         _emflow.attend_factored(x, *operators, key_bias, offset, beta, kind, window, lengths,
                                 update, lse_out, entropy_out, weights_out, device, threads)
-    if lse or entropy or weights:
+    if extras:
         return Attention(update, lse_out, entropy_out, weights_out)
     return update
 

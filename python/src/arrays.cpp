@@ -8,13 +8,25 @@ namespace emflow::python {
 std::string dtype_name(const nb::dlpack::dtype& dtype) {
   const char* kind = "unknown";
   switch (static_cast<nb::dlpack::dtype_code>(dtype.code)) {
-    case nb::dlpack::dtype_code::Int: kind = "int"; break;
-    case nb::dlpack::dtype_code::UInt: kind = "uint"; break;
-    case nb::dlpack::dtype_code::Float: kind = "float"; break;
-    case nb::dlpack::dtype_code::Bfloat: kind = "bfloat"; break;
-    case nb::dlpack::dtype_code::Complex: kind = "complex"; break;
-    case nb::dlpack::dtype_code::Bool: return "bool";
-    default: break;
+    case nb::dlpack::dtype_code::Int:
+      kind = "int";
+      break;
+    case nb::dlpack::dtype_code::UInt:
+      kind = "uint";
+      break;
+    case nb::dlpack::dtype_code::Float:
+      kind = "float";
+      break;
+    case nb::dlpack::dtype_code::Bfloat:
+      kind = "bfloat";
+      break;
+    case nb::dlpack::dtype_code::Complex:
+      kind = "complex";
+      break;
+    case nb::dlpack::dtype_code::Bool:
+      return "bool";
+    default:
+      break;
   }
   return kind + std::to_string(dtype.bits);
 }
@@ -33,11 +45,16 @@ std::string shape_text(const A& array) {
 
 const char* device_name(std::int32_t type) {
   switch (type) {
-    case nb::device::cpu::value: return "cpu";
-    case nb::device::cuda::value: return "cuda";
-    case nb::device::cuda_host::value: return "cuda_host";
-    case nb::device::cuda_managed::value: return "cuda_managed";
-    default: return "another device";
+    case nb::device::cpu::value:
+      return "cpu";
+    case nb::device::cuda::value:
+      return "cuda";
+    case nb::device::cuda_host::value:
+      return "cuda_host";
+    case nb::device::cuda_managed::value:
+      return "cuda_managed";
+    default:
+      return "another device";
   }
 }
 
@@ -58,7 +75,8 @@ void check(const Placement& place, const char* name, const A& array, const Shape
                device_name(place.device_type) + ":" + std::to_string(place.device_id) + ")");
   }
   bool same = array.ndim() == expected.size();
-  for (std::size_t i = 0; same && i < array.ndim(); ++i) same = static_cast<std::int64_t>(array.shape(i)) == expected[i];
+  for (std::size_t i = 0; same && i < array.ndim(); ++i)
+    same = static_cast<std::int64_t>(array.shape(i)) == expected[i];
   if (!same) {
     refuse(place.operation, name,
            "has shape " + shape_text(array) + ", expected " + to_string(expected));
@@ -85,7 +103,8 @@ std::string shape_string(const OutArray& array) { return shape_text(array); }
 
 Shape shape_of(const InArray& array) {
   Shape shape(array.ndim());
-  for (std::size_t i = 0; i < array.ndim(); ++i) shape[i] = static_cast<std::int64_t>(array.shape(i));
+  for (std::size_t i = 0; i < array.ndim(); ++i)
+    shape[i] = static_cast<std::int64_t>(array.shape(i));
   return shape;
 }
 
@@ -153,7 +172,8 @@ nb::object to_numpy(std::vector<T>&& values, const Shape& shape) {
 Tensor<double> to_tensor(const std::optional<DoubleArray>& array) {
   if (!array) return {};
   Shape shape(array->ndim());
-  for (std::size_t i = 0; i < array->ndim(); ++i) shape[i] = static_cast<std::int64_t>(array->shape(i));
+  for (std::size_t i = 0; i < array->ndim(); ++i)
+    shape[i] = static_cast<std::int64_t>(array->shape(i));
   const double* data = array->data();
   return Tensor<double>(shape, std::vector<double>(data, data + array->size()));
 }
@@ -161,7 +181,7 @@ Tensor<double> to_tensor(const std::optional<DoubleArray>& array) {
 template const float* input<float>(const Placement&, const char*, const InArray&, const Shape&);
 template const double* input<double>(const Placement&, const char*, const InArray&, const Shape&);
 template const std::int64_t* input<std::int64_t>(const Placement&, const char*, const InArray&,
-                                                const Shape&);
+                                                 const Shape&);
 template const float* optional_input<float>(const Placement&, const char*,
                                             const std::optional<InArray>&, const Shape&);
 template const double* optional_input<double>(const Placement&, const char*,

@@ -26,10 +26,14 @@ using OptOut = std::optional<OutArray>;
 
 Mask make_mask(int kind, std::int64_t window) {
   switch (kind) {
-    case 0: return Mask::none();
-    case 1: return Mask::causal();
-    case 2: return Mask::sliding_window(window);
-    default: throw Error(ErrorCode::invalid_argument, "attend: argument 'mask' is not a mask");
+    case 0:
+      return Mask::none();
+    case 1:
+      return Mask::causal();
+    case 2:
+      return Mask::sliding_window(window);
+    default:
+      throw Error(ErrorCode::invalid_argument, "attend: argument 'mask' is not a mask");
   }
 }
 
@@ -77,8 +81,9 @@ Placement placement_of(const char* operation, const InArray& x) {
   Placement place{operation, x.dtype(), x.device_type(), x.device_id()};
   if (x.dtype() != nb::dtype<float>() && x.dtype() != nb::dtype<double>()) {
     refuse(operation, "x",
-           "has dtype " + dtype_name(x.dtype()) + ", expected float32 or float64; pass "
-           "copy=True to convert");
+           "has dtype " + dtype_name(x.dtype()) +
+               ", expected float32 or float64; pass "
+               "copy=True to convert");
   }
   return place;
 }
@@ -87,8 +92,8 @@ template <class T>
 AttentionOutput<T> outputs(const Placement& place, const Dims& dims, OutArray& update,
                            const OptOut& lse, const OptOut& entropy, const OptOut& weights) {
   AttentionOutput<T> out;
-  const Shape cloud = dims.batched ? Shape{dims.batch, dims.tokens, dims.dim}
-                                   : Shape{dims.tokens, dims.dim};
+  const Shape cloud =
+      dims.batched ? Shape{dims.batch, dims.tokens, dims.dim} : Shape{dims.tokens, dims.dim};
   out.update = optional_output<T>(place, "out", update, cloud);
   out.lse = optional_output<T>(place, "lse", lse, dims.per_head(0));
   out.entropy = optional_output<T>(place, "entropy", entropy, dims.per_head(0));
@@ -137,11 +142,11 @@ void attend_cuda(const AttentionInput<T>& in, const AttentionOutput<T>& out, std
 
 template <class T>
 void attend_dense(const Placement& place, const InArray& x, const InArray& relevance,
-                  const InArray& content, const OptIn& key_bias, const OptIn& offset,
-                  double beta, int mask_kind, std::int64_t window, const OptIn& lengths,
-                  OutArray& update, const OptOut& lse, const OptOut& entropy,
-                  const OptOut& weights, const std::string& device, int threads,
-                  std::uintptr_t stream, const nb::object& allocate) {
+                  const InArray& content, const OptIn& key_bias, const OptIn& offset, double beta,
+                  int mask_kind, std::int64_t window, const OptIn& lengths, OutArray& update,
+                  const OptOut& lse, const OptOut& entropy, const OptOut& weights,
+                  const std::string& device, int threads, std::uintptr_t stream,
+                  const nb::object& allocate) {
   const Dims dims = dims_of("attend", x, relevance, "relevance", 2);
   AttentionInput<T> in = cloud_input<T>(place, dims, x, beta, mask_kind, window, lengths);
   in.layer.heads = dims.heads;
@@ -153,9 +158,8 @@ void attend_dense(const Placement& place, const InArray& x, const InArray& relev
   const ExecutionOptions options{parse_device(device), threads};
   if (place.device_type == nb::device::cuda::value) {
     if (options.device != Device::automatic && options.device != Device::cuda) {
-      throw Error(ErrorCode::invalid_argument,
-                  std::string("attend: argument 'device' is '") + device +
-                      "' but the arrays are CUDA arrays");
+      throw Error(ErrorCode::invalid_argument, std::string("attend: argument 'device' is '") +
+                                                   device + "' but the arrays are CUDA arrays");
     }
 #ifdef EMFLOW_WITH_CUDA
     attend_cuda(in, out, stream, allocate);
@@ -228,9 +232,9 @@ void bind_attend(nb::module_& m) {
   m.def(
       "attend",
       [](const InArray& x, const InArray& relevance, const InArray& content, const OptIn& key_bias,
-         const OptIn& offset, double beta, int mask_kind, std::int64_t window,
-         const OptIn& lengths, OutArray update, const OptOut& lse, const OptOut& entropy,
-         const OptOut& weights, const std::string& device, int threads, std::uintptr_t stream,
+         const OptIn& offset, double beta, int mask_kind, std::int64_t window, const OptIn& lengths,
+         OutArray update, const OptOut& lse, const OptOut& entropy, const OptOut& weights,
+         const std::string& device, int threads, std::uintptr_t stream,
          const nb::object& allocate) {
         const Placement place = placement_of("attend", x);
         if (place.dtype == nb::dtype<float>()) {
@@ -246,8 +250,8 @@ void bind_attend(nb::module_& m) {
       nb::arg("x"), nb::arg("relevance"), nb::arg("content"), nb::arg("key_bias").none(),
       nb::arg("offset").none(), nb::arg("beta"), nb::arg("mask_kind"), nb::arg("window"),
       nb::arg("key_lengths").none(), nb::arg("update"), nb::arg("lse").none(),
-      nb::arg("entropy").none(), nb::arg("weights").none(), nb::arg("device"),
-      nb::arg("threads"), nb::arg("stream"), nb::arg("allocate").none(),
+      nb::arg("entropy").none(), nb::arg("weights").none(), nb::arg("device"), nb::arg("threads"),
+      nb::arg("stream"), nb::arg("allocate").none(),
       "emflow::attend (or emflow::cuda::attend_async for CUDA arrays) on the given arrays, "
       "written into the given outputs. Use emflow.attend.");
   m.def(

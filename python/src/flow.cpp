@@ -1,6 +1,8 @@
 // emflow Python module: the flow of token clouds (emflow/flow.hpp), the phase diagram, and .npy
 // files (emflow/io.hpp). Progress callbacks run on the calling thread with the GIL held, called
 // as callback(steps_done, steps_total) after each step.
+#include "emflow/flow.hpp"
+
 #include <nanobind/stl/function.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -8,7 +10,6 @@
 
 #include "arrays.hpp"
 #include "bindings.hpp"
-#include "emflow/flow.hpp"
 #include "emflow/io.hpp"
 
 namespace emflow::python {
@@ -79,9 +80,9 @@ nb::tuple run(const Placement& place, const InArray& initial, const std::vector<
   Tensor<T> cloud = host_copy<T>(place, "initial", initial);
   const auto dim = cloud.extent(2);
   const std::int64_t count = settings.layers > 0 ? settings.layers : 1;
-  const auto layers = flow::layer_stack<T>(source_of<T>(place, "relevance", relevance),
-                                           source_of<T>(place, "content", content), dim, count,
-                                           seed);
+  const auto layers =
+      flow::layer_stack<T>(source_of<T>(place, "relevance", relevance),
+                           source_of<T>(place, "content", content), dim, count, seed);
   const flow::Progress progress = progress_of(callback);
   flow::FlowResult<T> result;
   {
@@ -98,9 +99,12 @@ nb::tuple run(const Placement& place, const InArray& initial, const std::vector<
 nb::object read_npy_file(const std::string& path) {
   const NpyHeader header = read_npy_header(path);
   switch (header.dtype) {
-    case Dtype::float32: return to_numpy(read_npy<float>(path));
-    case Dtype::float64: return to_numpy(read_npy<double>(path));
-    default: return to_numpy(read_npy<std::int64_t>(path));
+    case Dtype::float32:
+      return to_numpy(read_npy<float>(path));
+    case Dtype::float64:
+      return to_numpy(read_npy<double>(path));
+    default:
+      return to_numpy(read_npy<std::int64_t>(path));
   }
 }
 

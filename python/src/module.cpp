@@ -20,8 +20,9 @@
 namespace nb = nanobind;
 
 NB_MODULE(_emflow, m) {
-  m.doc() = "emflow: EMF attention and the flow of token clouds (the C++ extension; use the "
-            "package emflow)";
+  m.doc() =
+      "emflow: EMF attention and the flow of token clouds (the C++ extension; use the "
+      "package emflow)";
   m.attr("__version__") = EMFLOW_PYTHON_VERSION;
   // A function rather than an attribute, so that the stubs are the same for every build.
   m.def(
@@ -41,10 +42,17 @@ NB_MODULE(_emflow, m) {
     } catch (const emflow::Error& e) {
       PyObject* type = PyExc_RuntimeError;
       switch (e.code()) {
-        case emflow::ErrorCode::invalid_argument: type = PyExc_ValueError; break;
-        case emflow::ErrorCode::out_of_memory: type = PyExc_MemoryError; break;
-        case emflow::ErrorCode::unsupported: type = PyExc_NotImplementedError; break;
-        default: break;
+        case emflow::ErrorCode::invalid_argument:
+          type = PyExc_ValueError;
+          break;
+        case emflow::ErrorCode::out_of_memory:
+          type = PyExc_MemoryError;
+          break;
+        case emflow::ErrorCode::unsupported:
+          type = PyExc_NotImplementedError;
+          break;
+        default:
+          break;
       }
       PyErr_SetString(type, e.what());
     }

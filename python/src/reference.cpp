@@ -2,13 +2,14 @@
 // conversion of multi-head attention to an EMF layer (emflow/mha.hpp). Arguments are copied to
 // Tensor<double> (these functions allocate their results anyway); results come back as NumPy
 // float64 arrays.
+#include "emflow/reference.hpp"
+
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
 #include "arrays.hpp"
 #include "bindings.hpp"
 #include "emflow/mha.hpp"
-#include "emflow/reference.hpp"
 
 namespace emflow::python {
 namespace {
@@ -63,8 +64,8 @@ void bind_reference(nb::module_& m) {
         return numpy(scores(to_tensor(r), to_tensor(cloud), to_tensor(key_bias), beta,
                             mask_of(mask_kind, window), lengths));
       },
-      nb::arg("relevance_gradients"), nb::arg("cloud"), nb::arg("key_bias").none(),
-      nb::arg("beta"), nb::arg("mask_kind"), nb::arg("window"), nb::arg("key_lengths"));
+      nb::arg("relevance_gradients"), nb::arg("cloud"), nb::arg("key_bias").none(), nb::arg("beta"),
+      nb::arg("mask_kind"), nb::arg("window"), nb::arg("key_lengths"));
   m.def(
       "ref_masked_softmax",
       [](const DoubleArray& s) {
@@ -94,8 +95,8 @@ void bind_reference(nb::module_& m) {
   m.def(
       "ref_attend",
       [](const DoubleArray& cloud, const DoubleArray& relevance, const DoubleArray& c,
-         const OptD& key_bias, const OptD& offset, double beta, int mask_kind,
-         std::int64_t window, const Lengths& lengths, bool with_weights) {
+         const OptD& key_bias, const OptD& offset, double beta, int mask_kind, std::int64_t window,
+         const Lengths& lengths, bool with_weights) {
         Layer layer{to_tensor(relevance), to_tensor(c), to_tensor(key_bias), to_tensor(offset)};
         Attention result = attend(to_tensor(cloud), layer, beta, mask_of(mask_kind, window),
                                   lengths, with_weights);
@@ -122,8 +123,8 @@ void bind_reference(nb::module_& m) {
       [](std::int64_t heads, const DoubleArray& q, const DoubleArray& k, const DoubleArray& v,
          const DoubleArray& o, const OptD& qb, const OptD& kb, const OptD& vb, const OptD& ob,
          const DoubleArray& cloud, int mask_kind, std::int64_t window, const Lengths& lengths) {
-        return numpy(mha_reference(mha_weights(heads, q, k, v, o, qb, kb, vb, ob),
-                                   to_tensor(cloud), mask_of(mask_kind, window), lengths));
+        return numpy(mha_reference(mha_weights(heads, q, k, v, o, qb, kb, vb, ob), to_tensor(cloud),
+                                   mask_of(mask_kind, window), lengths));
       },
       nb::arg("heads"), nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("output"),
       nb::arg("query_bias").none(), nb::arg("key_bias").none(), nb::arg("value_bias").none(),
