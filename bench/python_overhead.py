@@ -25,23 +25,26 @@ import numpy as np
 import emflow
 
 
-def median_per_call(function, calls, rounds):
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            function()
-        times.append((time.perf_counter() - start) / calls)
-    return times
+def per_call(function, calls):
+    """(wall, process CPU) seconds per call over `calls` calls. The CPU time is what a loaded,
+    shared machine disturbs least."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for _ in range(calls):
+        function()
+    return ((time.perf_counter() - start) / calls, (time.process_time() - cpu_start) / calls)
 
 
 def side_by_side(python_call, cxx_call, calls, rounds):
-    """Alternates one round of each; returns the medians (seconds per call)."""
+    """Alternates one round of each; returns the medians (wall and CPU seconds per call) of
+    Python and of C++."""
     py, cxx = [], []
     for _ in range(rounds):
-        py += median_per_call(python_call, calls, 1)
-        cxx.append(cxx_call(calls))
-    return statistics.median(py), statistics.median(cxx)
+        py.append(per_call(python_call, calls))
+        cpu_start = time.process_time()
+        wall = cxx_call(calls)
+        cxx.append((wall, (time.process_time() - cpu_start) / calls))
+    med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
+    return med(py, 0), med(py, 1), med(cxx, 0), med(cxx, 1)
 
 
 def dense(tokens, dim, seed=1):
@@ -62,10 +65,11 @@ def overhead(tokens, dim, threads, calls, rounds):
     def cxx_call(n):
         return emflow._emflow.time_attend(x, m, f, out, threads, n)
 
-    py, cxx = side_by_side(python_call, cxx_call, calls, rounds)
+    py, py_cpu, cxx, cxx_cpu = side_by_side(python_call, cxx_call, calls, rounds)
     return {"op": "python_overhead", "tokens": tokens, "dim": dim, "threads": threads,
             "python_us": py * 1e6, "cxx_us": cxx * 1e6, "overhead_us": (py - cxx) * 1e6,
-            "ratio": py / cxx}
+            "ratio": py / cxx, "python_cpu_us": py_cpu * 1e6, "cxx_cpu_us": cxx_cpu * 1e6,
+            "overhead_cpu_us": (py_cpu - cxx_cpu) * 1e6, "cpu_ratio": py_cpu / cxx_cpu}
 
 
 def torch_side_by_side(torch, batch, tokens, dim, heads, rank, causal, threads, rounds):
@@ -97,18 +101,22 @@ def torch_side_by_side(torch, batch, tokens, dim, heads, rank, causal, threads, 
 
     with torch.no_grad():
         torch.testing.assert_close(emflow_layer(), torch_layer(), rtol=1e-3, atol=1e-4)
-        times = {"emflow_factored": [], "torch_sdpa": [], "torch_layer": []}
         functions = {"emflow_factored": emflow_layer, "torch_sdpa": torch_attention,
                      "torch_layer": torch_layer}
+        times = {name: [] for name in functions}
         for _ in range(rounds):
             for name, function in functions.items():
-                times[name] += median_per_call(function, 1, 1)
-    medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+                times[name].append(per_call(function, 1))
+    medians = {}
+    for name, rows in times.items():
+        medians[name] = statistics.median(r[0] for r in rows) * 1e3
+        medians[name + "_cpu"] = statistics.median(r[1] for r in rows) * 1e3
     return {"op": "torch_cpu", "batch": batch, "tokens": tokens, "dim": dim, "heads": heads,
             "rank": rank, "mask": mask or "none", "threads": threads,
             **{f"{name}_ms": value for name, value in medians.items()},
             "sdpa_over_emflow": medians["torch_sdpa"] / medians["emflow_factored"],
-            "layer_over_emflow": medians["torch_layer"] / medians["emflow_factored"]}
+            "layer_over_emflow": medians["torch_layer"] / medians["emflow_factored"],
+            "sdpa_over_emflow_cpu": medians["torch_sdpa_cpu"] / medians["emflow_factored_cpu"]}
 
 
 def main():
