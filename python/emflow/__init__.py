@@ -202,7 +202,8 @@ def attend(x: Any, relevance: Any, content: Any, *, key_bias: Any = None, offset
     torch CUDA tensors run through emflow::cuda::attend_async on the caller's current torch
     stream (or ``stream``: a torch.cuda.Stream or a cudaStream_t as an int), with the workspace
     from torch's caching allocator; nothing synchronises the device. float32 on the CPU and
-    CUDA backends, float64 in double; Device "reference" computes in double.
+    CUDA backends, float64 in double; Device "reference" computes in double. Host arrays with
+    device="cuda" are copied to the GPU and back by the blocking emflow::attend.
     """
     return _run(True, x, (relevance, content), key_bias, offset, beta, mask, key_lengths, lse,
                 entropy, weights, device, threads, out, copy, stream)
