@@ -1,0 +1,77 @@
+"""
+emflow: EMF attention and the flow of token clouds (the C++ extension; use the package emflow)
+"""
+
+from collections.abc import Sequence
+from typing import Annotated
+
+import numpy
+from numpy.typing import NDArray
+
+
+def built_with_cuda() -> bool:
+    """True when emflow was built with the CUDA backend."""
+
+def cuda_available() -> tuple:
+    """(available, reason): whether a CUDA device can be used, and why not."""
+
+def resolve_device(device: str) -> str:
+    """
+    The device 'auto' / 'cpu' / 'cuda' / 'reference' resolves to in this process: 'auto' is 'cuda' when a device is present and emflow was built with CUDA, else 'cpu'.
+    """
+
+def attend(x: Annotated[NDArray, dict(writable=False)], relevance: Annotated[NDArray, dict(writable=False)], content: Annotated[NDArray, dict(writable=False)], key_bias: Annotated[NDArray, dict(writable=False)] | None, offset: Annotated[NDArray, dict(writable=False)] | None, beta: float, mask_kind: int, window: int, key_lengths: Annotated[NDArray, dict(writable=False)] | None, update: NDArray, lse: NDArray | None, entropy: NDArray | None, weights: NDArray | None, device: str, threads: int, stream: int, allocate: object | None) -> None:
+    """
+    emflow::attend (or emflow::cuda::attend_async for CUDA arrays) on the given arrays, written into the given outputs. Use emflow.attend.
+    """
+
+def attend_factored(x: Annotated[NDArray, dict(writable=False)], query_factor: Annotated[NDArray, dict(writable=False)], key_factor: Annotated[NDArray, dict(writable=False)], content_up: Annotated[NDArray, dict(writable=False)], content_down: Annotated[NDArray, dict(writable=False)], key_bias: Annotated[NDArray, dict(writable=False)] | None, offset: Annotated[NDArray, dict(writable=False)] | None, beta: float, mask_kind: int, window: int, key_lengths: Annotated[NDArray, dict(writable=False)] | None, update: NDArray, lse: NDArray | None, entropy: NDArray | None, weights: NDArray | None, device: str, threads: int) -> None:
+    """
+    emflow::attend_factored on the given host arrays, written into the given outputs. Use emflow.attend_factored.
+    """
+
+def time_attend(x: Annotated[NDArray, dict(writable=False)], relevance: Annotated[NDArray, dict(writable=False)], content: Annotated[NDArray, dict(writable=False)], update: NDArray, threads: int = 0, repeats: int = 1) -> float:
+    """
+    Seconds per emflow::attend call (Device::cpu, float32), timed in C++: the baseline that bench/python_overhead.py compares emflow.attend with.
+    """
+
+def ref_relevance_gradients(cloud: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], relevance: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)]) -> object: ...
+
+def ref_scores(relevance_gradients: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], cloud: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], key_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, beta: float, mask_kind: int, window: int, key_lengths: Sequence[int]) -> object: ...
+
+def ref_masked_softmax(scores: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)]) -> tuple: ...
+
+def ref_content(cloud: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], content: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)]) -> object: ...
+
+def ref_contextual_update(weights: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], content: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], offset: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None) -> object: ...
+
+def ref_residual_update(cloud: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], update: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)]) -> object: ...
+
+def ref_attend(cloud: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], relevance: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], content: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], key_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, offset: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, beta: float, mask_kind: int, window: int, key_lengths: Sequence[int], with_weights: bool) -> tuple: ...
+
+def mha_to_emf(heads: int, query: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], key: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], value: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], output: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], query_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, key_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, value_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, output_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None) -> tuple: ...
+
+def mha_reference(heads: int, query: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], key: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], value: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], output: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], query_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, key_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, value_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, output_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, cloud: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], mask_kind: int, window: int, key_lengths: Sequence[int]) -> object: ...
+
+def flow(initial: Annotated[NDArray, dict(writable=False)], betas: Sequence[float], relevance: object, content: object, layers: int, seed: int, norm: str, pre_norm: bool, time: float, dt: float, integrator: str, unnormalized: bool, record_every: int, cluster_eps: float, device: str, threads: int, callback: object | None) -> tuple:
+    """
+    emflow::flow::run_flow: (trajectory, times, steps, observables). Use emflow.flow.
+    """
+
+def initial_clouds(kind: str, batch: int, tokens: int, dim: int, seed: int, single: bool) -> object:
+    """emflow::flow::initial_clouds. Use emflow.initial_clouds."""
+
+def phase(tokens: int, dim: int, beta_start: float, beta_stop: float, beta_count: int, time: float, dt: float, clouds: int, seed: int, cluster_eps: float, device: str, threads: int, generic: bool, callback: object | None) -> tuple:
+    """
+    emflow::flow::phase_diagram: (times, betas, clustered). Use emflow.phase.
+    """
+
+def read_npy(path: str) -> object:
+    """
+    emflow::read_npy: a .npy file (float32, float64, int32 or int64; C order, little endian, rank 1 to 4) as a NumPy array (int32 files come back as int64).
+    """
+
+def write_npy(path: str, array: Annotated[NDArray, dict(writable=False)]) -> None:
+    """
+    emflow::write_npy: writes a float32, float64 or int64 array (rank 1 to 4) as .npy, atomically (a temporary file beside the target, renamed into place).
+    """

@@ -1,0 +1,287 @@
+// emflow Python module: emflow.attend and emflow.attend_factored on the caller's arrays.
+//
+// The Python layer (emflow/__init__.py) parses the keyword arguments, makes copies when asked
+// (copy=True) and allocates the outputs with the caller's framework; these functions check every
+// array against the shapes of 'x' and the operators and run the C++ call on the arrays' memory
+// with the GIL released. CUDA arrays run through emflow::cuda::attend_async on the stream the
+// caller names, with a workspace the caller's allocator returns (torch's caching allocator).
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <chrono>
+
+#include "arrays.hpp"
+#include "bindings.hpp"
+#include "emflow/attention.hpp"
+#include "emflow/factored.hpp"
+#ifdef EMFLOW_WITH_CUDA
+#include "emflow/cuda.hpp"
+#endif
+
+namespace emflow::python {
+namespace {
+
+using OptIn = std::optional<InArray>;
+using OptOut = std::optional<OutArray>;
+
+Mask make_mask(int kind, std::int64_t window) {
+  switch (kind) {
+    case 0:
+      return Mask::none();
+    case 1:
+      return Mask::causal();
+    case 2:
+      return Mask::sliding_window(window);
+    default:
+      throw Error(ErrorCode::invalid_argument, "attend: argument 'mask' is not a mask");
+  }
+}
+
+/// The shapes a call implies: B, H and N, and whether 'x' / the operators carried B and H.
+struct Dims {
+  bool batched = false, multihead = false;
+  std::int64_t batch = 1, heads = 1, tokens = 0, dim = 0;
+
+  Shape per_head(std::int64_t last) const {  // lse/entropy (last = 0) and weights (last = N)
+    Shape shape;
+    if (batched) shape.push_back(batch);
+    if (multihead) shape.push_back(heads);
+    shape.push_back(tokens);
+    if (last) shape.push_back(last);
+    return shape;
+  }
+  Shape op(std::int64_t rows, std::int64_t cols) const {
+    return multihead ? Shape{heads, rows, cols} : Shape{rows, cols};
+  }
+  Shape bias() const { return multihead ? Shape{heads, dim} : Shape{dim}; }
+};
+
+Dims dims_of(const char* operation, const InArray& x, const InArray& op, const char* op_name,
+             int op_rank) {
+  Dims dims;
+  if (x.ndim() != 2 && x.ndim() != 3) {
+    refuse(operation, "x", "has shape " + shape_string(x) + ", expected (N, d) or (B, N, d)");
+  }
+  dims.batched = x.ndim() == 3;
+  dims.batch = dims.batched ? static_cast<std::int64_t>(x.shape(0)) : 1;
+  dims.tokens = static_cast<std::int64_t>(x.shape(x.ndim() - 2));
+  dims.dim = static_cast<std::int64_t>(x.shape(x.ndim() - 1));
+  if (op.ndim() != static_cast<std::size_t>(op_rank) &&
+      op.ndim() != static_cast<std::size_t>(op_rank + 1)) {
+    refuse(operation, op_name,
+           "has shape " + shape_string(op) + ", expected " + std::to_string(op_rank) +
+               " axes, or " + std::to_string(op_rank + 1) + " with the heads first");
+  }
+  dims.multihead = op.ndim() == static_cast<std::size_t>(op_rank + 1);
+  dims.heads = dims.multihead ? static_cast<std::int64_t>(op.shape(0)) : 1;
+  return dims;
+}
+
+Placement placement_of(const char* operation, const InArray& x) {
+  Placement place{operation, x.dtype(), x.device_type(), x.device_id()};
+  if (x.dtype() != nb::dtype<float>() && x.dtype() != nb::dtype<double>()) {
+    refuse(operation, "x",
+           "has dtype " + dtype_name(x.dtype()) +
+               ", expected float32 or float64; pass "
+               "copy=True to convert");
+  }
+  return place;
+}
+
+template <class T>
+AttentionOutput<T> outputs(const Placement& place, const Dims& dims, OutArray& update,
+                           const OptOut& lse, const OptOut& entropy, const OptOut& weights) {
+  AttentionOutput<T> out;
+  const Shape cloud =
+      dims.batched ? Shape{dims.batch, dims.tokens, dims.dim} : Shape{dims.tokens, dims.dim};
+  out.update = optional_output<T>(place, "out", update, cloud);
+  out.lse = optional_output<T>(place, "lse", lse, dims.per_head(0));
+  out.entropy = optional_output<T>(place, "entropy", entropy, dims.per_head(0));
+  out.weights = optional_output<T>(place, "weights", weights, dims.per_head(dims.tokens));
+  return out;
+}
+
+template <class T>
+AttentionInput<T> cloud_input(const Placement& place, const Dims& dims, const InArray& x,
+                              double beta, int mask_kind, std::int64_t window,
+                              const OptIn& lengths) {
+  AttentionInput<T> in;
+  in.cloud = static_cast<const T*>(x.data());
+  in.batch = dims.batch;
+  in.tokens = dims.tokens;
+  in.dim = dims.dim;
+  in.beta = beta;
+  in.mask = make_mask(mask_kind, window);
+  in.key_lengths = key_lengths(place, lengths, dims.batch);
+  return in;
+}
+
+#ifdef EMFLOW_WITH_CUDA
+template <class T>
+void attend_cuda(const AttentionInput<T>& in, const AttentionOutput<T>& out, std::uintptr_t stream,
+                 const nb::object& allocate) {
+  const std::size_t bytes = cuda::attend_workspace_size(in, out);
+  void* workspace = nullptr;
+  nb::object buffer;  // keeps the workspace alive until the work is enqueued
+  if (bytes) {
+    if (!allocate.is_valid() || allocate.is_none()) {
+      throw Error(ErrorCode::unsupported,
+                  "attend: CUDA arrays other than torch tensors need a workspace allocator");
+    }
+    buffer = allocate(bytes);
+    OutArray array = nb::cast<OutArray>(buffer);
+    if (array.nbytes() < bytes) {
+      throw Error(ErrorCode::internal, "attend: the workspace allocator returned too few bytes");
+    }
+    workspace = array.data();
+  }
+  nb::gil_scoped_release release;
+  cuda::attend_async(in, out, workspace, bytes, reinterpret_cast<cuda::Stream>(stream));
+}
+#endif
+
+template <class T>
+void attend_dense(const Placement& place, const InArray& x, const InArray& relevance,
+                  const InArray& content, const OptIn& key_bias, const OptIn& offset, double beta,
+                  int mask_kind, std::int64_t window, const OptIn& lengths, OutArray& update,
+                  const OptOut& lse, const OptOut& entropy, const OptOut& weights,
+                  const std::string& device, int threads, std::uintptr_t stream,
+                  const nb::object& allocate) {
+  const Dims dims = dims_of("attend", x, relevance, "relevance", 2);
+  AttentionInput<T> in = cloud_input<T>(place, dims, x, beta, mask_kind, window, lengths);
+  in.layer.heads = dims.heads;
+  in.layer.relevance = input<T>(place, "relevance", relevance, dims.op(dims.dim, dims.dim));
+  in.layer.content = input<T>(place, "content", content, dims.op(dims.dim, dims.dim));
+  in.layer.key_bias = optional_input<T>(place, "key_bias", key_bias, dims.bias());
+  in.layer.offset = optional_input<T>(place, "offset", offset, Shape{dims.dim});
+  const AttentionOutput<T> out = outputs<T>(place, dims, update, lse, entropy, weights);
+  const ExecutionOptions options{parse_device(device), threads};
+  if (place.device_type == nb::device::cuda::value) {
+    if (options.device != Device::automatic && options.device != Device::cuda) {
+      throw Error(ErrorCode::invalid_argument, std::string("attend: argument 'device' is '") +
+                                                   device + "' but the arrays are CUDA arrays");
+    }
+#ifdef EMFLOW_WITH_CUDA
+    attend_cuda(in, out, stream, allocate);
+#else
+    (void)stream;
+    (void)allocate;
+    throw Error(ErrorCode::unsupported, "attend: CUDA arrays need emflow built with CUDA");
+#endif
+    return;
+  }
+  if (place.device_type != nb::device::cpu::value) {
+    refuse("attend", "x", "is neither in host memory nor a CUDA array");
+  }
+  nb::gil_scoped_release release;
+  attend(in, out, options);
+}
+
+template <class T>
+void attend_factored_host(const Placement& place, const InArray& x, const InArray& query_factor,
+                          const InArray& key_factor, const InArray& content_up,
+                          const InArray& content_down, const OptIn& key_bias, const OptIn& offset,
+                          double beta, int mask_kind, std::int64_t window, const OptIn& lengths,
+                          OutArray& update, const OptOut& lse, const OptOut& entropy,
+                          const OptOut& weights, const std::string& device, int threads) {
+  const Dims dims = dims_of("attend_factored", x, query_factor, "query_factor", 2);
+  const auto rank = static_cast<std::int64_t>(query_factor.shape(query_factor.ndim() - 2));
+  if (place.device_type != nb::device::cpu::value) {
+    refuse("attend_factored", "x", "is not in host memory");
+  }
+  const AttentionInput<T> in = cloud_input<T>(place, dims, x, beta, mask_kind, window, lengths);
+  FactoredLayer<T> layer;
+  layer.heads = dims.heads;
+  layer.rank = rank;
+  layer.query_factor = input<T>(place, "query_factor", query_factor, dims.op(rank, dims.dim));
+  layer.key_factor = input<T>(place, "key_factor", key_factor, dims.op(rank, dims.dim));
+  layer.content_up = input<T>(place, "content_up", content_up, dims.op(dims.dim, rank));
+  layer.content_down = input<T>(place, "content_down", content_down, dims.op(rank, dims.dim));
+  layer.key_bias = optional_input<T>(place, "key_bias", key_bias, dims.bias());
+  layer.offset = optional_input<T>(place, "offset", offset, Shape{dims.dim});
+  const AttentionOutput<T> out = outputs<T>(place, dims, update, lse, entropy, weights);
+  const ExecutionOptions options{parse_device(device), threads};
+  nb::gil_scoped_release release;
+  attend_factored(in, layer, out, options);
+}
+
+/// Seconds per emflow::attend call on host arrays, timed in C++ over `repeats` calls: the
+/// baseline of bench/python_overhead.py.
+double time_attend(const InArray& x, const InArray& relevance, const InArray& content,
+                   OutArray& update, int threads, std::int64_t repeats) {
+  const Placement place = placement_of("attend", x);
+  if (place.dtype != nb::dtype<float>()) refuse("attend", "x", "must be float32 here");
+  const Dims dims = dims_of("attend", x, relevance, "relevance", 2);
+  AttentionInput<float> in = cloud_input<float>(place, dims, x, 1.0, 0, 0, std::nullopt);
+  in.layer.heads = dims.heads;
+  in.layer.relevance = input<float>(place, "relevance", relevance, dims.op(dims.dim, dims.dim));
+  in.layer.content = input<float>(place, "content", content, dims.op(dims.dim, dims.dim));
+  const AttentionOutput<float> out =
+      outputs<float>(place, dims, update, std::nullopt, std::nullopt, std::nullopt);
+  const ExecutionOptions options{Device::cpu, threads};
+  nb::gil_scoped_release release;
+  const auto start = std::chrono::steady_clock::now();
+  for (std::int64_t i = 0; i < repeats; ++i) attend(in, out, options);
+  const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
+  return elapsed.count() / static_cast<double>(repeats);
+}
+
+}  // namespace
+
+void bind_attend(nb::module_& m) {
+  m.def(
+      "attend",
+      [](const InArray& x, const InArray& relevance, const InArray& content, const OptIn& key_bias,
+         const OptIn& offset, double beta, int mask_kind, std::int64_t window, const OptIn& lengths,
+         OutArray update, const OptOut& lse, const OptOut& entropy, const OptOut& weights,
+         const std::string& device, int threads, std::uintptr_t stream,
+         const nb::object& allocate) {
+        const Placement place = placement_of("attend", x);
+        if (place.dtype == nb::dtype<float>()) {
+          attend_dense<float>(place, x, relevance, content, key_bias, offset, beta, mask_kind,
+                              window, lengths, update, lse, entropy, weights, device, threads,
+                              stream, allocate);
+        } else {
+          attend_dense<double>(place, x, relevance, content, key_bias, offset, beta, mask_kind,
+                               window, lengths, update, lse, entropy, weights, device, threads,
+                               stream, allocate);
+        }
+      },
+      nb::arg("x"), nb::arg("relevance"), nb::arg("content"), nb::arg("key_bias").none(),
+      nb::arg("offset").none(), nb::arg("beta"), nb::arg("mask_kind"), nb::arg("window"),
+      nb::arg("key_lengths").none(), nb::arg("update"), nb::arg("lse").none(),
+      nb::arg("entropy").none(), nb::arg("weights").none(), nb::arg("device"), nb::arg("threads"),
+      nb::arg("stream"), nb::arg("allocate").none(),
+      "emflow::attend (or emflow::cuda::attend_async for CUDA arrays) on the given arrays, "
+      "written into the given outputs. Use emflow.attend.");
+  m.def(
+      "attend_factored",
+      [](const InArray& x, const InArray& a, const InArray& b, const InArray& u, const InArray& v,
+         const OptIn& key_bias, const OptIn& offset, double beta, int mask_kind,
+         std::int64_t window, const OptIn& lengths, OutArray update, const OptOut& lse,
+         const OptOut& entropy, const OptOut& weights, const std::string& device, int threads) {
+        const Placement place = placement_of("attend_factored", x);
+        if (place.dtype == nb::dtype<float>()) {
+          attend_factored_host<float>(place, x, a, b, u, v, key_bias, offset, beta, mask_kind,
+                                      window, lengths, update, lse, entropy, weights, device,
+                                      threads);
+        } else {
+          attend_factored_host<double>(place, x, a, b, u, v, key_bias, offset, beta, mask_kind,
+                                       window, lengths, update, lse, entropy, weights, device,
+                                       threads);
+        }
+      },
+      nb::arg("x"), nb::arg("query_factor"), nb::arg("key_factor"), nb::arg("content_up"),
+      nb::arg("content_down"), nb::arg("key_bias").none(), nb::arg("offset").none(),
+      nb::arg("beta"), nb::arg("mask_kind"), nb::arg("window"), nb::arg("key_lengths").none(),
+      nb::arg("update"), nb::arg("lse").none(), nb::arg("entropy").none(),
+      nb::arg("weights").none(), nb::arg("device"), nb::arg("threads"),
+      "emflow::attend_factored on the given host arrays, written into the given outputs. Use "
+      "emflow.attend_factored.");
+  m.def("time_attend", &time_attend, nb::arg("x"), nb::arg("relevance"), nb::arg("content"),
+        nb::arg("update"), nb::arg("threads") = 0, nb::arg("repeats") = 1,
+        "Seconds per emflow::attend call (Device::cpu, float32), timed in C++: the baseline "
+        "that bench/python_overhead.py compares emflow.attend with.");
+}
+
+}  // namespace emflow::python

@@ -1,0 +1,12 @@
+// emflow Python module: the parts of the module, each bound by its own file.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+namespace emflow::python {
+
+void bind_attend(nanobind::module_& m);     // attend.cpp
+void bind_reference(nanobind::module_& m);  // reference.cpp: emflow::reference, MHA conversion
+void bind_flow(nanobind::module_& m);       // flow.cpp: the flow, the phase diagram, .npy files
+
+}  // namespace emflow::python
