@@ -10,12 +10,13 @@
 // The reader accepts exactly that. It refuses, with emflow::Error (ErrorCode::io) naming the
 // file and, where there is one, the tensor: a file shorter than 8 bytes, a header length
 // beyond the file or above 100,000,000 bytes, a header that is not valid JSON or not an object,
-// duplicate names, an entry whose keys, dtype, shape or offsets are malformed, an unknown or
-// unsupported dtype, a byte range that does not match its shape and dtype, ranges that overlap,
+// duplicate names, an entry whose keys, dtype, shape or offsets are malformed, an unknown
+// dtype, a byte range that does not match its shape and dtype, ranges that overlap,
 // leave a gap, or do not cover the data buffer exactly.
 //
-// Element types: F32, F64, F16 and BF16, read as float or double. F16 and BF16 convert exactly
-// (every half and bfloat16 value is a float); F64 read as float rounds.
+// Element types: F32, F64, F16 and BF16 are read as float or double. F16 and BF16 convert exactly
+// (every half and bfloat16 value is a float); F64 read as float rounds. Reading a tensor of
+// another dtype of the format (integers, 8-bit floats) is refused naming it.
 #pragma once
 
 #include <cstdint>
@@ -27,9 +28,27 @@
 
 namespace emflow {
 
-/// The element types the reader supports.
-enum class TensorDtype { f16, bf16, f32, f64 };
-/// "F16", "BF16", "F32" or "F64", as the file spells it.
+/// The element types of the format. Only f16, bf16, f32 and f64 tensors can be read (as float or
+/// double); the others (integer buffers such as BERT's position_ids, 8-bit floats) are accepted
+/// in a header, so a checkpoint that holds them opens, but reading one is refused.
+enum class TensorDtype {
+  f16,
+  bf16,
+  f32,
+  f64,
+  boolean,
+  u8,
+  i8,
+  i16,
+  u16,
+  i32,
+  u32,
+  i64,
+  u64,
+  f8_e4m3,
+  f8_e5m2
+};
+/// The name the file spells, e.g. "F16", "BF16", "I64".
 const char* to_string(TensorDtype dtype) noexcept;
 /// Bytes per element.
 std::int64_t item_size(TensorDtype dtype) noexcept;
@@ -67,7 +86,8 @@ class SafetensorsFile {
   /// The names, in file order.
   std::vector<std::string> names() const;
 
-  /// Reads tensor `name` as T (float or double).
+  /// Reads tensor `name` as T (float or double); a tensor of another dtype than F16, BF16, F32
+  /// or F64 is refused (ErrorCode::io naming the file, the tensor and its dtype).
   template <class T>
   Tensor<T> read(const std::string& name) const;
 

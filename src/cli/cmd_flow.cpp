@@ -22,6 +22,7 @@
 #include "emflow/flow.hpp"
 #include "emflow/io.hpp"
 #include "emflow/tensor.hpp"
+#include "flow_model.hpp"
 #include "tools/plot.hpp"
 #include "tools/progress.hpp"
 
@@ -46,6 +47,8 @@ struct FlowArguments {
   int threads = 0;
   std::string precision = "float32";
   std::string out, metrics, plot;
+  ModelFlowArguments model;  // --model: a converted model's layers (cmd_flow_model.cpp)
+  bool full_layer = false;
   // Which of the mutually dependent options the user gave.
   CLI::Option *tokens_option = nullptr, *dim_option = nullptr, *init_option = nullptr,
               *batch_option = nullptr, *layers_option = nullptr, *time_option = nullptr,
@@ -309,7 +312,7 @@ void add_flow_command(CLI::App& app) {
 or continuous time dx_i/dt = sum_j p_ij F x_j (SA; USA divides by N instead of Z_i),
 on the sphere with --norm sphere, integrated by Euler or RK4. Records the clouds and
 their observables; outputs are written only when the whole run succeeds.)");
-  auto* x = command->add_option("--x", args->cloud,
+  auto* x = command->add_option("--x,--cloud", args->cloud,
                                 "initial cloud (.npy): (N, d), or a batch (B, N, d); its dtype "
                                 "sets the precision");
   args->tokens_option =
@@ -379,7 +382,41 @@ their observables; outputs are written only when the whole run succeeds.)");
   command->add_option("--metrics", args->metrics,
                       "output: observables (.csv), one row per record and cloud");
   command->add_option("--plot", args->plot, "output: picture of the flow (.png)");
+  // A converted model's own layers (emflow convert): everything of the synthetic flow above
+  // comes from the model instead.
+  auto* model = command->add_option("--model", args->model.model,
+                                    "operator folder of a model (emflow convert): run its own "
+                                    "layers on --cloud (docs/MODELS.md)");
+  std::vector<CLI::Option*> model_only = {
+      command->add_option("--key-lengths", args->model.key_lengths,
+                          "--model: real tokens per cloud (.npy, B integers); the rest is padding"),
+      command->add_option("--labels", args->model.tokens,
+                          "--model: text file, the token strings of cloud 0, one a line (--plot)"),
+      command->add_flag("--full-layer", args->full_layer,
+                        "--model: attention, norms and the feed-forward block (the default)"),
+      command->add_flag("--attention-only", args->model.attention_only,
+                        "--model: attention, residual and norm only (the EMF flow)"),
+      command->add_option("--attention-out", args->model.attention_out,
+                          "--model output: each layer's attention output (.npy), (L, B, N, d)")};
+  model_only[2]->excludes(model_only[3]);
+  for (CLI::Option* option : model_only) option->needs(model);
+  for (const char* name : {"--tokens", "--dim", "--init", "--seed", "--batch", "--layers", "--time",
+                           "--dt", "--integrator", "--m", "--f", "--beta", "--norm", "--pre-norm",
+                           "--unnormalized", "--record-every", "--precision", "--check-finite"}) {
+    model->excludes(command->get_option(name));
+  }
   command->callback([args] {
+    if (!args->model.model.empty()) {
+      ModelFlowArguments model_args = args->model;
+      model_args.cloud = args->cloud;
+      model_args.out = args->out;
+      model_args.metrics = args->metrics;
+      model_args.plot = args->plot;
+      model_args.device = args->device;
+      model_args.threads = args->threads;
+      run_model_flow(model_args);
+      return;
+    }
     Dtype dtype = Dtype::float32;
     if (!args->cloud.empty()) {
       dtype = float_dtype("--x", args->cloud);

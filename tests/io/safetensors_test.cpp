@@ -118,6 +118,18 @@ TEST_F(Safetensors, ReadsEveryDtypeExactly) {
   EXPECT_EQ(f.read<float>("s").size(), 0);
 }
 
+TEST_F(Safetensors, IntegerBuffersOpenButAreNotReadAsFloat) {
+  const std::string p =
+      file("ids.safetensors",
+           "{" + entry("ids", "I64", "[2]", 0, 16) + "," + entry("w", "F32", "[1]", 16, 20) + "}",
+           raw(std::vector<std::int64_t>{0, 1}) + raw(std::vector{0.5f}));
+  const SafetensorsFile f(p);
+  EXPECT_EQ(f.entry("ids").dtype, emflow::TensorDtype::i64);
+  EXPECT_EQ(f.read<float>("w")[0], 0.5f);
+  const std::string message = error_of(ErrorCode::io, [&] { f.read<double>("ids"); });
+  EXPECT_NE(message.find("tensor 'ids' has dtype I64"), std::string::npos) << message;
+}
+
 TEST_F(Safetensors, ScalarsHaveOneElement) {
   const std::string p =
       file("s.safetensors", "{" + entry("s", "F64", "[]", 0, 8) + "}", raw(std::vector{2.5}));
@@ -152,7 +164,7 @@ TEST_F(Safetensors, RefusesMalformedFiles) {
   expect_refused(file("dtype.safetensors", "{" + entry("w", "Q9", "[1]", 0, 4) + "}", four),
                  {"tensor 'w'", "unknown dtype 'Q9'"});
   expect_refused(file("int.safetensors", "{" + entry("w", "I32", "[1]", 0, 4) + "}", four),
-                 {"tensor 'w'", "I32", "not supported"});
+                 {"tensor 'w'", "has dtype I32; only F16, BF16, F32 and F64"});
   expect_refused(file("size.safetensors", "{" + entry("w", "F32", "[3]", 0, 8) + "}", eight),
                  {"tensor 'w'", "needs 12 bytes"});
   expect_refused(file("range.safetensors", "{" + entry("w", "F32", "[3]", 0, 12) + "}", eight),
