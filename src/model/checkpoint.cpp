@@ -245,6 +245,25 @@ Model load_checkpoint(const std::string& model_dir, const ConvertOptions& option
     fail(ErrorCode::invalid_argument, kOp, ": layout '", options.layout,
          "' is not known (bert or gpt2)");
   }
+  // Every role named on the command line must be one of the layout's (or of either layout's
+  // when the layout is to be found): a mistyped role is an error, never silently unused.
+  for (const auto& entry : options.names) {
+    const std::string& role = entry.first;
+    std::string known;
+    bool found = false;
+    for (const Candidate& c : candidates) {
+      if (!options.layout.empty() && options.layout != to_string(c.layout)) continue;
+      for (const auto& r : checkpoint_roles(c.layout)) {
+        found = found || r.first == role;
+        if (known.find(r.first) == std::string::npos)
+          known += (known.empty() ? "" : ", ") + r.first;
+      }
+    }
+    if (!found) {
+      fail(ErrorCode::invalid_argument, kOp, ": '", role, "' is not a role of the ",
+           options.layout.empty() ? "bert or gpt2" : options.layout, " layout (", known, ")");
+    }
+  }
   const Candidate* chosen = nullptr;
   std::string prefix;
   for (const Candidate& c : candidates) {
@@ -277,10 +296,8 @@ Model load_checkpoint(const std::string& model_dir, const ConvertOptions& option
     reader.patterns[role] = prefix + pattern;
   for (const auto& [role, pattern] : options.names) {
     if (!reader.patterns.count(role)) {
-      std::string known;
-      for (const auto& r : reader.patterns) known += (known.empty() ? "" : ", ") + r.first;
       fail(ErrorCode::invalid_argument, kOp, ": '", role, "' is not a role of the ",
-           to_string(model.layout), " layout (", known, ")");
+           to_string(model.layout), " layout found in '", model.source_file, "'");
     }
     reader.patterns[role] = pattern;
   }
