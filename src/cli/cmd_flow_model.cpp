@@ -103,9 +103,9 @@ void run(const ModelFlowArguments& args, Dtype dtype) {
     }
     picture.labels = tokens;
     std::ostringstream title;
-    title << m.model_type << " (" << to_string(m.layout) << "), " << L << " layers, " << m.heads
-          << " heads, d = " << d << ": " << (args.attention_only ? "attention only" : "full layers")
-          << ", N = " << picture.tokens;
+    title << m.model_type << " (" << to_string(m.layout) << " layout), " << L << " layers, "
+          << m.heads << " heads, d = " << d << ": "
+          << (args.attention_only ? "attention only" : "full layers") << ", N = " << picture.tokens;
     picture.title = title.str();
     picture.cluster_eps = args.cluster_eps;
     outputs.stage_bytes(args.plot, tools::draw_model_flow(picture));

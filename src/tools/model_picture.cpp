@@ -87,7 +87,7 @@ std::string draw_model_flow(const ModelPicture& pic) {
     for (std::int64_t i = 0; i < N; ++i)
       for (std::int64_t a = 0; a < d; ++a) points[(r * N + i) * d + a] -= centre[a];
   }
-  std::vector<double> u, v;
+  std::vector<double> u(static_cast<std::size_t>(R * N)), v(u.size());
   principal_projection(points, R * N, d, u, v);
   double extent = 1e-12;
   for (std::size_t k = 0; k < u.size(); ++k)
@@ -97,7 +97,7 @@ std::string draw_model_flow(const ModelPicture& pic) {
   const int rows = R <= 4 ? 1 : 2;
   const double panel = 250, gap = 16, left = 24, top = 60;
   const int width = static_cast<int>(left + columns * (panel + gap) + 420);
-  const Canvas canvas(width, static_cast<int>(top + rows * (panel + 34) + 40));
+  const Canvas canvas(width, std::max(720, static_cast<int>(top + rows * (panel + 34) + 40)));
   cairo_t* cr = canvas.context();
   set_colour(cr, {0.1, 0.1, 0.1});
   text_at(cr, pic.title, 24, 16, 16, 0.0, 0.0, true);
@@ -138,7 +138,7 @@ std::string draw_model_flow(const ModelPicture& pic) {
                            {"attention entropy (nats)", entropy}};
   const double cx = left + columns * (panel + gap) + 60;
   for (int k = 0; k < 4; ++k) {
-    Frame box{cx, top + 20 + k * 150.0, 320, 100, 0, 1, 0, 1};
+    Frame box{cx, top + 20 + k * 160.0, 320, 96, 0, 1, 0, 1};
     draw_series(cr, box, series[k], k < 2);
   }
   return canvas.png();
