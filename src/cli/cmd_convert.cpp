@@ -110,10 +110,11 @@ void add_convert_command(CLI::App& app) {
       app, "convert", "Turn a pretrained checkpoint's layers into EMF operators (.npy folder)",
       R"(Reads MODEL_DIR/config.json and MODEL_DIR/model.safetensors, finds the layers by
 their names (BERT-style encoder.layer.N.attention.self.query, GPT-2-style h.N.attn.c_attn,
-optionally prefixed bert. / transformer.), and writes per layer the exact EMF operators
-M_h, F_h, u_h, c (docs/MATH.md section 3, in float64), the factored Q/K/V/O weights, the
-layer norms and the feed-forward weights, plus manifest.json. The folder is written all or
-nothing. Models with rotary or relative position embeddings are refused. docs/MODELS.md.)");
+optionally prefixed bert., roberta. or transformer.), and writes per layer the exact EMF
+operators M_h, F_h, u_h, c (docs/MATH.md section 3, in float64), the factored Q/K/V/O
+weights, the layer norms and the feed-forward weights, plus manifest.json. The folder is
+written all or nothing. Models with rotary or relative position embeddings are refused.
+docs/MODELS.md has the layouts, the roles of --name and the folder's files.)");
   command->add_option("MODEL_DIR", args->model_dir, "model folder (config.json, model.safetensors)")
       ->required();
   command

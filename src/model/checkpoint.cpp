@@ -239,7 +239,7 @@ Model load_checkpoint(const std::string& model_dir, const ConvertOptions& option
     const char* marker;
     std::vector<std::string> prefixes;
   };
-  const Candidate candidates[] = {{Layout::bert, "query.weight", {"", "bert."}},
+  const Candidate candidates[] = {{Layout::bert, "query.weight", {"", "bert.", "roberta."}},
                                   {Layout::gpt2, "qkv.weight", {"", "transformer."}}};
   if (!options.layout.empty() && options.layout != "bert" && options.layout != "gpt2") {
     fail(ErrorCode::invalid_argument, kOp, ": layout '", options.layout,
@@ -285,7 +285,8 @@ Model load_checkpoint(const std::string& model_dir, const ConvertOptions& option
   if (!chosen) {
     fail(ErrorCode::unsupported, kOp, ": '", model.source_file, "': no known layout",
          options.layout.empty() ? "" : " ('" + options.layout + "')",
-         " matches its tensor names (BERT-style [bert.]encoder.layer.N.attention.self.query, "
+         " matches its tensor names (BERT-style "
+         "[bert.|roberta.]encoder.layer.N.attention.self.query, "
          "GPT-2-style [transformer.]h.N.attn.c_attn; give --layout and --name ROLE=PATTERN for "
          "other names); found: ",
          found_names(file));
