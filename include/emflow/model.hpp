@@ -6,7 +6,7 @@
 // the factored Q/K/V/O weights, the layer norms and the feed-forward block beside them:
 //
 //   bert  post-norm: h = LN_1(x + Attn(x)),        x' = LN_2(h + FFN(h))
-//         names  [bert.|roberta.]encoder.layer.N.attention.self.{query,key,value}, ...output.dense, ...
+//         names  [bert.|roberta.]encoder.layer.N.attention.self.{query,key,value}, ...
 //   gpt2  pre-norm:  h = x + Attn(LN_1(x)),        x' = h + FFN(LN_2(h)),  ln_f after the last
 //         names  [transformer.]h.N.attn.c_attn (fused Q, K, V), Conv1D weights stored (in, out)
 //
