@@ -106,6 +106,10 @@ Model read_operators(const std::string& ops_dir);
 /// A run of a model's layers.
 struct RunSettings {
   bool full_layer = true;  ///< false: attention and norm only (the EMF flow, no feed-forward)
+  /// true: the attention in the factored form (emflow::attend_factored with A_h = W_Q,h /
+  /// sqrt(d_k), B_h = W_K,h, U_h = W_O,h, V_h = W_V,h: the same update at rank d_k); false: with
+  /// the dense operators M_h, F_h (emflow::attend).
+  bool factored = false;
   double cluster_eps = 1e-3;
 };
 

@@ -396,6 +396,9 @@ their observables; outputs are written only when the whole run succeeds.)");
                         "--model: attention, norms and the feed-forward block (the default)"),
       command->add_flag("--attention-only", args->model.attention_only,
                         "--model: attention, residual and norm only (the EMF flow)"),
+      command->add_option("--form", args->model.form,
+                          "--model: the attention from the dense operators M_h, F_h (emf) or "
+                          "from the per-head Q/K/V/O blocks (factored)"),
       command->add_option("--attention-out", args->model.attention_out,
                           "--model output: each layer's attention output (.npy), (L, B, N, d)")};
   model_only[2]->excludes(model_only[3]);

@@ -69,6 +69,10 @@ void run(const ModelFlowArguments& args, Dtype dtype) {
 
   model::RunSettings settings;
   settings.full_layer = !args.attention_only;
+  if (args.form != "emf" && args.form != "factored") {
+    fail_option("--form", "expects emf or factored, got '", args.form, "'");
+  }
+  settings.factored = args.form == "factored";
   settings.cluster_eps = args.cluster_eps;
   const model::ModelTrace<T> trace = model::run_model(m, cloud, lengths, settings, options);
   const std::int64_t L = m.layer_count();

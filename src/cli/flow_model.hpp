@@ -12,6 +12,7 @@ struct ModelFlowArguments {
   std::string key_lengths;  ///< optional (B) int32/int64
   std::string tokens;       ///< optional text file: token strings of cloud 0, one a line
   bool attention_only = false;
+  std::string form = "emf";  ///< emf (dense M_h, F_h) or factored (Q/K/V/O blocks)
   std::string out, attention_out, metrics, plot;
   std::string device = "auto";
   int threads = 0;

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/check.hpp"
+#include "emflow/factored.hpp"
 #include "emflow/model.hpp"
 
 namespace emflow::model {
@@ -55,6 +56,27 @@ template <class T>
 std::vector<T> cast(const Tensor<double>& t) {
   return std::vector<T>(t.values().begin(), t.values().end());
 }
+
+// The factored form of a layer's attention (emflow/factored.hpp), heads one after another.
+template <class T>
+struct Factors {
+  std::vector<T> a, b, up, down;
+
+  explicit Factors(const MultiHeadAttentionWeights& w) {
+    const std::int64_t H = w.heads, d = w.model_dim, k = w.head_dim, v = w.value_dim;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(k));
+    for (std::int64_t i = 0; i < H * k * d; ++i) {
+      a.push_back(static_cast<T>(w.query[i] * scale));
+      b.push_back(static_cast<T>(w.key[i]));
+    }
+    for (std::int64_t h = 0; h < H; ++h) {
+      for (std::int64_t r = 0; r < d; ++r)
+        for (std::int64_t c = 0; c < v; ++c)
+          up.push_back(static_cast<T>(w.output[r * H * v + h * v + c]));
+    }
+    for (std::int64_t i = 0; i < H * v * d; ++i) down.push_back(static_cast<T>(w.value[i]));
+  }
+};
 
 template <class T>
 void layer_norm(std::vector<T>& x, std::int64_t rows, std::int64_t d, const Tensor<double>& gain,
@@ -128,7 +150,22 @@ ModelTrace<T> run_model(const Model& model, const Tensor<T>& clouds,
     AttentionOutput<T> out;
     out.update = update.data();
     out.entropy = entropy.data();
-    attend(in, out, options);
+    if (settings.factored) {
+      const Factors<T> f(layer.attention);
+      FactoredLayer<T> factored;
+      factored.heads = H;
+      factored.rank = model.head_dim;
+      factored.query_factor = f.a.data();
+      factored.key_factor = f.b.data();
+      factored.content_up = f.up.data();
+      factored.content_down = f.down.data();
+      factored.key_bias = u.data();
+      factored.offset = c.data();
+      in.layer = {};
+      attend_factored(in, factored, out, options);
+    } else {
+      attend(in, out, options);
+    }
     std::copy(update.begin(), update.end(), trace.attention.data() + l * rows * d);
     for (std::int64_t b = 0; b < B; ++b) {
       const std::int64_t n = length_of(b);

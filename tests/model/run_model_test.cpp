@@ -153,9 +153,11 @@ TYPED_TEST(RunModel, EqualsTheFactoredLayersForBothLayouts) {
   const Tensor<double> x = random_tensor({3, 7, kDim}, 5, -1.5, 1.5);
   for (Layout layout : {Layout::bert, Layout::gpt2}) {
     const Model m = make_model(layout);
-    for (bool full : {true, false}) {
+    for (int variant = 0; variant < 3; ++variant) {
+      const bool full = variant != 1;
       emflow::model::RunSettings settings;
       settings.full_layer = full;
+      settings.factored = variant == 2;
       emflow::ExecutionOptions cpu;
       cpu.device = emflow::Device::cpu;
       const auto trace = emflow::model::run_model(m, emflow::convert<T>(x), lengths, settings, cpu);
@@ -164,8 +166,8 @@ TYPED_TEST(RunModel, EqualsTheFactoredLayersForBothLayouts) {
       for (std::int64_t r = 0; r <= kLayers; ++r) {
         const double e =
             error_on_real_rows(trace.trajectory.data() + r * x.size(), expected[r], lengths);
-        EXPECT_LT(e, tol) << emflow::model::to_string(layout) << " full " << full << " record "
-                          << r;
+        EXPECT_LT(e, tol) << emflow::model::to_string(layout) << " variant " << variant
+                          << " record " << r;
       }
       // Padding rows get no attention update; the observables count the real tokens only.
       for (std::int64_t k = (1 * 7 + 4) * kDim; k < 2 * 7 * kDim; ++k) {
