@@ -174,6 +174,9 @@ struct FlowSettings {
   bool unnormalized = false;      ///< USA instead of SA (both discrete and continuous)
   std::int64_t record_every = 1;  ///< record the state every k steps (and the last one)
   double cluster_eps = 1e-3;      ///< pairs with cosine similarity > 1 - eps are clustered
+  /// The eps of layer and RMS norm (> 0, finite; 1e-5 is PyTorch's default). The CUDA run has
+  /// 1e-5 built in: another value with those norms is refused there (ErrorCode::unsupported).
+  double norm_eps = 1e-5;
 };
 
 /// The observables of one cloud at one recorded step (docs/MATH.md §5), pairs i < j.

@@ -40,6 +40,7 @@ struct FlowArguments {
   std::string relevance = "identity", content = "identity";
   std::string beta = "1";
   std::string norm = "sphere";  // the default run is the sphere dynamics of docs/MATH.md §4
+  double norm_eps = 1e-5;
   bool pre_norm = false, unnormalized = false;
   bool check_finite = false;
   std::int64_t record_every = 1;
@@ -139,6 +140,9 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
                 args.norm, "'");
   }
   if (continuous && args.pre_norm) fail_option("--pre-norm", "applies to --layers only");
+  if (!(std::isfinite(args.norm_eps) && args.norm_eps > 0)) {
+    fail_option("--norm-eps", "must be finite and > 0, got ", args.norm_eps);
+  }
   if (args.record_every < 1) {
     fail_option("--record-every", "must be >= 1, got ", args.record_every);
   }
@@ -201,6 +205,7 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
   settings.dt = args.dt;
   settings.integrator = integrator;
   settings.unnormalized = args.unnormalized;
+  settings.norm_eps = args.norm_eps;
   settings.record_every = args.record_every;
   // run_flow refuses a trajectory of more than 2^31 values before allocating it; this names
   // the option to change.
@@ -360,6 +365,8 @@ their observables; outputs are written only when the whole run succeeds.)");
                    "none, layernorm, rmsnorm or sphere (layers); none or sphere (continuous "
                    "time: sphere means the dynamics on the sphere)")
       ->capture_default_str();
+  command->add_option("--norm-eps", args->norm_eps, "layers: the eps of layernorm and rmsnorm")
+      ->capture_default_str();
   command->add_flag("--pre-norm", args->pre_norm,
                     "layers: X <- X + Delta(N(X)) instead of N(X + Delta(X))");
   command->add_flag("--unnormalized", args->unnormalized,
@@ -403,9 +410,10 @@ their observables; outputs are written only when the whole run succeeds.)");
                           "--model output: each layer's attention output (.npy), (L, B, N, d)")};
   model_only[2]->excludes(model_only[3]);
   for (CLI::Option* option : model_only) option->needs(model);
-  for (const char* name : {"--tokens", "--dim", "--init", "--seed", "--batch", "--layers", "--time",
-                           "--dt", "--integrator", "--m", "--f", "--beta", "--norm", "--pre-norm",
-                           "--unnormalized", "--record-every", "--precision", "--check-finite"}) {
+  for (const char* name :
+       {"--tokens", "--dim", "--init", "--seed", "--batch", "--layers", "--time", "--dt",
+        "--integrator", "--m", "--f", "--beta", "--norm", "--pre-norm", "--norm-eps",
+        "--unnormalized", "--record-every", "--precision", "--check-finite"}) {
     model->excludes(command->get_option(name));
   }
   command->callback([args] {
