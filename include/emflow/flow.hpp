@@ -175,7 +175,8 @@ struct FlowSettings {
   std::int64_t record_every = 1;  ///< record the state every k steps (and the last one)
   double cluster_eps = 1e-3;      ///< pairs with cosine similarity > 1 - eps are clustered
   /// The eps of layer and RMS norm (> 0, finite; 1e-5 is PyTorch's default). The CUDA run has
-  /// 1e-5 built in: another value with those norms is refused there (ErrorCode::unsupported).
+  /// 1e-5 built in: with another value those norms run on the CPU under Device::automatic and
+  /// are refused under Device::cuda (ErrorCode::unsupported).
   double norm_eps = 1e-5;
 };
 
