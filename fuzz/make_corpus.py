@@ -129,8 +129,57 @@ def cli_corpus():
              [xb, m, m, npy("<i8", (2,), payload=struct.pack("<2q", 9, -1))])
 
 
+def safetensors(entries, payload=None, metadata=None, header_text=None, pad=0):
+    """A safetensors file: entries [(name, dtype, shape)] laid out back to back."""
+    import json
+    sizes = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I64": 8}
+    header, data, at = {}, b"", 0
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    for name, dtype, shape in entries:
+        count = math.prod(shape)
+        size = count * sizes.get(dtype, 4)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [at, at + size]}
+        if dtype == "F32":
+            data += struct.pack("<%df" % count, *[math.cos(0.3 * i) for i in range(count)])
+        elif dtype == "F64":
+            data += struct.pack("<%dd" % count, *[math.sin(0.3 * i) for i in range(count)])
+        elif dtype == "F16":
+            data += struct.pack("<%de" % count, *[0.25 * i - 1 for i in range(count)])
+        else:
+            data += bytes((7 * i + 3) % 256 for i in range(size))
+        at += size
+    text = (header_text if header_text is not None else json.dumps(header)).encode()
+    text += b" " * pad
+    return struct.pack("<Q", len(text)) + text + (data if payload is None else payload)
+
+
+def safetensors_corpus():
+    t = "fuzz_safetensors"
+    write(t, "one_f32", safetensors([("w", "F32", (2, 3))]))
+    write(t, "every_dtype", safetensors([("a", "F16", (4,)), ("b", "BF16", (2, 2)),
+                                         ("c", "F32", (3,)), ("d", "F64", (1, 2))],
+                                        metadata={"format": "pt"}, pad=5))
+    write(t, "scalar_and_empty", safetensors([("s", "F32", ()), ("e", "F64", (0, 3))]))
+    write(t, "unknown_dtype", safetensors([("w", "Q7", (2,))]))
+    write(t, "integer_dtype", safetensors([("w", "I64", (2,))]))
+    write(t, "short_payload", safetensors([("w", "F32", (4,))], payload=b"\0" * 8))
+    write(t, "gap", safetensors([], header_text='{"w":{"dtype":"F32","shape":[1],'
+                                '"data_offsets":[4,8]}}', payload=b"\0" * 8))
+    write(t, "overlap", safetensors([], header_text='{"a":{"dtype":"F32","shape":[2],'
+                                    '"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],'
+                                    '"data_offsets":[4,8]}}', payload=b"\0" * 8))
+    write(t, "duplicate", safetensors([], header_text='{"a":{"dtype":"F32","shape":[1],'
+                                      '"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],'
+                                      '"data_offsets":[0,4]}}', payload=b"\0" * 4))
+    write(t, "bad_json", safetensors([], header_text='{"a": [1, 2', payload=b""))
+    write(t, "huge_length", struct.pack("<Q", 2 ** 62) + b"{}")
+    write(t, "empty", b"")
+
+
 if __name__ == "__main__":
-    for target in ("fuzz_npy", "fuzz_attend_cli"):
+    for target in ("fuzz_npy", "fuzz_safetensors", "fuzz_attend_cli"):
         shutil.rmtree(os.path.join(ROOT, target), ignore_errors=True)
     npy_corpus()
+    safetensors_corpus()
     cli_corpus()

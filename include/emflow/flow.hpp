@@ -50,8 +50,8 @@ namespace emflow::flow {
 /// the unit sphere).
 enum class Normalization {
   none,       ///< identity
-  layernorm,  ///< per token: subtract the mean, divide by sqrt(variance + 1e-5), gain and bias
-  rmsnorm,    ///< per token: divide by sqrt(mean square + 1e-5), gain
+  layernorm,  ///< per token: subtract the mean, divide by sqrt(variance + eps), gain and bias
+  rmsnorm,    ///< per token: divide by sqrt(mean square + eps), gain (eps 1e-5 in the flow)
   sphere,     ///< per token: x / ||x||
 };
 enum class Integrator { euler, rk4 };
@@ -137,10 +137,11 @@ template <class T>
 Tensor<T> initial_clouds(InitialCloud kind, std::int64_t batch, std::int64_t tokens,
                          std::int64_t dim, std::uint64_t seed);
 
-/// Applies N to `rows` tokens of dimension `dim` in place. gain / bias: (dim) or null.
+/// Applies N to `rows` tokens of dimension `dim` in place. gain / bias: (dim) or null. eps: the
+/// epsilon of layer and RMS norm (a model's own, e.g. 1e-12 for BERT); the flow uses 1e-5.
 template <class T>
 void normalize(Normalization norm, T* tokens, std::int64_t rows, std::int64_t dim,
-               const T* gain = nullptr, const T* bias = nullptr);
+               const T* gain = nullptr, const T* bias = nullptr, double eps = 1e-5);
 
 /// What one evaluation of the attention update needs besides the cloud.
 struct UpdateSettings {
@@ -173,6 +174,10 @@ struct FlowSettings {
   bool unnormalized = false;      ///< USA instead of SA (both discrete and continuous)
   std::int64_t record_every = 1;  ///< record the state every k steps (and the last one)
   double cluster_eps = 1e-3;      ///< pairs with cosine similarity > 1 - eps are clustered
+  /// The eps of layer and RMS norm (> 0, finite; 1e-5 is PyTorch's default). The CUDA run has
+  /// 1e-5 built in: with another value those norms run on the CPU under Device::automatic and
+  /// are refused under Device::cuda (ErrorCode::unsupported).
+  double norm_eps = 1e-5;
 };
 
 /// The observables of one cloud at one recorded step (docs/MATH.md §5), pairs i < j.

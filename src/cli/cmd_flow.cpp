@@ -23,6 +23,7 @@
 #include "emflow/flow.hpp"
 #include "emflow/io.hpp"
 #include "emflow/tensor.hpp"
+#include "flow_model.hpp"
 #include "generate.hpp"
 #include "tools/plot.hpp"
 #include "tools/progress.hpp"
@@ -41,6 +42,7 @@ struct FlowArguments {
   std::string relevance = "identity", content = "identity";
   std::string beta = "1";
   std::string norm = "sphere";  // the default run is the sphere dynamics of docs/MATH.md §4
+  double norm_eps = 1e-5;
   bool pre_norm = false, unnormalized = false;
   bool check_finite = false;
   std::int64_t record_every = 1;
@@ -49,6 +51,8 @@ struct FlowArguments {
   int threads = 0;
   std::string precision = "float32";
   std::string out, metrics, plot;
+  ModelFlowArguments model;  // --model: a converted model's layers (cmd_flow_model.cpp)
+  bool full_layer = false;
   // Which of the mutually dependent options the user gave.
   CLI::Option *tokens_option = nullptr, *dim_option = nullptr, *init_option = nullptr,
               *batch_option = nullptr, *layers_option = nullptr, *time_option = nullptr,
@@ -139,6 +143,9 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
                 args.norm, "'");
   }
   if (continuous && args.pre_norm) fail_option("--pre-norm", "applies to --layers only");
+  if (!(std::isfinite(args.norm_eps) && args.norm_eps > 0)) {
+    fail_option("--norm-eps", "must be finite and > 0, got ", args.norm_eps);
+  }
   if (args.record_every < 1) {
     fail_option("--record-every", "must be >= 1, got ", args.record_every);
   }
@@ -201,6 +208,7 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
   settings.dt = args.dt;
   settings.integrator = integrator;
   settings.unnormalized = args.unnormalized;
+  settings.norm_eps = args.norm_eps;
   settings.record_every = args.record_every;
   // run_flow refuses a trajectory of more than 2^31 values before allocating it; this names
   // the option to change.
@@ -355,7 +363,7 @@ void add_flow_command(CLI::App& app) {
 or continuous time dx_i/dt = sum_j p_ij F x_j (SA; USA divides by N instead of Z_i),
 on the sphere with --norm sphere, integrated by Euler or RK4. Records the clouds and
 their observables; outputs are written only when the whole run succeeds.)");
-  auto* x = command->add_option("--x", args->cloud,
+  auto* x = command->add_option("--x,--cloud", args->cloud,
                                 "initial cloud (.npy): (N, d), or a batch (B, N, d); its dtype "
                                 "sets the precision");
   args->tokens_option =
@@ -403,6 +411,8 @@ their observables; outputs are written only when the whole run succeeds.)");
                    "none, layernorm, rmsnorm or sphere (layers); none or sphere (continuous "
                    "time: sphere means the dynamics on the sphere)")
       ->capture_default_str();
+  command->add_option("--norm-eps", args->norm_eps, "layers: the eps of layernorm and rmsnorm")
+      ->capture_default_str();
   command->add_flag("--pre-norm", args->pre_norm,
                     "layers: X <- X + Delta(N(X)) instead of N(X + Delta(X))");
   command->add_flag("--unnormalized", args->unnormalized,
@@ -431,7 +441,45 @@ their observables; outputs are written only when the whole run succeeds.)");
   command->add_option("--metrics", args->metrics,
                       "output: observables (.csv), one row per record and cloud");
   command->add_option("--plot", args->plot, "output: picture of the flow (.png)");
+  // A converted model's own layers (emflow convert): everything of the synthetic flow above
+  // comes from the model instead.
+  auto* model = command->add_option("--model", args->model.model,
+                                    "operator folder of a model (emflow convert): run its own "
+                                    "layers on --cloud (docs/MODELS.md)");
+  std::vector<CLI::Option*> model_only = {
+      command->add_option("--key-lengths", args->model.key_lengths,
+                          "--model: real tokens per cloud (.npy, B integers); the rest is padding"),
+      command->add_option("--labels", args->model.tokens,
+                          "--model: text file, the token strings of cloud 0, one a line (--plot)"),
+      command->add_flag("--full-layer", args->full_layer,
+                        "--model: attention, norms and the feed-forward block (the default)"),
+      command->add_flag("--attention-only", args->model.attention_only,
+                        "--model: attention, residual and norm only (the EMF flow)"),
+      command->add_option("--form", args->model.form,
+                          "--model: the attention from the dense operators M_h, F_h (emf) or "
+                          "from the per-head Q/K/V/O blocks (factored)"),
+      command->add_option("--attention-out", args->model.attention_out,
+                          "--model output: each layer's attention output (.npy), (L, B, N, d)")};
+  model_only[2]->excludes(model_only[3]);
+  for (CLI::Option* option : model_only) option->needs(model);
+  for (const char* name :
+       {"--tokens", "--dim", "--init", "--seed", "--batch", "--layers", "--time", "--dt",
+        "--integrator", "--m", "--f", "--beta", "--norm", "--pre-norm", "--norm-eps",
+        "--unnormalized", "--record-every", "--precision", "--check-finite"}) {
+    model->excludes(command->get_option(name));
+  }
   command->callback([args] {
+    if (!args->model.model.empty()) {
+      ModelFlowArguments model_args = args->model;
+      model_args.cloud = args->cloud;
+      model_args.out = args->out;
+      model_args.metrics = args->metrics;
+      model_args.plot = args->plot;
+      model_args.device = args->device;
+      model_args.threads = args->threads;
+      run_model_flow(model_args);
+      return;
+    }
     Dtype dtype = Dtype::float32;
     if (!args->cloud.empty()) {
       dtype = float_dtype("--x", args->cloud);

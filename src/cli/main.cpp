@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
   emflow::cli::add_bench_command(app);
   emflow::cli::add_flow_command(app);
   emflow::cli::add_phase_command(app);
+  emflow::cli::add_convert_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

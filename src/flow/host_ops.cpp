@@ -34,7 +34,8 @@ class HostOps {
   using Value = T;
   using Buffer = std::vector<T>;
 
-  explicit HostOps(const ExecutionOptions& options) : options_(options) {}
+  explicit HostOps(const ExecutionOptions& options, double norm_eps = 1e-5)
+      : options_(options), norm_eps_(norm_eps) {}
 
   /// Records go to `result`, with the observables of each cloud at its beta; the entropies are
   /// kept apart until finish().
@@ -88,7 +89,7 @@ class HostOps {
   void normalize(Normalization norm, const T* in, T* out, std::int64_t rows, std::int64_t dim,
                  const T* gain, const T* bias) {
     if (in != out) std::copy(in, in + rows * dim, out);
-    flow::normalize(norm, out, rows, dim, gain, bias);
+    flow::normalize(norm, out, rows, dim, gain, bias, norm_eps_);
   }
 
   // P_x y = y - <x, y> x: the part of the update that moves along the sphere.
@@ -165,6 +166,7 @@ class HostOps {
   }
 
   ExecutionOptions options_;
+  double norm_eps_ = 1e-5;
   std::vector<T> lse_, entropy_;
   const std::vector<double>* betas_ = nullptr;
   double cluster_eps_ = 0.0;
@@ -179,7 +181,7 @@ FlowResult<T> run_flow_host(const Tensor<T>& initial, const std::vector<double>&
                             const ExecutionOptions& options, const Progress& progress) {
   const std::int64_t B = initial.extent(0), N = initial.extent(1), d = initial.extent(2);
   FlowResult<T> result = allocate_result<T>(B, N, d, settings);
-  HostOps<T> ops(options);
+  HostOps<T> ops(options, settings.norm_eps);
   ops.record_into(betas, settings.cluster_eps, result.times.size());
   std::vector<LayerView<T>> views;
   for (const FlowLayer<T>& layer : layers) views.push_back(host_view(layer));

@@ -8,9 +8,8 @@ namespace emflow::flow {
 
 template <class T>
 void normalize(Normalization norm, T* tokens, std::int64_t rows, std::int64_t dim, const T* gain,
-               const T* bias) {
+               const T* bias, double eps) {
   if (norm == Normalization::none) return;
-  constexpr double eps = 1e-5;  // as in PyTorch's LayerNorm / RMSNorm defaults
   const double inv_dim = 1.0 / static_cast<double>(dim);
 #pragma omp parallel for schedule(static) if (rows * dim > 32768)
   for (std::int64_t r = 0; r < rows; ++r) {
@@ -48,8 +47,8 @@ void normalize(Normalization norm, T* tokens, std::int64_t rows, std::int64_t di
 }
 
 template void normalize<float>(Normalization, float*, std::int64_t, std::int64_t, const float*,
-                               const float*);
+                               const float*, double);
 template void normalize<double>(Normalization, double*, std::int64_t, std::int64_t, const double*,
-                                const double*);
+                                const double*, double);
 
 }  // namespace emflow::flow

@@ -106,6 +106,9 @@ std::vector<double> validate_flow(const Tensor<T>& initial, const std::vector<do
   if (settings.record_every < 1) {
     fail_argument(op, "record_every", "must be >= 1, got ", settings.record_every);
   }
+  if (!(std::isfinite(settings.norm_eps) && settings.norm_eps > 0.0)) {
+    fail_argument(op, "norm_eps", "must be finite and > 0, got ", settings.norm_eps);
+  }
   if (!(settings.cluster_eps > 0.0 && settings.cluster_eps < 2.0)) {
     fail_argument(op, "cluster_eps", "must be in (0, 2), got ", settings.cluster_eps);
   }
@@ -142,11 +145,24 @@ FlowResult<T> run_flow(const Tensor<T>& initial, const std::vector<double>& beta
     fail_argument("run_flow", "threads", "must be >= 0, got ", options.threads);
   }
   // Throws ErrorCode::unsupported, with the reason, when cuda is asked for but unusable.
+  const bool has_eps =
+      settings.norm == Normalization::layernorm || settings.norm == Normalization::rmsnorm;
+  const bool builtin_eps = !has_eps || settings.norm_eps == 1e-5;
   if (resolve_device(options.device) == Device::cuda) {
+    // The GPU's layer norm kernel has eps 1e-5 built in: another eps runs on the host when the
+    // device was left to choose, and is refused when the GPU was asked for.
+    if (!builtin_eps && options.device == Device::cuda) {
+      emflow::detail::fail(
+          ErrorCode::unsupported, "run_flow: norm_eps ", settings.norm_eps,
+          " on the CUDA device: its layer norm kernel has eps 1e-5 built in (run on the CPU)");
+    }
 #if EMFLOW_WITH_CUDA
     // The whole run stays on the device: attention, steps and observables.
-    return detail::run_flow_device(initial, betas, layers, settings, progress);
+    if (builtin_eps) return detail::run_flow_device(initial, betas, layers, settings, progress);
 #endif
+    ExecutionOptions host = options;
+    host.device = Device::cpu;
+    return detail::run_flow_host(initial, betas, layers, settings, host, progress);
   }
   return detail::run_flow_host(initial, betas, layers, settings, options, progress);
 }

@@ -27,6 +27,22 @@ struct FlowPicture {
 /// recorded positions. Right: the observables over time. Returns PNG bytes.
 std::string draw_flow(const FlowPicture& picture);
 
+/// What the picture of a model's flow shows: one cloud of real tokens after every layer.
+struct ModelPicture {
+  std::int64_t records = 0, tokens = 0, dim = 0;
+  std::vector<double> trajectory;      ///< (records, tokens, dim)
+  std::vector<std::string> labels;     ///< token strings (tokens), or empty
+  std::vector<double> entropy;         ///< records: mean attention entropy of layer r (last: 0)
+  std::vector<std::int64_t> clusters;  ///< records
+  double cluster_eps = 1e-3;
+  std::string title;
+};
+
+/// Left: the cloud after every layer in one fixed 2-D projection (the two principal directions
+/// of all the records' unit token directions, each record centred), tokens labelled. Right: per
+/// layer the mean and min pairwise cosine, the clusters and the attention entropy. PNG bytes.
+std::string draw_model_flow(const ModelPicture& picture);
+
 /// The phase diagram: fraction of clustered pairs over (time, beta), with a colour bar.
 std::string draw_phase(const flow::PhaseDiagram& diagram, const std::string& title);
 

@@ -1,0 +1,143 @@
+// emflow::model: pretrained transformers as EMF operators (docs/MODELS.md).
+//
+// load_checkpoint reads a model folder (config.json and model.safetensors), finds the layers by
+// the naming pattern of a known layout, and turns each layer's attention into the exact EMF
+// operators of docs/MATH.md §3 (M_h, F_h, u_h, c, computed in double by emflow::to_emf), keeping
+// the factored Q/K/V/O weights, the layer norms and the feed-forward block beside them:
+//
+//   bert  post-norm: h = LN_1(x + Attn(x)),        x' = LN_2(h + FFN(h))
+//         names  [bert.|roberta.]encoder.layer.N.attention.self.{query,key,value}, ...
+//   gpt2  pre-norm:  h = x + Attn(LN_1(x)),        x' = h + FFN(LN_2(h)),  ln_f after the last
+//         names  [transformer.]h.N.attn.c_attn (fused Q, K, V), Conv1D weights stored (in, out)
+//
+// A layout it does not recognise is an error listing what the file holds; a model whose
+// attention depends on position (rotary or relative position embeddings) is refused with the
+// reason: its scores are not a bilinear form x_i^T M x_j of the tokens alone.
+//
+// write_operators writes the converted model as an operator folder (one .npy per operator and
+// manifest.json) all or nothing; read_operators reads it back; run_model runs its layers on a
+// batch of token clouds through emflow::attend.
+//
+// Errors are emflow::Error: ErrorCode::io for unreadable or malformed files (naming the file
+// and the tensor), ErrorCode::unsupported for a model this conversion cannot represent,
+// ErrorCode::invalid_argument for bad arguments.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "emflow/attention.hpp"
+#include "emflow/flow.hpp"
+#include "emflow/mha.hpp"
+#include "emflow/reference.hpp"
+#include "emflow/tensor.hpp"
+
+namespace emflow::model {
+
+enum class Layout { bert, gpt2 };
+/// The feed-forward activation.
+enum class Activation {
+  gelu,       ///< exact: x/2 (1 + erf(x / sqrt 2))  (BERT's "gelu")
+  gelu_tanh,  ///< x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))  (GPT-2's "gelu_new")
+  relu,
+};
+const char* to_string(Layout layout) noexcept;
+const char* to_string(Activation activation) noexcept;
+
+/// One transformer layer. Weights as torch.nn.Linear stores them: (out, in).
+struct ModelLayer {
+  MultiHeadAttentionWeights attention;    ///< the factored form
+  reference::Layer operators;             ///< M (H, d, d), F (H, d, d), u (H, d), c (d)
+  Tensor<double> norm1_gain, norm1_bias;  ///< bert: after attention; gpt2: before it
+  Tensor<double> ffn_in, ffn_in_bias;     ///< (I, d), (I)
+  Tensor<double> ffn_out, ffn_out_bias;   ///< (d, I), (d)
+  Tensor<double> norm2_gain, norm2_bias;  ///< bert: after the FFN; gpt2: before it
+  /// Where each part came from: role ("query.weight", ...) -> tensor name in the checkpoint.
+  std::map<std::string, std::string> sources;
+};
+
+/// A converted model.
+struct Model {
+  Layout layout = Layout::bert;
+  std::int64_t heads = 1, dim = 0, head_dim = 0, ffn_dim = 0;
+  double norm_eps = 1e-5;
+  bool pre_norm = false;
+  bool causal = false;
+  Activation activation = Activation::gelu;
+  std::vector<ModelLayer> layers;
+  Tensor<double> final_gain, final_bias;       ///< gpt2: ln_f; absent for bert
+  std::string source_file;                     ///< the safetensors file
+  std::string config_file;                     ///< config.json
+  std::string model_type;                      ///< config's model_type
+  std::map<std::string, std::string> sources;  ///< model-wide parts (gpt2: final_norm.*)
+
+  std::int64_t layer_count() const noexcept { return static_cast<std::int64_t>(layers.size()); }
+};
+
+/// What load_checkpoint may be told.
+struct ConvertOptions {
+  /// "" (detect from the tensor names), "bert" or "gpt2".
+  std::string layout;
+  /// Tensor-name overrides: role -> pattern, "{layer}" standing for the layer index, e.g.
+  /// "query.weight" -> "encoder.blocks.{layer}.q.weight". The roles of a layout are those of
+  /// checkpoint_roles(layout); an unknown role is an error.
+  std::map<std::string, std::string> names;
+};
+
+/// The roles of `layout`, each with its default name pattern (the prefix, e.g. "bert.", is
+/// found in the file).
+std::map<std::string, std::string> checkpoint_roles(Layout layout);
+
+/// Reads `model_dir` (config.json and model.safetensors) and converts it; see the file comment.
+Model load_checkpoint(const std::string& model_dir, const ConvertOptions& options = {});
+
+/// Writes `model` to the folder `ops_dir` (which must not exist, or be an earlier operator
+/// folder, replaced): the files are written to a temporary folder beside it that is renamed into
+/// place at the end, so a failure leaves no `ops_dir` behind (or the earlier one as it was).
+/// extra_files: more files for the folder (name -> contents), e.g. a report.
+void write_operators(const Model& model, const std::string& ops_dir,
+                     const std::map<std::string, std::string>& extra_files = {});
+
+/// Reads an operator folder written by write_operators.
+Model read_operators(const std::string& ops_dir);
+
+/// A run of a model's layers.
+struct RunSettings {
+  bool full_layer = true;  ///< false: attention and norm only (the EMF flow, no feed-forward)
+  /// true: the attention in the factored form (emflow::attend_factored with A_h = W_Q,h /
+  /// sqrt(d_k), B_h = W_K,h, U_h = W_O,h, V_h = W_V,h: the same update at rank d_k); false: with
+  /// the dense operators M_h, F_h (emflow::attend).
+  bool factored = false;
+  double cluster_eps = 1e-3;
+};
+
+/// What run_model records.
+template <class T>
+struct ModelTrace {
+  Tensor<T> trajectory;  ///< (L + 1, B, N, d): the input clouds, then the clouds after each layer
+  Tensor<T> attention;   ///< (L, B, N, d): each layer's attention sub-layer output (Delta)
+  /// (L + 1) * B, record r of cloud b at r * B + b, over each cloud's real tokens; the entropy
+  /// of record r is that of layer r's attention (0 for the last record).
+  std::vector<flow::Observables> observables;
+};
+
+/// Runs the layers of `model` on the clouds (B, N, d), N >= 1 and d = model.dim. key_lengths:
+/// empty, or one length in [1, N] per cloud: keys j >= L_b are hidden (padding), and padding rows
+/// are carried through the layers but ignored. The attention runs through emflow::attend with the
+/// EMF operators in T (float or double), on options.device; the norms, residuals and the
+/// feed-forward block are computed per token, accumulating in double.
+template <class T>
+ModelTrace<T> run_model(const Model& model, const Tensor<T>& clouds,
+                        const std::vector<std::int64_t>& key_lengths, const RunSettings& settings,
+                        const ExecutionOptions& options = {});
+
+extern template ModelTrace<float> run_model<float>(const Model&, const Tensor<float>&,
+                                                   const std::vector<std::int64_t>&,
+                                                   const RunSettings&, const ExecutionOptions&);
+extern template ModelTrace<double> run_model<double>(const Model&, const Tensor<double>&,
+                                                     const std::vector<std::int64_t>&,
+                                                     const RunSettings&, const ExecutionOptions&);
+
+}  // namespace emflow::model

@@ -1,0 +1,138 @@
+// emflow flow --model: a converted model's own layers (emflow/model.hpp) on a token cloud, with
+// the clouds after every layer, each layer's attention output, the observables and a picture.
+// Everything is read and checked and every output declared first; the outputs are written only
+// when the whole run succeeds, all or none.
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+#include <vector>
+
+#include "common.hpp"
+#include "emflow/io.hpp"
+#include "emflow/model.hpp"
+#include "flow_model.hpp"
+#include "tools/plot.hpp"
+
+namespace emflow::cli {
+namespace {
+
+std::vector<std::string> read_tokens(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) fail_option("--tokens", "'", path, "' cannot be opened");
+  std::vector<std::string> tokens;
+  for (std::string line; std::getline(in, line);) tokens.push_back(line);
+  return tokens;
+}
+
+template <class T>
+void run(const ModelFlowArguments& args, Dtype dtype) {
+  const ExecutionOptions options = execution_options(args.device, args.threads);
+  naming_option("--device", [&] { return resolve_device(options.device); });
+  OutputFiles outputs;
+  if (!args.out.empty()) outputs.declare("--out", args.out);
+  if (!args.attention_out.empty()) outputs.declare("--attention-out", args.attention_out);
+  if (!args.metrics.empty()) outputs.declare("--metrics", args.metrics);
+  if (!args.plot.empty()) outputs.declare("--plot", args.plot);
+  outputs.declare_input("--cloud", args.cloud);
+  outputs.declare_input("--key-lengths", args.key_lengths);
+
+  const model::Model m =
+      naming_option("--model", [&] { return model::read_operators(args.model); });
+  Tensor<T> cloud = read_float_input<T>("--cloud", args.cloud, dtype, "--cloud", 2, 3);
+  if (cloud.rank() == 2) cloud = cloud.reshaped({1, cloud.extent(0), cloud.extent(1)});
+  const std::int64_t B = cloud.extent(0), N = cloud.extent(1), d = cloud.extent(2);
+  if (d != m.dim) {
+    fail_option("--cloud", "'", args.cloud, "' has tokens of dimension ", d, ", but the model '",
+                args.model, "' has d = ", m.dim);
+  }
+  std::vector<std::int64_t> lengths;
+  if (!args.key_lengths.empty()) {
+    const Tensor<std::int64_t> k = read_integer_input("--key-lengths", args.key_lengths, 1, 1);
+    expect_shape("--key-lengths", args.key_lengths, k.shape(), {B}, "(one per cloud of --cloud)");
+    lengths = k.values();
+    for (std::int64_t len : lengths) {
+      if (len < 1 || len > N) {
+        fail_option("--key-lengths", "'", args.key_lengths, "' holds ", len, ", expected 1..", N);
+      }
+    }
+  }
+  std::vector<std::string> tokens;
+  if (!args.tokens.empty()) {
+    tokens = read_tokens(args.tokens);
+    const std::int64_t real = lengths.empty() ? N : lengths[0];
+    if (static_cast<std::int64_t>(tokens.size()) != real) {
+      fail_option("--tokens", "'", args.tokens, "' holds ", tokens.size(),
+                  " lines, expected one per real token of cloud 0 (", real, ")");
+    }
+  }
+
+  model::RunSettings settings;
+  settings.full_layer = !args.attention_only;
+  if (args.form != "emf" && args.form != "factored") {
+    fail_option("--form", "expects emf or factored, got '", args.form, "'");
+  }
+  settings.factored = args.form == "factored";
+  settings.cluster_eps = args.cluster_eps;
+  const model::ModelTrace<T> trace = model::run_model(m, cloud, lengths, settings, options);
+  const std::int64_t L = m.layer_count();
+
+  if (!args.out.empty()) outputs.stage_npy(args.out, trace.trajectory);
+  if (!args.attention_out.empty()) outputs.stage_npy(args.attention_out, trace.attention);
+  if (!args.metrics.empty()) {
+    std::ostringstream csv;
+    csv << std::setprecision(9)
+        << "layer,cloud,min_inner,mean_inner,clustered_fraction,clusters,energy,entropy,"
+           "diameter\n";
+    for (std::int64_t r = 0; r <= L; ++r) {
+      for (std::int64_t b = 0; b < B; ++b) {
+        const flow::Observables& o = trace.observables[static_cast<std::size_t>(r * B + b)];
+        csv << r << ',' << b << ',' << o.min_inner << ',' << o.mean_inner << ','
+            << o.clustered_fraction << ',' << o.clusters << ',' << o.energy << ',' << o.entropy
+            << ',' << o.diameter << '\n';
+      }
+    }
+    outputs.stage_bytes(args.metrics, csv.str());
+  }
+  if (!args.plot.empty()) {
+    tools::ModelPicture picture;
+    picture.records = L + 1;
+    picture.tokens = lengths.empty() ? N : lengths[0];
+    picture.dim = d;
+    for (std::int64_t r = 0; r <= L; ++r) {
+      const T* from = trace.trajectory.data() + r * B * N * d;  // cloud 0, its real tokens
+      picture.trajectory.insert(picture.trajectory.end(), from, from + picture.tokens * d);
+      picture.entropy.push_back(trace.observables[static_cast<std::size_t>(r * B)].entropy);
+      picture.clusters.push_back(trace.observables[static_cast<std::size_t>(r * B)].clusters);
+    }
+    picture.labels = tokens;
+    std::ostringstream title;
+    title << m.model_type << " (" << to_string(m.layout) << " layout), " << L << " layers, "
+          << m.heads << " heads, d = " << d << ": "
+          << (args.attention_only ? "attention only" : "full layers") << ", N = " << picture.tokens;
+    picture.title = title.str();
+    picture.cluster_eps = args.cluster_eps;
+    outputs.stage_bytes(args.plot, tools::draw_model_flow(picture));
+  }
+  outputs.commit();
+  const flow::Observables& last = trace.observables[static_cast<std::size_t>(L * B)];
+  std::cout << std::setprecision(4) << "emflow flow: model '" << args.model << "' (" << L
+            << " layers, " << (args.attention_only ? "attention only" : "full layers") << ") on "
+            << B << " cloud(s) of " << N << " tokens in d = " << d << "\n"
+            << "  cloud 0 after the last layer: clusters " << last.clusters << ", mean <x_i,x_j> "
+            << last.mean_inner << ", min <x_i,x_j> " << last.min_inner << "\n";
+}
+
+}  // namespace
+
+void run_model_flow(const ModelFlowArguments& args) {
+  if (args.cloud.empty()) fail_option("--model", "needs --cloud (the cloud entering layer 0)");
+  const Dtype dtype = float_dtype("--cloud", args.cloud);
+  if (dtype == Dtype::float32) {
+    run<float>(args, dtype);
+  } else {
+    run<double>(args, dtype);
+  }
+}
+
+}  // namespace emflow::cli

@@ -1,0 +1,24 @@
+// `emflow flow --model OPS_DIR`: the layers of a converted model (emflow convert) on a token
+// cloud, run by cmd_flow_model.cpp; cmd_flow.cpp parses the options.
+#pragma once
+
+#include <string>
+
+namespace emflow::cli {
+
+struct ModelFlowArguments {
+  std::string model;        ///< the operator folder
+  std::string cloud;        ///< (N, d) or (B, N, d), float32 or float64
+  std::string key_lengths;  ///< optional (B) int32/int64
+  std::string tokens;       ///< optional text file: token strings of cloud 0, one a line
+  bool attention_only = false;
+  std::string form = "emf";  ///< emf (dense M_h, F_h) or factored (Q/K/V/O blocks)
+  std::string out, attention_out, metrics, plot;
+  std::string device = "auto";
+  int threads = 0;
+  double cluster_eps = 1e-3;
+};
+
+void run_model_flow(const ModelFlowArguments& args);
+
+}  // namespace emflow::cli

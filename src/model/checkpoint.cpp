@@ -1,0 +1,400 @@
+// Reading a pretrained checkpoint (config.json and model.safetensors) into a model::Model: the
+// layout found by its tensor names, every tensor checked against the shape the config implies,
+// the attention converted to EMF operators by emflow::to_emf (docs/MATH.md §3).
+#include <algorithm>
+#include <cctype>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "core/check.hpp"
+#include "emflow/model.hpp"
+#include "emflow/safetensors.hpp"
+
+namespace emflow::model {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using detail::fail;
+
+constexpr const char* kOp = "convert";
+
+json read_config(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) fail(ErrorCode::io, kOp, ": '", path, "': cannot open (a model folder has config.json)");
+  try {
+    json config = json::parse(in);
+    if (!config.is_object()) fail(ErrorCode::io, kOp, ": '", path, "': not a JSON object");
+    return config;
+  } catch (const json::exception& e) {
+    fail(ErrorCode::io, kOp, ": '", path, "': malformed JSON: ", e.what());
+  }
+}
+
+// A model whose scores depend on the tokens' positions has no relevance form x_i^T M x_j.
+void refuse_position_dependent(const json& config, const std::string& path) {
+  static const char* const kRotaryKeys[] = {"rope_theta",           "rope_scaling", "rotary_dim",
+                                            "rotary_emb_base",      "rotary_pct",   "rope_type",
+                                            "partial_rotary_factor"};
+  static const char* const kRotaryModels[] = {
+      "llama",  "mistral", "mixtral", "gpt_neox", "gptj",   "qwen2",    "qwen3", "gemma",
+      "gemma2", "gemma3",  "phi",     "phi3",     "falcon", "roformer", "olmo",  "stablelm"};
+  const std::string reason =
+      ": the attention scores then depend on the tokens' positions, not on x_i^T M_h x_j alone, "
+      "so the model has no EMF relevance operator (rotary forms are not supported yet)";
+  for (const char* key : kRotaryKeys) {
+    if (config.contains(key) && !config[key].is_null()) {
+      fail(ErrorCode::unsupported, kOp, ": '", path,
+           "': the model uses rotary position "
+           "embeddings ('",
+           key, "' = ", config[key].dump(), ")", reason);
+    }
+  }
+  const std::string type = config.value("model_type", std::string());
+  for (const char* rotary : kRotaryModels) {
+    if (type == rotary) {
+      fail(ErrorCode::unsupported, kOp, ": '", path, "': model_type '", type,
+           "' uses rotary position embeddings", reason);
+    }
+  }
+  if (config.contains("position_embedding_type") && config["position_embedding_type"].is_string()) {
+    const std::string kind = config["position_embedding_type"].get<std::string>();
+    if (kind != "absolute") {
+      fail(ErrorCode::unsupported, kOp, ": '", path, "': position_embedding_type '", kind,
+           "' (only absolute position embeddings, added before the first layer, are supported)",
+           reason);
+    }
+  }
+}
+
+std::int64_t config_int(const json& config, const std::string& path,
+                        std::initializer_list<const char*> keys) {
+  for (const char* key : keys) {
+    if (config.contains(key) && config[key].is_number_integer() && config[key].get<long long>() > 0)
+      return config[key].get<std::int64_t>();
+  }
+  fail(ErrorCode::io, kOp, ": '", path, "': lacks a positive integer '", *keys.begin(), "'");
+}
+
+Activation parse_activation(const std::string& name, const std::string& path) {
+  if (name == "gelu") return Activation::gelu;
+  if (name == "gelu_new" || name == "gelu_pytorch_tanh") return Activation::gelu_tanh;
+  if (name == "relu") return Activation::relu;
+  fail(ErrorCode::unsupported, kOp, ": '", path, "': activation '", name,
+       "' is not supported (gelu, gelu_new, gelu_pytorch_tanh, relu)");
+}
+
+std::string substitute(const std::string& pattern, std::int64_t layer) {
+  std::string name = pattern;
+  const std::string key = "{layer}";
+  for (auto at = name.find(key); at != std::string::npos; at = name.find(key))
+    name.replace(at, key.size(), std::to_string(layer));
+  return name;
+}
+
+// The names of the file with every run of digits replaced by N: what a layout would match.
+std::string found_names(const SafetensorsFile& file) {
+  std::set<std::string> kinds;
+  for (const std::string& name : file.names()) {
+    std::string k;
+    for (std::size_t i = 0; i < name.size(); ++i) {
+      if (std::isdigit(static_cast<unsigned char>(name[i]))) {
+        k += 'N';
+        while (i + 1 < name.size() && std::isdigit(static_cast<unsigned char>(name[i + 1]))) ++i;
+      } else {
+        k += name[i];
+      }
+    }
+    kinds.insert(k);
+  }
+  std::ostringstream out;
+  int shown = 0;
+  for (const std::string& k : kinds) {
+    if (shown++ == 24) {
+      out << ", ... (" << kinds.size() << " patterns)";
+      break;
+    }
+    out << (shown > 1 ? ", " : "") << k;
+  }
+  return out.str();
+}
+
+// The tensor of `role` in layer `layer` (or -1 for none), checked against `shape`.
+struct Reader {
+  const SafetensorsFile& file;
+  std::map<std::string, std::string> patterns;  // role -> full pattern (prefix included)
+
+  Tensor<double> get(std::map<std::string, std::string>* sources, const std::string& role,
+                     std::int64_t layer, const Shape& shape) const {
+    const std::string name = substitute(patterns.at(role), layer);
+    if (!file.contains(name)) {
+      fail(ErrorCode::io, "read_safetensors: '", file.path(), "': tensor '", name, "' is missing (",
+           role, layer >= 0 ? " of layer " + std::to_string(layer) : "", ")");
+    }
+    const TensorEntry& entry = file.entry(name);
+    if (entry.shape != shape) {
+      fail(ErrorCode::io, "read_safetensors: '", file.path(), "': tensor '", name, "' (", role,
+           ") has shape ", emflow::to_string(entry.shape), ", expected ", emflow::to_string(shape));
+    }
+    (*sources)[role] = name;
+    return file.read<double>(name);
+  }
+};
+
+Tensor<double> transposed(const Tensor<double>& a) {
+  const std::int64_t rows = a.extent(0), cols = a.extent(1);
+  Tensor<double> t(Shape{cols, rows});
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) t[c * rows + r] = a[r * cols + c];
+  return t;
+}
+
+// Columns [first, first + count) of a (rows, cols) matrix, transposed: (count, rows).
+Tensor<double> column_block_transposed(const Tensor<double>& a, std::int64_t first,
+                                       std::int64_t count) {
+  const std::int64_t rows = a.extent(0), cols = a.extent(1);
+  Tensor<double> t(Shape{count, rows});
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < count; ++c) t[c * rows + r] = a[r * cols + first + c];
+  return t;
+}
+
+Tensor<double> slice(const Tensor<double>& v, std::int64_t first, std::int64_t count) {
+  return Tensor<double>(Shape{count}, std::vector<double>(v.values().begin() + first,
+                                                          v.values().begin() + first + count));
+}
+
+}  // namespace
+
+const char* to_string(Layout layout) noexcept { return layout == Layout::gpt2 ? "gpt2" : "bert"; }
+
+const char* to_string(Activation activation) noexcept {
+  switch (activation) {
+    case Activation::gelu_tanh:
+      return "gelu_tanh";
+    case Activation::relu:
+      return "relu";
+    case Activation::gelu:
+      break;
+  }
+  return "gelu";
+}
+
+std::map<std::string, std::string> checkpoint_roles(Layout layout) {
+  if (layout == Layout::bert) {
+    const std::string l = "encoder.layer.{layer}.";
+    return {{"query.weight", l + "attention.self.query.weight"},
+            {"query.bias", l + "attention.self.query.bias"},
+            {"key.weight", l + "attention.self.key.weight"},
+            {"key.bias", l + "attention.self.key.bias"},
+            {"value.weight", l + "attention.self.value.weight"},
+            {"value.bias", l + "attention.self.value.bias"},
+            {"output.weight", l + "attention.output.dense.weight"},
+            {"output.bias", l + "attention.output.dense.bias"},
+            {"norm1.weight", l + "attention.output.LayerNorm.weight"},
+            {"norm1.bias", l + "attention.output.LayerNorm.bias"},
+            {"ffn_in.weight", l + "intermediate.dense.weight"},
+            {"ffn_in.bias", l + "intermediate.dense.bias"},
+            {"ffn_out.weight", l + "output.dense.weight"},
+            {"ffn_out.bias", l + "output.dense.bias"},
+            {"norm2.weight", l + "output.LayerNorm.weight"},
+            {"norm2.bias", l + "output.LayerNorm.bias"}};
+  }
+  const std::string l = "h.{layer}.";
+  return {{"qkv.weight", l + "attn.c_attn.weight"},    {"qkv.bias", l + "attn.c_attn.bias"},
+          {"output.weight", l + "attn.c_proj.weight"}, {"output.bias", l + "attn.c_proj.bias"},
+          {"norm1.weight", l + "ln_1.weight"},         {"norm1.bias", l + "ln_1.bias"},
+          {"ffn_in.weight", l + "mlp.c_fc.weight"},    {"ffn_in.bias", l + "mlp.c_fc.bias"},
+          {"ffn_out.weight", l + "mlp.c_proj.weight"}, {"ffn_out.bias", l + "mlp.c_proj.bias"},
+          {"norm2.weight", l + "ln_2.weight"},         {"norm2.bias", l + "ln_2.bias"},
+          {"final_norm.weight", "ln_f.weight"},        {"final_norm.bias", "ln_f.bias"}};
+}
+
+Model load_checkpoint(const std::string& model_dir, const ConvertOptions& options) {
+  const fs::path dir(model_dir);
+  if (!fs::is_directory(dir)) {
+    fail(ErrorCode::io, kOp, ": '", model_dir,
+         "' is not a folder (expected a model folder with "
+         "config.json and model.safetensors)");
+  }
+  Model model;
+  model.config_file = (dir / "config.json").string();
+  model.source_file = (dir / "model.safetensors").string();
+  if (!fs::exists(model.source_file) && fs::exists(dir / "model.safetensors.index.json")) {
+    fail(ErrorCode::unsupported, kOp, ": '", model_dir,
+         "' holds a sharded checkpoint "
+         "(model.safetensors.index.json); only a single model.safetensors is supported");
+  }
+  const json config = read_config(model.config_file);
+  refuse_position_dependent(config, model.config_file);
+  model.model_type = config.value("model_type", std::string());
+  const SafetensorsFile file(model.source_file);
+
+  // The layout: given, or found by the first layer's attention under an optional prefix.
+  struct Candidate {
+    Layout layout;
+    const char* marker;
+    std::vector<std::string> prefixes;
+  };
+  const Candidate candidates[] = {{Layout::bert, "query.weight", {"", "bert.", "roberta."}},
+                                  {Layout::gpt2, "qkv.weight", {"", "transformer."}}};
+  if (!options.layout.empty() && options.layout != "bert" && options.layout != "gpt2") {
+    fail(ErrorCode::invalid_argument, kOp, ": layout '", options.layout,
+         "' is not known (bert or gpt2)");
+  }
+  // Every role named on the command line must be one of the layout's (or of either layout's
+  // when the layout is to be found): a mistyped role is an error, never silently unused.
+  for (const auto& entry : options.names) {
+    const std::string& role = entry.first;
+    std::string known;
+    bool found = false;
+    for (const Candidate& c : candidates) {
+      if (!options.layout.empty() && options.layout != to_string(c.layout)) continue;
+      for (const auto& r : checkpoint_roles(c.layout)) {
+        found = found || r.first == role;
+        if (known.find(r.first) == std::string::npos)
+          known += (known.empty() ? "" : ", ") + r.first;
+      }
+    }
+    if (!found) {
+      fail(ErrorCode::invalid_argument, kOp, ": '", role, "' is not a role of the ",
+           options.layout.empty() ? "bert or gpt2" : options.layout, " layout (", known, ")");
+    }
+  }
+  const Candidate* chosen = nullptr;
+  std::string prefix;
+  for (const Candidate& c : candidates) {
+    if (!options.layout.empty() && options.layout != to_string(c.layout)) continue;
+    const auto roles = checkpoint_roles(c.layout);
+    for (const std::string& p : c.prefixes) {
+      const auto override_marker = options.names.find(c.marker);
+      const std::string probe = override_marker != options.names.end()
+                                    ? substitute(override_marker->second, 0)
+                                    : p + substitute(roles.at(c.marker), 0);
+      if (file.contains(probe)) {
+        chosen = &c;
+        prefix = p;
+        break;
+      }
+    }
+    if (chosen) break;
+  }
+  if (!chosen) {
+    fail(ErrorCode::unsupported, kOp, ": '", model.source_file, "': no known layout",
+         options.layout.empty() ? "" : " ('" + options.layout + "')",
+         " matches its tensor names (BERT-style "
+         "[bert.|roberta.]encoder.layer.N.attention.self.query, "
+         "GPT-2-style [transformer.]h.N.attn.c_attn; give --layout and --name ROLE=PATTERN for "
+         "other names); found: ",
+         found_names(file));
+  }
+  model.layout = chosen->layout;
+  Reader reader{file, {}};
+  for (const auto& [role, pattern] : checkpoint_roles(model.layout))
+    reader.patterns[role] = prefix + pattern;
+  for (const auto& [role, pattern] : options.names) {
+    if (!reader.patterns.count(role)) {
+      fail(ErrorCode::invalid_argument, kOp, ": '", role, "' is not a role of the ",
+           to_string(model.layout), " layout found in '", model.source_file, "'");
+    }
+    reader.patterns[role] = pattern;
+  }
+
+  const bool bert = model.layout == Layout::bert;
+  const std::int64_t layers =
+      config_int(config, model.config_file,
+                 bert ? std::initializer_list<const char*>{"num_hidden_layers"}
+                      : std::initializer_list<const char*>{"n_layer", "num_hidden_layers"});
+  model.heads =
+      config_int(config, model.config_file,
+                 bert ? std::initializer_list<const char*>{"num_attention_heads"}
+                      : std::initializer_list<const char*>{"n_head", "num_attention_heads"});
+  model.dim = config_int(config, model.config_file,
+                         bert ? std::initializer_list<const char*>{"hidden_size"}
+                              : std::initializer_list<const char*>{"n_embd", "hidden_size"});
+  if (model.dim % model.heads != 0) {
+    fail(ErrorCode::io, kOp, ": '", model.config_file, "': hidden size ", model.dim,
+         " is not a multiple of the ", model.heads, " heads");
+  }
+  model.head_dim = model.dim / model.heads;
+  if (bert) {
+    model.ffn_dim = config_int(config, model.config_file, {"intermediate_size"});
+    model.norm_eps = config.value("layer_norm_eps", 1e-12);
+    model.activation =
+        parse_activation(config.value("hidden_act", std::string("gelu")), model.config_file);
+  } else {
+    model.ffn_dim = config.contains("n_inner") && config["n_inner"].is_number_integer()
+                        ? config["n_inner"].get<std::int64_t>()
+                        : 4 * model.dim;
+    model.norm_eps = config.value("layer_norm_epsilon", 1e-5);
+    model.activation = parse_activation(
+        config.value("activation_function", std::string("gelu_new")), model.config_file);
+    if (!config.value("scale_attn_weights", true) ||
+        config.value("scale_attn_by_inverse_layer_idx", false)) {
+      fail(ErrorCode::unsupported, kOp, ": '", model.config_file,
+           "': attention scores not scaled by 1/sqrt(d_k) alone are not supported");
+    }
+  }
+  model.pre_norm = !bert;
+  model.causal = !bert;
+  // The file must hold exactly the layers the config names.
+  const std::string marker = reader.patterns.at(chosen->marker);
+  if (file.contains(substitute(marker, layers)) || !file.contains(substitute(marker, layers - 1))) {
+    std::int64_t present = 0;
+    while (file.contains(substitute(marker, present))) ++present;
+    fail(ErrorCode::io, kOp, ": '", model.source_file, "' holds ", present, " layers ('",
+         substitute(marker, 0), "' ...), but '", model.config_file, "' says ", layers);
+  }
+
+  const std::int64_t d = model.dim, I = model.ffn_dim;
+  for (std::int64_t l = 0; l < layers; ++l) {
+    ModelLayer layer;
+    MultiHeadAttentionWeights& w = layer.attention;
+    w.heads = model.heads;
+    w.model_dim = d;
+    w.head_dim = w.value_dim = model.head_dim;
+    if (bert) {
+      w.query = reader.get(&layer.sources, "query.weight", l, {d, d});
+      w.query_bias = reader.get(&layer.sources, "query.bias", l, {d});
+      w.key = reader.get(&layer.sources, "key.weight", l, {d, d});
+      w.key_bias = reader.get(&layer.sources, "key.bias", l, {d});
+      w.value = reader.get(&layer.sources, "value.weight", l, {d, d});
+      w.value_bias = reader.get(&layer.sources, "value.bias", l, {d});
+      w.output = reader.get(&layer.sources, "output.weight", l, {d, d});
+      layer.ffn_in = reader.get(&layer.sources, "ffn_in.weight", l, {I, d});
+      layer.ffn_out = reader.get(&layer.sources, "ffn_out.weight", l, {d, I});
+    } else {
+      // Conv1D stores (in, out): y = x W + b, so each torch.nn.Linear weight is a transpose.
+      const Tensor<double> qkv = reader.get(&layer.sources, "qkv.weight", l, {d, 3 * d});
+      const Tensor<double> qkv_bias = reader.get(&layer.sources, "qkv.bias", l, {3 * d});
+      w.query = column_block_transposed(qkv, 0, d);
+      w.key = column_block_transposed(qkv, d, d);
+      w.value = column_block_transposed(qkv, 2 * d, d);
+      w.query_bias = slice(qkv_bias, 0, d);
+      w.key_bias = slice(qkv_bias, d, d);
+      w.value_bias = slice(qkv_bias, 2 * d, d);
+      w.output = transposed(reader.get(&layer.sources, "output.weight", l, {d, d}));
+      layer.ffn_in = transposed(reader.get(&layer.sources, "ffn_in.weight", l, {d, I}));
+      layer.ffn_out = transposed(reader.get(&layer.sources, "ffn_out.weight", l, {I, d}));
+    }
+    w.output_bias = reader.get(&layer.sources, "output.bias", l, {d});
+    layer.ffn_in_bias = reader.get(&layer.sources, "ffn_in.bias", l, {I});
+    layer.ffn_out_bias = reader.get(&layer.sources, "ffn_out.bias", l, {d});
+    layer.norm1_gain = reader.get(&layer.sources, "norm1.weight", l, {d});
+    layer.norm1_bias = reader.get(&layer.sources, "norm1.bias", l, {d});
+    layer.norm2_gain = reader.get(&layer.sources, "norm2.weight", l, {d});
+    layer.norm2_bias = reader.get(&layer.sources, "norm2.bias", l, {d});
+    layer.operators = to_emf(w);
+    model.layers.push_back(std::move(layer));
+  }
+  if (!bert) {
+    model.final_gain = reader.get(&model.sources, "final_norm.weight", -1, {d});
+    model.final_bias = reader.get(&model.sources, "final_norm.bias", -1, {d});
+  }
+  return model;
+}
+
+}  // namespace emflow::model

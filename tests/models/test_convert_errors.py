@@ -1,0 +1,171 @@
+"""`emflow convert` on small hand-made checkpoints (numpy only, no framework needed): a good one
+converts, and every bad one (missing tensor, wrong shape, unknown layout, rotary or relative
+position embeddings, a layer count that disagrees with the config) gets a clear error and leaves
+no output folder behind.
+"""
+import json
+import os
+import struct
+import subprocess
+
+import numpy as np
+import pytest
+
+CLI = os.environ.get("EMFLOW_CLI")
+D, HEADS, FFN, LAYERS = 8, 2, 16, 2
+
+
+def save_safetensors(path, tensors):
+    header, data, at = {"__metadata__": {"format": "pt"}}, b"", 0
+    for name, array in tensors.items():
+        raw = np.ascontiguousarray(array, dtype="<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(array.shape),
+                        "data_offsets": [at, at + len(raw)]}
+        data += raw
+        at += len(raw)
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + data)
+
+
+def bert_tensors(prefix=""):
+    rng = np.random.default_rng(0)
+    t = {prefix + "embeddings.position_ids": np.arange(4, dtype=np.float32)}
+    for l in range(LAYERS):
+        p = f"{prefix}encoder.layer.{l}."
+        for name, shape in [("attention.self.query", (D, D)), ("attention.self.key", (D, D)),
+                            ("attention.self.value", (D, D)), ("attention.output.dense", (D, D)),
+                            ("intermediate.dense", (FFN, D)), ("output.dense", (D, FFN))]:
+            t[p + name + ".weight"] = rng.normal(size=shape) / np.sqrt(shape[1])
+            t[p + name + ".bias"] = rng.normal(size=shape[0]) * 0.1
+        for norm in ("attention.output.LayerNorm", "output.LayerNorm"):
+            t[p + norm + ".weight"] = 1 + 0.1 * rng.normal(size=D)
+            t[p + norm + ".bias"] = 0.1 * rng.normal(size=D)
+    return t
+
+
+def bert_config(**extra):
+    config = {"model_type": "bert", "hidden_size": D, "num_attention_heads": HEADS,
+              "num_hidden_layers": LAYERS, "intermediate_size": FFN, "hidden_act": "gelu",
+              "layer_norm_eps": 1e-12, "position_embedding_type": "absolute"}
+    config.update(extra)
+    return config
+
+
+def make_model(folder, tensors, config):
+    folder.mkdir()
+    save_safetensors(folder / "model.safetensors", tensors)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def convert(*args):
+    if not CLI:
+        pytest.skip("EMFLOW_CLI is not set (run through ctest)")
+    return subprocess.run([CLI, "convert", *map(str, args)], capture_output=True, text=True)
+
+
+def expect_refused(tmp_path, tensors, config, *phrases):
+    model = make_model(tmp_path / "model", tensors, config)
+    result = convert(model, "--out", tmp_path / "ops")
+    assert result.returncode != 0
+    for phrase in phrases:
+        assert phrase in result.stderr, result.stderr
+    assert "\n" not in result.stderr.strip(), "one-line message"
+    # No output folder and no staging folder left behind.
+    assert sorted(os.listdir(tmp_path)) == ["model"], os.listdir(tmp_path)
+
+
+def test_a_good_checkpoint_converts_with_its_manifest(tmp_path):
+    model = make_model(tmp_path / "model", bert_tensors("bert."), bert_config())
+    result = convert(model, "--out", tmp_path / "ops", "--report")
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((tmp_path / "ops" / "manifest.json").read_text())
+    assert manifest["layout"] == "bert" and manifest["layers"] == LAYERS
+    assert manifest["heads"] == HEADS and manifest["dim"] == D and manifest["norm_eps"] == 1e-12
+    assert manifest["pre_norm"] is False and manifest["activation"] == "gelu"
+    sources = manifest["layer_files"][1]["sources"]
+    assert sources["query.weight"] == "bert.encoder.layer.1.attention.self.query.weight"
+    # The exact mapping (docs/MATH.md section 3), head 1 of layer 1, from the raw weights.
+    t = bert_tensors("bert.")
+    p = "bert.encoder.layer.1.attention."
+    wq, wk = t[p + "self.query.weight"].astype(np.float32), t[p + "self.key.weight"]
+    wv, wo = t[p + "self.value.weight"], t[p + "output.dense.weight"]
+    wq, wk, wv, wo = (np.asarray(w, dtype=np.float32).astype(np.float64) for w in (wq, wk, wv, wo))
+    bq = t[p + "self.query.bias"].astype(np.float32).astype(np.float64)
+    k = D // HEADS
+    h = slice(k, 2 * k)
+    M = np.load(tmp_path / "ops" / "layer1.M.npy")
+    F = np.load(tmp_path / "ops" / "layer1.F.npy")
+    u = np.load(tmp_path / "ops" / "layer1.u.npy")
+    np.testing.assert_allclose(M[1], wq[h].T @ wk[h] / np.sqrt(k), rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(F[1], wo[:, h] @ wv[h], rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(u[1], wk[h].T @ bq[h] / np.sqrt(k), rtol=1e-13, atol=1e-15)
+    csv = (tmp_path / "ops" / "spectrum.csv").read_text().splitlines()
+    assert csv[0] == "layer,head,operator,index,real,imag"
+    assert len(csv) == 1 + LAYERS * HEADS * 2 * D
+    # A second convert replaces the earlier operator folder.
+    assert convert(model, "--out", tmp_path / "ops").returncode == 0
+    assert sorted(os.listdir(tmp_path)) == ["model", "ops"]
+
+
+def test_missing_tensor(tmp_path):
+    t = bert_tensors()
+    del t["encoder.layer.1.output.dense.bias"]
+    expect_refused(tmp_path, t, bert_config(), "encoder.layer.1.output.dense.bias", "missing",
+                   "model.safetensors")
+
+
+def test_wrong_shape(tmp_path):
+    t = bert_tensors()
+    t["encoder.layer.0.attention.self.key.weight"] = np.zeros((D, D + 1))
+    expect_refused(tmp_path, t, bert_config(), "encoder.layer.0.attention.self.key.weight",
+                   f"has shape ({D}, {D + 1}), expected ({D}, {D})")
+
+
+def test_unknown_layout_lists_what_it_found(tmp_path):
+    t = {k.replace("encoder.layer.", "model.layers."): v for k, v in bert_tensors().items()}
+    expect_refused(tmp_path, t, bert_config(), "no known layout",
+                   "found: ", "model.layers.N.attention.self.query.weight")
+
+
+@pytest.mark.parametrize("extra, phrase", [
+    ({"rope_theta": 10000.0}, "rotary position embeddings ('rope_theta'"),
+    ({"model_type": "llama"}, "model_type 'llama' uses rotary"),
+    ({"position_embedding_type": "relative_key"}, "position_embedding_type 'relative_key'"),
+])
+def test_position_dependent_models_are_refused(tmp_path, extra, phrase):
+    expect_refused(tmp_path, bert_tensors(), bert_config(**extra), phrase)
+
+
+def test_layer_count_must_match_the_config(tmp_path):
+    expect_refused(tmp_path, bert_tensors(), bert_config(num_hidden_layers=3),
+                   "holds 2 layers", "says 3")
+
+
+def test_an_existing_folder_that_is_not_an_operator_folder_is_kept(tmp_path):
+    model = make_model(tmp_path / "model", bert_tensors(), bert_config())
+    (tmp_path / "ops").mkdir()
+    (tmp_path / "ops" / "mine.txt").write_text("keep")
+    result = convert(model, "--out", tmp_path / "ops")
+    assert result.returncode != 0 and "not an operator folder" in result.stderr
+    assert os.listdir(tmp_path / "ops") == ["mine.txt"]
+
+
+def test_names_given_on_the_command_line(tmp_path):
+    t = {k.replace("encoder.layer.", "blocks."): v for k, v in bert_tensors().items()}
+    model = make_model(tmp_path / "model", t, bert_config())
+    roles = {"query": "attention.self.query", "key": "attention.self.key",
+             "value": "attention.self.value", "output": "attention.output.dense",
+             "norm1": "attention.output.LayerNorm", "ffn_in": "intermediate.dense",
+             "ffn_out": "output.dense", "norm2": "output.LayerNorm"}
+    names = []
+    for role, name in roles.items():
+        for part in ("weight", "bias"):
+            names += ["--name", f"{role}.{part}=blocks.{{layer}}.{name}.{part}"]
+    result = convert(model, "--out", tmp_path / "ops", "--layout", "bert", *names)
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((tmp_path / "ops" / "manifest.json").read_text())
+    assert manifest["layer_files"][0]["sources"]["ffn_out.bias"] == "blocks.0.output.dense.bias"
+    bad = convert(model, "--out", tmp_path / "ops2", "--layout", "bert", "--name", "qq=x")
+    assert bad.returncode != 0 and "'qq' is not a role of the bert layout" in bad.stderr
