@@ -3,7 +3,7 @@
 # installed already; without it emflow builds its CPU backends only).
 set -euo pipefail
 packages=(cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev
-          libcairo2-dev libopenblas-dev libomp-dev)
+          libcairo2-dev libopenblas-dev libomp-dev libopenmpi-dev openmpi-bin)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
