@@ -120,6 +120,7 @@ AttentionPlan<T>::AttentionPlan(const AttentionInput<T>& shapes, const Attention
       entropy_(outputs.entropy != nullptr),
       weights_(outputs.weights != nullptr) {
   check_shapes(shapes, outputs, operation);
+  expect_self_attention(shapes, operation);
   algorithm_ = choose_algorithm(shapes, outputs, algorithm, operation);
   check_int_limits(batch_, tokens_, heads_, operation);
   layout_ = lay_out<T>(batch_, tokens_, dim_, heads_, algorithm_, weights_, operation);
