@@ -80,7 +80,6 @@ void check_input(Communicator& comm, const ShardInput<T>& in, const ShardOutput<
   detail::expect_positive(op, "tokens", in.tokens);
   detail::expect_positive(op, "dim", in.dim);
   detail::expect_positive(op, "heads", in.layer.heads);
-  detail::expect_not_null(op, "update", out.update);
   detail::expect_not_null(op, "relevance", in.layer.relevance);
   detail::expect_not_null(op, "content", in.layer.content);
   if (!std::isfinite(in.beta)) detail::fail_argument(op, "beta", "must be finite, got ", in.beta);
@@ -96,7 +95,10 @@ void check_input(Communicator& comm, const ShardInput<T>& in, const ShardOutput<
     }
   }
   const std::int64_t local = shard_tokens(shard(in.layout, in.tokens, comm.size(), comm.rank()));
-  if (local > 0) detail::expect_not_null(op, "cloud", in.cloud);
+  if (local > 0) {
+    detail::expect_not_null(op, "cloud", in.cloud);
+    detail::expect_not_null(op, "update", out.update);
+  }
 }
 
 // One call's buffers and state; made (and so allocated) before the first transfer.
