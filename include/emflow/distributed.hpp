@@ -17,6 +17,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "emflow/error.hpp"
+
 namespace emflow::distributed {
 
 /// Where a buffer lives: host memory (single process, MPI) or device memory (NCCL).
@@ -84,9 +86,16 @@ class SingleProcess final : public Communicator {
               int root) override;
 };
 
+/// What agree() throws: an error every rank of the job has and throws at the same point, so a
+/// program may report it once (on rank 0) and end normally on every rank.
+class AgreedError : public Error {
+ public:
+  using Error::Error;
+};
+
 /// Error agreement without a separate barrier: every rank calls agree() at the same point with
 /// the exception it caught since the last agreement (or null). When no rank failed it returns.
-/// Otherwise every rank throws emflow::Error with the code and message of the lowest failing
+/// Otherwise every rank throws AgreedError (an emflow::Error) with the code and message of the lowest failing
 /// rank, the message prefixed "rank R: " when there is more than one rank, so every rank stops
 /// at the same point with the same error and none waits for a partner that has given up.
 /// Costs one integer allreduce, plus one broadcast when a rank failed. Host communicators only

@@ -70,7 +70,10 @@ void agree(Communicator& comm, std::exception_ptr local) {
   std::int64_t first = local ? comm.rank() : ranks;
   comm.allreduce_min(&first, 1);
   if (first == ranks) return;
-  if (ranks == 1) std::rethrow_exception(local);
+  if (ranks == 1) {
+    const Failure failure = describe(local);
+    throw AgreedError(failure.code, failure.message);
+  }
   // That rank's code and message, carried by an integer sum to which only it contributes (an
   // allreduce reaches every transport's host memory, a broadcast of host bytes not NCCL's).
   std::vector<std::int64_t> words(kMessageWords + 2, 0);
@@ -86,7 +89,7 @@ void agree(Communicator& comm, std::exception_ptr local) {
       std::min(static_cast<std::size_t>(std::max<std::int64_t>(words[1], 0)), kMessageWords * 8);
   std::string message(length, '\0');
   std::memcpy(message.data(), words.data() + 2, length);
-  throw Error(static_cast<ErrorCode>(words[0]), "rank " + std::to_string(first) + ": " + message);
+  throw AgreedError(static_cast<ErrorCode>(words[0]), "rank " + std::to_string(first) + ": " + message);
 }
 
 bool built_with_mpi() noexcept {
