@@ -95,9 +95,9 @@ class AgreedError : public Error {
 
 /// Error agreement without a separate barrier: every rank calls agree() at the same point with
 /// the exception it caught since the last agreement (or null). When no rank failed it returns.
-/// Otherwise every rank throws AgreedError (an emflow::Error) with the code and message of the lowest failing
-/// rank, the message prefixed "rank R: " when there is more than one rank, so every rank stops
-/// at the same point with the same error and none waits for a partner that has given up.
+/// Otherwise every rank throws AgreedError (an emflow::Error) with the code and message of the
+/// lowest failing rank, the message prefixed "rank R: " when there is more than one rank, so every
+/// rank stops at the same point with the same error and none waits for a partner that has given up.
 /// Costs one integer allreduce, plus one broadcast when a rank failed. Host communicators only
 /// need host memory for it; NCCL communicators use their stream.
 void agree(Communicator& comm, std::exception_ptr local);

@@ -103,13 +103,13 @@ template <class T>
 std::vector<T> read_shard(const std::string& path, Layout layout, int ranks, int rank,
                           Shape* shape);
 
-#define EMFLOW_DISTRIBUTED_DECLARE(T)                                                          \
-  extern template void attend<T>(Communicator&, const ShardInput<T>&, const ShardOutput<T>&,  \
-                                 const ExecutionOptions&, RingTimes*);                         \
-  extern template std::vector<T> gather_shard<T>(const T*, std::int64_t, std::int64_t,         \
-                                                 std::int64_t, const std::vector<Segment>&);   \
-  extern template void scatter_shard<T>(const T*, std::int64_t, std::int64_t, std::int64_t,    \
-                                        const std::vector<Segment>&, T*);                      \
+#define EMFLOW_DISTRIBUTED_DECLARE(T)                                                        \
+  extern template void attend<T>(Communicator&, const ShardInput<T>&, const ShardOutput<T>&, \
+                                 const ExecutionOptions&, RingTimes*);                       \
+  extern template std::vector<T> gather_shard<T>(const T*, std::int64_t, std::int64_t,       \
+                                                 std::int64_t, const std::vector<Segment>&); \
+  extern template void scatter_shard<T>(const T*, std::int64_t, std::int64_t, std::int64_t,  \
+                                        const std::vector<Segment>&, T*);                    \
   extern template std::vector<T> read_shard<T>(const std::string&, Layout, int, int, Shape*);
 EMFLOW_DISTRIBUTED_DECLARE(float)
 EMFLOW_DISTRIBUTED_DECLARE(double)

@@ -59,8 +59,9 @@ void run(const AttendFiles& a, distributed::Communicator& comm) {
 
   distributed::agreed(comm, [&] {
     if (!a.weights.empty()) {
-      fail_option("--weights", "is not available with --distributed (the weights of a query "
-                               "against every key would meet on one rank)");
+      fail_option("--weights",
+                  "is not available with --distributed (the weights of a query "
+                  "against every key would meet on one rank)");
     }
     mask = parse_mask(a.mask, "--mask");
     if (!std::isfinite(a.beta)) fail_option("--beta", "must be finite, got ", a.beta);
@@ -81,7 +82,8 @@ void run(const AttendFiles& a, distributed::Communicator& comm) {
       outputs.declare_input("--key-lengths", a.key_lengths);
     }
     layout = distributed::default_layout(mask);
-    cloud = naming_option("--x", [&] { return distributed::read_shard<T>(a.cloud, layout, P, r, &shape); });
+    cloud = naming_option(
+        "--x", [&] { return distributed::read_shard<T>(a.cloud, layout, P, r, &shape); });
     batch = shape.size() == 3 ? shape[0] : 1;
     tokens = shape[shape.size() - 2];
     dim = shape[shape.size() - 1];

@@ -89,7 +89,8 @@ void agree(Communicator& comm, std::exception_ptr local) {
       std::min(static_cast<std::size_t>(std::max<std::int64_t>(words[1], 0)), kMessageWords * 8);
   std::string message(length, '\0');
   std::memcpy(message.data(), words.data() + 2, length);
-  throw AgreedError(static_cast<ErrorCode>(words[0]), "rank " + std::to_string(first) + ": " + message);
+  throw AgreedError(static_cast<ErrorCode>(words[0]),
+                    "rank " + std::to_string(first) + ": " + message);
 }
 
 bool built_with_mpi() noexcept {

@@ -43,7 +43,8 @@ class MpiCommunicator : public Communicator {
   explicit MpiCommunicator(MPI_Comm comm) {
     int initialized = 0;
     MPI_Initialized(&initialized);
-    if (!initialized) detail::fail(ErrorCode::invalid_argument, "distributed: MPI is not initialised");
+    if (!initialized)
+      detail::fail(ErrorCode::invalid_argument, "distributed: MPI is not initialised");
     check(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup");
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
@@ -87,16 +88,17 @@ class MpiCommunicator : public Communicator {
     auto& requests = static_cast<MpiTransfer&>(transfer).requests;
     if (requests.empty()) return;
     int done = 0;
-    check(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
-                      MPI_STATUSES_IGNORE),
-          "MPI_Testall");
+    check(
+        MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE),
+        "MPI_Testall");
   }
 
   void allreduce_sum(double* values, std::int64_t count) override {
     if (count <= 0) return;
     // Every rank's values, then the sum in rank order: MPI_Allreduce may add in any order (and
     // differently from run to run with some algorithms), this one cannot.
-    if (count > INT_MAX / size_) detail::fail(ErrorCode::invalid_argument, "allreduce: too many values");
+    if (count > INT_MAX / size_)
+      detail::fail(ErrorCode::invalid_argument, "allreduce: too many values");
     std::vector<double> all(static_cast<std::size_t>(count) * static_cast<std::size_t>(size_));
     check(MPI_Allgather(values, static_cast<int>(count), MPI_DOUBLE, all.data(),
                         static_cast<int>(count), MPI_DOUBLE, comm_),
@@ -145,8 +147,8 @@ class MpiCommunicator : public Communicator {
         if (bytes > 0) std::memcpy(out, send, bytes);
       } else {
         for (int k = 0; k < chunk_count(bytes); ++k) {
-          check(MPI_Recv(out + static_cast<std::size_t>(k) * kChunk, chunk_size(bytes, k),
-                         MPI_BYTE, r, kGatherTag, comm_, MPI_STATUS_IGNORE),
+          check(MPI_Recv(out + static_cast<std::size_t>(k) * kChunk, chunk_size(bytes, k), MPI_BYTE,
+                         r, kGatherTag, comm_, MPI_STATUS_IGNORE),
                 "MPI_Recv");
         }
       }

@@ -13,8 +13,7 @@ namespace {
 
 void check_nccl(ncclResult_t status, const char* call) {
   if (status != ncclSuccess) {
-    detail::fail(ErrorCode::device, "distributed: ", call, " failed: ",
-                 ncclGetErrorString(status));
+    detail::fail(ErrorCode::device, "distributed: ", call, " failed: ", ncclGetErrorString(status));
   }
 }
 
@@ -95,11 +94,10 @@ class NcclCommunicator final : public Communicator {
     } else {
       const int next = (rank_ + 1) % size_, previous = (rank_ + size_ - 1) % size_;
       check_nccl(ncclGroupStart(), "ncclGroupStart");
-      if (send_bytes > 0) check_nccl(ncclSend(send, send_bytes, ncclChar, next, comm_, transfers_),
-                                     "ncclSend");
-      if (recv_bytes > 0) check_nccl(ncclRecv(recv, recv_bytes, ncclChar, previous, comm_,
-                                              transfers_),
-                                     "ncclRecv");
+      if (send_bytes > 0)
+        check_nccl(ncclSend(send, send_bytes, ncclChar, next, comm_, transfers_), "ncclSend");
+      if (recv_bytes > 0)
+        check_nccl(ncclRecv(recv, recv_bytes, ncclChar, previous, comm_, transfers_), "ncclRecv");
       check_nccl(ncclGroupEnd(), "ncclGroupEnd");
     }
     check_cuda(cudaEventRecord(transfer->done, transfers_), "cudaEventRecord");
@@ -169,9 +167,9 @@ class NcclCommunicator final : public Communicator {
         out += bytes;
       }
     } else if (counts[static_cast<std::size_t>(rank_)] > 0) {
-      check_nccl(ncclSend(send, counts[static_cast<std::size_t>(rank_)], ncclChar, root, comm_,
-                          stream_),
-                 "ncclSend");
+      check_nccl(
+          ncclSend(send, counts[static_cast<std::size_t>(rank_)], ncclChar, root, comm_, stream_),
+          "ncclSend");
     }
     check_nccl(ncclGroupEnd(), "ncclGroupEnd");
   }
@@ -208,8 +206,9 @@ std::unique_ptr<Communicator> make_nccl_communicator(ncclComm_t comm, cudaStream
 
 std::unique_ptr<Communicator> make_nccl_communicator(Communicator& host, cudaStream_t stream) {
   if (host.memory() != Memory::host) {
-    detail::fail(ErrorCode::invalid_argument, "distributed: the NCCL bootstrap needs a host "
-                                              "communicator (MPI)");
+    detail::fail(ErrorCode::invalid_argument,
+                 "distributed: the NCCL bootstrap needs a host "
+                 "communicator (MPI)");
   }
   ncclUniqueId id;
   std::memset(&id, 0, sizeof id);

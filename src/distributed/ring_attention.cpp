@@ -68,8 +68,9 @@ void check_input(Communicator& comm, const ShardInput<T>& in, const ShardOutput<
                  const ExecutionOptions& options) {
   const char* op = "distributed attend";
   if (comm.memory() != Memory::host) {
-    detail::fail(ErrorCode::unsupported, op, ": needs a host communicator (the partial states of "
-                                             "the ring are computed on the host)");
+    detail::fail(ErrorCode::unsupported, op,
+                 ": needs a host communicator (the partial states of "
+                 "the ring are computed on the host)");
   }
   if (options.device != Device::cpu && options.device != Device::reference &&
       options.device != Device::automatic) {
@@ -139,8 +140,7 @@ struct Ring {
   }
 
   // The queries of this rank against the key shard of `owner`, held in `held`.
-  void compute(Communicator& comm, int owner, Transfer* transfer,
-               const ExecutionOptions& options) {
+  void compute(Communicator& comm, int owner, Transfer* transfer, const ExecutionOptions& options) {
     const std::vector<Segment> keys = shard(in.layout, in.tokens, P, owner);
     const std::vector<std::int64_t>* lengths_or_null = in.key_lengths ? &lengths : nullptr;
     const T* query_rows = in.cloud;
@@ -277,8 +277,8 @@ void attend(Communicator& comm, const ShardInput<T>& input, const ShardOutput<T>
   if (times) *times = local;
 }
 
-#define EMFLOW_DISTRIBUTED_ATTEND(T)                                                           \
-  template void attend<T>(Communicator&, const ShardInput<T>&, const ShardOutput<T>&,          \
+#define EMFLOW_DISTRIBUTED_ATTEND(T)                                                  \
+  template void attend<T>(Communicator&, const ShardInput<T>&, const ShardOutput<T>&, \
                           const ExecutionOptions&, RingTimes*);
 EMFLOW_DISTRIBUTED_ATTEND(float)
 EMFLOW_DISTRIBUTED_ATTEND(double)

@@ -101,13 +101,14 @@ std::vector<T> read_shard(const std::string& path, Layout layout, int ranks, int
   T* out = part.data();
   for (const Segment& s : segments) {
     for (std::int64_t b = 0; b < batch; ++b) {
-      const std::int64_t offset =
-          header.data_offset + (b * tokens + s.position) * dim * static_cast<std::int64_t>(sizeof(T));
+      const std::int64_t offset = header.data_offset + (b * tokens + s.position) * dim *
+                                                           static_cast<std::int64_t>(sizeof(T));
       file.seekg(offset);
       file.read(reinterpret_cast<char*>(out),
                 static_cast<std::streamsize>(s.count * dim * static_cast<std::int64_t>(sizeof(T))));
       if (!file) {
-        detail::fail(ErrorCode::io, "'", path, "': cannot read ", s.count, " rows at byte ", offset);
+        detail::fail(ErrorCode::io, "'", path, "': cannot read ", s.count, " rows at byte ",
+                     offset);
       }
       out += s.count * dim;
     }
@@ -115,7 +116,7 @@ std::vector<T> read_shard(const std::string& path, Layout layout, int ranks, int
   return part;
 }
 
-#define EMFLOW_DISTRIBUTED_SHARD(T)                                                          \
+#define EMFLOW_DISTRIBUTED_SHARD(T)                                                           \
   template std::vector<T> gather_shard<T>(const T*, std::int64_t, std::int64_t, std::int64_t, \
                                           const std::vector<Segment>&);                       \
   template void scatter_shard<T>(const T*, std::int64_t, std::int64_t, std::int64_t,          \

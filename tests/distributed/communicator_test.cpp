@@ -91,8 +91,8 @@ TEST(Communicator, IntegerSumAndMinimumAreExact) {
 TEST(Communicator, BroadcastFromTheLastRank) {
   Communicator& c = comm();
   const int root = c.size() - 1;
-  std::vector<std::uint8_t> bytes = c.rank() == root ? stamp(root, 5) : std::vector<std::uint8_t>(
-                                                                            stamp(root, 5).size());
+  std::vector<std::uint8_t> bytes =
+      c.rank() == root ? stamp(root, 5) : std::vector<std::uint8_t>(stamp(root, 5).size());
   c.broadcast(bytes.data(), bytes.size(), root);
   EXPECT_EQ(bytes, stamp(root, 5));
 }
@@ -144,8 +144,8 @@ TEST(Communicator, TheLowestFailingRankIsReportedAndOutOfMemoryKeepsItsCode) {
       if (c.rank() >= lowest) throw std::bad_alloc();
     });
   };
-  EXPECT_TRUE(throws_error(body, ErrorCode::out_of_memory,
-                           {c.size() > 1 ? "rank 1: out of memory" : ""}));
+  EXPECT_TRUE(
+      throws_error(body, ErrorCode::out_of_memory, {c.size() > 1 ? "rank 1: out of memory" : ""}));
   // The job goes on: the communicator still works after an agreed failure.
   std::int64_t one = 1;
   c.allreduce_sum(&one, 1);

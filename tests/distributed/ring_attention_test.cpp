@@ -83,17 +83,19 @@ void expect_matches_one_process(const Case& c) {
   const auto segments = distributed::shard(c.layout, p.tokens, comm().size(), comm().rank());
   const double tolerance = sizeof(T) == 4 ? 1e-6 : 1e-12;
   if (!segments.empty()) {
-    EXPECT_TRUE(close_to(got.update, distributed::gather_shard(whole.update.data(), p.batch,
-                                                               p.tokens, p.dim, segments),
-                         tolerance));
+    EXPECT_TRUE(
+        close_to(got.update,
+                 distributed::gather_shard(whole.update.data(), p.batch, p.tokens, p.dim, segments),
+                 tolerance));
     // lse and entropy: (B H, N) rows, one value per token.
-    EXPECT_TRUE(close_to(got.lse, distributed::gather_shard(whole.lse.data(), p.batch * p.heads,
-                                                            p.tokens, 1, segments),
-                         tolerance));
-    EXPECT_TRUE(close_to(got.entropy,
-                         distributed::gather_shard(whole.entropy.data(), p.batch * p.heads,
-                                                   p.tokens, 1, segments),
-                         tolerance));
+    EXPECT_TRUE(close_to(
+        got.lse,
+        distributed::gather_shard(whole.lse.data(), p.batch * p.heads, p.tokens, 1, segments),
+        tolerance));
+    EXPECT_TRUE(close_to(
+        got.entropy,
+        distributed::gather_shard(whole.entropy.data(), p.batch * p.heads, p.tokens, 1, segments),
+        tolerance));
   }
   // The same bits on a second run.
   const Local<T> again = run_distributed(whole, p, c.layout);
@@ -103,8 +105,8 @@ void expect_matches_one_process(const Case& c) {
 
 std::vector<Case> cases() {
   std::vector<Case> out;
-  for (const Mask mask : {Mask::none(), Mask::causal(), Mask::sliding_window(3),
-                          Mask::sliding_window(40)}) {
+  for (const Mask mask :
+       {Mask::none(), Mask::causal(), Mask::sliding_window(3), Mask::sliding_window(40)}) {
     for (const Layout layout : {Layout::contiguous, Layout::zigzag}) {
       out.push_back({2, 37, 5, 2, mask, false, layout});
       out.push_back({4, 29, 3, 1, mask, true, layout});
@@ -159,8 +161,8 @@ TEST(RingAttentionErrors, ABadArgumentOnOneRankIsTheSameErrorOnEveryRank) {
   Buffers<double> whole(p);
   const int failing = comm().size() - 1;
   const auto segments = distributed::shard(Layout::contiguous, 16, comm().size(), comm().rank());
-  const std::vector<double> cloud = distributed::gather_shard(whole.cloud.data(), 1, 16, 4,
-                                                              segments);
+  const std::vector<double> cloud =
+      distributed::gather_shard(whole.cloud.data(), 1, 16, 4, segments);
   std::vector<double> update(cloud.size());
   distributed::ShardInput<double> in;
   in.cloud = cloud.data();
@@ -170,7 +172,9 @@ TEST(RingAttentionErrors, ABadArgumentOnOneRankIsTheSameErrorOnEveryRank) {
   in.beta = comm().rank() == failing ? std::nan("") : 1.0;
   const std::string prefix = comm().size() > 1 ? "rank " + std::to_string(failing) + ": " : "";
   EXPECT_TRUE(throws_error(
-      [&] { distributed::attend(comm(), in, {update.data(), nullptr, nullptr}); },
+      [&] {
+        distributed::attend(comm(), in, {update.data(), nullptr, nullptr});
+      },
       ErrorCode::invalid_argument, {prefix + "distributed attend: argument 'beta'"}));
 }
 

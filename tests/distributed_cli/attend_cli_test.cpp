@@ -49,9 +49,9 @@ class DistributedAttendCli : public CliFolder {
   }
 
   std::string arguments(const std::string& mask, const std::string& tag) const {
-    return "attend --x '" + path("x.npy") + "' --m '" + path("m.npy") + "' --f '" +
-           path("f.npy") + "' --key-bias '" + path("u.npy") + "' --offset '" + path("c.npy") +
-           "' --key-lengths '" + path("l.npy") + "' --beta 1.3 --mask " + mask + " --out '" +
+    return "attend --x '" + path("x.npy") + "' --m '" + path("m.npy") + "' --f '" + path("f.npy") +
+           "' --key-bias '" + path("u.npy") + "' --offset '" + path("c.npy") + "' --key-lengths '" +
+           path("l.npy") + "' --beta 1.3 --mask " + mask + " --out '" +
            path("update" + tag + ".npy") + "' --lse '" + path("lse" + tag + ".npy") +
            "' --entropy '" + path("entropy" + tag + ".npy") + "'";
   }
@@ -149,8 +149,7 @@ TEST_F(DistributedAttendCli, AMissingOutputFolderIsReportedOnceAndNothingIsWritt
 
 TEST_F(DistributedAttendCli, WeightsAreRefusedOnEveryRank) {
   write_inputs<double>();
-  const CliRun failed =
-      run(arguments("none", "P") + " --weights '" + path("w.npy") + "'", 2);
+  const CliRun failed = run(arguments("none", "P") + " --weights '" + path("w.npy") + "'", 2);
   EXPECT_EQ(failed.status, 1) << failed.err;
   EXPECT_EQ(occurrences(failed.err, "emflow: error: "), 1u) << failed.err;
   EXPECT_NE(failed.err.find("--weights is not available with --distributed"), std::string::npos)
