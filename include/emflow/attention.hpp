@@ -77,6 +77,11 @@ struct AttentionInput {
   std::int64_t key_position = 0;
   /// Sequence position of query 0, or kAlignToEnd (see above).
   std::int64_t query_position = kAlignToEnd;
+  /// Optional per-cloud positions of query 0 (host memory, `batch` entries), overriding
+  /// query_position: a block of keys of a ragged batch (partial.hpp) needs each cloud's own
+  /// bottom-right origin, key_position + Lk_b - Lq_b over the whole cloud, which one value cannot
+  /// give.
+  const std::int64_t* query_positions = nullptr;
 };
 
 /// Where the contextual update writes. Only `update` is required.

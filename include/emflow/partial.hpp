@@ -22,7 +22,8 @@
 // update delta_i = sum_h o^h_i + c (c only for queries that saw a key), lse and entropy, equal to
 // emflow::attend over all the keys. The keys of a block are given as the cloud of an
 // AttentionInput (with key_position set to where the block starts, so masks see true positions,
-// and an explicit query_position); the queries as its `queries`.
+// and an explicit query_position, or query_positions per cloud for a ragged batch); the queries
+// as its `queries`.
 #pragma once
 
 #include <cstdint>

@@ -107,6 +107,14 @@ void check_arguments(const AttentionInput<T>& in, const AttentionOutput<T>& out,
       }
     }
   }
+  if (in.query_positions != nullptr) {
+    for (std::int64_t b = 0; b < in.batch; ++b) {
+      if (in.query_positions[b] == kAlignToEnd) {
+        fail_argument(op, "query_positions", "entry ", b, " must be a position, not kAlignToEnd");
+      }
+      check_position(op, "query_positions", in.query_positions[b], query_count(in));
+    }
+  }
   if (in.query_position == kAlignToEnd && in.key_position != 0) {
     // The aligned origin key_position + Lk - Lq lies within [key_position - Nq, key_position + N].
     check_position(op, "key_position", in.key_position - query_count(in),
@@ -119,7 +127,7 @@ void expect_self_attention(const AttentionInput<T>& in, const char* op) {
   if (!plain_self_attention(in)) {
     fail(ErrorCode::unsupported, op,
          ": this backend does not implement cross-attention (queries, query_tokens, "
-         "query_lengths, key_position, query_position) yet");
+         "query_lengths, key_position, query_position, query_positions) yet");
   }
 }
 
@@ -155,6 +163,7 @@ void check_no_overlap(const AttentionInput<T>& in, const AttentionOutput<T>& out
       {"cloud", in.cloud, B * N * d * sizeof(T), false},
       {"queries", in.queries, B * Nq * d * sizeof(T), false},
       {"query_lengths", in.query_lengths, B * sizeof(std::int64_t), false},
+      {"query_positions", in.query_positions, B * sizeof(std::int64_t), false},
       {"relevance", in.layer.relevance, H * d * d * sizeof(T), false},
       {"content", in.layer.content, H * d * d * sizeof(T), false},
       {"key_bias", in.layer.key_bias, H * d * sizeof(T), false},

@@ -42,7 +42,7 @@ constexpr const T* query_rows(const AttentionInput<T>& in) {
 template <class T>
 constexpr bool plain_self_attention(const AttentionInput<T>& in) {
   return in.queries == nullptr && in.query_lengths == nullptr && in.key_position == 0 &&
-         in.query_position == kAlignToEnd;
+         in.query_position == kAlignToEnd && in.query_positions == nullptr;
 }
 
 /// The rule of cloud b of validated input.
@@ -56,7 +56,8 @@ constexpr QueryRule query_rule(const AttentionInput<T>& in, std::int64_t b) {
                                                   : rule.key_length;
   rule.key_position = in.key_position;
   // The last real query beside the last real key: key_position + Lk - 1 = origin + Lq - 1.
-  rule.query_origin = in.query_position != kAlignToEnd
+  rule.query_origin = in.query_positions != nullptr ? in.query_positions[b]
+                      : in.query_position != kAlignToEnd
                           ? in.query_position
                           : in.key_position + rule.key_length - rule.query_length;
   return rule;

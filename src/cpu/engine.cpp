@@ -27,6 +27,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/partial_rows.hpp"
 #include "engine_internal.hpp"
 #include "simd.hpp"
 
@@ -38,6 +39,10 @@ namespace {
 
 // Bytes of projected operands to hold at once; clouds are processed in groups within it.
 constexpr std::int64_t kGroupBytes = std::int64_t{96} << 20;
+// Key splitting: only below this many query blocks in a group, into spans of at least this many
+// keys (a span's merge costs O(Nq d), its attention O(Nq span d)).
+constexpr std::int64_t kSplitBelowBlocks = 8;
+constexpr std::int64_t kMinSpanKeys = 2048;
 
 /// out[rows x columns] = X[rows x dim] map[dim x columns] (+ bias) for the cloud rows
 /// [row_begin, row_begin + rows) of a cloud whose first `tokens` rows are read; rows past those
@@ -102,12 +107,25 @@ bool clouds_finite(const float* cloud, std::int64_t batch, std::int64_t tokens, 
   return true;
 }
 
-void fused_attend(const float* cloud, std::int64_t batch, std::int64_t tokens,
-                  const EngineLayer& layer, const Mask& mask, const std::int64_t* key_lengths,
-                  const AttentionOutput<float>& out, int threads) {
+std::vector<QueryRule> self_rules(std::int64_t batch, std::int64_t tokens, const Mask& mask,
+                                  const std::int64_t* key_lengths) {
+  std::vector<QueryRule> rules(static_cast<std::size_t>(batch));
+  for (std::int64_t b = 0; b < batch; ++b) {
+    QueryRule& rule = rules[static_cast<std::size_t>(b)];
+    rule.mask = mask;
+    rule.key_length = rule.query_length = key_lengths ? key_lengths[b] : tokens;
+  }
+  return rules;
+}
+
+void fused_attend(const EngineClouds& clouds, const EngineLayer& layer, const EngineOutput& out,
+                  int threads) {
+  const std::int64_t batch = clouds.batch, tokens = clouds.tokens;
   Geometry g;
   g.tokens = tokens;
   g.padded_tokens = round_up(tokens, kTokenAlign);
+  g.query_tokens = clouds.query_tokens;
+  g.padded_queries = round_up(clouds.query_tokens, kTokenAlign);
   g.dim = layer.dim;
   g.heads = layer.heads;
   g.score_dim = layer.score_dim;
@@ -116,12 +134,14 @@ void fused_attend(const float* cloud, std::int64_t batch, std::int64_t tokens,
   g.value_stride = padded_columns(layer.value_dim);
   g.dim_stride = padded_columns(layer.dim);
   g.shared_keys = layer.key_map == nullptr;
+  const bool partial = out.partial.heads != nullptr;
+  const std::int64_t Nq = g.query_tokens;
 
   // With the thread count left to us, small calls run on one thread: waking a team costs a few
   // microseconds on an idle machine and up to a scheduler time slice on a busy one, more than
   // a call of a few MFLOP takes alone.
   const double work = 4.0 * static_cast<double>(batch) * static_cast<double>(layer.heads) *
-                      static_cast<double>(tokens) * static_cast<double>(tokens) *
+                      static_cast<double>(Nq) * static_cast<double>(tokens) *
                       static_cast<double>(layer.score_dim + layer.value_dim) / 2.0;
   constexpr double kSmallCallFlop = 4e6;
   const int team = threads > 0 ? threads : work < kSmallCallFlop ? 1 : omp_get_max_threads();
@@ -131,20 +151,40 @@ void fused_attend(const float* cloud, std::int64_t batch, std::int64_t tokens,
       H * (g.query_floats() + g.value_floats()) + key_sets * g.key_floats();
   const std::int64_t group = std::clamp<std::int64_t>(kGroupBytes / (4 * cloud_floats), 1, batch);
 
+  // Few queries against many keys: split the keys into spans of whole tiles, one task per
+  // (cloud, query block, span), and merge the spans' partial states in order. The split follows
+  // from the shape alone, so results do not depend on the thread count.
+  std::int64_t spans = 1;
+  if (clouds.split_keys && out.attend.weights == nullptr && layer.output_map == nullptr) {
+    const std::int64_t query_blocks = group * ((Nq + 63) / 64);
+    if (query_blocks < kSplitBelowBlocks) {
+      spans = std::min<std::int64_t>((kSplitBelowBlocks * 2 + query_blocks - 1) / query_blocks,
+                                     tokens / kMinSpanKeys);
+    }
+    spans = std::max<std::int64_t>(spans, 1);
+  }
+  const std::int64_t span_keys = round_up((tokens + spans - 1) / spans, kKeyTile);
+  if (spans > 1) spans = (tokens + span_keys - 1) / span_keys;
+
   // Smaller query blocks when there are few, so every thread gets work; the results do not
   // depend on the block size (rows are computed independently, tiles in the same order).
-  const std::int64_t wide_blocks = group * ((tokens + 63) / 64);
+  const std::int64_t wide_blocks = group * ((Nq + 63) / 64);
   g.query_block = 64;
-  while (g.query_block > kChunkRows && wide_blocks * (64 / g.query_block) < 4 * team) {
+  while (spans == 1 && g.query_block > kChunkRows && wide_blocks * (64 / g.query_block) < 4 * team) {
     g.query_block /= 2;
   }
-  const std::int64_t blocks = (tokens + g.query_block - 1) / g.query_block;
+  if (spans > 1) g.query_block = std::min<std::int64_t>(64, round_up(Nq, kChunkRows));
+  const std::int64_t blocks = (Nq + g.query_block - 1) / g.query_block;
 
   AlignedBuffer queries(group * H * g.query_floats());
   AlignedBuffer panels(group * key_sets * g.key_floats());
   AlignedBuffer values(group * H * g.value_floats());
   std::vector<std::unique_ptr<Scratch>> scratch;
   for (int t = 0; t < team; ++t) scratch.push_back(std::make_unique<Scratch>(g));
+  // Split: the partial state of every span, (span, cloud of the group, head, query, dim).
+  const std::int64_t state_rows = spans > 1 ? group * H * Nq : 0;
+  AlignedBuffer span_heads(spans * state_rows * g.dim);
+  AlignedBuffer span_lse(spans * state_rows), span_entropy(spans * state_rows);
 
   auto operands = [&](std::int64_t local_cloud) {
     std::vector<HeadOperands> heads(static_cast<std::size_t>(H));
@@ -158,7 +198,7 @@ void fused_attend(const float* cloud, std::int64_t batch, std::int64_t tokens,
     return heads;
   };
 
-  const std::int64_t projection_blocks = g.padded_tokens / kTokenAlign;
+  const std::int64_t projection_blocks = std::max(g.padded_tokens, g.padded_queries) / kTokenAlign;
   for (std::int64_t first = 0; first < batch; first += group) {
     const std::int64_t count = std::min(group, batch - first);
     std::vector<std::vector<HeadOperands>> cloud_operands;
@@ -175,14 +215,18 @@ void fused_attend(const float* cloud, std::int64_t batch, std::int64_t tokens,
         const std::int64_t c = task / (H * projection_blocks);
         const std::int64_t h = (task / projection_blocks) % H;
         const std::int64_t row0 = (task % projection_blocks) * kTokenAlign;
-        const float* X = cloud + (first + c) * tokens * g.dim;
+        const float* X = clouds.keys + (first + c) * tokens * g.dim;
+        const float* Q = clouds.queries + (first + c) * Nq * g.dim;
         const HeadOperands& op = cloud_operands[static_cast<std::size_t>(c)][h];
         const float* bias = layer.query_bias ? layer.query_bias + h * g.score_stride : nullptr;
-        project(X, tokens, g.dim, row0, kTokenAlign, layer.query_map + h * g.dim * g.score_stride,
-                g.score_stride, bias, op.queries + row0 * g.score_stride, s.rows.data());
+        if (row0 < g.padded_queries) {
+          project(Q, Nq, g.dim, row0, kTokenAlign, layer.query_map + h * g.dim * g.score_stride,
+                  g.score_stride, bias, op.queries + row0 * g.score_stride, s.rows.data());
+        }
+        if (row0 >= g.padded_tokens) continue;
         // Values of keys past the key length are never weighted; they stay 0 (or finite from an
         // earlier cloud), so whatever the caller left in the padding cannot turn 0 * v into NaN.
-        const std::int64_t length = key_lengths ? key_lengths[first + c] : tokens;
+        const std::int64_t length = clouds.rules[first + c].key_length;
         project(X, length, g.dim, row0, kTokenAlign, layer.value_map + h * g.dim * g.value_stride,
                 g.value_stride, nullptr, op.values + row0 * g.value_stride, s.rows.data());
         const std::int64_t valid = std::min(kTokenAlign, tokens - row0);
@@ -198,17 +242,61 @@ void fused_attend(const float* cloud, std::int64_t batch, std::int64_t tokens,
         }
       }
 
-      // Phase 2: attention, one block of queries of one cloud per task, the last blocks first
-      // (under a causal mask they have the most keys).
-      const std::int64_t attention_tasks = count * blocks;
+      // Phase 2: attention, one block of queries of one cloud (and one span of keys) per task,
+      // the last blocks first (under a causal mask they have the most keys).
+      const std::int64_t attention_tasks = count * blocks * spans;
 #pragma omp for schedule(dynamic, 1)
       for (std::int64_t task = 0; task < attention_tasks; ++task) {
-        const std::int64_t c = task % count;
-        const std::int64_t block = blocks - 1 - task / count;
+        const std::int64_t span = task % spans;
+        const std::int64_t c = (task / spans) % count;
+        const std::int64_t block = blocks - 1 - task / (spans * count);
         const std::int64_t b = first + c;
-        const std::int64_t length = key_lengths ? key_lengths[b] : tokens;
-        attend_block(b, block * g.query_block, g, cloud_operands[static_cast<std::size_t>(c)],
-                     layer, mask, length, out, s);
+        const QueryRule& rule = clouds.rules[b];
+        if (spans == 1) {
+          attend_block(b, block * g.query_block, g, cloud_operands[static_cast<std::size_t>(c)],
+                       layer, rule, {0, tokens}, out, s);
+          continue;
+        }
+        EngineOutput state;
+        state.partial = {span_heads.data() + span * state_rows * g.dim,
+                         span_lse.data() + span * state_rows,
+                         span_entropy.data() + span * state_rows};
+        attend_block(c, block * g.query_block, g, cloud_operands[static_cast<std::size_t>(c)],
+                     layer, rule, {span * span_keys, std::min(tokens, (span + 1) * span_keys)},
+                     state, s);
+      }
+
+      // Phase 3 (split only): merge the spans of each query in order 0, 1, ..., then write the
+      // partial state or finish the update.
+      if (spans > 1) {
+#pragma omp for schedule(static)
+        for (std::int64_t task = 0; task < count * Nq; ++task) {
+          const std::int64_t c = task / Nq, i = task % Nq, b = first + c;
+          for (std::int64_t h = 0; h < H; ++h) {
+            const std::int64_t row = (c * H + h) * Nq + i;
+            float* lse = span_lse.data() + row;
+            float* entropy = span_entropy.data() + row;
+            float* o = span_heads.data() + row * g.dim;
+            for (std::int64_t k = 1; k < spans; ++k) {
+              const std::int64_t other = k * state_rows + row;
+              merge_state(*lse, *entropy, o, span_lse.data()[other], span_entropy.data()[other],
+                          span_heads.data() + other * g.dim, g.dim);
+            }
+            if (partial) {
+              const std::int64_t dst = (b * H + h) * Nq + i;
+              out.partial.lse[dst] = *lse;
+              out.partial.entropy[dst] = *entropy;
+              std::copy(o, o + g.dim, out.partial.heads + dst * g.dim);
+            }
+          }
+          if (partial) continue;
+          const std::int64_t row = c * H * Nq + i, dst = b * H * Nq + i;
+          finish_query(H, Nq, span_lse.data() + row, span_entropy.data() + row,
+                       span_heads.data() + row * g.dim, g.dim, layer.offset,
+                       out.attend.update + (b * Nq + i) * g.dim,
+                       out.attend.lse ? out.attend.lse + dst : nullptr,
+                       out.attend.entropy ? out.attend.entropy + dst : nullptr);
+        }
       }
     }
   }

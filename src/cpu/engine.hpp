@@ -17,8 +17,11 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
+#include "core/queries.hpp"
 #include "emflow/attention.hpp"
+#include "emflow/partial.hpp"
 
 namespace emflow::detail::cpu {
 
@@ -49,13 +52,38 @@ bool all_finite(const float* values, std::int64_t count);
 bool clouds_finite(const float* cloud, std::int64_t batch, std::int64_t tokens, std::int64_t dim,
                    const std::int64_t* key_lengths);
 
-/// Writes output.update (and lse, entropy, weights when not null) for `batch` clouds of `tokens`
-/// points of `layer.dim` coordinates, on `threads` OpenMP threads (0: the OpenMP default, or
-/// one thread for a call of under 4 MFLOP).
+/// The clouds of one engine call: queries Q (batch, query_tokens, dim) against keys X (batch,
+/// tokens, dim), each cloud with its visibility rule. For self-attention Q = X.
+struct EngineClouds {
+  const float* keys = nullptr;
+  const float* queries = nullptr;
+  std::int64_t batch = 1;
+  std::int64_t tokens = 0;        ///< N: keys per cloud
+  std::int64_t query_tokens = 0;  ///< Nq: queries per cloud
+  const QueryRule* rules = nullptr;  ///< `batch` entries
+  /// Whether the keys may be split into blocks across threads when the queries are few (their
+  /// partial states merged exactly, docs/MATH.md §1.6). The split depends on the shape only,
+  /// never on the thread count.
+  bool split_keys = false;
+};
+
+/// Where the engine writes: the outputs of emflow::attend (Nq rows per cloud), or, when
+/// partial.heads is set, the per-head partial state of partial.hpp (output_map must be null).
+struct EngineOutput {
+  AttentionOutput<float> attend;
+  PartialOutput<float> partial;
+};
+
+/// Computes the outputs for every query of `clouds` on `threads` OpenMP threads (0: the OpenMP
+/// default, or one thread for a call of under 4 MFLOP).
 /// Results do not depend on the thread count: every output element is computed by one thread
-/// in a fixed order (heads summed in order 0..H-1).
-void fused_attend(const float* cloud, std::int64_t batch, std::int64_t tokens,
-                  const EngineLayer& layer, const Mask& mask, const std::int64_t* key_lengths,
-                  const AttentionOutput<float>& output, int threads);
+/// in a fixed order (heads summed in order 0..H-1, key blocks merged in order).
+void fused_attend(const EngineClouds& clouds, const EngineLayer& layer, const EngineOutput& output,
+                  int threads);
+
+/// The rules of self-attention without positions: query i of cloud b sees the keys
+/// mask.visible_keys(i, L_b).
+std::vector<QueryRule> self_rules(std::int64_t batch, std::int64_t tokens, const Mask& mask,
+                                  const std::int64_t* key_lengths);
 
 }  // namespace emflow::detail::cpu

@@ -57,13 +57,14 @@ inline std::int64_t round_up(std::int64_t n, std::int64_t multiple) {
 
 /// The shapes every task shares.
 struct Geometry {
-  std::int64_t tokens = 0, padded_tokens = 0, dim = 0, heads = 0;
+  std::int64_t tokens = 0, padded_tokens = 0, dim = 0, heads = 0;  // keys
+  std::int64_t query_tokens = 0, padded_queries = 0;
   std::int64_t score_dim = 0, score_stride = 0;  // query rows, key panels
   std::int64_t value_dim = 0, value_stride = 0;
   std::int64_t dim_stride = 0;  // update rows
   std::int64_t query_block = 64;
   bool shared_keys = true;
-  std::int64_t query_floats() const { return padded_tokens * score_stride; }
+  std::int64_t query_floats() const { return padded_queries * score_stride; }
   std::int64_t key_floats() const { return padded_tokens * score_dim; }
   std::int64_t value_floats() const { return padded_tokens * value_stride; }
 };
@@ -96,16 +97,23 @@ struct Scratch {
 
 /// The operands of one head of one cloud.
 struct HeadOperands {
-  float* queries;  // padded_tokens x score_stride
+  float* queries;  // padded_queries x score_stride
   float* panels;   // padded_tokens / kKeyTile panels of score_dim x kKeyTile
   float* values;   // padded_tokens x value_stride
 };
 
+/// The keys [first, last) that a task of phase 2 meets (all of them unless split).
+struct KeySpan {
+  std::int64_t first = 0;
+  std::int64_t last = 0;
+};
+
 /// Attention of the queries [query_begin, query_begin + g.query_block) of cloud `b` (all heads)
-/// against the projected operands `heads`, written to the outputs (phase 2, engine_block.cpp).
+/// against the projected operands `heads` over the keys of `span`, written to `out` (its
+/// partial state when out.partial.heads is set: rows (b H + h) Nq + i, as partial.hpp lays them
+/// out) (phase 2, engine_block.cpp).
 void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
                   const std::vector<HeadOperands>& heads, const EngineLayer& layer,
-                  const Mask& mask, std::int64_t length, const AttentionOutput<float>& out,
-                  Scratch& s);
+                  const QueryRule& rule, KeySpan span, const EngineOutput& out, Scratch& s);
 
 }  // namespace emflow::detail::cpu::engine
