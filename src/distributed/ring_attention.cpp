@@ -231,6 +231,9 @@ struct Ring {
 template <class T>
 void attend(Communicator& comm, const ShardInput<T>& input, const ShardOutput<T>& output,
             const ExecutionOptions& options, RingTimes* times) {
+  // The partial states live in host memory: automatic means the CPU here, whatever the machine.
+  ExecutionOptions host = options;
+  if (host.device == Device::automatic) host.device = Device::cpu;
   std::unique_ptr<Ring<T>> ring;
   agreed(comm, [&] {
     check_input(comm, input, output, options);
@@ -253,7 +256,7 @@ void attend(Communicator& comm, const ShardInput<T>& input, const ShardOutput<T>
     const auto compute_start = Clock::now();
     if (!error) {
       try {
-        ring->compute(comm, owner, transfer.get(), options);
+        ring->compute(comm, owner, transfer.get(), host);
       } catch (...) {
         error = std::current_exception();
       }
