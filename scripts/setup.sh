@@ -3,7 +3,8 @@
 # installed already; without it emflow builds its CPU backends only).
 set -euo pipefail
 packages=(cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev
-          libcairo2-dev libopenblas-dev liblapack-dev libomp-dev nlohmann-json3-dev)
+          libcairo2-dev libopenblas-dev liblapack-dev libomp-dev nlohmann-json3-dev
+          libopenmpi-dev openmpi-bin)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

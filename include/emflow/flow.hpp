@@ -267,6 +267,19 @@ PhaseDiagram phase_diagram_generic(const PhaseSettings& settings,
                                    const ExecutionOptions& options = {},
                                    const Progress& progress = {});
 
+/// Part of the sweep on the CPU path (for a sweep split among processes): the clustered-pair
+/// counts (S + 1, K), row-major, of the (beta, cloud) pairs p = k * clouds + c with
+/// first <= p < last, each entry summed over the part's clouds of that beta. Counts are exact,
+/// so the counts of parts that cover every pair once add up (in any order) to those of the
+/// whole sweep, and phase_from_counts of that sum is phase_diagram on the CPU bit for bit.
+/// options.device must be cpu or automatic (the CPU path whatever the machine).
+std::vector<std::int64_t> phase_counts(const PhaseSettings& settings, std::int64_t first,
+                                       std::int64_t last, const ExecutionOptions& options = {},
+                                       const Progress& progress = {});
+/// The diagram of `settings` from the counts of all its pairs (phase_counts).
+PhaseDiagram phase_from_counts(const PhaseSettings& settings,
+                               const std::vector<std::int64_t>& counts);
+
 /// Checks a PhaseSettings; throws naming the first bad field.
 void validate(const PhaseSettings& settings);
 

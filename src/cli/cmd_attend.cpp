@@ -9,6 +9,7 @@
 
 #include "commands.hpp"
 #include "common.hpp"
+#include "distributed_commands.hpp"
 #include "emflow/attention.hpp"
 #include "emflow/finite.hpp"
 #include "emflow/io.hpp"
@@ -26,6 +27,7 @@ struct AttendArguments {
   std::string device = "auto";
   int threads = 0;
   bool check_finite = false;
+  bool distributed = false;
 };
 
 template <class T>
@@ -231,7 +233,17 @@ written only when the whole run succeeds.)");
                       "output: attention entropy in nats (.npy), (B, H, Nq)");
   command->add_option("--weights", args->weights,
                       "output: attention weights P (.npy), (B, H, Nq, N); needs B H Nq N numbers");
+  command->add_flag("--distributed", args->distributed,
+                    "under mpirun: spread the tokens over the ranks (sequence-parallel ring); "
+                    "rank 0 writes the same files as one process would");
   command->callback([args] {
+    if (args->distributed) {
+      run_attend_distributed({args->cloud, args->relevance, args->content, args->key_bias,
+                              args->offset, args->key_lengths, args->update, args->lse,
+                              args->entropy, args->weights, args->beta, args->mask, args->device,
+                              args->threads, args->check_finite});
+      return;
+    }
     const Dtype dtype = float_dtype("--x", args->cloud);
     if (dtype == Dtype::float32) {
       run_attend<float>(*args, dtype);

@@ -13,8 +13,11 @@
 
 #include "commands.hpp"
 #include "common.hpp"
+#include "emflow/distributed.hpp"
+#include "emflow/distributed_flow.hpp"
 #include "emflow/flow.hpp"
 #include "emflow/io.hpp"
+#include "job.hpp"
 #include "tools/plot.hpp"
 #include "tools/progress.hpp"
 
@@ -27,6 +30,7 @@ struct PhaseArguments {
   std::string device = "auto";
   int threads = 0;
   std::string plot, out;
+  bool distributed = false;
 };
 
 // "START:STOP:COUNT" with 0 < START <= STOP and COUNT >= 1.
@@ -54,65 +58,92 @@ std::string csv_number(double v) {
 }
 
 void run_phase(PhaseArguments& args) {
+  // Under --distributed every rank checks the arguments and computes its share, each step that
+  // can fail agreed on by all ranks; rank 0 alone writes the files and prints.
+  distributed::Communicator* comm = args.distributed ? &job() : nullptr;
+  const bool writer = comm == nullptr || comm->rank() == 0;
+  const auto agreed = [&](const auto& body) {
+    if (comm) {
+      distributed::agreed(*comm, body);
+    } else {
+      body();
+    }
+  };
   flow::PhaseSettings& s = args.settings;
-  parse_beta_range(args.betas, s);
-  if (s.tokens < 2) fail_option("--tokens", "must be >= 2, got ", s.tokens);
-  if (s.dim < 1) fail_option("--dim", "must be >= 1, got ", s.dim);
-  if (s.clouds < 1) fail_option("--clouds", "must be >= 1, got ", s.clouds);
-  if (!(std::isfinite(s.time) && s.time > 0)) {
-    fail_option("--time", "must be finite and > 0, got ", s.time);
-  }
-  if (!(std::isfinite(s.dt) && s.dt > 0)) fail_option("--dt", "must be finite and > 0, got ", s.dt);
-  // The sweep holds every cloud at every beta at once; the library limits it too, but this
-  // names the option to change.
-  expect_product_at_most(
-      {{"--clouds", s.clouds},
-       {"--betas", s.beta_count, "--betas COUNT " + std::to_string(s.beta_count)},
-       {"--tokens", s.tokens},
-       {"--dim", s.dim}},
-      std::int64_t{1} << 31, "values of the sweep (every cloud at every beta)");
-  // The step count is limited by the library.
-  flow::validate(s);
-  const ExecutionOptions options = execution_options(args.device, args.threads);
-  // What phase_diagram runs on: the GPU when auto finds one (or cuda is named), else the CPU.
-  const Device device = naming_option("--device", [&] { return resolve_device(options.device); });
-
+  ExecutionOptions options;
+  Device device = Device::cpu;
   OutputFiles outputs;
-  if (!args.plot.empty()) outputs.declare("--plot", args.plot);
-  if (!args.out.empty()) outputs.declare("--out", args.out);
+  agreed([&] {
+    parse_beta_range(args.betas, s);
+    if (s.tokens < 2) fail_option("--tokens", "must be >= 2, got ", s.tokens);
+    if (s.dim < 1) fail_option("--dim", "must be >= 1, got ", s.dim);
+    if (s.clouds < 1) fail_option("--clouds", "must be >= 1, got ", s.clouds);
+    if (!(std::isfinite(s.time) && s.time > 0)) {
+      fail_option("--time", "must be finite and > 0, got ", s.time);
+    }
+    if (!(std::isfinite(s.dt) && s.dt > 0))
+      fail_option("--dt", "must be finite and > 0, got ", s.dt);
+    // The sweep holds every cloud at every beta at once; the library limits it too, but this
+    // names the option to change.
+    expect_product_at_most(
+        {{"--clouds", s.clouds},
+         {"--betas", s.beta_count, "--betas COUNT " + std::to_string(s.beta_count)},
+         {"--tokens", s.tokens},
+         {"--dim", s.dim}},
+        std::int64_t{1} << 31, "values of the sweep (every cloud at every beta)");
+    // The step count is limited by the library.
+    flow::validate(s);
+    options = execution_options(args.device, args.threads);
+    if (comm && options.device == Device::automatic) options.device = Device::cpu;
+    if (comm && options.device != Device::cpu) {
+      fail_option("--device", "with --distributed must be cpu, got ", args.device);
+    }
+    // What phase_diagram runs on: the GPU when auto finds one (or cuda is named), else the CPU.
+    device = naming_option("--device", [&] { return resolve_device(options.device); });
+    if (writer && !args.plot.empty()) outputs.declare("--plot", args.plot);
+    if (writer && !args.out.empty()) outputs.declare("--out", args.out);
+  });
 
   tools::ProgressBar bar("emflow phase");
   const auto start = std::chrono::steady_clock::now();
-  const flow::PhaseDiagram diagram = flow::phase_diagram(s, options, bar.callback());
+  const flow::PhaseDiagram diagram =
+      comm ? distributed::phase_diagram(*comm, s, options,
+                                        writer ? bar.callback() : flow::Progress{})
+           : flow::phase_diagram(s, options, bar.callback());
   bar.finish();
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-  if (!args.out.empty()) {
-    std::ostringstream csv;
-    csv << "time,beta,clustered_fraction\n";
-    const std::size_t K = diagram.betas.size();
-    for (std::size_t t = 0; t < diagram.times.size(); ++t) {
-      for (std::size_t k = 0; k < K; ++k) {
-        csv << csv_number(diagram.times[t]) << ',' << csv_number(diagram.betas[k]) << ','
-            << csv_number(diagram.clustered[t * K + k]) << '\n';
+  agreed([&] {
+    if (!writer) return;
+    if (!args.out.empty()) {
+      std::ostringstream csv;
+      csv << "time,beta,clustered_fraction\n";
+      const std::size_t K = diagram.betas.size();
+      for (std::size_t t = 0; t < diagram.times.size(); ++t) {
+        for (std::size_t k = 0; k < K; ++k) {
+          csv << csv_number(diagram.times[t]) << ',' << csv_number(diagram.betas[k]) << ','
+              << csv_number(diagram.clustered[t * K + k]) << '\n';
+        }
       }
+      outputs.stage_bytes(args.out, csv.str());
     }
-    outputs.stage_bytes(args.out, csv.str());
-  }
-  if (!args.plot.empty()) {
-    std::ostringstream title;
-    title << "Clustering on the sphere S" << tools::superscript(s.dim - 1) << ": n = " << s.tokens
-          << ", d = " << s.dim << ", " << s.clouds << " clouds per \xCE\xB2, RK4 dt = " << s.dt;
-    outputs.stage_bytes(args.plot, tools::draw_phase(diagram, title.str()));
-  }
-  outputs.commit();
+    if (!args.plot.empty()) {
+      std::ostringstream title;
+      title << "Clustering on the sphere S" << tools::superscript(s.dim - 1) << ": n = " << s.tokens
+            << ", d = " << s.dim << ", " << s.clouds << " clouds per \xCE\xB2, RK4 dt = " << s.dt;
+      outputs.stage_bytes(args.plot, tools::draw_phase(diagram, title.str()));
+    }
+    outputs.commit();
+  });
+  if (!writer) return;
 
   const std::size_t K = diagram.betas.size(), last = diagram.times.size() - 1;
   std::cout << std::setprecision(4) << "emflow phase: " << K << " betas x " << s.clouds
             << " clouds of " << s.tokens << " tokens in d = " << s.dim << ", " << last
-            << " RK4 steps to T = " << s.time << " on " << to_string(device) << " in " << seconds
-            << " s\n"
+            << " RK4 steps to T = " << s.time << " on " << to_string(device)
+            << (comm ? " x " + std::to_string(comm->size()) + " ranks" : std::string()) << " in "
+            << seconds << " s\n"
             << "  clustered fraction at T: " << diagram.clustered[last * K] << " (beta "
             << diagram.betas.front() << ") .. " << diagram.clustered[last * K + K - 1] << " (beta "
             << diagram.betas.back() << ")\n";
@@ -142,6 +173,9 @@ the clouds, is recorded at every step for each beta. The same clouds serve every
   command->add_option("--plot", args->plot, "output: the phase diagram (.png)");
   command->add_option("--out", args->out,
                       "output: (.csv) time,beta,clustered_fraction, one row per step and beta");
+  command->add_flag("--distributed", args->distributed,
+                    "under mpirun: split the (beta, cloud) pairs over the ranks; the same "
+                    "diagram bit for bit, written by rank 0");
   command->callback([args] { run_phase(*args); });
 }
 

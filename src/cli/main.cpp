@@ -6,7 +6,9 @@
 #include <new>
 
 #include "commands.hpp"
+#include "emflow/distributed.hpp"
 #include "emflow/error.hpp"
+#include "job.hpp"
 
 int main(int argc, char** argv) {
   CLI::App app{"emflow: EMF attention and the flow of token clouds", "emflow"};
@@ -24,19 +26,36 @@ int main(int argc, char** argv) {
   emflow::cli::add_flow_command(app);
   emflow::cli::add_phase_command(app);
   emflow::cli::add_convert_command(app);
+  // Under --distributed an error every rank agreed on is reported once, by rank 0, and every
+  // rank ends normally; any other error on one rank ends the whole job (MPI_Abort), since its
+  // partners may be waiting for it.
+  const auto report = [](const std::string& message, bool agreed) {
+    if (!emflow::cli::in_job()) {
+      std::cerr << "emflow: error: " << message << "\n";
+      return 1;
+    }
+    if (agreed) {
+      if (emflow::cli::job_rank() == 0) std::cerr << "emflow: error: " << message << "\n";
+      emflow::cli::end_job();
+      return 1;
+    }
+    std::cerr << "emflow: error: rank " << emflow::cli::job_rank() << ": " << message
+              << " (ending the job)\n";
+    emflow::distributed::abort_job(1);
+  };
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  } catch (const emflow::distributed::AgreedError& e) {
+    return report(e.what(), true);
   } catch (const emflow::Error& e) {
-    std::cerr << "emflow: error: " << e.what() << "\n";
-    return 1;
+    return report(e.what(), false);
   } catch (const std::bad_alloc&) {
-    std::cerr << "emflow: error: out of memory\n";
-    return 1;
+    return report("out of memory", false);
   } catch (const std::exception& e) {
-    std::cerr << "emflow: error: " << e.what() << "\n";
-    return 1;
+    return report(e.what(), false);
   }
+  emflow::cli::end_job();
   return 0;
 }

@@ -94,5 +94,17 @@ std::vector<double> phase_kernel(const std::vector<float>& initial, std::int64_t
                                  std::int64_t tokens, std::int64_t dim,
                                  const std::vector<double>& betas, double time, double dt,
                                  double cluster_eps, int threads, const Progress& progress);
+/// The clustered-pair counts (S + 1, K) of the (beta, cloud) pairs p = k * C + c in
+/// [first, last) of that sweep, summed over each beta's clouds in the part; phase_kernel is
+/// phase_fractions of the counts of all pairs.
+std::vector<std::int64_t> phase_counts_kernel(const std::vector<float>& initial,
+                                              std::int64_t clouds, std::int64_t tokens,
+                                              std::int64_t dim, const std::vector<double>& betas,
+                                              double time, double dt, double cluster_eps,
+                                              int threads, const Progress& progress,
+                                              std::int64_t first, std::int64_t last);
+/// count / (N (N - 1) / 2) / C for every entry.
+std::vector<double> phase_fractions(const std::vector<std::int64_t>& counts, std::int64_t clouds,
+                                    std::int64_t tokens);
 
 }  // namespace emflow::flow::detail

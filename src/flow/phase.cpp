@@ -143,6 +143,40 @@ PhaseDiagram phase_diagram_generic(const PhaseSettings& s, const ExecutionOption
   return out;
 }
 
+std::vector<std::int64_t> phase_counts(const PhaseSettings& s, std::int64_t first,
+                                       std::int64_t last, const ExecutionOptions& options,
+                                       const Progress& progress) {
+  validate(s);
+  if (options.threads < 0) fail_argument("phase", "threads", "must be >= 0, got ", options.threads);
+  if (options.device != Device::cpu && options.device != Device::automatic) {
+    fail_argument("phase", "device", "counts run on the CPU path (cpu), got ",
+                  to_string(options.device));
+  }
+  if (first < 0 || last < first || last > s.clouds * s.beta_count) {
+    fail_argument("phase", "pairs", "[", first, ", ", last, ") is not within [0, ",
+                  s.clouds * s.beta_count, ")");
+  }
+  const Tensor<float> initial =
+      initial_clouds<float>(InitialCloud::sphere, s.clouds, s.tokens, s.dim, s.seed);
+  return detail::phase_counts_kernel(initial.values(), s.clouds, s.tokens, s.dim, beta_grid(s),
+                                     s.time, s.dt, s.cluster_eps, options.threads, progress, first,
+                                     last);
+}
+
+PhaseDiagram phase_from_counts(const PhaseSettings& s, const std::vector<std::int64_t>& counts) {
+  validate(s);
+  const std::int64_t steps = detail::continuous_steps(s.time, s.dt);
+  if (static_cast<std::int64_t>(counts.size()) != (steps + 1) * s.beta_count) {
+    fail_argument("phase", "counts", "has ", counts.size(), " entries, expected ",
+                  (steps + 1) * s.beta_count, " (steps + 1 times betas)");
+  }
+  PhaseDiagram out;
+  out.betas = beta_grid(s);
+  out.times = time_grid(s, steps);
+  out.clustered = detail::phase_fractions(counts, s.clouds, s.tokens);
+  return out;
+}
+
 PhaseDiagram phase_diagram(const PhaseSettings& s, const ExecutionOptions& options,
                            const Progress& progress) {
   validate(s);

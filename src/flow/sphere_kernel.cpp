@@ -256,19 +256,22 @@ EMFLOW_SIMD_CLONES void simulate_block(Block& b, const float* lane_betas, int to
 
 }  // namespace
 
-std::vector<double> phase_kernel(const std::vector<float>& initial, std::int64_t clouds,
-                                 std::int64_t tokens, std::int64_t dim,
-                                 const std::vector<double>& betas, double time, double dt,
-                                 double cluster_eps, int threads, const Progress& progress) {
+std::vector<std::int64_t> phase_counts_kernel(const std::vector<float>& initial,
+                                              std::int64_t clouds, std::int64_t tokens,
+                                              std::int64_t dim, const std::vector<double>& betas,
+                                              double time, double dt, double cluster_eps,
+                                              int threads, const Progress& progress,
+                                              std::int64_t first, std::int64_t last) {
   constexpr int L = kLanes;
   const auto K = static_cast<std::int64_t>(betas.size());
-  const std::int64_t total = K * clouds;
+  const std::int64_t total = last - first;
   const std::int64_t blocks = (total + L - 1) / L;
   const std::int64_t steps = continuous_steps(time, dt);
   const auto records = static_cast<std::size_t>(steps + 1);
-  const double pairs = 0.5 * static_cast<double>(tokens) * static_cast<double>(tokens - 1);
   const auto threshold = static_cast<float>(1.0 - cluster_eps);
-  std::vector<double> clustered(records * static_cast<std::size_t>(K), 0.0);
+  // Integer counts: their sums are exact, so the diagram does not depend on how the pairs were
+  // split among threads (or processes) nor on the order the parts are added in.
+  std::vector<std::int64_t> clustered(records * static_cast<std::size_t>(K), 0);
   std::atomic<std::int64_t> done{0};
 #ifdef _OPENMP
   const int team = threads > 0 ? threads : omp_get_max_threads();
@@ -282,10 +285,10 @@ std::vector<double> phase_kernel(const std::vector<float>& initial, std::int64_t
   {
     struct Buffers {
       Buffers(std::int64_t tokens, std::int64_t dim, std::size_t records, std::size_t values)
-          : block(tokens, dim), counts(records * L), local(values, 0.0) {}
+          : block(tokens, dim), counts(records * L), local(values, 0) {}
       Block block;
       std::vector<std::int32_t> counts;
-      std::vector<double> local;
+      std::vector<std::int64_t> local;
     };
     std::unique_ptr<Buffers> buffers;
     errors.run(
@@ -298,11 +301,12 @@ std::vector<double> phase_kernel(const std::vector<float>& initial, std::int64_t
       errors.run([&] {
         Block& block = buffers->block;
         std::vector<std::int32_t>& counts = buffers->counts;
-        std::vector<double>& local = buffers->local;
-        // Lane l carries cloud c of beta k, where q * L + l = k * C + c; spare lanes of the last
-        // group repeat the group's first cloud and are not counted.
+        std::vector<std::int64_t>& local = buffers->local;
+        // Lane l carries cloud c of beta k, where first + q * L + l = k * C + c; spare lanes of
+        // the last group repeat the part's last pair and are not counted. A lane's numbers do
+        // not depend on its neighbours, so a pair counts the same in any group.
         for (int l = 0; l < L; ++l) {
-          const std::int64_t index = std::min(q * L + l, total - 1);
+          const std::int64_t index = first + std::min(q * L + l, total - 1);
           const std::int64_t k = index / clouds, c = index % clouds;
           beta_of[l] = q * L + l < total ? k : -1;
           beta[l] = static_cast<float>(betas[static_cast<std::size_t>(k)]);
@@ -317,7 +321,7 @@ std::vector<double> phase_kernel(const std::vector<float>& initial, std::int64_t
           for (int l = 0; l < L; ++l) {
             if (beta_of[l] < 0) continue;
             local[s * static_cast<std::size_t>(K) + static_cast<std::size_t>(beta_of[l])] +=
-                static_cast<double>(counts[s * L + static_cast<std::size_t>(l)]) / pairs;
+                counts[s * L + static_cast<std::size_t>(l)];
           }
         }
         const std::int64_t finished = ++done;
@@ -334,9 +338,28 @@ std::vector<double> phase_kernel(const std::vector<float>& initial, std::int64_t
     }
   }
   errors.rethrow();
-  for (double& v : clustered) v /= static_cast<double>(clouds);
   if (progress) progress(blocks, blocks);
   return clustered;
+}
+
+std::vector<double> phase_fractions(const std::vector<std::int64_t>& counts, std::int64_t clouds,
+                                    std::int64_t tokens) {
+  const double pairs = 0.5 * static_cast<double>(tokens) * static_cast<double>(tokens - 1);
+  std::vector<double> clustered(counts.size());
+  for (std::size_t e = 0; e < counts.size(); ++e) {
+    clustered[e] = static_cast<double>(counts[e]) / pairs / static_cast<double>(clouds);
+  }
+  return clustered;
+}
+
+std::vector<double> phase_kernel(const std::vector<float>& initial, std::int64_t clouds,
+                                 std::int64_t tokens, std::int64_t dim,
+                                 const std::vector<double>& betas, double time, double dt,
+                                 double cluster_eps, int threads, const Progress& progress) {
+  const auto total = static_cast<std::int64_t>(betas.size()) * clouds;
+  return phase_fractions(phase_counts_kernel(initial, clouds, tokens, dim, betas, time, dt,
+                                             cluster_eps, threads, progress, 0, total),
+                         clouds, tokens);
 }
 
 }  // namespace emflow::flow::detail

@@ -1,0 +1,118 @@
+// emflow::distributed: sequence-parallel attention over a ring of ranks (docs/MATH.md §1 for
+// the update, partial.hpp for the partial states and their merge).
+//
+// Every rank holds a shard of the tokens of every cloud of a batch: its queries and its keys.
+// The key shards travel around the ring (rank r sends what it holds to r + 1 and receives from
+// r - 1), P - 1 transfers in all, each one started before the rank computes its queries against
+// the shard it already holds, so the transfer runs behind the computation. The partial states of
+// a query are merged in the order the shards arrive (its own first, then those of r - 1, r - 2,
+// ...), a fixed order for a fixed rank count: two runs give the same bits. The result equals
+// emflow::attend over the whole cloud to rounding (1e-6 relative in float, 1e-12 in double).
+//
+// Shards (Layout): contiguous gives rank r one run of about N / P tokens; zigzag cuts the
+// sequence into 2P runs and gives rank r runs r and 2P - 1 - r, so that under a causal or window
+// mask every rank has as many visible pairs as every other (ring-flash-attention's zigzag).
+// Segment pairs that the mask or the key lengths hide entirely are not computed.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "emflow/attention.hpp"
+#include "emflow/distributed.hpp"
+#include "emflow/tensor.hpp"
+
+namespace emflow::distributed {
+
+enum class Layout {
+  contiguous,  ///< rank r: tokens [r N / P, (r + 1) N / P)
+  zigzag,      ///< rank r: runs r and 2P - 1 - r of 2P near-equal runs
+};
+
+/// zigzag for causal and window masks, contiguous otherwise.
+Layout default_layout(const Mask& mask) noexcept;
+
+/// A run of consecutive tokens of every cloud: sequence positions [position, position + count).
+struct Segment {
+  std::int64_t position = 0;
+  std::int64_t count = 0;
+};
+
+/// The runs rank `rank` of `ranks` holds of a sequence of `tokens` tokens, in order of position
+/// (empty runs left out). Every rank can compute every other rank's shard.
+std::vector<Segment> shard(Layout layout, std::int64_t tokens, int ranks, int rank);
+/// The number of tokens of a shard (the sum of its counts).
+std::int64_t shard_tokens(const std::vector<Segment>& segments) noexcept;
+
+/// A rank's part of a batch. Arrays are segment-major: the block of segment s, (batch, count_s,
+/// dim) for the cloud and the update, (batch, heads, count_s) for lse and entropy, follows the
+/// block of segment s - 1. The layer, beta, mask and key lengths are the whole batch's and the
+/// same on every rank.
+template <class T>
+struct ShardInput {
+  const T* cloud = nullptr;  ///< this rank's tokens (segment-major)
+  std::int64_t batch = 1;
+  std::int64_t tokens = 0;  ///< N, the whole cloud's token count
+  std::int64_t dim = 0;
+  LayerOperators<T> layer;
+  double beta = 1.0;
+  Mask mask;
+  const std::int64_t* key_lengths = nullptr;  ///< optional, `batch` entries, of the whole cloud
+  Layout layout = Layout::contiguous;
+};
+
+template <class T>
+struct ShardOutput {
+  T* update = nullptr;   ///< required (segment-major, the cloud's layout)
+  T* lse = nullptr;      ///< optional (segment-major, (batch, heads, count_s) blocks)
+  T* entropy = nullptr;  ///< optional
+};
+
+/// Where the time of one call went (for benchmarks): seconds computing, and seconds spent
+/// waiting for transfers after the computation of a step had finished (the part not hidden).
+struct RingTimes {
+  double compute = 0.0;
+  double exposed_wait = 0.0;
+  std::int64_t bytes_sent = 0;
+};
+
+/// Sequence-parallel self-attention (see above). Collective over `comm` (host memory). Checks its
+/// arguments on every rank and agrees on the outcome before any transfer, so a bad argument on
+/// one rank is the same emflow::Error on every rank; a failure during the ring (out of memory)
+/// is agreed on at the end. options.device: cpu or reference (host partial states).
+template <class T>
+void attend(Communicator& comm, const ShardInput<T>& input, const ShardOutput<T>& output,
+            const ExecutionOptions& options = {}, RingTimes* times = nullptr);
+
+/// Rows of a whole batch (batch, tokens, width) that a shard holds, segment-major (for tests and
+/// for callers that hold the whole batch): width = dim for clouds.
+template <class T>
+std::vector<T> gather_shard(const T* whole, std::int64_t batch, std::int64_t tokens,
+                            std::int64_t width, const std::vector<Segment>& segments);
+/// The inverse: writes a shard's rows into a whole (batch, tokens, width) array.
+template <class T>
+void scatter_shard(const T* part, std::int64_t batch, std::int64_t tokens, std::int64_t width,
+                   const std::vector<Segment>& segments, T* whole);
+
+/// Reads rank `rank`'s shard of the cloud in the .npy file `path`, (N, d) or (B, N, d), of dtype
+/// float32 for T = float, float64 for double: only its own rows, by offset reads of the payload
+/// (read_npy_header gives where the payload starts). Returns the segment-major rows; `shape`
+/// receives the file's shape. Throws ErrorCode::io naming the file.
+template <class T>
+std::vector<T> read_shard(const std::string& path, Layout layout, int ranks, int rank,
+                          Shape* shape);
+
+#define EMFLOW_DISTRIBUTED_DECLARE(T)                                                        \
+  extern template void attend<T>(Communicator&, const ShardInput<T>&, const ShardOutput<T>&, \
+                                 const ExecutionOptions&, RingTimes*);                       \
+  extern template std::vector<T> gather_shard<T>(const T*, std::int64_t, std::int64_t,       \
+                                                 std::int64_t, const std::vector<Segment>&); \
+  extern template void scatter_shard<T>(const T*, std::int64_t, std::int64_t, std::int64_t,  \
+                                        const std::vector<Segment>&, T*);                    \
+  extern template std::vector<T> read_shard<T>(const std::string&, Layout, int, int, Shape*);
+EMFLOW_DISTRIBUTED_DECLARE(float)
+EMFLOW_DISTRIBUTED_DECLARE(double)
+#undef EMFLOW_DISTRIBUTED_DECLARE
+
+}  // namespace emflow::distributed

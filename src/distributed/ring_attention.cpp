@@ -1,0 +1,290 @@
+// Sequence-parallel attention over a ring of ranks (emflow/sequence_parallel.hpp).
+//
+// Step t of P: rank r holds the key shard of rank (r - t) mod P. It starts passing that shard on
+// to r + 1 (and receiving the next from r - 1), computes the partial states of its query
+// segments against the held key segments (attend_partial), and merges them into one state per
+// query segment (merge_partial), in the order of the steps and, within a step, of the key
+// segments. The first partial a query segment gets is written straight into its state, so a
+// query segment's state over one block is that block's partial bit for bit. At the end
+// finish_partial forms the update, lse and entropy.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "core/check.hpp"
+#include "emflow/partial.hpp"
+#include "emflow/sequence_parallel.hpp"
+
+namespace emflow::distributed {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Keys of longer segments are taken in pieces of at most this many, so that the transfer in
+// flight is polled (and progresses) between pieces.
+constexpr std::int64_t kKeyPiece = 4096;
+
+template <class T>
+struct State {
+  std::vector<T> heads, lse, entropy;
+  bool started = false;
+  PartialOutput<T> out() { return {heads.data(), lse.data(), entropy.data()}; }
+  PartialInput<T> in() const { return {heads.data(), lse.data(), entropy.data()}; }
+};
+
+// May any query of [q.position, q.position + q.count) see any key of `keys` under the mask and
+// the key lengths? (A conservative test: false only when no pair is visible.)
+bool any_visible(const Mask& mask, const Segment& q, const Segment& keys,
+                 const std::vector<std::int64_t>* lengths) {
+  if (lengths) {
+    bool any = false;
+    for (const std::int64_t length : *lengths) any |= length > keys.position && length > q.position;
+    if (!any) return false;
+  }
+  const KeyRange first = mask.visible_keys_at(q.position, keys.position, keys.count);
+  const KeyRange last = mask.visible_keys_at(q.position + q.count - 1, keys.position, keys.count);
+  return first.first < last.last;
+}
+
+// Per-cloud lengths of the run `s` when the whole cloud's first lengths[b] tokens are real.
+std::vector<std::int64_t> local_lengths(const std::vector<std::int64_t>& lengths,
+                                        const Segment& s) {
+  std::vector<std::int64_t> out(lengths.size());
+  for (std::size_t b = 0; b < lengths.size(); ++b) {
+    out[b] = std::clamp<std::int64_t>(lengths[b] - s.position, 0, s.count);
+  }
+  return out;
+}
+
+template <class T>
+void check_input(Communicator& comm, const ShardInput<T>& in, const ShardOutput<T>& out,
+                 const ExecutionOptions& options) {
+  const char* op = "distributed attend";
+  if (comm.memory() != Memory::host) {
+    detail::fail(ErrorCode::unsupported, op,
+                 ": needs a host communicator (the partial states of "
+                 "the ring are computed on the host)");
+  }
+  if (options.device != Device::cpu && options.device != Device::reference &&
+      options.device != Device::automatic) {
+    detail::fail(ErrorCode::unsupported, op, ": runs on the host (device cpu or reference), got ",
+                 to_string(options.device));
+  }
+  detail::expect_positive(op, "batch", in.batch);
+  detail::expect_positive(op, "tokens", in.tokens);
+  detail::expect_positive(op, "dim", in.dim);
+  detail::expect_positive(op, "heads", in.layer.heads);
+  detail::expect_not_null(op, "relevance", in.layer.relevance);
+  detail::expect_not_null(op, "content", in.layer.content);
+  if (!std::isfinite(in.beta)) detail::fail_argument(op, "beta", "must be finite, got ", in.beta);
+  if (in.mask.kind == MaskKind::window && in.mask.window < 1) {
+    detail::fail_argument(op, "mask", "window must be >= 1, got ", in.mask.window);
+  }
+  if (in.key_lengths) {
+    for (std::int64_t b = 0; b < in.batch; ++b) {
+      if (in.key_lengths[b] < 0 || in.key_lengths[b] > in.tokens) {
+        detail::fail_argument(op, "key_lengths", "entry ", b, " is ", in.key_lengths[b],
+                              ", expected a length in [0, ", in.tokens, "]");
+      }
+    }
+  }
+  const std::int64_t local = shard_tokens(shard(in.layout, in.tokens, comm.size(), comm.rank()));
+  if (local > 0) {
+    detail::expect_not_null(op, "cloud", in.cloud);
+    detail::expect_not_null(op, "update", out.update);
+  }
+}
+
+// One call's buffers and state; made (and so allocated) before the first transfer.
+template <class T>
+struct Ring {
+  Ring(Communicator& comm, const ShardInput<T>& input) : in(input) {
+    P = comm.size();
+    r = comm.rank();
+    B = in.batch;
+    H = in.layer.heads;
+    d = in.dim;
+    queries = shard(in.layout, in.tokens, P, r);
+    std::int64_t capacity = 0;
+    for (int o = 0; o < P; ++o) {
+      capacity = std::max(capacity, shard_tokens(shard(in.layout, in.tokens, P, o)));
+    }
+    held.resize(static_cast<std::size_t>(capacity * B * d));
+    next.resize(held.size());
+    std::copy(in.cloud, in.cloud + shard_tokens(queries) * B * d, held.begin());
+    states.resize(queries.size());
+    std::int64_t scratch_rows = 0;
+    for (std::size_t a = 0; a < queries.size(); ++a) {
+      const std::size_t rows = static_cast<std::size_t>(B * H * queries[a].count);
+      states[a].heads.resize(rows * static_cast<std::size_t>(d));
+      states[a].lse.assign(rows, -std::numeric_limits<T>::infinity());
+      states[a].entropy.assign(rows, T(0));
+      scratch_rows = std::max(scratch_rows, B * H * queries[a].count);
+    }
+    part.heads.resize(static_cast<std::size_t>(scratch_rows * d));
+    part.lse.resize(static_cast<std::size_t>(scratch_rows));
+    part.entropy.resize(static_cast<std::size_t>(scratch_rows));
+    if (in.key_lengths) lengths.assign(in.key_lengths, in.key_lengths + B);
+  }
+
+  std::size_t shard_bytes(int owner) const {
+    return static_cast<std::size_t>(shard_tokens(shard(in.layout, in.tokens, P, owner)) * B * d) *
+           sizeof(T);
+  }
+
+  // The queries of this rank against the key shard of `owner`, held in `held`.
+  void compute(Communicator& comm, int owner, Transfer* transfer, const ExecutionOptions& options) {
+    const std::vector<Segment> keys = shard(in.layout, in.tokens, P, owner);
+    const std::vector<std::int64_t>* lengths_or_null = in.key_lengths ? &lengths : nullptr;
+    const T* query_rows = in.cloud;
+    for (std::size_t a = 0; a < queries.size(); ++a) {
+      const Segment& q = queries[a];
+      const PartialShape shape{B, H, q.count, d};
+      std::vector<std::int64_t> query_lengths;
+      if (in.key_lengths) query_lengths = local_lengths(lengths, q);
+      const T* key_rows = held.data();
+      for (const Segment& whole : keys) {
+        for (std::int64_t first = 0; first < whole.count; first += kKeyPiece) {
+          const Segment k{whole.position + first, std::min(kKeyPiece, whole.count - first)};
+          if (!any_visible(in.mask, q, k, lengths_or_null)) continue;
+          // A piece of a segment is contiguous within each cloud only: with several clouds its
+          // rows are copied out into one (B, k.count, d) block.
+          std::vector<T> piece;
+          const T* piece_rows = key_rows + first * d;
+          if (k.count != whole.count && B > 1) {
+            piece.resize(static_cast<std::size_t>(B * k.count * d));
+            for (std::int64_t b = 0; b < B; ++b) {
+              std::copy(key_rows + (b * whole.count + first) * d,
+                        key_rows + (b * whole.count + first + k.count) * d,
+                        piece.begin() + b * k.count * d);
+            }
+            piece_rows = piece.data();
+          }
+          std::vector<std::int64_t> key_lengths;
+          if (in.key_lengths) key_lengths = local_lengths(lengths, k);
+          AttentionInput<T> block;
+          block.cloud = piece_rows;
+          block.batch = B;
+          block.tokens = k.count;
+          block.dim = d;
+          block.layer = in.layer;
+          block.beta = in.beta;
+          block.mask = in.mask;
+          block.key_lengths = in.key_lengths ? key_lengths.data() : nullptr;
+          block.queries = query_rows;
+          block.query_tokens = q.count;
+          block.query_lengths = in.key_lengths ? query_lengths.data() : nullptr;
+          block.key_position = k.position;
+          block.query_position = q.position;
+          State<T>& state = states[a];
+          if (!state.started) {
+            attend_partial(block, state.out(), options);
+            state.started = true;
+          } else {
+            attend_partial(block, part.out(), options);
+            merge_partial(shape, part.in(), state.out());
+          }
+          if (transfer) comm.poll(*transfer);
+        }
+        key_rows += B * whole.count * d;
+      }
+      query_rows += B * q.count * d;
+    }
+  }
+
+  void finish(const ShardOutput<T>& out) const {
+    T* update = out.update;
+    T* lse = out.lse;
+    T* entropy = out.entropy;
+    for (std::size_t a = 0; a < queries.size(); ++a) {
+      const PartialShape shape{B, H, queries[a].count, d};
+      AttentionOutput<T> result;
+      result.update = update;
+      result.lse = lse;
+      result.entropy = entropy;
+      finish_partial(shape, states[a].in(), in.layer.offset, result);
+      update += B * queries[a].count * d;
+      if (lse) lse += B * H * queries[a].count;
+      if (entropy) entropy += B * H * queries[a].count;
+    }
+  }
+
+  const ShardInput<T>& in;
+  int P = 1, r = 0;
+  std::int64_t B = 1, H = 1, d = 1;
+  std::vector<Segment> queries;
+  std::vector<T> held, next;
+  std::vector<State<T>> states;
+  State<T> part;
+  std::vector<std::int64_t> lengths;
+};
+
+}  // namespace
+
+template <class T>
+void attend(Communicator& comm, const ShardInput<T>& input, const ShardOutput<T>& output,
+            const ExecutionOptions& options, RingTimes* times) {
+  // The partial states live in host memory: automatic means the CPU here, whatever the machine.
+  ExecutionOptions host = options;
+  if (host.device == Device::automatic) host.device = Device::cpu;
+  std::unique_ptr<Ring<T>> ring;
+  agreed(comm, [&] {
+    check_input(comm, input, output, options);
+    ring = std::make_unique<Ring<T>>(comm, input);
+  });
+  RingTimes local;
+  const int P = comm.size(), r = comm.rank();
+  // A rank whose computation fails keeps passing the shards on to the end of the ring (its
+  // partners would otherwise wait for them forever); the failure is agreed on afterwards.
+  std::exception_ptr error;
+  for (int t = 0; t < P; ++t) {
+    const int owner = (r - t + P) % P;
+    std::unique_ptr<Transfer> transfer;
+    if (t + 1 < P) {
+      const std::size_t send = ring->shard_bytes(owner);
+      transfer = comm.start_shift(ring->held.data(), send, ring->next.data(),
+                                  ring->shard_bytes((owner - 1 + P) % P));
+      local.bytes_sent += static_cast<std::int64_t>(send);
+    }
+    const auto compute_start = Clock::now();
+    if (!error) {
+      try {
+        ring->compute(comm, owner, transfer.get(), host);
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    local.compute += seconds_since(compute_start);
+    if (transfer) {
+      const auto wait_start = Clock::now();
+      comm.wait(*transfer);
+      local.exposed_wait += seconds_since(wait_start);
+      ring->held.swap(ring->next);
+    }
+  }
+  if (!error) {
+    try {
+      ring->finish(output);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  agree(comm, error);
+  if (times) *times = local;
+}
+
+#define EMFLOW_DISTRIBUTED_ATTEND(T)                                                  \
+  template void attend<T>(Communicator&, const ShardInput<T>&, const ShardOutput<T>&, \
+                          const ExecutionOptions&, RingTimes*);
+EMFLOW_DISTRIBUTED_ATTEND(float)
+EMFLOW_DISTRIBUTED_ATTEND(double)
+#undef EMFLOW_DISTRIBUTED_ATTEND
+
+}  // namespace emflow::distributed
