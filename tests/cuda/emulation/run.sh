@@ -73,8 +73,8 @@ for ((k = 0; k < shards; ++k)); do
   # The slowest tests of the shard and every failure, so the CI log says where time went.
   echo "== shard $k of $shards ($log)"
   grep -E '^\[ +(FAILED|SKIPPED) +\]' "$log" || true
-  grep -E '^\[       OK \]' "$log" | sed -E 's/.*\] (.*) \(([0-9]+) ms\)/\2 \1/' | sort -rn | head -n 5 |
-    awk '{printf "   %8.1f s  %s\n", $1 / 1000, $2}'
+  { grep -E '^\[       OK \]' "$log" || true; } | sed -E 's/.*\] (.*) \(([0-9]+) ms\)/\2 \1/' |
+    sort -rn | awk 'NR <= 5 {printf "   %8.1f s  %s\n", $1 / 1000, $2}'
 done
 if ((failed)); then
   for ((k = 0; k < shards; ++k)); do
