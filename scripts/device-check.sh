@@ -138,21 +138,24 @@ run_step "gpu tests: cuda suite" 180 "$TESTS" --gtest_color=no
 
 # 3. compute-sanitizer over the whole GPU suite (both attention algorithms, every tile width,
 #    the Large cases up to N = 4097, masks, heads, the phase kernel, the flow's kernels): memcheck
-#    (out-of-bounds and misaligned device accesses, leaks), racecheck (shared-memory hazards),
+#    (out-of-bounds and misaligned device accesses, bad frees), racecheck (shared-memory hazards),
 #    synccheck (barriers and shuffles reached by part of a block or warp) and initcheck (reads of
 #    device memory never written). The four tools run at once, each over both binaries in turn
 #    (the host's reference computations use the CPU cores, the GPU is shared), so the step takes
 #    as long as the slowest tool, at most SANITIZER_LIMIT seconds.
 SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 SANITIZER_LIMIT=${SANITIZER_LIMIT:-210}
-sanitize_suite() {  # $1 tool; writes $LOG_DIR/sanitizer-$1.log, exit status 0 when both pass
-  local tool=$1 extra=() status=0
+sanitize_suite() {  # $1 tool; writes $LOG_DIR/sanitizer-$1.log; 0 when both pass, 124 on time
+  local tool=$1 extra=() status=0 one=0 t0=$SECONDS left
   [[ "$tool" == racecheck ]] && extra=(--racecheck-report hazard)
   {
-    "$SANITIZER" --tool "$tool" "${extra[@]}" --error-exitcode 1 "$ATTENTION" \
-      --gtest_filter="$GPU_ATTENTION" --gtest_color=no || status=1
-    "$SANITIZER" --tool "$tool" "${extra[@]}" --error-exitcode 1 "$TESTS" --gtest_color=no ||
-      status=1
+    timeout "$SANITIZER_LIMIT" "$SANITIZER" --tool "$tool" "${extra[@]}" --error-exitcode 1 \
+      "$ATTENTION" --gtest_filter="$GPU_ATTENTION" --gtest_color=no || status=$?
+    left=$((SANITIZER_LIMIT - (SECONDS - t0)))
+    ((left < 1)) && left=1
+    timeout "$left" "$SANITIZER" --tool "$tool" "${extra[@]}" --error-exitcode 1 "$TESTS" \
+      --gtest_color=no || one=$?
+    ((status == 0)) && status=$one
   } >"$LOG_DIR/sanitizer-$tool.log" 2>&1
   return $status
 }
@@ -164,10 +167,7 @@ else
   t0=$(elapsed)
   declare -A SANITIZER_PID
   for tool in memcheck racecheck synccheck initcheck; do
-    export -f sanitize_suite
-    export SANITIZER ATTENTION TESTS GPU_ATTENTION LOG_DIR
-    # shellcheck disable=SC2016  # $0 is expanded by the inner shell
-    timeout "$SANITIZER_LIMIT" bash -c 'sanitize_suite "$0"' "$tool" &
+    sanitize_suite "$tool" &
     SANITIZER_PID[$tool]=$!
   done
   for tool in memcheck racecheck synccheck initcheck; do

@@ -50,7 +50,9 @@ bool any_contains(const std::vector<std::string>& messages, const std::string& p
 template <class T>
 struct DeviceArray {
   T* data = nullptr;
-  explicit DeviceArray(std::size_t n) { cudaMalloc(reinterpret_cast<void**>(&data), n * sizeof(T)); }
+  explicit DeviceArray(std::size_t n) {
+    cudaMalloc(reinterpret_cast<void**>(&data), n * sizeof(T));
+  }
   ~DeviceArray() { cudaFree(data); }
 };
 
@@ -149,7 +151,8 @@ TEST(EmulationStrictness, AShuffleByALaneOutsideItsMaskIsCaught) {
   DeviceArray<int> out(32);
   emu::ExpectViolation expect;
   EXPECT_NE(run(1, 32, 0, shuffle_kernel, 0x7fffffffu, 0, 0u, out.data), cudaSuccess);
-  EXPECT_TRUE(any_contains(expect.messages(), "which the mask leaves out")) << joined(expect.messages());
+  EXPECT_TRUE(any_contains(expect.messages(), "which the mask leaves out"))
+      << joined(expect.messages());
 }
 
 TEST(EmulationStrictness, AShuffleReadingALaneOutsideItsMaskIsCaught) {
@@ -294,8 +297,7 @@ TEST(EmulationStrictnessDeathTest, AHostSourceFreedBeforeItsCopyRanIsAUseAfterFr
       {
         {
           std::vector<float> host(256, 1.0f);
-          cudaMemcpyAsync(device.data, host.data(), 256 * sizeof(float), cudaMemcpyHostToDevice,
-                          s);
+          cudaMemcpyAsync(device.data, host.data(), 256 * sizeof(float), cudaMemcpyHostToDevice, s);
         }
         cudaStreamSynchronize(s);
       },

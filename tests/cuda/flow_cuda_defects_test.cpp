@@ -195,8 +195,7 @@ TEST(FlowCudaStaging, RecordsAreNotCopiedIntoPageableMemory) {
     EXPECT_EQ(gpu.trajectory.extent(0), layers + 1);
     // The trajectory is what was recorded: its first state is the initial cloud.
     EXPECT_EQ(gpu.trajectory.values().front(), x0.values().front());
-    EXPECT_EQ(gpu.trajectory.values()[static_cast<std::size_t>(2 * N * d - 1)],
-              x0.values().back());
+    EXPECT_EQ(gpu.trajectory.values()[static_cast<std::size_t>(2 * N * d - 1)], x0.values().back());
     return emu::counters.pageable_device_to_host - before;
   };
   // One pageable copy per run (the observables at the end), however many records.

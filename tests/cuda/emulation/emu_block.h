@@ -91,7 +91,7 @@ inline std::string hex(unsigned v) {
   return text;
 }
 
-// --- Shared memory --------------------------------------------------------------------------------
+// --- Shared memory -------------------------------------------------------------------------------
 constexpr unsigned char kPoison = 0xff;
 
 // Fills without ASan's memset interceptor: the static arrays sit among ASan's red zones only
@@ -124,7 +124,7 @@ inline void poison_static_shared() {
 
 inline std::vector<float4> dynamic_shared;
 
-// --- One block's threads and their synchronisation ------------------------------------------------
+// --- One block's threads and their synchronisation -----------------------------------------------
 struct Warp {
   unsigned valid = 0;    // lanes that exist (the last warp of a block may be partial)
   unsigned exited = 0;   // lanes that have returned from the kernel
@@ -183,9 +183,9 @@ struct Block {
     }
     for (unsigned w = 0; w < warp_count; ++w) {
       if (warps[w].mask == 0) continue;
-      s += (s.empty() ? "" : "; ") + std::string("warp ") + std::to_string(w) +
-           " in a shuffle (" + where(warps[w].file, warps[w].line) + ", mask " +
-           hex(warps[w].mask) + ", arrived " + hex(warps[w].arrived) + ")";
+      s += (s.empty() ? "" : "; ") + std::string("warp ") + std::to_string(w) + " in a shuffle (" +
+           where(warps[w].file, warps[w].line) + ", mask " + hex(warps[w].mask) + ", arrived " +
+           hex(warps[w].arrived) + ")";
     }
     return s;
   }
