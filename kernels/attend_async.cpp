@@ -52,6 +52,9 @@ void attend_async(const AttentionInput<T>& input, const AttentionOutput<T>& outp
   // pointers only; the kernels clamp the lengths. Overlaps are checked below, with the workspace.
   AttentionInput<T> shapes = input;
   shapes.key_lengths = nullptr;
+  // The query lengths and positions per cloud are device arrays here too.
+  shapes.query_lengths = nullptr;
+  shapes.query_positions = nullptr;
   check_arguments(shapes, output, operation);
   // Shapes, algorithm, device (unsupported without one), a pending error, shared memory. The
   // plan reads a pending error before any query of its own, so launch failures read back later

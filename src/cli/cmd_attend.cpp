@@ -227,17 +227,22 @@ written only when the whole run succeeds.)");
                    "output: the update Delta (.npy), X's shape (Q's with --queries)")
       ->required();
   command->add_option("--lse", args->lse,
-                      "output: log-sum-exp of the scores (.npy), (B, H, Nq); -inf for a query "
-                      "with no visible key (Nq = N without --queries)");
+                      "output: log-sum-exp of the scores (.npy), (B, H, N), or (B, H, Nq) with "
+                      "--queries; -inf for a query with no visible key");
   command->add_option("--entropy", args->entropy,
-                      "output: attention entropy in nats (.npy), (B, H, Nq)");
+                      "output: attention entropy in nats (.npy), (B, H, N) or (B, H, Nq)");
   command->add_option("--weights", args->weights,
-                      "output: attention weights P (.npy), (B, H, Nq, N); needs B H Nq N numbers");
+                      "output: attention weights P (.npy), (B, H, N, N), or (B, H, Nq, N) with "
+                      "--queries; needs B H Nq N numbers");
   command->add_flag("--distributed", args->distributed,
                     "under mpirun: spread the tokens over the ranks (sequence-parallel ring); "
                     "rank 0 writes the same files as one process would");
   command->callback([args] {
     if (args->distributed) {
+      if (!args->queries.empty() || !args->query_lengths.empty()) {
+        fail_option(args->queries.empty() ? "--query-lengths" : "--queries",
+                    "is not supported with --distributed (the ring runs self-attention)");
+      }
       run_attend_distributed({args->cloud, args->relevance, args->content, args->key_bias,
                               args->offset, args->key_lengths, args->update, args->lse,
                               args->entropy, args->weights, args->beta, args->mask, args->device,
