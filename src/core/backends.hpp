@@ -7,6 +7,7 @@
 #include <string>
 
 #include "emflow/attention.hpp"
+#include "emflow/partial.hpp"
 
 namespace emflow::detail {
 
@@ -21,6 +22,10 @@ void cpu_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output
 /// Blocking CUDA path on host arrays (kernels/, or a stub without CUDA).
 template <class T>
 void cuda_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output);
+
+/// Blocking CUDA path of attend_partial on host arrays (kernels/, or a stub without CUDA).
+template <class T>
+void cuda_attend_partial(const AttentionInput<T>& input, const PartialOutput<T>& output);
 
 /// The checks of validate() that read no array: batch, tokens, dim and heads >= 1, every size
 /// product fits in int64, beta is finite (and |beta| <= 2^64 for float), the mask is valid. For
