@@ -45,6 +45,7 @@ void check_input(const AttentionInput<T>& input, const AttentionOutput<T>& outpu
   AttentionInput<T> shapes = input;
   shapes.key_lengths = nullptr;
   shapes.query_lengths = nullptr;
+  shapes.query_positions = nullptr;
   emflow::detail::check_arguments(shapes, output, operation);
 }
 
@@ -58,6 +59,7 @@ void expect_input_on_device(const AttentionInput<T>& input, const char* operatio
   expect_device_pointer(operation, "offset", input.layer.offset, device);
   expect_device_pointer(operation, "key_lengths", input.key_lengths, device);
   expect_device_pointer(operation, "query_lengths", input.query_lengths, device);
+  expect_device_pointer(operation, "query_positions", input.query_positions, device);
 }
 
 void expect_workspace(const char* operation, const void* workspace, std::size_t bytes,
@@ -181,6 +183,7 @@ void attend_partial_async(const AttentionInput<T>& input, const PartialOutput<T>
       range("key_bias", input.layer.key_bias, H * d, false),
       range("key_lengths", input.key_lengths, input.batch, false),
       range("query_lengths", input.query_lengths, input.batch, false),
+      range("query_positions", input.query_positions, input.batch, false),
       {"workspace", workspace, plan.workspace_bytes(), true},
       range("heads", output.heads, stats * d, true),
       range("lse", output.lse, stats, true),

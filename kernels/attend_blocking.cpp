@@ -18,7 +18,7 @@ namespace {
 template <class T>
 struct DeviceInputs {
   cuda::DeviceBuffer<T> cloud, queries, relevance, content, bias, offset;
-  cuda::DeviceBuffer<std::int64_t> key_lengths, query_lengths;
+  cuda::DeviceBuffer<std::int64_t> key_lengths, query_lengths, query_positions;
   AttentionInput<T> on_device;
 
   DeviceInputs(const AttentionInput<T>& input, cudaStream_t s) {
@@ -36,6 +36,7 @@ struct DeviceInputs {
     offset = cuda::DeviceBuffer<T>(input.layer.offset ? d : 0);
     key_lengths = cuda::DeviceBuffer<std::int64_t>(input.key_lengths ? B : 0);
     query_lengths = cuda::DeviceBuffer<std::int64_t>(input.query_lengths ? B : 0);
+    query_positions = cuda::DeviceBuffer<std::int64_t>(input.query_positions ? B : 0);
     cloud.copy_from_host(input.cloud, keys, s);
     if (input.queries) queries.copy_from_host(input.queries, asked, s);
     relevance.copy_from_host(input.layer.relevance, H * d * d, s);
@@ -44,6 +45,7 @@ struct DeviceInputs {
     if (input.layer.offset) offset.copy_from_host(input.layer.offset, d, s);
     if (input.key_lengths) key_lengths.copy_from_host(input.key_lengths, B, s);
     if (input.query_lengths) query_lengths.copy_from_host(input.query_lengths, B, s);
+    if (input.query_positions) query_positions.copy_from_host(input.query_positions, B, s);
     on_device = input;
     on_device.cloud = cloud.data();
     on_device.queries = input.queries ? queries.data() : nullptr;
@@ -53,6 +55,7 @@ struct DeviceInputs {
     on_device.layer.offset = input.layer.offset ? offset.data() : nullptr;
     on_device.key_lengths = input.key_lengths ? key_lengths.data() : nullptr;
     on_device.query_lengths = input.query_lengths ? query_lengths.data() : nullptr;
+    on_device.query_positions = input.query_positions ? query_positions.data() : nullptr;
   }
 };
 

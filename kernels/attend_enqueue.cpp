@@ -81,8 +81,8 @@ void AttentionPlan<T>::launch(const AttentionInput<T>& input, const Targets& out
   const std::int64_t* const query_lengths =
       input.query_lengths != nullptr || input.queries != nullptr ? input.query_lengths
                                                                  : input.key_lengths;
-  const KernelMask mask{input.mask, input.key_lengths, query_lengths, input.key_position,
-                        input.query_position};
+  const KernelMask mask{input.mask,         input.key_lengths,    query_lengths,
+                        input.key_position, input.query_position, input.query_positions};
   cublasHandle_t handle = cublas_for_stream(api, device_, stream, base + layout_.cublas,
                                             layout_.total - layout_.cublas, operation);
 
@@ -127,7 +127,8 @@ void AttentionPlan<T>::launch(const AttentionInput<T>& input, const Targets& out
             relevance + h * query_head, d, query_stride, &zero, scores + h * rectangle, N,
             rectangle * H, B, operation, "cublasGemmStridedBatched (scores S = R X^T)");
   }
-  launch_row_softmax<T>(scores, out.lse, out.entropy, B, H, N, Nq, mask, stream, operation);
+  launch_row_softmax<T>(scores, out.lse, out.entropy, B, H, N, Nq, mask, partial_, stream,
+                        operation);
   if (partial_) {
     // o_{b,h} = P_{b,h} C_{h,b} into the state's (batch, heads, Nq, dim) rows.
     for (int h = 0; h < H; ++h) {
@@ -151,7 +152,8 @@ void AttentionPlan<T>::launch(const AttentionInput<T>& input, const Targets& out
   // lengths or offset has neither.
   const bool every_query_sees_a_key = input.queries == nullptr && input.key_lengths == nullptr &&
                                       input.query_lengths == nullptr && input.key_position == 0 &&
-                                      input.query_position == kAlignToEnd;
+                                      input.query_position == kAlignToEnd &&
+                                      input.query_positions == nullptr;
   if (input.layer.offset != nullptr || !every_query_sees_a_key) {
     launch_finish_rows<T>(out.update, input.layer.offset, B, 1, N, Nq, d, mask, stream, operation);
   }
@@ -177,6 +179,7 @@ void AttentionPlan<T>::launch_fused(const AttentionInput<T>& input, const Target
     args.dim = d;
     args.split_keys = splits_.keys;
     args.splits = splits_.splits;
+    args.partial_state = partial_ || splits_.splits > 1;
     args.mask = mask;
     if (splits_.splits > 1) {
       // Each split writes its partial state (batch, heads, Nq, ...) to its own slice.

@@ -15,13 +15,15 @@ namespace emflow::detail {
 
 /// The mask as the kernels see it (mask.cuh): the caller's Mask (its visible_keys_at is the rule
 /// the kernels apply), the per-cloud lengths (device arrays of `batch` entries, or null for all
-/// keys / all queries) and the sequence positions of key 0 and query 0 (AttentionInput).
+/// keys / all queries) and the sequence positions of key 0 and query 0 (AttentionInput; the
+/// per-cloud query_positions a device array too).
 struct KernelMask {
   Mask rule;
   const std::int64_t* key_lengths = nullptr;
   const std::int64_t* query_lengths = nullptr;
   std::int64_t key_position = 0;
   std::int64_t query_position = kAlignToEnd;
+  const std::int64_t* query_positions = nullptr;
 };
 
 /// Where a kernel writes per-head rows of (queries, dim) and per-head statistics: the row of
@@ -47,6 +49,9 @@ struct FusedAttentionArgs {
   /// Keys per split (a multiple of 64) when the keys are split over `splits` blocks per query
   /// block; tokens and 1 otherwise.
   int split_keys = 1, splits = 1;
+  /// Write partial states (partial.hpp): a query whose visible scores are all -inf gets
+  /// lse = -inf, H = NaN and its contents times 0, rather than attend's NaN.
+  bool partial_state = false;
   KernelMask mask;
 };
 
@@ -107,10 +112,11 @@ template <class T>
 void launch_broadcast_bias(T* rows, const T* bias, T scale, int heads, std::int64_t rows_per_head,
                            int dim, cudaStream_t stream, const char* operation);
 
-/// In place on scores (batch, heads, queries, tokens): masked row softmax, lse and entropy.
+/// In place on scores (batch, heads, queries, tokens): masked row softmax, lse and entropy;
+/// `partial`: as a partial state (partial.hpp) where every visible score is -inf.
 template <class T>
 void launch_row_softmax(T* scores, T* lse, T* entropy, int batch, int heads, int tokens,
-                        int queries, const KernelMask& mask, cudaStream_t stream,
+                        int queries, const KernelMask& mask, bool partial, cudaStream_t stream,
                         const char* operation);
 
 /// rows[h, b, j, :] = 0 for padding tokens j >= L_b (nothing without key lengths).

@@ -343,9 +343,12 @@ __global__ void __launch_bounds__(kThreads, Tile < 256 ? 2 : 1)
     // is not > 0 is NaN (a NaN or +inf score: NaN weights) or 0 (every visible score -inf):
     // the weights are undefined and lse, entropy and the update are NaN (docs/MATH.md §6.6).
     // Padding queries are written as 0 whatever their accumulators hold (0 * NaN content).
+    // A partial state (partial.hpp) keeps the all -inf case apart, since a later merge with a
+    // finite score defines it: lse = -inf, H = NaN and o = the contents times their weight 0.
     const bool any_key = row_first[i] < row_last[i];
     const bool defined = row_sum[i] > 0.f;
-    const float inverse = defined ? 1.f / row_sum[i] : NAN;
+    const bool unweighted = args.partial_state && row_sum[i] == 0.f;
+    const float inverse = defined ? 1.f / row_sum[i] : (unweighted ? 1.f : NAN);
     float* const out = target.rows + row_base + static_cast<std::size_t>(qi) * dim;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
@@ -362,8 +365,9 @@ __global__ void __launch_bounds__(kThreads, Tile < 256 ? 2 : 1)
     if (tx == 0) {
       const std::size_t stat = stat_base + qi;
       const float log2_sum = defined ? log2f(row_sum[i]) : NAN;
-      if (target.lse != nullptr)
-        target.lse[stat] = any_key ? (row_max[i] + log2_sum) * kLn2 : -INFINITY;
+      if (target.lse != nullptr) {
+        target.lse[stat] = any_key && !unweighted ? (row_max[i] + log2_sum) * kLn2 : -INFINITY;
+      }
       if (target.entropy != nullptr) {
         target.entropy[stat] = any_key ? kLn2 * (log2_sum - row_moment[i] * inverse) : 0.f;
       }

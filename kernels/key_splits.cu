@@ -1,20 +1,22 @@
 // Partial states on the device (emflow/partial.hpp): the merge of the key splits of the fused
-// kernel (flash-decoding), and the element-wise merge and finish of the public partial API.
+// kernel (flash-decoding), and the element-wise merge and finish of the public partial API. Each
+// follows the host's merge_partial and finish_partial (src/core/partial.cpp) formula for formula:
 //
-//   merge_splits_kernel   one thread per (cloud, query, column): for each head, the max m of the
-//       splits' lse, then with w_s = exp(lse_s - m) over the splits that saw a key, in split
-//       order: lse = m + log sum w_s, o = sum w_s o_s / sum w_s, H = lse - sum w_s (lse_s - H_s)
-//       / sum w_s. Writes the heads' sum plus the offset (an update, as attend does) or the
-//       merged per-head state. A fixed order and no atomics: deterministic.
+//   lse = m + log1p(exp(min - m)), w = exp(l - lse), o = sum w o_part,
+//   H = sum over parts with a finite lse of w (H_part + lse - l_part),
+//
+// with the states of partial.hpp: lse = -inf with H = 0 (no visible key: o = 0, changes nothing),
+// lse = -inf with H = NaN (every visible score -inf: o is its contents times 0), and a NaN or
+// +inf lse, which makes the merged state NaN. A part with lse = -inf still meets its weight 0,
+// so a NaN among its contents reaches the result, as in one pass.
+//
+//   merge_splits_kernel   one thread per (cloud, query, column): for each head, the splits folded
+//       in split order, then (for an update) the head sum plus the offset, as attend writes it.
 //   merge_partial_kernel  one thread per state row (cloud, head, query), into = merge(into, part)
 //       in place; a row reads and writes only its own elements, so in place is safe.
 //   finish_partial_kernel one thread per (cloud, query, column): the sum over heads in head
-//       order, plus the offset where some head saw a key; lse and entropy copied.
-//
-// A part whose lse is -inf saw no key: it has weight 0 and is skipped (its o is 0 and changes
-// nothing). A NaN lse makes the weights' sum NaN, so lse, o and H come out NaN (docs/MATH.md
-// §6.6); a finite lse whose weight underflows to 0 still multiplies its o, so a NaN there (a
-// non-finite content the part saw) reaches the result.
+//       order, plus the offset where some head saw a key; lse and entropy.
+// Fixed orders and no atomics: deterministic.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -30,8 +32,38 @@ namespace {
 
 __device__ __forceinline__ float exp_of(float x) { return expf(x); }
 __device__ __forceinline__ double exp_of(double x) { return exp(x); }
-__device__ __forceinline__ float log_of(float x) { return logf(x); }
-__device__ __forceinline__ double log_of(double x) { return log(x); }
+__device__ __forceinline__ float log1p_of(float x) { return log1pf(x); }
+__device__ __forceinline__ double log1p_of(double x) { return log1p(x); }
+
+// One part's state, merged into another's (the host's merge_partial, element by element).
+template <class T>
+struct State {
+  T lse, entropy;
+};
+
+// The merged lse and entropy of `into` and `part`, and their weights (wa for into, wb for part).
+// `nan`: either part is NaN (or +inf); `minus_inf`: both have lse = -inf (the weights are then 1:
+// the contents add).
+template <class T>
+__device__ __forceinline__ State<T> merge_state(State<T> a, State<T> b, T* wa, T* wb) {
+  const T inf = INFINITY;
+  if (a.lse != a.lse || b.lse != b.lse || a.lse == inf || b.lse == inf) {
+    *wa = *wb = T(NAN);
+    return {T(NAN), T(NAN)};
+  }
+  if (a.lse == -inf && b.lse == -inf) {
+    *wa = *wb = T(1);
+    return {-inf, a.entropy != a.entropy || b.entropy != b.entropy ? T(NAN) : T(0)};
+  }
+  const T m = a.lse > b.lse ? a.lse : b.lse;
+  const T lse = m + log1p_of(exp_of((a.lse > b.lse ? b.lse : a.lse) - m));
+  *wa = exp_of(a.lse - lse);
+  *wb = exp_of(b.lse - lse);
+  T entropy = 0;
+  if (a.lse != -inf) entropy += *wa * (a.entropy + (lse - a.lse));
+  if (b.lse != -inf) entropy += *wb * (b.entropy + (lse - b.lse));
+  return {lse, entropy};
+}
 
 __global__ void merge_splits_kernel(const SplitMerge m) {
   const std::size_t stats = static_cast<std::size_t>(m.batch) * m.heads * m.queries;
@@ -41,34 +73,26 @@ __global__ void merge_splits_kernel(const SplitMerge m) {
     bool sees_key = false;
     for (int h = 0; h < m.heads; ++h) {
       const std::size_t stat = (static_cast<std::size_t>(b) * m.heads + h) * m.queries + i;
-      float top = -INFINITY;
-      for (int s = 0; s < m.splits; ++s) top = fmaxf(top, m.lse[s * stats + stat]);
-      const float reference = top == -INFINITY ? 0.f : top;
-      float sum = 0.f, moment = 0.f, value = 0.f;
-      for (int s = 0; s < m.splits; ++s) {
-        const float part = m.lse[s * stats + stat];
-        if (part == -INFINITY) continue;
-        const float weight = expf(part - reference);
-        sum += weight;
-        moment = fmaf(weight, part - m.entropy[s * stats + stat], moment);
-        value = fmaf(weight, m.rows[s * rows + stat * m.dim + a], value);
+      State<float> state{m.lse[stat], m.entropy[stat]};
+      float o = m.rows[stat * m.dim + a];
+      for (int s = 1; s < m.splits; ++s) {
+        float wa = 0.f, wb = 0.f;
+        state = merge_state(
+            state, State<float>{m.lse[s * stats + stat], m.entropy[s * stats + stat]}, &wa, &wb);
+        o = wa * o + wb * m.rows[s * rows + stat * m.dim + a];
       }
-      // sum is 0 only when no split saw a key; NaN when one holds NaN.
-      const bool any = !(sum == 0.f);
-      const float lse = any ? reference + logf(sum) : -INFINITY;
-      const float o = any ? value / sum : 0.f;
-      const float entropy = any ? lse - moment / sum : 0.f;
-      sees_key = sees_key || any;
-      if (m.update != nullptr) {
-        total += o;
-      } else {
+      if (m.update == nullptr) {
         m.heads_out[stat * m.dim + a] = o;
+      } else {
+        // As finish_partial: lse = -inf with H = NaN (every visible score -inf) is NaN here.
+        const bool none = state.lse == -INFINITY && state.entropy == 0.f;
+        if (state.lse == -INFINITY && !none) state.lse = state.entropy = NAN;
+        sees_key = sees_key || !none;
+        total += state.lse != state.lse ? NAN : o;
       }
       if (a == 0) {
-        float* const lse_out = m.lse_out;
-        float* const entropy_out = m.entropy_out;
-        if (lse_out != nullptr) lse_out[stat] = lse;
-        if (entropy_out != nullptr) entropy_out[stat] = entropy;
+        if (m.lse_out != nullptr) m.lse_out[stat] = state.lse;
+        if (m.entropy_out != nullptr) m.entropy_out[stat] = state.entropy;
       }
     }
     if (m.update != nullptr) {
@@ -86,24 +110,14 @@ __global__ void merge_partial_kernel(const T* __restrict__ part_heads,
                                      std::int64_t rows, int dim) {
   for (std::size_t r = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
        r < static_cast<std::size_t>(rows); r += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const T la = part_lse[r], lb = lse[r];
-    if (la == -INFINITY) continue;  // the part saw no key
+    T wa = 0, wb = 0;
+    const State<T> merged =
+        merge_state(State<T>{lse[r], entropy[r]}, State<T>{part_lse[r], part_entropy[r]}, &wa, &wb);
     T* const o = heads + r * dim;
-    const T* const oa = part_heads + r * dim;
-    if (lb == -INFINITY) {  // only the part saw a key
-      for (int a = 0; a < dim; ++a) o[a] = oa[a];
-      lse[r] = la;
-      entropy[r] = part_entropy[r];
-      continue;
-    }
-    // A NaN on either side makes top or a weight NaN, and so every result.
-    const T top = la > lb ? la : lb;
-    const T ea = exp_of(la - top), eb = exp_of(lb - top);
-    const T merged = top + log_of(ea + eb);
-    const T wa = exp_of(la - merged), wb = exp_of(lb - merged);
-    for (int a = 0; a < dim; ++a) o[a] = wa * oa[a] + wb * o[a];
-    entropy[r] = merged - wa * (la - part_entropy[r]) - wb * (lb - entropy[r]);
-    lse[r] = merged;
+    const T* const ob = part_heads + r * dim;
+    for (int a = 0; a < dim; ++a) o[a] = wa * o[a] + wb * ob[a];
+    lse[r] = merged.lse;
+    entropy[r] = merged.entropy;
   }
 }
 
@@ -118,11 +132,15 @@ __global__ void finish_partial_kernel(const T* __restrict__ heads, const T* __re
     bool sees_key = false;
     for (int h = 0; h < head_count; ++h) {
       const std::size_t stat = (static_cast<std::size_t>(b) * head_count + h) * queries + i;
-      value += heads[stat * dim + a];
-      sees_key = sees_key || !(lse[stat] == -INFINITY);
+      T row_lse = lse[stat], row_entropy = entropy[stat];
+      // Every head sees the same keys: lse = -inf with H = 0 in each means no key at all.
+      const bool none = row_lse == -INFINITY && row_entropy == T(0);
+      sees_key = sees_key || !none;
+      if (row_lse == -INFINITY && !none) row_lse = row_entropy = T(NAN);  // all -inf (§6.6)
+      value += row_lse != row_lse ? T(NAN) : heads[stat * dim + a];
       if (a == 0) {
-        if (lse_out != nullptr) lse_out[stat] = lse[stat];
-        if (entropy_out != nullptr) entropy_out[stat] = entropy[stat];
+        if (lse_out != nullptr) lse_out[stat] = row_lse;
+        if (entropy_out != nullptr) entropy_out[stat] = row_entropy;
       }
     }
     if (offset != nullptr && sees_key) value += offset[a];

@@ -23,7 +23,8 @@ __device__ __forceinline__ int visible_length(const KernelMask& mask, int b, int
 }
 
 /// One cloud as the mask sees it: its key length, its query length and the sequence position of
-/// its query 0 (AttentionInput: query_position, or Lk - Lq when aligned to the end).
+/// its query 0 (AttentionInput: query_positions[b], else query_position, else key_position +
+/// Lk - Lq, aligned bottom-right).
 struct CloudView {
   int key_length = 0;
   int query_length = 0;
@@ -35,9 +36,14 @@ __device__ __forceinline__ CloudView cloud_view(const KernelMask& mask, int b, i
   CloudView view;
   view.key_length = clamped_length(mask.key_lengths, b, tokens);
   view.query_length = clamped_length(mask.query_lengths, b, queries);
-  view.first_position = mask.query_position == kAlignToEnd
-                            ? static_cast<long long>(view.key_length) - view.query_length
-                            : mask.query_position;
+  if (mask.query_positions != nullptr) {
+    view.first_position = mask.query_positions[b];
+  } else if (mask.query_position != kAlignToEnd) {
+    view.first_position = mask.query_position;
+  } else {
+    view.first_position =
+        mask.key_position + static_cast<long long>(view.key_length) - view.query_length;
+  }
   return view;
 }
 

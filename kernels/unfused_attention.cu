@@ -76,7 +76,7 @@ __device__ T block_reduce(T value, bool is_max, T* scratch) {
 template <class T>
 __global__ void __launch_bounds__(kSoftmaxThreads)
     row_softmax_kernel(T* __restrict__ scores, T* __restrict__ lse, T* __restrict__ entropy,
-                       int heads, int tokens, int queries, KernelMask mask) {
+                       int heads, int tokens, int queries, KernelMask mask, bool partial) {
   __shared__ T scratch[kWarps];
   const std::size_t row = blockIdx.x;  // (b * heads + h) * queries + i
   const int i = static_cast<int>(row % static_cast<std::size_t>(queries));
@@ -100,9 +100,13 @@ __global__ void __launch_bounds__(kSoftmaxThreads)
   }
   const T row_max = block_reduce(local_max, true, scratch);
 
+  // A partial state (partial.hpp) tells every visible score -inf (weights 0, lse = -inf,
+  // H = NaN) from a NaN among them: measured from 0 rather than from the max of -inf, the first
+  // sums to 0 and the second to NaN.
+  const T reference = partial && row_max == -INFINITY ? T(0) : row_max;
   T local_sum = 0, local_moment = 0;
   for (int j = first + static_cast<int>(threadIdx.x); j < last; j += kSoftmaxThreads) {
-    const T centred = s[j] - row_max;
+    const T centred = s[j] - reference;
     const T weight = exp_of(centred);
     local_sum += weight;
     // A visible score of -inf has weight 0 and adds nothing to the entropy (0 * -inf would).
@@ -110,6 +114,14 @@ __global__ void __launch_bounds__(kSoftmaxThreads)
   }
   const T sum = block_reduce(local_sum, false, scratch);
   const T moment = block_reduce(local_moment, false, scratch);
+  if (partial && row_max == -INFINITY && sum == T(0)) {
+    for (int j = static_cast<int>(threadIdx.x); j < tokens; j += kSoftmaxThreads) s[j] = T(0);
+    if (threadIdx.x == 0) {
+      if (lse != nullptr) lse[row] = -INFINITY;
+      if (entropy != nullptr) entropy[row] = T(NAN);
+    }
+    return;
+  }
   const T log_sum = log_of(sum);
   const T row_lse = row_max + log_sum;
 
@@ -177,11 +189,11 @@ void launch_broadcast_bias(T* rows, const T* bias, T scale, int heads, std::int6
 
 template <class T>
 void launch_row_softmax(T* scores, T* lse, T* entropy, int batch, int heads, int tokens,
-                        int queries, const KernelMask& mask, cudaStream_t stream,
+                        int queries, const KernelMask& mask, bool partial, cudaStream_t stream,
                         const char* operation) {
   const std::size_t rows = static_cast<std::size_t>(batch) * heads * queries;
   launch(operation, "row_softmax_kernel", row_softmax_kernel<T>, static_cast<unsigned>(rows),
-         kSoftmaxThreads, 0, stream, scores, lse, entropy, heads, tokens, queries, mask);
+         kSoftmaxThreads, 0, stream, scores, lse, entropy, heads, tokens, queries, mask, partial);
 }
 
 template <class T>
@@ -204,7 +216,7 @@ void launch_add_offset(T* update, const T* offset, int batch, int tokens, int di
 #define EMFLOW_INSTANTIATE_UNFUSED(T)                                                              \
   template void launch_broadcast_bias<T>(T*, const T*, T, int, std::int64_t, int, cudaStream_t,    \
                                          const char*);                                             \
-  template void launch_row_softmax<T>(T*, T*, T*, int, int, int, int, const KernelMask&,           \
+  template void launch_row_softmax<T>(T*, T*, T*, int, int, int, int, const KernelMask&, bool,     \
                                       cudaStream_t, const char*);                                  \
   template void launch_finish_rows<T>(T*, const T*, int, int, int, int, int, const KernelMask&,    \
                                       cudaStream_t, const char*);                                  \

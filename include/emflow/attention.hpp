@@ -45,9 +45,12 @@ inline constexpr std::int64_t kAlignToEnd = INT64_MIN;
 /// (docs/MATH.md §1): queries Q (batch, query_tokens, dim) against the keys X (batch, tokens,
 /// dim); outputs then have Nq = query_tokens rows per cloud. Masks act on sequence positions:
 /// key j sits at key_position + j, and query i of cloud b at query_position + i, or, by default
-/// (kAlignToEnd), at Lk_b - Lq_b + i, so that the last real query sits beside the last real key
-/// as in a decoder (Lk_b, Lq_b: the cloud's key and query lengths, N and Nq without them). For
-/// self-attention this is position i.
+/// (kAlignToEnd), at key_position + Lk_b - Lq_b + i: aligned bottom-right, so that the last
+/// real query sits beside the last real key as in a decoder (Lk_b, Lq_b: the cloud's key and
+/// query lengths, N and Nq without them). Causal: key j is visible to query i when its position
+/// is <= the query's; window w: also > the query's - w. For self-attention without query
+/// lengths this is query i against key j as before. Positions, with their N or Nq rows, must
+/// stay within +-2^60.
 template <class T>
 struct AttentionInput {
   const T* cloud = nullptr;  ///< X: (batch, tokens, dim): the keys (and the queries if unset)
@@ -74,6 +77,11 @@ struct AttentionInput {
   std::int64_t key_position = 0;
   /// Sequence position of query 0, or kAlignToEnd (see above).
   std::int64_t query_position = kAlignToEnd;
+  /// Optional per-cloud positions of query 0 (host memory, `batch` entries), overriding
+  /// query_position: a block of keys of a ragged batch (partial.hpp) needs each cloud's own
+  /// bottom-right origin, key_position + Lk_b - Lq_b over the whole cloud, which one value cannot
+  /// give.
+  const std::int64_t* query_positions = nullptr;
 };
 
 /// Where the contextual update writes. Only `update` is required.

@@ -72,8 +72,10 @@ struct Mask {
                                                         std::int64_t length) const {
     if (kind == MaskKind::none) return {0, length > 0 ? length : 0};
     // Absolute key positions p with p <= position (and p > position - window), made local.
-    std::int64_t first = kind == MaskKind::window ? position - window + 1 - key_position : 0;
-    std::int64_t last = position - key_position + 1;
+    // Validated positions keep `relative` far from overflow; a window wider than it starts at 0.
+    const std::int64_t relative = position - key_position;
+    std::int64_t first = kind == MaskKind::window && window <= relative ? relative - window + 1 : 0;
+    std::int64_t last = relative + 1;
     if (first < 0) first = 0;
     if (last > length) last = length;
     if (last < first) last = first;

@@ -9,6 +9,7 @@
 #include "backends.hpp"
 #include "check.hpp"
 #include "memory.hpp"
+#include "queries.hpp"
 
 namespace emflow {
 
@@ -24,6 +25,18 @@ namespace {
 /// The largest |beta| a float call accepts: 2^64, the square root of the float range, leaves
 /// scores up to 2^64 in magnitude before beta * score overflows.
 constexpr double kMaxFloatBeta = 18446744073709551616.0;
+
+/// Sequence positions (key_position + N, query_position + Nq and the aligned origin) stay within
+/// +-2^60, so every difference of two positions that a mask forms fits in int64.
+constexpr std::int64_t kPositionLimit = std::int64_t{1} << 60;
+
+void check_position(const char* op, const char* argument, std::int64_t first, std::int64_t count) {
+  if (first < -kPositionLimit || first > kPositionLimit || count > kPositionLimit ||
+      first + count > kPositionLimit) {
+    fail_argument(op, argument, "must keep its positions within +-2^60 (", kPositionLimit,
+                  "), got ", first, " for ", count, " rows");
+  }
+}
 }  // namespace
 
 template <class T>
@@ -37,10 +50,25 @@ void check_shapes(const AttentionInput<T>& in, const AttentionOutput<T>& out, co
       checked_multiply(op, "cloud", checked_multiply(op, "cloud", in.batch, in.tokens), in.dim);
   checked_multiply(op, "relevance", checked_multiply(op, "relevance", in.layer.heads, in.dim),
                    in.dim);
+  if (in.queries != nullptr) {
+    if (in.query_tokens < 1) {
+      fail_argument(op, "query_tokens", "must be >= 1 with queries, got ", in.query_tokens);
+    }
+    checked_multiply(op, "queries", checked_multiply(op, "queries", in.batch, in.query_tokens),
+                     in.dim);
+  } else if (in.query_tokens != 0 && in.query_tokens != in.tokens) {
+    fail_argument(op, "query_tokens", "must be 0 or tokens (", in.tokens,
+                  ") without queries (self-attention), got ", in.query_tokens);
+  }
+  const std::int64_t Nq = query_count(in);
   const std::int64_t rows =
-      checked_multiply(op, "lse", checked_multiply(op, "lse", in.batch, in.layer.heads), in.tokens);
+      checked_multiply(op, "lse", checked_multiply(op, "lse", in.batch, in.layer.heads), Nq);
   if (out.weights != nullptr) checked_multiply(op, "weights", rows, in.tokens);
   (void)cloud;
+  check_position(op, "key_position", in.key_position, in.tokens);
+  if (in.query_position != kAlignToEnd) {
+    check_position(op, "query_position", in.query_position, Nq);
+  }
   if (!std::isfinite(in.beta)) fail_argument(op, "beta", "must be finite, got ", in.beta);
   // Float backends compute beta * score in float: beta and the score share the float range
   // (docs/MATH.md §6.6), so a beta that is finite as a double but not as a float, or one that
@@ -61,12 +89,6 @@ void check_arguments(const AttentionInput<T>& in, const AttentionOutput<T>& out,
   expect_not_null(op, "relevance", in.layer.relevance);
   expect_not_null(op, "content", in.layer.content);
   expect_not_null(op, "update", out.update);
-  if (in.queries != nullptr || in.query_tokens != 0 || in.query_lengths != nullptr ||
-      in.key_position != 0 || in.query_position != kAlignToEnd) {
-    fail(ErrorCode::unsupported, op,
-         ": cross-attention (queries, query_tokens, query_lengths, key_position, "
-         "query_position) is declared but not implemented yet");
-  }
   if (in.key_lengths != nullptr) {
     for (std::int64_t b = 0; b < in.batch; ++b) {
       const std::int64_t length = in.key_lengths[b];
@@ -75,6 +97,37 @@ void check_arguments(const AttentionInput<T>& in, const AttentionOutput<T>& out,
                       length);
       }
     }
+  }
+  if (in.query_lengths != nullptr) {
+    const std::int64_t Nq = query_count(in);
+    for (std::int64_t b = 0; b < in.batch; ++b) {
+      const std::int64_t length = in.query_lengths[b];
+      if (length < 0 || length > Nq) {
+        fail_argument(op, "query_lengths", "entry ", b, " must be in [0, ", Nq, "], got ", length);
+      }
+    }
+  }
+  if (in.query_positions != nullptr) {
+    for (std::int64_t b = 0; b < in.batch; ++b) {
+      if (in.query_positions[b] == kAlignToEnd) {
+        fail_argument(op, "query_positions", "entry ", b, " must be a position, not kAlignToEnd");
+      }
+      check_position(op, "query_positions", in.query_positions[b], query_count(in));
+    }
+  }
+  if (in.query_position == kAlignToEnd && in.key_position != 0) {
+    // The aligned origin key_position + Lk - Lq lies within [key_position - Nq, key_position + N].
+    check_position(op, "key_position", in.key_position - query_count(in),
+                   in.tokens + query_count(in));
+  }
+}
+
+template <class T>
+void expect_self_attention(const AttentionInput<T>& in, const char* op) {
+  if (!plain_self_attention(in)) {
+    fail(ErrorCode::unsupported, op,
+         ": this backend does not implement cross-attention (queries, query_tokens, "
+         "query_lengths, key_position, query_position, query_positions) yet");
   }
 }
 
@@ -105,18 +158,22 @@ void check_no_overlap(const AttentionInput<T>& in, const AttentionOutput<T>& out
   const auto B = static_cast<std::size_t>(in.batch), N = static_cast<std::size_t>(in.tokens);
   const auto d = static_cast<std::size_t>(in.dim);
   const auto H = static_cast<std::size_t>(in.layer.heads);
+  const auto Nq = static_cast<std::size_t>(query_count(in));
   const MemoryRange ranges[] = {
       {"cloud", in.cloud, B * N * d * sizeof(T), false},
+      {"queries", in.queries, B * Nq * d * sizeof(T), false},
+      {"query_lengths", in.query_lengths, B * sizeof(std::int64_t), false},
+      {"query_positions", in.query_positions, B * sizeof(std::int64_t), false},
       {"relevance", in.layer.relevance, H * d * d * sizeof(T), false},
       {"content", in.layer.content, H * d * d * sizeof(T), false},
       {"key_bias", in.layer.key_bias, H * d * sizeof(T), false},
       {"offset", in.layer.offset, d * sizeof(T), false},
       {"key_lengths", in.key_lengths, B * sizeof(std::int64_t), false},
       {"workspace", workspace, workspace_bytes, true},
-      {"update", out.update, B * N * d * sizeof(T), true},
-      {"lse", out.lse, B * H * N * sizeof(T), true},
-      {"entropy", out.entropy, B * H * N * sizeof(T), true},
-      {"weights", out.weights, B * H * N * N * sizeof(T), true},
+      {"update", out.update, B * Nq * d * sizeof(T), true},
+      {"lse", out.lse, B * H * Nq * sizeof(T), true},
+      {"entropy", out.entropy, B * H * Nq * sizeof(T), true},
+      {"weights", out.weights, B * H * Nq * N * sizeof(T), true},
   };
   check_disjoint(ranges, sizeof ranges / sizeof ranges[0], operation);
 }
@@ -129,6 +186,8 @@ template void check_arguments<float>(const AttentionInput<float>&, const Attenti
                                      const char*);
 template void check_arguments<double>(const AttentionInput<double>&, const AttentionOutput<double>&,
                                       const char*);
+template void expect_self_attention<float>(const AttentionInput<float>&, const char*);
+template void expect_self_attention<double>(const AttentionInput<double>&, const char*);
 template void check_no_overlap<float>(const AttentionInput<float>&, const AttentionOutput<float>&,
                                       const char*, const void*, std::size_t);
 template void check_no_overlap<double>(const AttentionInput<double>&,

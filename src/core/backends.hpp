@@ -41,6 +41,19 @@ template <class T>
 void check_arguments(const AttentionInput<T>& input, const AttentionOutput<T>& output,
                      const char* operation);
 
+/// Throws ErrorCode::unsupported unless `input` is self-attention without query lengths or
+/// positions: for a backend that does not implement cross-attention yet.
+template <class T>
+void expect_self_attention(const AttentionInput<T>& input, const char* operation);
+
+/// reference_attend's partial state over the input's keys (partial.hpp): per head, no offset.
+template <class T>
+void reference_partial(const AttentionInput<T>& input, const PartialOutput<T>& output);
+
+/// The fast CPU backend's partial state (src/cpu/).
+template <class T>
+void cpu_partial(const AttentionInput<T>& input, const PartialOutput<T>& output, int threads);
+
 /// One array an operation reads or writes: `bytes` from `pointer` (null or 0 bytes: absent).
 struct MemoryRange {
   const char* name;

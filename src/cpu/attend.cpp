@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/backends.hpp"
+#include "core/queries.hpp"
 #include "engine.hpp"
 
 namespace emflow::detail {
@@ -67,12 +68,25 @@ void attend_float(const AttentionInput<float>& in, const AttentionOutput<float>&
 template <class T>
 void cpu_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output, int threads) {
   if constexpr (std::is_same_v<T, float>) {
+    if (!plain_self_attention(input)) {
+      reference_attend(input, output);
+      return;
+    }
     attend_float(input, output, threads);
   } else {
     reference_attend(input, output);
   }
 }
 
+template <class T>
+void cpu_partial(const AttentionInput<T>& input, const PartialOutput<T>& output, int threads) {
+  (void)threads;
+  reference_partial(input, output);
+}
+
+template void cpu_partial<float>(const AttentionInput<float>&, const PartialOutput<float>&, int);
+template void cpu_partial<double>(const AttentionInput<double>&, const PartialOutput<double>&,
+                                  int);
 template void cpu_attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&, int);
 template void cpu_attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&,
                                  int);
