@@ -231,6 +231,17 @@ void AttentionPlan<T>::launch_fused(const AttentionInput<T>& input, const Target
   }
 }
 
+// The header declares the class's instantiation extern: its members defined here are
+// instantiated here explicitly, the private ones that the enqueues call included.
+#define EMFLOW_INSTANTIATE_LAUNCH(T)                                                               \
+  template void AttentionPlan<T>::launch(const AttentionInput<T>&, const Targets&, void*,          \
+                                         cudaStream_t) const;                                      \
+  template void AttentionPlan<T>::launch_fused(const AttentionInput<T>&, const Targets&, const T*, \
+                                               const T*, unsigned char*, const KernelMask&,        \
+                                               cudaStream_t) const;
+EMFLOW_INSTANTIATE_LAUNCH(float)
+EMFLOW_INSTANTIATE_LAUNCH(double)
+#undef EMFLOW_INSTANTIATE_LAUNCH
 template void AttentionPlan<float>::enqueue(const AttentionInput<float>&,
                                             const AttentionOutput<float>&, void*,
                                             cudaStream_t) const;
