@@ -41,9 +41,9 @@
 // History: version 1 (this one) is the straightforward register-tiled FFMA kernel; it has been
 // checked on the CPU emulation (tests/cuda/emulation) but not yet run or timed on a GPU. Tuning
 // candidates once it can be timed: cp.async double buffering of the next key and content tiles
-// (separate K and V buffers), 8 x 4 score tiles per thread, and __launch_bounds__ minimum blocks
-// per tile width (ptxas -v, sm_90, nvcc 13.0: 128 registers at tiles 64 and 128 with 8 and 16
-// bytes of spill stores, 255 at 256 with 32).
+// (separate K and V buffers) and 8 x 4 score tiles per thread. ptxas -v (sm_90, nvcc 13.0): 128
+// registers at tiles 64 and 128 (two blocks per SM, __launch_bounds__) with 36 and 24 bytes of
+// spill stores, 255 at 256 with 12 (8, 16 and 32 before queries, positions and key splits).
 #include <cuda_runtime.h>
 
 #include <cmath>
