@@ -10,7 +10,8 @@
 // and two parts over disjoint key sets merge exactly into the state over their union:
 //
 //   lse = m + log(exp(lse_a - m) + exp(lse_b - m)),  m = max(lse_a, lse_b)
-//   w_a = exp(lse_a - lse),  o = w_a o_a + w_b o_b,  H = lse - w_a (lse_a - H_a) - w_b (lse_b - H_b)
+//   w_a = exp(lse_a - lse),  o = w_a o_a + w_b o_b,  H = lse - w_a (lse_a - H_a) - w_b (lse_b -
+//   H_b)
 //
 // (merge_partial forms H as w_a (H_a + lse - lse_a) + w_b (H_b + lse - lse_b), the same value
 // without the cancellation where lse is large)
@@ -18,12 +19,12 @@
 // where a part with lse = -inf has weight 0 and changes nothing. Non-finite scores
 // (docs/MATH.md §6.6): a NaN or +inf visible score makes a part NaN (lse, H and o), and so every
 // merge with it; a part whose visible scores are all -inf has lse = -inf and H = NaN, which a
-// part with a finite score overrides and which finish_partial otherwise turns into NaN. finish_partial() then forms the
-// update delta_i = sum_h o^h_i + c (c only for queries that saw a key), lse and entropy, equal to
-// emflow::attend over all the keys. The keys of a block are given as the cloud of an
-// AttentionInput (with key_position set to where the block starts, so masks see true positions,
-// and an explicit query_position, or query_positions per cloud for a ragged batch); the queries
-// as its `queries`.
+// part with a finite score overrides and which finish_partial otherwise turns into NaN.
+// finish_partial() then forms the update delta_i = sum_h o^h_i + c (c only for queries that saw a
+// key), lse and entropy, equal to emflow::attend over all the keys. The keys of a block are given
+// as the cloud of an AttentionInput (with key_position set to where the block starts, so masks see
+// true positions, and an explicit query_position, or query_positions per cloud for a ragged batch);
+// the queries as its `queries`.
 #pragma once
 
 #include <cstdint>

@@ -19,7 +19,7 @@ namespace emflow::cli {
 namespace {
 
 struct AttendArguments {
-  std::string cloud, relevance, content, key_bias, offset, key_lengths;
+  std::string cloud, relevance, content, key_bias, offset, key_lengths, queries, query_lengths;
   std::string update, lse, entropy, weights;
   double beta = 1.0;
   std::string mask = "none";
@@ -48,6 +48,8 @@ void run_attend(const AttendArguments& args, Dtype dtype) {
   outputs.declare_input("--key-bias", args.key_bias);
   outputs.declare_input("--offset", args.offset);
   outputs.declare_input("--key-lengths", args.key_lengths);
+  outputs.declare_input("--queries", args.queries);
+  outputs.declare_input("--query-lengths", args.query_lengths);
 
   // The cloud: (N, d) is one cloud, (B, N, d) a batch.
   const Tensor<T> cloud = read_float_input<T>("--x", args.cloud, dtype, "--x", 2, 3);
@@ -95,7 +97,32 @@ void run_attend(const AttendArguments& args, Dtype dtype) {
     }
   }
 
+  // Queries of their own: (Nq, d) against an (N, d) cloud, (B, Nq, d) against a batch.
+  Tensor<T> queries;
+  std::int64_t query_tokens = tokens;
+  if (!args.queries.empty()) {
+    queries = read_float_input<T>("--queries", args.queries, dtype, "--x", 2, 3);
+    query_tokens = queries.extent(queries.rank() - 2);
+    const Shape want = batched ? Shape{batch, query_tokens, dim} : Shape{query_tokens, dim};
+    expect_shape("--queries", args.queries, queries.shape(), want,
+                 batched ? "(B and d from --x)" : "(d from --x)");
+  }
+  Tensor<std::int64_t> query_lengths;
+  if (!args.query_lengths.empty()) {
+    query_lengths = read_integer_input("--query-lengths", args.query_lengths, 1, 1);
+    expect_shape("--query-lengths", args.query_lengths, query_lengths.shape(), {batch},
+                 "(one length per cloud of --x)");
+    for (std::int64_t b = 0; b < batch; ++b) {
+      if (query_lengths[b] < 0 || query_lengths[b] > query_tokens) {
+        fail_option("--query-lengths", "'", args.query_lengths, "' entry ", b, " is ",
+                    query_lengths[b], ", expected a length in [0, ", query_tokens,
+                    args.queries.empty() ? "] (N from --x)" : "] (Nq from --queries)");
+      }
+    }
+  }
+
   if (args.check_finite) {
+    require_finite(queries, "--queries '" + args.queries + "'");
     // Refuse NaN and infinity up front, naming the file and the first offending element.
     require_finite(cloud, "--x '" + args.cloud + "'");
     require_finite(relevance, "--m '" + args.relevance + "'");
@@ -111,28 +138,36 @@ void run_attend(const AttendArguments& args, Dtype dtype) {
   input.beta = args.beta;
   input.mask = mask;
   input.key_lengths = key_lengths.size() > 0 ? key_lengths.data() : nullptr;
+  if (queries.size() > 0) {
+    input.queries = queries.data();
+    input.query_tokens = query_tokens;
+  }
+  input.query_lengths = query_lengths.size() > 0 ? query_lengths.data() : nullptr;
 
-  // Validate before allocating the outputs (the weights can be large).
-  Tensor<T> update = allocate_output<T>("--out", cloud.shape()), lse, entropy, weights;
+  // Validate before allocating the outputs (the weights can be large). The update has the
+  // queries' shape (the cloud's for self-attention).
+  Tensor<T> update =
+                allocate_output<T>("--out", queries.size() > 0 ? queries.shape() : cloud.shape()),
+            lse, entropy, weights;
   AttentionOutput<T> output;
   output.update = update.data();
   // Sizes that overflow or cannot fit in memory are refused before anything is allocated.
-  const std::int64_t rows = checked_element_count({batch, heads, tokens}, "--lse");
+  const std::int64_t rows = checked_element_count({batch, heads, query_tokens}, "--lse");
   if (!args.lse.empty() || !args.entropy.empty()) {
     expect_fits_in_memory("attend", "--lse/--entropy (B H N values)", rows, sizeof(T));
   }
   if (!args.weights.empty()) {
     expect_fits_in_memory("attend", "--weights (B H N N values)",
                           checked_element_count({rows, tokens}, "--weights"), sizeof(T));
-    weights = allocate_output<T>("--weights", Shape{batch, heads, tokens, tokens});
+    weights = allocate_output<T>("--weights", Shape{batch, heads, query_tokens, tokens});
     output.weights = weights.data();
   }
   if (!args.lse.empty()) {
-    lse = allocate_output<T>("--lse", Shape{batch, heads, tokens});
+    lse = allocate_output<T>("--lse", Shape{batch, heads, query_tokens});
     output.lse = lse.data();
   }
   if (!args.entropy.empty()) {
-    entropy = allocate_output<T>("--entropy", Shape{batch, heads, tokens});
+    entropy = allocate_output<T>("--entropy", Shape{batch, heads, query_tokens});
     output.entropy = entropy.data();
   }
   attend(input, output, options);
@@ -172,20 +207,30 @@ written only when the whole run succeeds.)");
   command->add_option("--key-lengths", args->key_lengths,
                       "key lengths L (.npy, int32 or int64): (B), one per cloud (1 for an (N, d) "
                       "cloud); keys j >= L_b are hidden and queries i >= L_b get a zero update");
+  command->add_option("--queries", args->queries,
+                      "queries Q (.npy): (Nq, d), or (B, Nq, d) for a batch; the cloud --x is "
+                      "then the keys, masks align the last query with the last key (query i at "
+                      "L_b - Lq_b + i), and every output has Nq query rows");
+  command->add_option("--query-lengths", args->query_lengths,
+                      "query lengths Lq (.npy, int32 or int64): (B), one per cloud; queries "
+                      "i >= Lq_b get a zero update (default: Nq, or the key lengths without "
+                      "--queries)");
   add_device_option(*command, args->device);
   add_threads_option(*command, args->threads);
   command->add_flag("--check-finite", args->check_finite,
                     "refuse inputs holding NaN or infinity, naming the file and the first such "
                     "element (without it a non-finite token reaches the queries that see it)");
-  command->add_option("--out", args->update, "output: the update Delta (.npy), X's shape")
+  command
+      ->add_option("--out", args->update,
+                   "output: the update Delta (.npy), X's shape (Q's with --queries)")
       ->required();
   command->add_option("--lse", args->lse,
-                      "output: log-sum-exp of the scores (.npy), (B, H, N); -inf for a query "
-                      "with no visible key");
+                      "output: log-sum-exp of the scores (.npy), (B, H, Nq); -inf for a query "
+                      "with no visible key (Nq = N without --queries)");
   command->add_option("--entropy", args->entropy,
-                      "output: attention entropy in nats (.npy), (B, H, N)");
+                      "output: attention entropy in nats (.npy), (B, H, Nq)");
   command->add_option("--weights", args->weights,
-                      "output: attention weights P (.npy), (B, H, N, N); needs B H N^2 numbers");
+                      "output: attention weights P (.npy), (B, H, Nq, N); needs B H Nq N numbers");
   command->callback([args] {
     const Dtype dtype = float_dtype("--x", args->cloud);
     if (dtype == Dtype::float32) {

@@ -5,6 +5,9 @@
 // FLOP are attention-equivalent (docs/MATH.md §2): 4 B H N^2 d for the whole score matrix,
 // halved for a causal mask, 4 B H d (visible pairs) for a window; the projections are not
 // counted. Every figure is the median of --repeats timed runs after one untimed warm-up run;
+// With --queries-tokens NQ the decoding shapes are timed: NQ queries of their own against the
+// cloud through emflow::attend (attend_queries, which projects the contents each call), through a
+// DecodeCache holding them (decode_queries), and one token appended and attended (decode_token).
 // the CPU measurements are timed in rounds (one run of each per round), so a change in load on
 // a shared machine falls on all of them alike. cpu_ms_median is the process's CPU time per run
 // (all threads, spinning included): on a loaded machine a one-thread run's CPU time is close to
@@ -28,6 +31,7 @@
 #include "commands.hpp"
 #include "common.hpp"
 #include "emflow/attention.hpp"
+#include "emflow/decode.hpp"
 #include "tools/blas_baseline.hpp"
 #include "tools/measure.hpp"
 #include "tools/problem.hpp"
@@ -45,6 +49,8 @@ struct BenchArguments {
   std::string device = "cpu";
   std::int64_t tokens = 4096, dim = 64, heads = 1, batch = 1;
   std::string mask = "none";
+  std::int64_t query_tokens = 0;  // 0: self-attention; else Nq queries of their own
+  std::int64_t self_tokens = 0;   // > 0: also time self-attention at this N in the same rounds
   int repeats = 5;
   int threads = 0;
   bool baseline = false, peak = false;
@@ -118,6 +124,16 @@ double visible_pairs(std::int64_t tokens, const Mask& mask) {
     default:
       return n * n;
   }
+}
+
+/// Query-key pairs of Nq queries aligned bottom-right against N keys (docs/MATH.md §1.6).
+double cross_pairs(std::int64_t queries, std::int64_t tokens, const Mask& mask) {
+  double pairs = 0.0;
+  for (std::int64_t i = 0; i < queries; ++i) {
+    const KeyRange keys = mask.visible_keys_at(tokens - queries + i, 0, tokens);
+    pairs += static_cast<double>(keys.last - keys.first);
+  }
+  return pairs;
 }
 
 /// One line of output; `shape` false prints null for the problem keys (the FMA peak has none).
@@ -207,9 +223,17 @@ void run_bench(const BenchArguments& args) {
                 kBaselineLimitBytes / (1 << 30), " GiB");
   }
 
+  if (args.query_tokens < 0)
+    fail_option("--queries-tokens", "must be >= 0, got ", args.query_tokens);
+  if (args.self_tokens < 0) fail_option("--self-tokens", "must be >= 0, got ", args.self_tokens);
+  if (args.query_tokens > 0 && (args.baseline || args.device != "cpu")) {
+    fail_option("--queries-tokens", "times the CPU backend alone (no --baseline, --device cpu)");
+  }
   const int threads = args.threads > 0 ? args.threads : omp_get_max_threads();
-  const double flop = 4.0 * static_cast<double>(args.batch * args.heads * args.dim) *
-                      visible_pairs(args.tokens, mask);
+  const double per_pair = 4.0 * static_cast<double>(args.batch * args.heads * args.dim);
+  const double flop =
+      per_pair * (args.query_tokens > 0 ? cross_pairs(args.query_tokens, args.tokens, mask)
+                                        : visible_pairs(args.tokens, mask));
   const std::string isa = std::string(", \"isa\": \"") + tools::compiled_instruction_set() + "\"";
 
   std::vector<Measurement> measurements;
@@ -228,11 +252,68 @@ void run_bench(const BenchArguments& args) {
 
   Problem problem(args, mask);
   const AttentionOutput<float> out{problem.update.data(), nullptr, nullptr, nullptr};
+  // Cross-attention: Nq queries of their own against the problem's cloud as keys.
+  std::vector<float> queries, query_update;
+  AttentionInput<float> cross = problem.input;
+  if (args.query_tokens > 0) {
+    const BenchArguments query_shape = [&] {
+      BenchArguments q = args;
+      q.tokens = args.query_tokens;
+      return q;
+    }();
+    const Problem query_cloud(query_shape, mask);
+    queries = query_cloud.cloud;
+    query_update.resize(queries.size());
+    cross.queries = queries.data();
+    cross.query_tokens = args.query_tokens;
+  }
+  const AttentionOutput<float> cross_out{query_update.data(), nullptr, nullptr, nullptr};
   if (args.device == "cpu") {
-    measurements.emplace_back("attend", true, isa, [&] {
-      attend(problem.input, out, options);
+    const std::string shape_members =
+        args.query_tokens > 0 ? isa + ", \"query_tokens\": " + std::to_string(args.query_tokens)
+                              : isa;
+    measurements.emplace_back(args.query_tokens > 0 ? "attend_queries" : "attend", true,
+                              shape_members, [&] {
+                                attend(args.query_tokens > 0 ? cross : problem.input,
+                                       args.query_tokens > 0 ? cross_out : out, options);
+                                return flop;
+                              });
+  }
+  // Decoding: the problem's cloud in a DecodeCache (filled once, untimed), then NQ queries
+  // against it (decode_queries), and one token appended and attended (decode_token: the cache
+  // grows by one token per run).
+  std::unique_ptr<DecodeCache> cache;
+  std::vector<float> token_update(static_cast<std::size_t>(args.dim));
+  if (args.query_tokens > 0 && args.batch == 1) {
+    cache = std::make_unique<DecodeCache>(problem.input.layer, args.dim, 1.0);
+    cache->append(problem.cloud.data(), args.tokens);
+    const std::string members = isa + ", \"query_tokens\": " + std::to_string(args.query_tokens);
+    measurements.emplace_back("decode_queries", true, members, [&] {
+      cache->attend(queries.data(), args.query_tokens, mask,
+                    {query_update.data(), nullptr, nullptr, nullptr}, kAlignToEnd, args.threads);
       return flop;
     });
+    const double token_flop = per_pair * cross_pairs(1, args.tokens, mask);
+    measurements.emplace_back("decode_token", true, isa + ", \"query_tokens\": 1", [&, token_flop] {
+      cache->append(queries.data(), 1);
+      cache->attend(queries.data(), 1, mask, {token_update.data(), nullptr, nullptr, nullptr},
+                    kAlignToEnd, args.threads);
+      return token_flop;
+    });
+  }
+  // Self-attention at --self-tokens in the same rounds, for a ratio measured like with like.
+  std::unique_ptr<Problem> self;
+  if (args.self_tokens > 0) {
+    BenchArguments self_shape = args;
+    self_shape.tokens = args.self_tokens;
+    self = std::make_unique<Problem>(self_shape, mask);
+    const double self_flop = per_pair * visible_pairs(args.self_tokens, mask);
+    measurements.emplace_back(
+        "attend_self", true, isa + ", \"self_tokens\": " + std::to_string(args.self_tokens),
+        [&, self_flop] {
+          attend(self->input, {self->update.data(), nullptr, nullptr, nullptr}, options);
+          return self_flop;
+        });
   }
   std::unique_ptr<tools::BlasBaseline> baseline;
   std::vector<float> baseline_update;
@@ -276,6 +357,16 @@ to the fused update compare like with like.)");
   command
       ->add_option("--mask", args->mask,
                    "none, causal (keys j <= i) or window:W (keys i-W < j <= i)")
+      ->capture_default_str();
+  command
+      ->add_option("--queries-tokens", args->query_tokens,
+                   "time NQ queries of their own against the --tokens keys (decoding shapes, "
+                   "aligned bottom-right; op attend_queries); 0: self-attention")
+      ->capture_default_str();
+  command
+      ->add_option("--self-tokens", args->self_tokens,
+                   "also time fused self-attention of this many tokens in the same rounds (op "
+                   "attend_self; its tokens are in self_tokens)")
       ->capture_default_str();
   command->add_option("--repeats", args->repeats, "timed runs; the median is printed")
       ->capture_default_str();

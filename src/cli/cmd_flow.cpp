@@ -14,6 +14,7 @@
 #include <new>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "commands.hpp"
@@ -22,6 +23,7 @@
 #include "emflow/flow.hpp"
 #include "emflow/io.hpp"
 #include "emflow/tensor.hpp"
+#include "generate.hpp"
 #include "tools/plot.hpp"
 #include "tools/progress.hpp"
 
@@ -42,6 +44,7 @@ struct FlowArguments {
   bool pre_norm = false, unnormalized = false;
   bool check_finite = false;
   std::int64_t record_every = 1;
+  std::int64_t generate = 0;  // > 0: causal generation of this many tokens (generate.hpp)
   std::string device = "auto";
   int threads = 0;
   std::string precision = "float32";
@@ -217,6 +220,49 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
        {from_file ? "--x" : "--dim", d, from_file ? "d " + std::to_string(d) + " (--x)" : ""}},
       std::int64_t{1} << 31, "values of the trajectory (raise --record-every to record fewer)");
   const auto layers = read_layers<T>(args, d, continuous ? 1 : args.layers, dtype);
+  if (args.generate != 0) {
+    if (args.generate < 0) fail_option("--generate", "must be >= 1, got ", args.generate);
+    if (continuous) fail_option("--generate", "needs a stack of layers (--layers L)");
+    if (args.pre_norm) fail_option("--generate", "runs post-norm layers only (no --pre-norm)");
+    if (norm != flow::Normalization::none && norm != flow::Normalization::sphere) {
+      fail_option("--generate", "supports --norm none or sphere, got '", args.norm, "'");
+    }
+    if (B != 1) fail_option("--generate", "grows one cloud (--batch 1), got ", B, " clouds");
+    if (!args.plot.empty()) fail_option("--plot", "is not drawn for --generate");
+    if constexpr (std::is_same_v<T, float>) {
+      const Tensor<float> prompt(Shape{N, d}, initial.values());
+      const Generation g =
+          generate_tokens(prompt, layers, betas[0], norm == flow::Normalization::sphere,
+                          args.generate, args.threads);
+      // --out: every new token at the input of each layer and after the last, (K, L + 1, d);
+      // --metrics: how far each layer moved it, and the time per token.
+      if (!args.out.empty()) outputs.stage_npy(args.out, g.paths);
+      if (!args.metrics.empty()) {
+        std::ostringstream csv;
+        csv << "token,position,layer,move,seconds\n";
+        const std::int64_t L = args.layers;
+        for (std::int64_t t = 0; t < args.generate; ++t) {
+          for (std::int64_t l = 0; l < L; ++l) {
+            double move = 0.0;
+            for (std::int64_t a = 0; a < d; ++a) {
+              const double step =
+                  g.paths[(t * (L + 1) + l + 1) * d + a] - g.paths[(t * (L + 1) + l) * d + a];
+              move += step * step;
+            }
+            csv << t << ',' << N + t << ',' << l << ',' << csv_number(std::sqrt(move)) << ','
+                << csv_number(g.seconds[static_cast<std::size_t>(t)]) << '\n';
+          }
+        }
+        outputs.stage_bytes(args.metrics, csv.str());
+      }
+      outputs.commit();
+      std::cout << "generated " << args.generate << " tokens after " << N << " through "
+                << args.layers << " layers (d = " << d << ")" << std::endl;
+    } else {
+      fail_option("--generate", "computes in float32 (--precision float32 or a float32 --x)");
+    }
+    return;
+  }
 
   tools::ProgressBar bar("emflow flow");
   const auto start = std::chrono::steady_clock::now();
@@ -374,6 +420,12 @@ their observables; outputs are written only when the whole run succeeds.)");
                        "generated clouds: float32 or float64 (a --x file sets its own)")
           ->capture_default_str();
   x->excludes(args->precision_option);
+  command
+      ->add_option("--generate", args->generate,
+                   "layers: grow the cloud by K tokens causally, each the last token's output "
+                   "fed back, through one decode cache per layer; --out then holds each new "
+                   "token's path (K, L + 1, d), --metrics how far each layer moved it")
+      ->capture_default_str();
   command->add_option("--out", args->out,
                       "output: the recorded clouds (.npy), (records, B, N, d), the initial first");
   command->add_option("--metrics", args->metrics,

@@ -9,11 +9,11 @@
 
 #include <cmath>
 #include <cstdint>
-#include <limits>
 
 #include "backends.hpp"
 #include "check.hpp"
 #include "memory.hpp"
+#include "partial_rows.hpp"
 #include "queries.hpp"
 
 namespace emflow {
@@ -77,7 +77,8 @@ void attend_partial(const AttentionInput<T>& input, const PartialOutput<T>& outp
     const PartialShape shape = shape_of(input);
     check_partial_shape(op, shape);
     const PartialBytes bytes = partial_bytes<T>(shape);
-    const auto B = static_cast<std::size_t>(input.batch), N = static_cast<std::size_t>(input.tokens);
+    const auto B = static_cast<std::size_t>(input.batch),
+               N = static_cast<std::size_t>(input.tokens);
     const auto d = static_cast<std::size_t>(input.dim), H = static_cast<std::size_t>(shape.heads);
     const auto Nq = static_cast<std::size_t>(shape.query_tokens);
     const detail::MemoryRange ranges[] = {
@@ -129,40 +130,10 @@ void merge_partial(const PartialShape& shape, const PartialInput<T>& part,
   };
   detail::check_disjoint(ranges, sizeof ranges / sizeof ranges[0], op);
 
-  const T inf = std::numeric_limits<T>::infinity();
-  const T nan = std::numeric_limits<T>::quiet_NaN();
   const std::int64_t rows = shape.batch * shape.heads * shape.query_tokens, d = shape.dim;
   for (std::int64_t r = 0; r < rows; ++r) {
-    const T la = into.lse[r], lb = part.lse[r];
-    const T ha = into.entropy[r], hb = part.entropy[r];
-    T* oa = into.heads + r * d;
-    const T* ob = part.heads + r * d;
-    if (std::isnan(la) || std::isnan(lb) || la == inf || lb == inf) {
-      // Undefined weights in either part (a NaN or +inf score) make the whole state NaN.
-      into.lse[r] = into.entropy[r] = nan;
-      for (std::int64_t a = 0; a < d; ++a) oa[a] = nan;
-      continue;
-    }
-    if (la == -inf && lb == -inf) {
-      // No finite score on either side: the contents (zero, or NaN from a key with weight 0)
-      // add, and a part whose keys all scored -inf (H = NaN) marks the union so.
-      into.entropy[r] = std::isnan(ha) || std::isnan(hb) ? nan : T(0);
-      for (std::int64_t a = 0; a < d; ++a) oa[a] += ob[a];
-      continue;
-    }
-    // lse = m + log(e^{la - m} + e^{lb - m}); w = e^{l - lse}. With the two gaps g = lse - l
-    // (>= 0), H = sum w (H_part + g): the entropy of a mixture, every term non-negative, so no
-    // cancellation where lse is large. A part with lse = -inf has w = 0 and adds nothing to H;
-    // its contents still meet the weight 0, so a NaN there survives as in one pass.
-    const T m = la > lb ? la : lb;
-    const T lse = m + std::log1p(std::exp((la > lb ? lb : la) - m));
-    const T wa = std::exp(la - lse), wb = std::exp(lb - lse);
-    T entropy = 0;
-    if (la != -inf) entropy += wa * (ha + (lse - la));
-    if (lb != -inf) entropy += wb * (hb + (lse - lb));
-    into.lse[r] = lse;
-    into.entropy[r] = entropy;
-    for (std::int64_t a = 0; a < d; ++a) oa[a] = wa * oa[a] + wb * ob[a];
+    detail::merge_state(into.lse[r], into.entropy[r], into.heads + r * d, part.lse[r],
+                        part.entropy[r], part.heads + r * d, d);
   }
 }
 
@@ -190,29 +161,14 @@ void finish_partial(const PartialShape& shape, const PartialInput<T>& state, con
   };
   detail::check_disjoint(ranges, sizeof ranges / sizeof ranges[0], op);
 
-  const T inf = std::numeric_limits<T>::infinity();
-  const T nan = std::numeric_limits<T>::quiet_NaN();
   const std::int64_t B = shape.batch, H = shape.heads, Nq = shape.query_tokens, D = shape.dim;
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t i = 0; i < Nq; ++i) {
-      T* delta = output.update + (b * Nq + i) * D;
-      for (std::int64_t a = 0; a < D; ++a) delta[a] = T(0);
-      // Every head sees the same keys: lse = -inf with H = 0 in each means no key at all.
-      bool saw_key = false;
-      for (std::int64_t h = 0; h < H; ++h) {
-        const std::int64_t row = (b * H + h) * Nq + i;
-        T lse = state.lse[row], entropy = state.entropy[row];
-        const T* o = state.heads + row * D;
-        const bool none = lse == -inf && entropy == T(0);
-        saw_key = saw_key || !none;
-        if (lse == -inf && !none) lse = entropy = nan;  // every visible score -inf (§6.6)
-        for (std::int64_t a = 0; a < D; ++a) delta[a] += std::isnan(lse) ? nan : o[a];
-        if (output.lse) output.lse[row] = lse;
-        if (output.entropy) output.entropy[row] = entropy;
-      }
-      if (saw_key && offset != nullptr) {
-        for (std::int64_t a = 0; a < D; ++a) delta[a] += offset[a];
-      }
+      const std::int64_t row = b * H * Nq + i;
+      detail::finish_query(H, Nq, state.lse + row, state.entropy + row, state.heads + row * D, D,
+                           offset, output.update + (b * Nq + i) * D,
+                           output.lse ? output.lse + row : nullptr,
+                           output.entropy ? output.entropy + row : nullptr);
     }
   }
 }

@@ -20,22 +20,14 @@
 
 namespace emflow::detail {
 
-namespace {
+namespace cpu {
 
-void attend_float(const AttentionInput<float>& in, const AttentionOutput<float>& out, int threads) {
+DenseMaps::DenseMaps(const AttentionInput<float>& in) {
   const std::int64_t H = in.layer.heads, d = in.dim;
-  // Non-finite tokens are rare, and their NaNs must not reach the queries that cannot see them.
-  if (!cpu::clouds_finite(in.cloud, in.batch, in.tokens, d, in.key_lengths)) {
-    reference_attend(in, out);
-    return;
-  }
   const std::int64_t stride = cpu::padded_columns(d);
   const float beta = static_cast<float>(in.beta);
-
-  // query_map_h = beta M_h (R = X M_h), query_bias_h = beta u_h, value_map_h = F_h^T.
-  std::vector<float> query_map(static_cast<std::size_t>(H * d * stride), 0.0f);
-  std::vector<float> value_map(query_map.size(), 0.0f);
-  std::vector<float> query_bias;
+  query_map.assign(static_cast<std::size_t>(H * d * stride), 0.0f);
+  value_map.assign(query_map.size(), 0.0f);
   if (in.layer.key_bias != nullptr) query_bias.assign(static_cast<std::size_t>(H * stride), 0.0f);
   for (std::int64_t h = 0; h < H; ++h) {
     const float* M = in.layer.relevance + h * d * d;
@@ -52,15 +44,67 @@ void attend_float(const AttentionInput<float>& in, const AttentionOutput<float>&
       }
     }
   }
-
-  cpu::EngineLayer layer;
   layer.heads = H;
   layer.dim = layer.score_dim = layer.value_dim = d;
   layer.query_map = query_map.data();
   layer.query_bias = query_bias.empty() ? nullptr : query_bias.data();
   layer.value_map = value_map.data();
   layer.offset = in.layer.offset;
-  cpu::fused_attend(in.cloud, in.batch, in.tokens, layer, in.mask, in.key_lengths, out, threads);
+}
+
+}  // namespace cpu
+
+namespace {
+
+/// The clouds and rules of a call, for the engine.
+struct Clouds {
+  std::vector<QueryRule> rules;
+  cpu::EngineClouds clouds;
+
+  explicit Clouds(const AttentionInput<float>& in) {
+    if (plain_self_attention(in)) {
+      rules = cpu::self_rules(in.batch, in.tokens, in.mask, in.key_lengths);
+    } else {
+      for (std::int64_t b = 0; b < in.batch; ++b) rules.push_back(query_rule(in, b));
+    }
+    clouds.keys = in.cloud;
+    clouds.queries = query_rows(in);
+    clouds.batch = in.batch;
+    clouds.tokens = in.tokens;
+    clouds.query_tokens = query_count(in);
+    clouds.rules = rules.data();
+    // Self-attention keeps its one-pass schedule; queries of their own may split the keys.
+    clouds.split_keys = in.queries != nullptr;
+  }
+};
+
+bool keys_finite(const AttentionInput<float>& in) {
+  // Non-finite tokens are rare, and their NaNs must not reach the queries that cannot see them.
+  return cpu::clouds_finite(in.cloud, in.batch, in.tokens, in.dim, in.key_lengths);
+}
+
+void attend_float(const AttentionInput<float>& in, const AttentionOutput<float>& out, int threads) {
+  if (!keys_finite(in)) {
+    reference_attend(in, out);
+    return;
+  }
+  const cpu::DenseMaps maps(in);
+  const Clouds clouds(in);
+  cpu::EngineOutput sink;
+  sink.attend = out;
+  cpu::fused_attend(clouds.clouds, maps.layer, sink, threads);
+}
+
+void partial_float(const AttentionInput<float>& in, const PartialOutput<float>& out, int threads) {
+  if (!keys_finite(in)) {
+    reference_partial(in, out);
+    return;
+  }
+  const cpu::DenseMaps maps(in);
+  const Clouds clouds(in);
+  cpu::EngineOutput sink;
+  sink.partial = out;
+  cpu::fused_attend(clouds.clouds, maps.layer, sink, threads);
 }
 
 }  // namespace
@@ -68,10 +112,6 @@ void attend_float(const AttentionInput<float>& in, const AttentionOutput<float>&
 template <class T>
 void cpu_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output, int threads) {
   if constexpr (std::is_same_v<T, float>) {
-    if (!plain_self_attention(input)) {
-      reference_attend(input, output);
-      return;
-    }
     attend_float(input, output, threads);
   } else {
     reference_attend(input, output);
@@ -80,13 +120,16 @@ void cpu_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output
 
 template <class T>
 void cpu_partial(const AttentionInput<T>& input, const PartialOutput<T>& output, int threads) {
-  (void)threads;
-  reference_partial(input, output);
+  if constexpr (std::is_same_v<T, float>) {
+    partial_float(input, output, threads);
+  } else {
+    (void)threads;
+    reference_partial(input, output);
+  }
 }
 
 template void cpu_partial<float>(const AttentionInput<float>&, const PartialOutput<float>&, int);
-template void cpu_partial<double>(const AttentionInput<double>&, const PartialOutput<double>&,
-                                  int);
+template void cpu_partial<double>(const AttentionInput<double>&, const PartialOutput<double>&, int);
 template void cpu_attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&, int);
 template void cpu_attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&,
                                  int);

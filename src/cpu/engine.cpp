@@ -102,12 +102,25 @@ bool clouds_finite(const float* cloud, std::int64_t batch, std::int64_t tokens, 
   return true;
 }
 
-void fused_attend(const float* cloud, std::int64_t batch, std::int64_t tokens,
-                  const EngineLayer& layer, const Mask& mask, const std::int64_t* key_lengths,
-                  const AttentionOutput<float>& out, int threads) {
+std::vector<QueryRule> self_rules(std::int64_t batch, std::int64_t tokens, const Mask& mask,
+                                  const std::int64_t* key_lengths) {
+  std::vector<QueryRule> rules(static_cast<std::size_t>(batch));
+  for (std::int64_t b = 0; b < batch; ++b) {
+    QueryRule& rule = rules[static_cast<std::size_t>(b)];
+    rule.mask = mask;
+    rule.key_length = rule.query_length = key_lengths ? key_lengths[b] : tokens;
+  }
+  return rules;
+}
+
+void fused_attend(const EngineClouds& clouds, const EngineLayer& layer, const EngineOutput& out,
+                  int threads) {
+  const std::int64_t batch = clouds.batch, tokens = clouds.tokens;
   Geometry g;
   g.tokens = tokens;
   g.padded_tokens = round_up(tokens, kTokenAlign);
+  g.query_tokens = clouds.query_tokens;
+  g.padded_queries = round_up(clouds.query_tokens, kTokenAlign);
   g.dim = layer.dim;
   g.heads = layer.heads;
   g.score_dim = layer.score_dim;
@@ -116,12 +129,13 @@ void fused_attend(const float* cloud, std::int64_t batch, std::int64_t tokens,
   g.value_stride = padded_columns(layer.value_dim);
   g.dim_stride = padded_columns(layer.dim);
   g.shared_keys = layer.key_map == nullptr;
+  const std::int64_t Nq = g.query_tokens;
 
   // With the thread count left to us, small calls run on one thread: waking a team costs a few
   // microseconds on an idle machine and up to a scheduler time slice on a busy one, more than
   // a call of a few MFLOP takes alone.
   const double work = 4.0 * static_cast<double>(batch) * static_cast<double>(layer.heads) *
-                      static_cast<double>(tokens) * static_cast<double>(tokens) *
+                      static_cast<double>(Nq) * static_cast<double>(tokens) *
                       static_cast<double>(layer.score_dim + layer.value_dim) / 2.0;
   constexpr double kSmallCallFlop = 4e6;
   const int team = threads > 0 ? threads : work < kSmallCallFlop ? 1 : omp_get_max_threads();
@@ -131,21 +145,16 @@ void fused_attend(const float* cloud, std::int64_t batch, std::int64_t tokens,
       H * (g.query_floats() + g.value_floats()) + key_sets * g.key_floats();
   const std::int64_t group = std::clamp<std::int64_t>(kGroupBytes / (4 * cloud_floats), 1, batch);
 
-  // Smaller query blocks when there are few, so every thread gets work; the results do not
-  // depend on the block size (rows are computed independently, tiles in the same order).
-  const std::int64_t wide_blocks = group * ((tokens + 63) / 64);
-  g.query_block = 64;
-  while (g.query_block > kChunkRows && wide_blocks * (64 / g.query_block) < 4 * team) {
-    g.query_block /= 2;
-  }
-  const std::int64_t blocks = (tokens + g.query_block - 1) / g.query_block;
-
+  const SpanPlan plan = plan_spans(
+      g, group, clouds.split_keys && out.attend.weights == nullptr && layer.output_map == nullptr,
+      team);
+  g.query_block = plan.query_block;
   AlignedBuffer queries(group * H * g.query_floats());
   AlignedBuffer panels(group * key_sets * g.key_floats());
   AlignedBuffer values(group * H * g.value_floats());
   std::vector<std::unique_ptr<Scratch>> scratch;
   for (int t = 0; t < team; ++t) scratch.push_back(std::make_unique<Scratch>(g));
-
+  SpanStates states(g, group, plan);
   auto operands = [&](std::int64_t local_cloud) {
     std::vector<HeadOperands> heads(static_cast<std::size_t>(H));
     for (std::int64_t h = 0; h < H; ++h) {
@@ -158,7 +167,7 @@ void fused_attend(const float* cloud, std::int64_t batch, std::int64_t tokens,
     return heads;
   };
 
-  const std::int64_t projection_blocks = g.padded_tokens / kTokenAlign;
+  const std::int64_t projection_blocks = std::max(g.padded_tokens, g.padded_queries) / kTokenAlign;
   for (std::int64_t first = 0; first < batch; first += group) {
     const std::int64_t count = std::min(group, batch - first);
     std::vector<std::vector<HeadOperands>> cloud_operands;
@@ -175,14 +184,18 @@ void fused_attend(const float* cloud, std::int64_t batch, std::int64_t tokens,
         const std::int64_t c = task / (H * projection_blocks);
         const std::int64_t h = (task / projection_blocks) % H;
         const std::int64_t row0 = (task % projection_blocks) * kTokenAlign;
-        const float* X = cloud + (first + c) * tokens * g.dim;
+        const float* X = clouds.keys + (first + c) * tokens * g.dim;
+        const float* Q = clouds.queries + (first + c) * Nq * g.dim;
         const HeadOperands& op = cloud_operands[static_cast<std::size_t>(c)][h];
         const float* bias = layer.query_bias ? layer.query_bias + h * g.score_stride : nullptr;
-        project(X, tokens, g.dim, row0, kTokenAlign, layer.query_map + h * g.dim * g.score_stride,
-                g.score_stride, bias, op.queries + row0 * g.score_stride, s.rows.data());
+        if (row0 < g.padded_queries) {
+          project(Q, Nq, g.dim, row0, kTokenAlign, layer.query_map + h * g.dim * g.score_stride,
+                  g.score_stride, bias, op.queries + row0 * g.score_stride, s.rows.data());
+        }
+        if (row0 >= g.padded_tokens) continue;
         // Values of keys past the key length are never weighted; they stay 0 (or finite from an
         // earlier cloud), so whatever the caller left in the padding cannot turn 0 * v into NaN.
-        const std::int64_t length = key_lengths ? key_lengths[first + c] : tokens;
+        const std::int64_t length = clouds.rules[first + c].key_length;
         project(X, length, g.dim, row0, kTokenAlign, layer.value_map + h * g.dim * g.value_stride,
                 g.value_stride, nullptr, op.values + row0 * g.value_stride, s.rows.data());
         const std::int64_t valid = std::min(kTokenAlign, tokens - row0);
@@ -198,19 +211,77 @@ void fused_attend(const float* cloud, std::int64_t batch, std::int64_t tokens,
         }
       }
 
-      // Phase 2: attention, one block of queries of one cloud per task, the last blocks first
-      // (under a causal mask they have the most keys).
-      const std::int64_t attention_tasks = count * blocks;
-#pragma omp for schedule(dynamic, 1)
-      for (std::int64_t task = 0; task < attention_tasks; ++task) {
-        const std::int64_t c = task % count;
-        const std::int64_t block = blocks - 1 - task / count;
-        const std::int64_t b = first + c;
-        const std::int64_t length = key_lengths ? key_lengths[b] : tokens;
-        attend_block(b, block * g.query_block, g, cloud_operands[static_cast<std::size_t>(c)],
-                     layer, mask, length, out, s);
-      }
+      // Phases 2 and 3 (engine_spans.cpp).
+      attend_tasks(g, plan, clouds.rules + first, first, count, cloud_operands, layer, out, states,
+                   s);
     }
+  }
+}
+
+}  // namespace emflow::detail::cpu
+
+namespace emflow::detail::cpu {
+
+using namespace engine;
+
+std::int64_t key_tile() { return kKeyTile; }
+
+void pack_key_rows(const float* rows, std::int64_t dim, std::int64_t first, std::int64_t count,
+                   float* panels) {
+  pack_keys(rows, dim, dim, first, count, panels);
+}
+
+void project_rows(const float* rows, std::int64_t count, std::int64_t dim, const float* map,
+                  std::int64_t columns, float* out) {
+  std::vector<float> scratch(static_cast<std::size_t>(kProjectionRows * dim));
+  project(rows, count, dim, 0, round_up(count, kProjectionRows), map, columns, nullptr, out,
+          scratch.data());
+}
+
+void attend_cached(const float* queries, std::int64_t query_tokens, const QueryRule& rule,
+                   const CachedOperands& keys, const EngineLayer& layer,
+                   const AttentionOutput<float>& out, int threads) {
+  Geometry g;
+  g.tokens = keys.tokens;
+  g.padded_tokens = round_up(keys.tokens, kTokenAlign);
+  g.query_tokens = query_tokens;
+  g.padded_queries = round_up(query_tokens, kTokenAlign);
+  g.dim = layer.dim;
+  g.heads = layer.heads;
+  g.score_dim = layer.score_dim;
+  g.score_stride = padded_columns(layer.score_dim);
+  g.value_dim = layer.value_dim;
+  g.value_stride = padded_columns(layer.value_dim);
+  g.dim_stride = padded_columns(layer.dim);
+  g.shared_keys = true;
+  const double work = 4.0 * static_cast<double>(layer.heads) * static_cast<double>(query_tokens) *
+                      static_cast<double>(keys.tokens) * static_cast<double>(layer.dim);
+  const int team = threads > 0 ? threads : work < 4e6 ? 1 : omp_get_max_threads();
+  const SpanPlan plan = plan_spans(g, 1, true, team);
+  g.query_block = plan.query_block;
+
+  // Only the queries are projected here; the keys and contents are the cache's.
+  const std::int64_t H = g.heads;
+  AlignedBuffer projected(H * g.query_floats());
+  std::vector<std::vector<HeadOperands>> operands(1);
+  std::vector<float> rows(static_cast<std::size_t>(kProjectionRows * g.dim));
+  for (std::int64_t h = 0; h < H; ++h) {
+    float* q = projected.data() + h * g.query_floats();
+    const float* bias = layer.query_bias ? layer.query_bias + h * g.score_stride : nullptr;
+    project(queries, query_tokens, g.dim, 0, g.padded_queries,
+            layer.query_map + h * g.dim * g.score_stride, g.score_stride, bias, q, rows.data());
+    operands[0].push_back({q, const_cast<float*>(keys.panels),
+                           const_cast<float*>(keys.values[static_cast<std::size_t>(h)])});
+  }
+  std::vector<std::unique_ptr<Scratch>> scratch;
+  for (int t = 0; t < team; ++t) scratch.push_back(std::make_unique<Scratch>(g));
+  SpanStates states(g, 1, plan);
+  EngineOutput sink;
+  sink.attend = out;
+#pragma omp parallel num_threads(team)
+  {
+    Scratch& s = *scratch[static_cast<std::size_t>(omp_get_thread_num())];
+    attend_tasks(g, plan, &rule, 0, 1, operands, layer, sink, states, s);
   }
 }
 

@@ -17,8 +17,11 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
+#include "core/queries.hpp"
 #include "emflow/attention.hpp"
+#include "emflow/partial.hpp"
 
 namespace emflow::detail::cpu {
 
@@ -49,13 +52,77 @@ bool all_finite(const float* values, std::int64_t count);
 bool clouds_finite(const float* cloud, std::int64_t batch, std::int64_t tokens, std::int64_t dim,
                    const std::int64_t* key_lengths);
 
-/// Writes output.update (and lse, entropy, weights when not null) for `batch` clouds of `tokens`
-/// points of `layer.dim` coordinates, on `threads` OpenMP threads (0: the OpenMP default, or
-/// one thread for a call of under 4 MFLOP).
+/// The clouds of one engine call: queries Q (batch, query_tokens, dim) against keys X (batch,
+/// tokens, dim), each cloud with its visibility rule. For self-attention Q = X.
+struct EngineClouds {
+  const float* keys = nullptr;
+  const float* queries = nullptr;
+  std::int64_t batch = 1;
+  std::int64_t tokens = 0;           ///< N: keys per cloud
+  std::int64_t query_tokens = 0;     ///< Nq: queries per cloud
+  const QueryRule* rules = nullptr;  ///< `batch` entries
+  /// Whether the keys may be split into blocks across threads when the queries are few (their
+  /// partial states merged exactly, docs/MATH.md §1.6). The split depends on the shape only,
+  /// never on the thread count.
+  bool split_keys = false;
+};
+
+/// Where the engine writes: the outputs of emflow::attend (Nq rows per cloud), or, when
+/// partial.heads is set, the per-head partial state of partial.hpp (output_map must be null).
+struct EngineOutput {
+  AttentionOutput<float> attend;
+  PartialOutput<float> partial;
+};
+
+/// Computes the outputs for every query of `clouds` on `threads` OpenMP threads (0: the OpenMP
+/// default, or one thread for a call of under 4 MFLOP).
 /// Results do not depend on the thread count: every output element is computed by one thread
-/// in a fixed order (heads summed in order 0..H-1).
-void fused_attend(const float* cloud, std::int64_t batch, std::int64_t tokens,
-                  const EngineLayer& layer, const Mask& mask, const std::int64_t* key_lengths,
-                  const AttentionOutput<float>& output, int threads);
+/// in a fixed order (heads summed in order 0..H-1, key blocks merged in order).
+void fused_attend(const EngineClouds& clouds, const EngineLayer& layer, const EngineOutput& output,
+                  int threads);
+
+/// The rules of self-attention without positions: query i of cloud b sees the keys
+/// mask.visible_keys(i, L_b).
+std::vector<QueryRule> self_rules(std::int64_t batch, std::int64_t tokens, const Mask& mask,
+                                  const std::int64_t* key_lengths);
+
+/// A dense layer (M_h, F_h, u_h, c, beta of `input`) in the engine's terms (attend.cpp):
+/// query_map_h = beta M_h (R = Q M_h), query_bias_h = beta u_h, value_map_h = F_h^T; the keys
+/// are the cloud itself.
+struct DenseMaps {
+  std::vector<float> query_map, value_map, query_bias;
+  EngineLayer layer;
+  explicit DenseMaps(const AttentionInput<float>& input);
+  DenseMaps(const DenseMaps&) = delete;
+  DenseMaps& operator=(const DenseMaps&) = delete;
+};
+
+/// Keys of tiles: the panels of attend_cached hold keys [t kKeyTile, (t + 1) kKeyTile) each.
+std::int64_t key_tile();
+
+/// Writes the keys [first, first + count) (rows of `dim` floats) into transposed panels of
+/// dim x key_tile() floats, as attend_cached reads them.
+void pack_key_rows(const float* rows, std::int64_t dim, std::int64_t first, std::int64_t count,
+                   float* panels);
+
+/// out[count x columns] = rows[count x dim] map[dim x columns]; writes whole groups of four rows,
+/// so `out` must hold count rounded up to 4 rows (the extra rows get 0).
+void project_rows(const float* rows, std::int64_t count, std::int64_t dim, const float* map,
+                  std::int64_t columns, float* out);
+
+/// Keys and contents already in the engine's layout (a decode cache's), for one cloud: `panels`
+/// shared by every head (dense form, score_dim = dim) and per head `values` rows of
+/// padded_columns(value_dim) floats, both holding at least tokens rounded up to 64 rows.
+struct CachedOperands {
+  std::int64_t tokens = 0;
+  const float* panels = nullptr;
+  std::vector<const float*> values;
+};
+
+/// emflow::attend of `query_tokens` queries (one cloud) against cached operands under `rule`;
+/// the keys split across threads when the queries are few. output.weights must be null.
+void attend_cached(const float* queries, std::int64_t query_tokens, const QueryRule& rule,
+                   const CachedOperands& keys, const EngineLayer& layer,
+                   const AttentionOutput<float>& output, int threads);
 
 }  // namespace emflow::detail::cpu

@@ -13,16 +13,24 @@ namespace {
 /// Which keys of a tile a set of query rows may see.
 enum class TileCover { empty, partial, full };
 
+/// The keys query i sees within the span (an empty range when none).
+KeyRange keys_in(const QueryRule& rule, std::int64_t i, KeySpan span) {
+  KeyRange keys = rule.keys(i);
+  keys.first = std::max(keys.first, span.first);
+  keys.last = std::max(keys.first, std::min(keys.last, span.last));
+  return keys;
+}
+
 /// Rows [row_begin, row_end) against keys [key_begin, key_begin + kKeyTile). Visible key
-/// intervals only grow with the row (Mask::visible_keys), so the rows together see
-/// [first of the top row, last of the bottom row) and each of them sees
+/// intervals only grow with the row (QueryRule::keys, clipped to the span), so the rows together
+/// see [first of the top row, last of the bottom row) and each of them sees
 /// [first of the bottom row, last of the top row).
-TileCover cover(const Mask& mask, std::int64_t length, std::int64_t row_begin, std::int64_t row_end,
+TileCover cover(const QueryRule& rule, KeySpan span, std::int64_t row_begin, std::int64_t row_end,
                 std::int64_t key_begin) {
   if (row_end <= row_begin) return TileCover::empty;
   const std::int64_t key_end = key_begin + kKeyTile;
-  const KeyRange top = mask.visible_keys(row_begin, length);
-  const KeyRange bottom = mask.visible_keys(row_end - 1, length);
+  const KeyRange top = keys_in(rule, row_begin, span);
+  const KeyRange bottom = keys_in(rule, row_end - 1, span);
   if (key_begin >= bottom.last || key_end <= top.first) return TileCover::empty;
   return bottom.first <= key_begin && key_end <= top.last ? TileCover::full : TileCover::partial;
 }
@@ -31,14 +39,14 @@ TileCover cover(const Mask& mask, std::int64_t length, std::int64_t row_begin, s
 /// masks the scores if the tile is partial, updates m, Z, E and rescales O rows where m grows,
 /// and turns the scores into unnormalised weights exp(s - m) in place.
 void softmax_step(float* scores, std::int64_t local_row0, std::int64_t query0, std::int64_t key0,
-                  bool partial, const Mask& mask, std::int64_t length, const Geometry& g,
+                  bool partial, const QueryRule& rule, KeySpan span, const Geometry& g,
                   Scratch& s) {
   constexpr std::int64_t kVectors = kKeyTile / kLanes;
   for (int r = 0; r < kChunkRows; ++r) {
     const std::int64_t local = local_row0 + r;
     float* row = scores + r * kKeyTile;
     if (partial) {
-      const KeyRange keys = mask.visible_keys(query0 + r, length);
+      const KeyRange keys = keys_in(rule, query0 + r, span);
       for (std::int64_t jj = 0; jj < kKeyTile; ++jj) {
         if (!keys.contains(key0 + jj)) row[jj] = kNegInf;
       }
@@ -97,30 +105,32 @@ void softmax_step(float* scores, std::int64_t local_row0, std::int64_t query0, s
 
 void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
                   const std::vector<HeadOperands>& heads, const EngineLayer& layer,
-                  const Mask& mask, std::int64_t length, const AttentionOutput<float>& out,
-                  Scratch& s) {
-  const std::int64_t N = g.tokens;
-  const std::int64_t rows = std::min(g.query_block, N - query_begin);
-  // Rows past the key length see no key (padding queries); rows before it always see key i.
-  const std::int64_t live = std::clamp<std::int64_t>(length - query_begin, 0, rows);
+                  const QueryRule& rule, KeySpan span, const EngineOutput& sink, Scratch& s) {
+  const AttentionOutput<float>& out = sink.attend;
+  const bool partial = sink.partial.heads != nullptr;
+  const std::int64_t N = g.tokens, Nq = g.query_tokens;
+  const std::int64_t rows = std::min(g.query_block, Nq - query_begin);
+  // Rows past the query length are padding and see no key; the others see the keys of their
+  // rule (for self-attention always key i).
+  const std::int64_t live = std::clamp<std::int64_t>(rule.query_length - query_begin, 0, rows);
   const std::int64_t live_chunks = round_up(live, kChunkRows);
   float* update = s.update.data();
-  std::fill(update, update + live_chunks * g.dim_stride, 0.0f);
+  if (!partial) std::fill(update, update + live_chunks * g.dim_stride, 0.0f);
   std::fill(s.saw_key.begin(), s.saw_key.end(), 0);
 
   // Key tiles any live row of the block can see.
   std::int64_t key_begin = 0;
   std::int64_t key_end = 0;
   if (live > 0) {
-    key_begin = mask.visible_keys(query_begin, length).first;
-    key_end = mask.visible_keys(query_begin + live - 1, length).last;
+    key_begin = keys_in(rule, query_begin, span).first;
+    key_end = keys_in(rule, query_begin + live - 1, span).last;
   }
   const std::int64_t tile_begin = key_begin / kKeyTile;
-  const std::int64_t tile_end = (key_end + kKeyTile - 1) / kKeyTile;
+  const std::int64_t tile_end = key_end > key_begin ? (key_end + kKeyTile - 1) / kKeyTile : 0;
 
   for (std::int64_t h = 0; h < g.heads; ++h) {
     const HeadOperands& op = heads[static_cast<std::size_t>(h)];
-    const std::int64_t stats_row = (b * g.heads + h) * N + query_begin;
+    const std::int64_t stats_row = (b * g.heads + h) * Nq + query_begin;
     if (live > 0) {
       std::fill(s.running_max.begin(), s.running_max.end(), kNegInf);
       std::fill(s.sums.data(), s.sums.data() + live_chunks * kLanes, 0.0f);
@@ -132,16 +142,17 @@ void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
         for (std::int64_t c = 0; c < live_chunks; c += kChunkRows) {
           const std::int64_t query0 = query_begin + c;
           const TileCover tile =
-              cover(mask, length, query0, std::min(query0 + kChunkRows, query_begin + live), key0);
+              cover(rule, span, query0, std::min(query0 + kChunkRows, query_begin + live), key0);
           if (tile == TileCover::empty) continue;
           float* scores = s.scores.data();
           row_block_gemm<kChunkRows>(g.score_dim, op.queries + query0 * g.score_stride,
                                      g.score_stride, panel, kKeyTile, kKeyTile, scores, kKeyTile,
                                      false);
-          softmax_step(scores, c, query0, key0, tile == TileCover::partial, mask, length, g, s);
+          softmax_step(scores, c, query0, key0, tile == TileCover::partial, rule, span, g, s);
           for (int r = 0; r < kChunkRows; r += kContentRows) {
             const std::int64_t local = c + r;
-            // A row whose running max is still -inf has O = 0 and weights 0: nothing to add.
+            // A row whose running max is still -inf has weights 0: it adds nothing that counts
+            // (its O is set below).
             row_block_gemm<kContentRows>(
                 kKeyTile, scores + r * kKeyTile, kKeyTile, values, g.value_stride, g.value_stride,
                 s.head_output.data() + local * g.value_stride, g.value_stride, true);
@@ -153,17 +164,23 @@ void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
     // Normalise, record lse and entropy, and add this head's output to the update. A NaN score
     // needs no test of its own in the loops above: it makes exp(s - m), hence Z and O, NaN, which
     // the formulas below carry into lse, entropy and delta (+inf does the same through
-    // inf - inf). Only a live row whose running max stayed -inf (every visible score NaN or
-    // -inf: the tiles then add nothing) must be made NaN here; live rows always see a key.
+    // inf - inf). Only a row that sees keys but whose running max stayed -inf (every visible
+    // score NaN or -inf: the tiles then add nothing) must be made NaN here, or, in a partial
+    // state, keep lse = -inf with H = NaN and O = 0 (partial.hpp). A row that sees no key gets
+    // O = 0, lse = -inf, H = 0.
     for (std::int64_t r = 0; r < rows; ++r) {
-      const float m = r < live ? s.running_max[static_cast<std::size_t>(r)] : kNegInf;
+      const bool sees = r < live && !keys_in(rule, query_begin + r, span).empty();
+      const float m = sees ? s.running_max[static_cast<std::size_t>(r)] : kNegInf;
       float* o = s.head_output.data() + r * g.value_stride;
       float lse = kNegInf, entropy = 0.0f;
-      if (m == kNegInf && r < live) {
-        lse = entropy = std::numeric_limits<float>::quiet_NaN();
-        std::fill(o, o + g.value_stride, lse);
+      if (!sees) {
+        if (r < live_chunks) std::fill(o, o + g.value_stride, 0.0f);
+      } else if (m == kNegInf) {
+        entropy = std::numeric_limits<float>::quiet_NaN();
+        if (!partial) lse = entropy;
+        std::fill(o, o + g.value_stride, partial ? 0.0f : entropy);
         s.saw_key[static_cast<std::size_t>(r)] = 1;
-      } else if (m != kNegInf) {
+      } else {
         const float z = horizontal_sum(load(s.sums.data() + r * kLanes));
         const float e = horizontal_sum(load(s.entropy_sums.data() + r * kLanes));
         const float log_z = std::log(z);
@@ -174,10 +191,21 @@ void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
         s.saw_key[static_cast<std::size_t>(r)] = 1;
       }
       s.row_lse[static_cast<std::size_t>(r)] = lse;
+      if (partial) {
+        sink.partial.lse[stats_row + r] = lse;
+        sink.partial.entropy[stats_row + r] = entropy;
+        float* dst = sink.partial.heads + (stats_row + r) * g.dim;
+        if (r < live_chunks) {
+          std::copy(o, o + g.dim, dst);
+        } else {
+          std::fill(dst, dst + g.dim, 0.0f);
+        }
+        continue;
+      }
       if (out.lse) out.lse[stats_row + r] = lse;
       if (out.entropy) out.entropy[stats_row + r] = entropy;
     }
-    if (live > 0) {
+    if (live > 0 && !partial) {
       float* o = s.head_output.data();
       if (layer.output_map == nullptr) {
         for (std::int64_t i = 0; i < live_chunks * g.dim_stride; i += kLanes) {
@@ -193,8 +221,8 @@ void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
       }
     }
 
-    // Weights need the N x N matrix anyway: recompute each score tile and write exp(s - lse).
-    if (out.weights != nullptr) {
+    // Weights need the Nq x N matrix anyway: recompute each score tile and write exp(s - lse).
+    if (out.weights != nullptr && !partial) {
       for (std::int64_t r = 0; r < rows; ++r) {
         float* w = out.weights + (stats_row + r) * N;
         std::fill(w, w + N, 0.0f);
@@ -204,7 +232,7 @@ void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
         const std::int64_t chunk_end = std::min(query0 + kChunkRows, query_begin + live);
         for (std::int64_t t = 0; t * kKeyTile < N; ++t) {
           const std::int64_t key0 = t * kKeyTile;
-          if (cover(mask, length, query0, chunk_end, key0) == TileCover::empty) continue;
+          if (cover(rule, span, query0, chunk_end, key0) == TileCover::empty) continue;
           float* scores = s.scores.data();
           row_block_gemm<kChunkRows>(g.score_dim, op.queries + query0 * g.score_stride,
                                      g.score_stride, op.panels + t * g.score_dim * kKeyTile,
@@ -213,7 +241,7 @@ void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
             const float lse = s.row_lse[static_cast<std::size_t>(i - query_begin)];
             float* w = out.weights + (stats_row + i - query_begin) * N;
             const float* row = scores + (i - query0) * kKeyTile - key0;
-            const KeyRange keys = mask.visible_keys(i, length);
+            const KeyRange keys = keys_in(rule, i, span);
             for (std::int64_t j = key0; j < std::min(key0 + kKeyTile, N); ++j) {
               if (keys.contains(j)) w[j] = std::exp(row[j] - lse);
             }
@@ -222,10 +250,11 @@ void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
       }
     }
   }
+  if (partial) return;
 
   // delta_i = sum_h (...) + c for every query that saw a key; 0 for the others.
   for (std::int64_t r = 0; r < rows; ++r) {
-    float* dst = out.update + (b * N + query_begin + r) * g.dim;
+    float* dst = out.update + (b * Nq + query_begin + r) * g.dim;
     const float* src = update + r * g.dim_stride;
     if (!s.saw_key[static_cast<std::size_t>(r)]) {
       std::fill(dst, dst + g.dim, 0.0f);

@@ -57,13 +57,14 @@ inline std::int64_t round_up(std::int64_t n, std::int64_t multiple) {
 
 /// The shapes every task shares.
 struct Geometry {
-  std::int64_t tokens = 0, padded_tokens = 0, dim = 0, heads = 0;
+  std::int64_t tokens = 0, padded_tokens = 0, dim = 0, heads = 0;  // keys
+  std::int64_t query_tokens = 0, padded_queries = 0;
   std::int64_t score_dim = 0, score_stride = 0;  // query rows, key panels
   std::int64_t value_dim = 0, value_stride = 0;
   std::int64_t dim_stride = 0;  // update rows
   std::int64_t query_block = 64;
   bool shared_keys = true;
-  std::int64_t query_floats() const { return padded_tokens * score_stride; }
+  std::int64_t query_floats() const { return padded_queries * score_stride; }
   std::int64_t key_floats() const { return padded_tokens * score_dim; }
   std::int64_t value_floats() const { return padded_tokens * value_stride; }
 };
@@ -96,16 +97,52 @@ struct Scratch {
 
 /// The operands of one head of one cloud.
 struct HeadOperands {
-  float* queries;  // padded_tokens x score_stride
+  float* queries;  // padded_queries x score_stride
   float* panels;   // padded_tokens / kKeyTile panels of score_dim x kKeyTile
   float* values;   // padded_tokens x value_stride
 };
 
+/// The keys [first, last) that a task of phase 2 meets (all of them unless split).
+struct KeySpan {
+  std::int64_t first = 0;
+  std::int64_t last = 0;
+};
+
 /// Attention of the queries [query_begin, query_begin + g.query_block) of cloud `b` (all heads)
-/// against the projected operands `heads`, written to the outputs (phase 2, engine_block.cpp).
+/// against the projected operands `heads` over the keys of `span`, written to `out` (its
+/// partial state when out.partial.heads is set: rows (b H + h) Nq + i, as partial.hpp lays them
+/// out) (phase 2, engine_block.cpp).
 void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
                   const std::vector<HeadOperands>& heads, const EngineLayer& layer,
-                  const Mask& mask, std::int64_t length, const AttentionOutput<float>& out,
-                  Scratch& s);
+                  const QueryRule& rule, KeySpan span, const EngineOutput& out, Scratch& s);
+
+/// How phase 2 divides the work: query blocks of `query_block` rows and, when the query blocks
+/// are few, the keys into `spans` spans of `span_keys` keys (whole tiles) whose partial states
+/// phase 3 merges. Follows from the shape (and, for the query block without a split, the team
+/// size, which the results do not depend on).
+struct SpanPlan {
+  std::int64_t query_block = 64;
+  std::int64_t blocks = 1;  ///< query blocks per cloud
+  std::int64_t spans = 1;
+  std::int64_t span_keys = 0;
+};
+
+SpanPlan plan_spans(const Geometry& g, std::int64_t group, bool split, int team);
+
+/// The partial states of every span of a group when the keys are split (empty otherwise):
+/// (span, cloud of the group, head, query, dim) as partial.hpp lays them out.
+struct SpanStates {
+  std::int64_t rows = 0;  ///< per span: group H Nq
+  AlignedBuffer heads, lse, entropy;
+  SpanStates(const Geometry& g, std::int64_t group, const SpanPlan& plan);
+};
+
+/// Phases 2 and 3 for the clouds [first, first + count) (rules: theirs, from `first`), run by
+/// every thread of an enclosing parallel region: attention tasks of (cloud, query block, span),
+/// then, when split, the merge of the spans and the finished update or partial state.
+void attend_tasks(const Geometry& g, const SpanPlan& plan, const QueryRule* rules,
+                  std::int64_t first, std::int64_t count,
+                  const std::vector<std::vector<HeadOperands>>& operands, const EngineLayer& layer,
+                  const EngineOutput& out, SpanStates& states, Scratch& s);
 
 }  // namespace emflow::detail::cpu::engine

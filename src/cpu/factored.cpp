@@ -13,6 +13,7 @@
 
 #include "core/backends.hpp"
 #include "core/check.hpp"
+#include "core/queries.hpp"
 #include "engine.hpp"
 
 namespace emflow {
@@ -53,11 +54,15 @@ void validate_factored(const AttentionInput<T>& input, const FactoredLayer<T>& l
   // No output may share memory with the factors (sizes fit: checked above).
   const auto B = static_cast<std::size_t>(input.batch);
   const auto N = static_cast<std::size_t>(input.tokens);
+  const auto Nq = static_cast<std::size_t>(detail::query_count(input));
   const auto d = static_cast<std::size_t>(input.dim);
   const auto H = static_cast<std::size_t>(layer.heads);
   const auto r = static_cast<std::size_t>(layer.rank);
   const detail::MemoryRange ranges[] = {
       {"cloud", input.cloud, B * N * d * sizeof(T), false},
+      {"queries", input.queries, B * Nq * d * sizeof(T), false},
+      {"query_lengths", input.query_lengths, B * sizeof(std::int64_t), false},
+      {"query_positions", input.query_positions, B * sizeof(std::int64_t), false},
       {"query_factor", layer.query_factor, H * r * d * sizeof(T), false},
       {"key_factor", layer.key_factor, H * r * d * sizeof(T), false},
       {"content_up", layer.content_up, H * d * r * sizeof(T), false},
@@ -65,10 +70,10 @@ void validate_factored(const AttentionInput<T>& input, const FactoredLayer<T>& l
       {"key_bias", layer.key_bias, H * d * sizeof(T), false},
       {"offset", layer.offset, d * sizeof(T), false},
       {"key_lengths", input.key_lengths, B * sizeof(std::int64_t), false},
-      {"update", output.update, B * N * d * sizeof(T), true},
-      {"lse", output.lse, B * H * N * sizeof(T), true},
-      {"entropy", output.entropy, B * H * N * sizeof(T), true},
-      {"weights", output.weights, B * H * N * N * sizeof(T), true},
+      {"update", output.update, B * Nq * d * sizeof(T), true},
+      {"lse", output.lse, B * H * Nq * sizeof(T), true},
+      {"entropy", output.entropy, B * H * Nq * sizeof(T), true},
+      {"weights", output.weights, B * H * Nq * N * sizeof(T), true},
   };
   detail::check_disjoint(ranges, sizeof ranges / sizeof ranges[0], kOperation);
 }
@@ -125,7 +130,9 @@ void attend_dense(const AttentionInput<T>& input, const FactoredLayer<T>& factor
                   const AttentionOutput<T>& output, const ExecutionOptions& options) {
   const DenseLayer<T> dense(factored, input.dim);
   const std::int64_t B = input.batch, N = input.tokens, d = input.dim, H = factored.heads;
+  const std::int64_t Nq = detail::query_count(input);
   const std::vector<U> cloud = converted<U>(input.cloud, B * N * d);
+  const std::vector<U> queries = converted<U>(input.queries, B * Nq * d);
   const std::vector<U> relevance(dense.relevance.begin(), dense.relevance.end());
   const std::vector<U> content(dense.content.begin(), dense.content.end());
   const std::vector<U> key_bias(dense.key_bias.begin(), dense.key_bias.end());
@@ -141,14 +148,20 @@ void attend_dense(const AttentionInput<T>& input, const FactoredLayer<T>& factor
   in.beta = input.beta;
   in.mask = input.mask;
   in.key_lengths = input.key_lengths;
+  in.queries = input.queries ? queries.data() : nullptr;
+  in.query_tokens = input.query_tokens;
+  in.query_lengths = input.query_lengths;
+  in.key_position = input.key_position;
+  in.query_position = input.query_position;
+  in.query_positions = input.query_positions;
 
   if constexpr (std::is_same_v<U, T>) {
     emflow::attend(in, output, options);
   } else {
-    std::vector<U> update(static_cast<std::size_t>(B * N * d)), lse, entropy, weights;
-    if (output.lse) lse.resize(static_cast<std::size_t>(B * H * N));
-    if (output.entropy) entropy.resize(static_cast<std::size_t>(B * H * N));
-    if (output.weights) weights.resize(static_cast<std::size_t>(B * H * N * N));
+    std::vector<U> update(static_cast<std::size_t>(B * Nq * d)), lse, entropy, weights;
+    if (output.lse) lse.resize(static_cast<std::size_t>(B * H * Nq));
+    if (output.entropy) entropy.resize(static_cast<std::size_t>(B * H * Nq));
+    if (output.weights) weights.resize(static_cast<std::size_t>(B * H * Nq * N));
     AttentionOutput<U> out{update.data(), pointer(lse, output.lse),
                            pointer(entropy, output.entropy), pointer(weights, output.weights)};
     emflow::attend(in, out, options);
@@ -216,8 +229,22 @@ void attend_factored_cpu(const AttentionInput<float>& input, const FactoredLayer
   layer.value_map = value_map.data();
   layer.output_map = output_map.data();
   layer.offset = f.offset;
-  detail::cpu::fused_attend(input.cloud, input.batch, input.tokens, layer, input.mask,
-                            input.key_lengths, output, threads);
+  std::vector<detail::QueryRule> rules;
+  if (detail::plain_self_attention(input)) {
+    rules = detail::cpu::self_rules(input.batch, input.tokens, input.mask, input.key_lengths);
+  } else {
+    for (std::int64_t b = 0; b < input.batch; ++b) rules.push_back(detail::query_rule(input, b));
+  }
+  detail::cpu::EngineClouds clouds;
+  clouds.keys = input.cloud;
+  clouds.queries = detail::query_rows(input);
+  clouds.batch = input.batch;
+  clouds.tokens = input.tokens;
+  clouds.query_tokens = detail::query_count(input);
+  clouds.rules = rules.data();
+  detail::cpu::EngineOutput sink;
+  sink.attend = output;
+  detail::cpu::fused_attend(clouds, layer, sink, threads);
 }
 
 }  // namespace

@@ -28,7 +28,8 @@ void CrossProblem::fill(std::uint64_t seed) {
   const double scale = 2.0 / std::sqrt(static_cast<double>(dim));
   const auto n = [](std::int64_t v) { return static_cast<std::size_t>(v); };
   cloud = rounded(uniform(n(batch * tokens * dim), seed));
-  queries = self ? std::vector<double>{} : rounded(uniform(n(batch * query_tokens * dim), seed + 1));
+  queries =
+      self ? std::vector<double>{} : rounded(uniform(n(batch * query_tokens * dim), seed + 1));
   relevance = rounded(uniform(n(heads * dim * dim), seed + 2, -scale, scale));
   content = rounded(uniform(n(heads * dim * dim), seed + 3, -scale, scale));
   key_bias = bias ? rounded(uniform(n(heads * dim), seed + 4)) : std::vector<double>{};
@@ -104,7 +105,8 @@ CrossResult cross_oracle(const CrossProblem& p) {
         out.lse[static_cast<std::size_t>(row)] = lse;
         out.entropy[static_cast<std::size_t>(row)] = lse - expected;
       }
-      for (std::int64_t a = 0; p.offset && a < d; ++a) delta[a] += p.shift[static_cast<std::size_t>(a)];
+      for (std::int64_t a = 0; p.offset && a < d; ++a)
+        delta[a] += p.shift[static_cast<std::size_t>(a)];
     }
   }
   return out;
@@ -129,8 +131,8 @@ CrossBuffers<T>::CrossBuffers(const CrossProblem& p, bool with_weights)
   input.batch = p.batch;
   input.tokens = p.tokens;
   input.dim = p.dim;
-  input.layer = {p.heads, relevance.data(), content.data(),
-                 p.bias ? key_bias.data() : nullptr, p.offset ? shift.data() : nullptr};
+  input.layer = {p.heads, relevance.data(), content.data(), p.bias ? key_bias.data() : nullptr,
+                 p.offset ? shift.data() : nullptr};
   input.beta = p.beta;
   input.mask = p.mask;
   input.key_lengths = key_lengths.empty() ? nullptr : key_lengths.data();

@@ -7,6 +7,8 @@
 // Case names: target, then B, H, N (keys), q (queries), d, mask, then ragged (key and query
 // lengths), at<P> (explicit query position P, keys at 5), per (a position per cloud), self,
 // bias, offset, weights.
+#include "attention/cross.hpp"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,7 +17,6 @@
 #include <vector>
 
 #include "attention/backends.hpp"
-#include "attention/cross.hpp"
 #include "common/testing.hpp"
 
 namespace emflow::testing {
@@ -141,6 +142,11 @@ std::vector<Case> cases() {
   out.push_back({2, 1, 700, 130, 32, w40, true, Positions::aligned, false, true, true});
   out.push_back({1, 1, 2000, 1, 128, none});
   out.push_back({2, 2, 300, 77, 255, causal, true, Positions::per_cloud, false, true, true});
+  // Few queries against enough keys for the CPU engine to split them across threads.
+  out.push_back({1, 1, 9000, 1, 8, none, false, Positions::aligned, false, true, true});
+  out.push_back({2, 2, 7000, 5, 6, causal, true, Positions::aligned, false, true, true});
+  out.push_back({1, 1, 6100, 16, 16, w40, false, Positions::explicit_position});
+  out.push_back({3, 1, 5000, 3, 4, causal, true, Positions::per_cloud, false, false, true});
   return out;
 }
 
@@ -188,6 +194,24 @@ TEST(CrossAlignment, LastRowsOfCausalSelfAttention) {
       }
     }
   }
+}
+
+// The CPU engine's split of the keys follows from the shape, not the thread count: one, two and
+// three threads give the same bits.
+TEST(CrossSplit, ResultsDoNotDependOnTheThreadCount) {
+  Case c{2, 2, 20000, 9, 16, Mask::causal(), true, Positions::aligned, false, true, true};
+  const CrossProblem problem = c.problem();
+  std::vector<CrossBuffers<float>> runs;
+  for (int threads : {1, 2, 3}) {
+    runs.emplace_back(problem, false);
+    attend(runs.back().input, runs.back().output, {Device::cpu, threads});
+  }
+  for (std::size_t k = 1; k < runs.size(); ++k) {
+    EXPECT_EQ(runs[k].update, runs[0].update);
+    EXPECT_EQ(runs[k].lse, runs[0].lse);
+    EXPECT_EQ(runs[k].entropy, runs[0].entropy);
+  }
+  EXPECT_TRUE(close_to(runs[0].update, cross_oracle(problem).update, 1e-5));
 }
 
 }  // namespace

@@ -92,36 +92,37 @@ const std::int64_t kFar = std::int64_t{1} << 61;
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, CrossRejects,
-    ::testing::Values(
-        Case{"zero_query_tokens", "query_tokens", "got 0", [](Cross& x) { x.input.query_tokens = 0; }},
-        Case{"self_query_tokens", "query_tokens", "must be 0 or tokens",
-             [](Cross& x) {
-               x.input.queries = nullptr;
-               x.input.query_lengths = nullptr;
-               x.input.query_tokens = 3;
-             }},
-        Case{"query_length_high", "query_lengths", "entry 1 must be in [0, 3], got 4",
-             [](Cross& x) { x.query_lengths[1] = 4; }},
-        Case{"query_length_negative", "query_lengths", "got -1",
-             [](Cross& x) { x.query_lengths[0] = -1; }},
-        Case{"queries_overflow", "queries", "overflows",
-             [](Cross& x) { x.input.query_tokens = std::int64_t{1} << 62; }},
-        Case{"key_position_far", "key_position", "2^60",
-             [](Cross& x) { x.input.key_position = kFar; }},
-        Case{"key_position_align_marker", "key_position", "2^60",
-             [](Cross& x) { x.input.key_position = kAlignToEnd; }},
-        Case{"query_position_far", "query_position", "2^60",
-             [](Cross& x) { x.input.query_position = -kFar; }},
-        Case{"update_overlaps_queries", "update", "queries",
-             [](Cross& x) { x.output.update = x.queries.data(); }, attend_only},
-        Case{"lse_overlaps_query_rows", "lse", "update",
-             [](Cross& x) { x.output.lse = x.update.data() + B * Nq * d - 1; }, attend_only},
-        Case{"weights_overlap_update", "weights", "update",
-             [](Cross& x) { x.output.weights = x.update.data() + 1; }, attend_only},
-        Case{"heads_overlap_queries", "heads", "queries",
-             [](Cross& x) { x.partial.heads = x.queries.data() + 1; }, partial_only},
-        Case{"partial_entropy_null", "entropy", "null",
-             [](Cross& x) { x.partial.entropy = nullptr; }, partial_only}),
+    ::testing::Values(Case{"zero_query_tokens", "query_tokens", "got 0",
+                           [](Cross& x) { x.input.query_tokens = 0; }},
+                      Case{"self_query_tokens", "query_tokens", "must be 0 or tokens",
+                           [](Cross& x) {
+                             x.input.queries = nullptr;
+                             x.input.query_lengths = nullptr;
+                             x.input.query_tokens = 3;
+                           }},
+                      Case{"query_length_high", "query_lengths", "entry 1 must be in [0, 3], got 4",
+                           [](Cross& x) { x.query_lengths[1] = 4; }},
+                      Case{"query_length_negative", "query_lengths", "got -1",
+                           [](Cross& x) { x.query_lengths[0] = -1; }},
+                      Case{"queries_overflow", "queries", "overflows",
+                           [](Cross& x) { x.input.query_tokens = std::int64_t{1} << 62; }},
+                      Case{"key_position_far", "key_position", "2^60",
+                           [](Cross& x) { x.input.key_position = kFar; }},
+                      Case{"key_position_align_marker", "key_position", "2^60",
+                           [](Cross& x) { x.input.key_position = kAlignToEnd; }},
+                      Case{"query_position_far", "query_position", "2^60",
+                           [](Cross& x) { x.input.query_position = -kFar; }},
+                      Case{"update_overlaps_queries", "update", "queries",
+                           [](Cross& x) { x.output.update = x.queries.data(); }, attend_only},
+                      Case{"lse_overlaps_query_rows", "lse", "update",
+                           [](Cross& x) { x.output.lse = x.update.data() + B * Nq * d - 1; },
+                           attend_only},
+                      Case{"weights_overlap_update", "weights", "update",
+                           [](Cross& x) { x.output.weights = x.update.data() + 1; }, attend_only},
+                      Case{"heads_overlap_queries", "heads", "queries",
+                           [](Cross& x) { x.partial.heads = x.queries.data() + 1; }, partial_only},
+                      Case{"partial_entropy_null", "entropy", "null",
+                           [](Cross& x) { x.partial.entropy = nullptr; }, partial_only}),
     [](const auto& info) { return info.param.name; });
 
 // Outputs sized for Nq rows are enough: the update of a cross call has Q's shape, not X's.
@@ -158,24 +159,38 @@ TEST(PartialValidation, MergeAndFinishCheckTheirStates) {
   const PartialInput<double> part{b.data(), lb.data(), hb.data()};
   const PartialOutput<double> into{a.data(), la.data(), ha.data()};
   EXPECT_NO_THROW(merge_partial(shape, part, into));
-  EXPECT_TRUE(throws_error([&] { merge_partial(PartialShape{1, 0, 3, 4}, part, into); },
-                           ErrorCode::invalid_argument, {"'heads'", "got 0"}));
   EXPECT_TRUE(throws_error(
-      [&] { merge_partial(shape, part, PartialOutput<double>{a.data(), nullptr, ha.data()}); },
+      [&] {
+        merge_partial(PartialShape{1, 0, 3, 4}, part, into);
+      },
+      ErrorCode::invalid_argument, {"'heads'", "got 0"}));
+  EXPECT_TRUE(throws_error(
+      [&] {
+        merge_partial(shape, part, PartialOutput<double>{a.data(), nullptr, ha.data()});
+      },
       ErrorCode::invalid_argument, {"'into.lse'", "null"}));
   EXPECT_TRUE(throws_error(
-      [&] { merge_partial(shape, PartialInput<double>{a.data() + 4, lb.data(), hb.data()}, into); },
+      [&] {
+        merge_partial(shape, PartialInput<double>{a.data() + 4, lb.data(), hb.data()}, into);
+      },
       ErrorCode::invalid_argument, {"'into.heads'", "part.heads"}));
   const PartialInput<double> state{a.data(), la.data(), ha.data()};
-  EXPECT_NO_THROW(finish_partial<double>(shape, state, nullptr, {update.data(), nullptr, nullptr, nullptr}));
+  EXPECT_NO_THROW(
+      finish_partial<double>(shape, state, nullptr, {update.data(), nullptr, nullptr, nullptr}));
   EXPECT_TRUE(throws_error(
-      [&] { finish_partial<double>(shape, state, nullptr, {update.data(), nullptr, nullptr, b.data()}); },
+      [&] {
+        finish_partial<double>(shape, state, nullptr, {update.data(), nullptr, nullptr, b.data()});
+      },
       ErrorCode::invalid_argument, {"'weights'"}));
   EXPECT_TRUE(throws_error(
-      [&] { finish_partial<double>(shape, state, nullptr, {a.data() + 2, nullptr, nullptr, nullptr}); },
+      [&] {
+        finish_partial<double>(shape, state, nullptr, {a.data() + 2, nullptr, nullptr, nullptr});
+      },
       ErrorCode::invalid_argument, {"'update'", "state.heads"}));
   EXPECT_TRUE(throws_error(
-      [&] { finish_partial<double>(shape, state, nullptr, {nullptr, nullptr, nullptr, nullptr}); },
+      [&] {
+        finish_partial<double>(shape, state, nullptr, {nullptr, nullptr, nullptr, nullptr});
+      },
       ErrorCode::invalid_argument, {"'update'", "null"}));
 }
 

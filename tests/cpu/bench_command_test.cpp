@@ -54,6 +54,28 @@ TEST(BenchCommand, PrintsOneJsonObjectPerMeasurement) {
   EXPECT_TRUE(has(r.lines[2], "\"op\": \"unfused_blas\""));
 }
 
+// Decoding shapes: NQ queries through attend, through a DecodeCache, one token appended and
+// attended, and self-attention at --self-tokens in the same rounds.
+TEST(BenchCommand, TimesDecodingShapes) {
+  const Result r =
+      run("bench --tokens 300 --dim 8 --queries-tokens 4 --self-tokens 64 "
+          "--mask causal --repeats 1 --threads 2");
+  ASSERT_EQ(r.status, 0);
+  ASSERT_EQ(r.lines.size(), 4u);
+  EXPECT_TRUE(has(r.lines[0], "\"op\": \"attend_queries\""));
+  EXPECT_TRUE(has(r.lines[0], "\"query_tokens\": 4"));
+  EXPECT_TRUE(has(r.lines[0], "\"tokens\": 300"));
+  EXPECT_TRUE(has(r.lines[1], "\"op\": \"decode_queries\""));
+  EXPECT_TRUE(has(r.lines[2], "\"op\": \"decode_token\""));
+  EXPECT_TRUE(has(r.lines[2], "\"query_tokens\": 1"));
+  EXPECT_TRUE(has(r.lines[3], "\"op\": \"attend_self\""));
+  EXPECT_TRUE(has(r.lines[3], "\"self_tokens\": 64"));
+  Result bad = run("bench --queries-tokens -1");
+  EXPECT_NE(bad.status, 0);
+  ASSERT_FALSE(bad.lines.empty());
+  EXPECT_TRUE(has(bad.lines.back(), "--queries-tokens")) << bad.lines.back();
+}
+
 TEST(BenchCommand, RejectsBadOptionsNamingThem) {
   Result r = run("bench --tokens 0");
   EXPECT_NE(r.status, 0);
