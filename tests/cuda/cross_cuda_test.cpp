@@ -238,17 +238,15 @@ TEST(CudaCross, FusedAwkwardSizesEveryMaskMatchReference) {
   }
 }
 
+// Fewer cases than the fused kernel: the emulated cuBLAS is slow, and the unfused path's only
+// new parts are the rectangular products and the row rules, which each case covers.
 TEST(CudaCross, UnfusedAwkwardSizesMatchReference) {
   EMFLOW_REQUIRE_CUDA();
-  for (std::int64_t Nq : {1, 7, 33}) {
-    for (const Mask& mask : {Mask::causal(), Mask::sliding_window(5)}) {
-      check_async<float>(awkward(65, Nq, mask), Algorithm::unfused, 1e-5, "unfused");
-    }
-  }
-  for (std::int64_t N : {1, 65}) {
-    for (const Mask& mask : every_mask()) {
-      check_async<double>(awkward(N, 7, mask), Algorithm::unfused, 1e-12, "unfused double");
-    }
+  check_async<float>(awkward(65, 1, Mask::causal()), Algorithm::unfused, 1e-5, "unfused");
+  check_async<float>(awkward(65, 33, Mask::sliding_window(5)), Algorithm::unfused, 1e-5, "unfused");
+  check_async<double>(awkward(1, 7, Mask::none()), Algorithm::unfused, 1e-12, "unfused double");
+  for (const Mask& mask : every_mask()) {
+    check_async<double>(awkward(65, 7, mask), Algorithm::unfused, 1e-12, "unfused double");
   }
 }
 

@@ -28,7 +28,7 @@ esac
 # the generic properties on both kernels in float, the async API and workspace checks, the phase
 # diagram and the flow. Left out: the unfused kernel at N = 101 (the emulated cuBLAS is slow;
 # fused covers that size) and the bitwise-determinism property (N = 1000).
-FILTER=${2:-'Small/*/cuda_fused_*:Small/*/cuda_unfused_*:Small/*/cuda_f??_B2_H2_N7_*:Properties/*/cuda_fused_f32:Properties/*/cuda_unfused_f32:CudaAsync.*:CudaWorkspace.*:CudaWithoutDevice.*:PhaseCuda*:FlowCuda*:CudaCross.*:CudaKeySplits.*:CudaPartial.*:Cross/*/cuda_*_B1_H1_N?_q?_*:Cross/*/cuda_*_B2_H2_N33_*:Cross/*/cuda_*_B4_H2_N45_*-*/cuda_unfused_*_N101_*:*RepeatedRunsAreBitwiseEqual*'}
+FILTER=${2:-'Small/*/cuda_fused_*:Small/*/cuda_unfused_*:Small/*/cuda_f??_B2_H2_N7_*:Properties/*/cuda_fused_f32:Properties/*/cuda_unfused_f32:CudaAsync.*:CudaWorkspace.*:CudaWithoutDevice.*:PhaseCuda*:FlowCuda*:CudaCross.*:CudaKeySplits.*:CudaPartial.*:Cross/*/cuda_*_B1_H1_N?_q?_*:Cross/*/cuda_*_B2_H2_N33_*:Cross/*/cuda_*_B4_H2_N45_*:Blocks/*/cuda_f??_B1_H1_N1_*:Blocks/*/cuda_f??_B2_H2_N65_*-*/cuda_unfused_*_N101_*:*RepeatedRunsAreBitwiseEqual*'}
 BUILD="$ROOT/build-emulation-$MODE"
 jobs=${EMULATION_JOBS:-$(nproc 2>/dev/null || echo 2)}
 
