@@ -225,12 +225,13 @@ written only when the whole run succeeds.)");
                    "output: the update Delta (.npy), X's shape (Q's with --queries)")
       ->required();
   command->add_option("--lse", args->lse,
-                      "output: log-sum-exp of the scores (.npy), (B, H, Nq); -inf for a query "
-                      "with no visible key (Nq = N without --queries)");
+                      "output: log-sum-exp of the scores (.npy), (B, H, N), or (B, H, Nq) with "
+                      "--queries; -inf for a query with no visible key");
   command->add_option("--entropy", args->entropy,
-                      "output: attention entropy in nats (.npy), (B, H, Nq)");
+                      "output: attention entropy in nats (.npy), (B, H, N) or (B, H, Nq)");
   command->add_option("--weights", args->weights,
-                      "output: attention weights P (.npy), (B, H, Nq, N); needs B H Nq N numbers");
+                      "output: attention weights P (.npy), (B, H, N, N), or (B, H, Nq, N) with "
+                      "--queries; needs B H Nq N numbers");
   command->callback([args] {
     const Dtype dtype = float_dtype("--x", args->cloud);
     if (dtype == Dtype::float32) {
