@@ -7,6 +7,10 @@
 //   BM_Unfused          attend_async with Algorithm::unfused (projections, S = R X^T, softmax, P C)
 //   BM_CublasProducts   the two N x N products of the unfused path alone (S = R X^T and P C),
 //                       cuBLAS sgemm: the floor of any unfused implementation
+//   BM_Decode           one query (cross-attention, causal, aligned bottom-right) against N =
+//                       4k..128k keys at d = 128, one cloud and one head: attend_async with the
+//                       automatic algorithm, which splits the keys over the device
+//                       (flash-decoding); see kv_bytes_per_second below
 // Batch B = max(1, 16384 / N) clouds of one head, so every case holds 16k tokens (the
 // convention of the FlashAttention benchmarks). Each timed iteration is bracketed by CUDA events
 // on the benchmark's stream after two warm-up calls; the input cloud rotates over enough copies
@@ -20,6 +24,11 @@
 //   bytes_per_second  the device-memory traffic the algorithm cannot avoid: clouds, projections
 //                 and update once each, plus for the unfused path the N x N scores written, read
 //                 and rewritten by the softmax and read by the P C product (4 passes)
+//   kv_bytes_per_second  BM_Decode only: the keys and contents the attention must read (2 N d
+//                 floats) over the whole call's time. The call also forms C = X F^T (the API
+//                 takes the cloud, not a cache of contents), so this understates the attention
+//                 kernel's own bandwidth; the target is 50 % of the HBM bandwidth (H200:
+//                 4.8 TB/s, so 2.4e12 here).
 // Without a device the program prints why and exits with status 0.
 #include <benchmark/benchmark.h>
 #include <cublas_v2.h>
@@ -220,6 +229,58 @@ void BM_CublasProducts(benchmark::State& state) {
   }
 }
 
+// One query against `tokens` keys: the decoding step of a growing cloud.
+void BM_Decode(benchmark::State& state) {
+  const std::int64_t tokens = state.range(0), dim = state.range(1);
+  try {
+    Stream stream;
+    const Event start, stop;
+    const auto keys = static_cast<std::size_t>(tokens * dim);
+    std::vector<DeviceBuffer<float>> clouds;  // two copies: L2 never holds the last call's keys
+    for (std::uint64_t c = 0; c < 2; ++c)
+      clouds.push_back(random_buffer(keys, 1 + c, 1.f, stream.handle));
+    const auto operator_size = static_cast<std::size_t>(dim * dim);
+    const float operator_scale = 2.f / std::sqrt(static_cast<float>(dim));
+    DeviceBuffer<float> relevance =
+        random_buffer(operator_size, 101, operator_scale, stream.handle);
+    DeviceBuffer<float> content = random_buffer(operator_size, 102, operator_scale, stream.handle);
+    DeviceBuffer<float> query =
+        random_buffer(static_cast<std::size_t>(dim), 103, 1.f, stream.handle);
+    DeviceBuffer<float> update(static_cast<std::size_t>(dim));
+
+    emflow::AttentionInput<float> input = emflow::tools::layer_input(
+        clouds[0].data(), 1, tokens, dim, 1, relevance.data(), content.data());
+    input.queries = query.data();
+    input.query_tokens = 1;
+    input.mask = emflow::Mask::causal();
+    emflow::AttentionOutput<float> output;
+    output.update = update.data();
+
+    const std::size_t bytes = emflow::cuda::attend_workspace_size(input, output);
+    DeviceBuffer<unsigned char> workspace(bytes);
+    auto enqueue = [&] {
+      emflow::cuda::attend_async(input, output, workspace.data(), bytes, stream.handle);
+    };
+    for (int warm = 0; warm < 2; ++warm) enqueue();
+    if (cudaStreamSynchronize(stream.handle) != cudaSuccess) {
+      state.SkipWithError("the warm-up run failed on the device");
+      return;
+    }
+    std::size_t turn = 0;
+    for (auto _ : state) {
+      input.cloud = clouds[++turn % 2].data();
+      state.SetIterationTime(timed(stream.handle, start, stop, enqueue));
+    }
+    const double kv_bytes = 2.0 * static_cast<double>(keys) * sizeof(float);
+    state.counters["kv_bytes_per_second"] =
+        benchmark::Counter(kv_bytes, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["kv_HBM_fraction_H200"] =
+        benchmark::Counter(kv_bytes / 4.8e12, benchmark::Counter::kIsIterationInvariantRate);
+  } catch (const emflow::Error& e) {
+    state.SkipWithError(e.what());
+  }
+}
+
 void attention_sizes(benchmark::internal::Benchmark* b) {
   for (std::int64_t causal : {0, 1}) {
     for (std::int64_t dim : {64, 128}) {
@@ -239,6 +300,13 @@ void product_sizes(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_Fused)->Apply(attention_sizes);
 BENCHMARK(BM_Unfused)->Apply(attention_sizes);
 BENCHMARK(BM_CublasProducts)->Apply(product_sizes);
+BENCHMARK(BM_Decode)
+    ->ArgNames({"N", "d"})
+    ->Args({4096, 128})
+    ->Args({32768, 128})
+    ->Args({131072, 128})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 

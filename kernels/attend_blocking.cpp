@@ -1,6 +1,7 @@
-// The blocking CUDA path behind emflow::attend(..., {Device::cuda}): host arrays are copied to
-// device buffers on a stream of its own, attend_async runs there, the outputs are copied back
-// and the stream is synchronised.
+// The blocking CUDA paths behind emflow::attend(..., {Device::cuda}) and
+// emflow::attend_partial(..., {Device::cuda}): host arrays are copied to device buffers on a
+// stream of their own, attend_async / attend_partial_async runs there, the outputs are copied
+// back and the stream is synchronised.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -10,6 +11,60 @@
 #include "emflow/cuda.hpp"
 
 namespace emflow::detail {
+
+namespace {
+
+// The inputs of one call on the device; `on_device` points at them.
+template <class T>
+struct DeviceInputs {
+  cuda::DeviceBuffer<T> cloud, queries, relevance, content, bias, offset;
+  cuda::DeviceBuffer<std::int64_t> key_lengths, query_lengths, query_positions;
+  AttentionInput<T> on_device;
+
+  DeviceInputs(const AttentionInput<T>& input, cudaStream_t s) {
+    const auto B = static_cast<std::size_t>(input.batch);
+    const auto d = static_cast<std::size_t>(input.dim);
+    const auto H = static_cast<std::size_t>(input.layer.heads);
+    const std::size_t keys = B * static_cast<std::size_t>(input.tokens) * d;
+    const std::size_t asked =
+        input.queries ? B * static_cast<std::size_t>(input.query_tokens) * d : 0;
+    cloud = cuda::DeviceBuffer<T>(keys);
+    queries = cuda::DeviceBuffer<T>(asked);
+    relevance = cuda::DeviceBuffer<T>(H * d * d);
+    content = cuda::DeviceBuffer<T>(H * d * d);
+    bias = cuda::DeviceBuffer<T>(input.layer.key_bias ? H * d : 0);
+    offset = cuda::DeviceBuffer<T>(input.layer.offset ? d : 0);
+    key_lengths = cuda::DeviceBuffer<std::int64_t>(input.key_lengths ? B : 0);
+    query_lengths = cuda::DeviceBuffer<std::int64_t>(input.query_lengths ? B : 0);
+    query_positions = cuda::DeviceBuffer<std::int64_t>(input.query_positions ? B : 0);
+    cloud.copy_from_host(input.cloud, keys, s);
+    if (input.queries) queries.copy_from_host(input.queries, asked, s);
+    relevance.copy_from_host(input.layer.relevance, H * d * d, s);
+    content.copy_from_host(input.layer.content, H * d * d, s);
+    if (input.layer.key_bias) bias.copy_from_host(input.layer.key_bias, H * d, s);
+    if (input.layer.offset) offset.copy_from_host(input.layer.offset, d, s);
+    if (input.key_lengths) key_lengths.copy_from_host(input.key_lengths, B, s);
+    if (input.query_lengths) query_lengths.copy_from_host(input.query_lengths, B, s);
+    if (input.query_positions) query_positions.copy_from_host(input.query_positions, B, s);
+    on_device = input;
+    on_device.cloud = cloud.data();
+    on_device.queries = input.queries ? queries.data() : nullptr;
+    on_device.layer.relevance = relevance.data();
+    on_device.layer.content = content.data();
+    on_device.layer.key_bias = input.layer.key_bias ? bias.data() : nullptr;
+    on_device.layer.offset = input.layer.offset ? offset.data() : nullptr;
+    on_device.key_lengths = input.key_lengths ? key_lengths.data() : nullptr;
+    on_device.query_lengths = input.query_lengths ? query_lengths.data() : nullptr;
+    on_device.query_positions = input.query_positions ? query_positions.data() : nullptr;
+  }
+};
+
+template <class T>
+std::size_t query_count(const AttentionInput<T>& input) {
+  return static_cast<std::size_t>(input.queries ? input.query_tokens : input.tokens);
+}
+
+}  // namespace
 
 template <class T>
 void cuda_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output) {
@@ -22,48 +77,56 @@ void cuda_attend(const AttentionInput<T>& input, const AttentionOutput<T>& outpu
   const auto N = static_cast<std::size_t>(input.tokens);
   const auto d = static_cast<std::size_t>(input.dim);
   const auto H = static_cast<std::size_t>(input.layer.heads);
-  const std::size_t cloud_size = B * N * d, operator_size = H * d * d, rows = B * H * N;
+  const std::size_t Nq = query_count(input);
+  const std::size_t update_size = B * Nq * d, rows = B * H * Nq;
 
-  cuda::DeviceBuffer<T> cloud(cloud_size), relevance(operator_size), content(operator_size);
-  cuda::DeviceBuffer<T> bias(input.layer.key_bias ? H * d : 0);
-  cuda::DeviceBuffer<T> offset(input.layer.offset ? d : 0);
-  cuda::DeviceBuffer<std::int64_t> lengths(input.key_lengths ? B : 0);
-  cuda::DeviceBuffer<T> update(cloud_size);
+  const DeviceInputs<T> inputs(input, s);
+  cuda::DeviceBuffer<T> update(update_size);
   cuda::DeviceBuffer<T> lse(output.lse ? rows : 0), entropy(output.entropy ? rows : 0);
   cuda::DeviceBuffer<T> weights(output.weights ? rows * N : 0);
-
-  cloud.copy_from_host(input.cloud, cloud_size, s);
-  relevance.copy_from_host(input.layer.relevance, operator_size, s);
-  content.copy_from_host(input.layer.content, operator_size, s);
-  if (input.layer.key_bias) bias.copy_from_host(input.layer.key_bias, H * d, s);
-  if (input.layer.offset) offset.copy_from_host(input.layer.offset, d, s);
-  if (input.key_lengths) lengths.copy_from_host(input.key_lengths, B, s);
-
-  AttentionInput<T> on_device = input;
-  on_device.cloud = cloud.data();
-  on_device.layer.relevance = relevance.data();
-  on_device.layer.content = content.data();
-  on_device.layer.key_bias = input.layer.key_bias ? bias.data() : nullptr;
-  on_device.layer.offset = input.layer.offset ? offset.data() : nullptr;
-  on_device.key_lengths = input.key_lengths ? lengths.data() : nullptr;
   AttentionOutput<T> to_device;
   to_device.update = update.data();
   to_device.lse = output.lse ? lse.data() : nullptr;
   to_device.entropy = output.entropy ? entropy.data() : nullptr;
   to_device.weights = output.weights ? weights.data() : nullptr;
 
-  const std::size_t bytes = cuda::attend_workspace_size(on_device, to_device);
+  const std::size_t bytes = cuda::attend_workspace_size(inputs.on_device, to_device);
   cuda::DeviceBuffer<unsigned char> workspace(bytes);
-  cuda::attend_async(on_device, to_device, workspace.data(), bytes, s);
+  cuda::attend_async(inputs.on_device, to_device, workspace.data(), bytes, s);
 
-  update.copy_to_host(output.update, cloud_size, s);
+  update.copy_to_host(output.update, update_size, s);
   if (output.lse) lse.copy_to_host(output.lse, rows, s);
   if (output.entropy) entropy.copy_to_host(output.entropy, rows, s);
   if (output.weights) weights.copy_to_host(output.weights, rows * N, s);
   check_cuda(cudaStreamSynchronize(s), operation, "cudaStreamSynchronize");
 }
 
+template <class T>
+void cuda_attend_partial(const AttentionInput<T>& input, const PartialOutput<T>& output) {
+  const char* const operation = "attend_partial";
+  const OwnedStream stream(operation);  // first: see cuda_attend
+  const cudaStream_t s = stream.get();
+  const auto H = static_cast<std::size_t>(input.layer.heads);
+  const std::size_t rows = static_cast<std::size_t>(input.batch) * H * query_count(input);
+  const std::size_t values = rows * static_cast<std::size_t>(input.dim);
+
+  const DeviceInputs<T> inputs(input, s);
+  cuda::DeviceBuffer<T> heads(values), lse(rows), entropy(rows);
+  const PartialOutput<T> to_device{heads.data(), lse.data(), entropy.data()};
+  const std::size_t bytes = cuda::attend_partial_workspace_size(inputs.on_device);
+  cuda::DeviceBuffer<unsigned char> workspace(bytes);
+  cuda::attend_partial_async(inputs.on_device, to_device, workspace.data(), bytes, s);
+
+  heads.copy_to_host(output.heads, values, s);
+  lse.copy_to_host(output.lse, rows, s);
+  entropy.copy_to_host(output.entropy, rows, s);
+  check_cuda(cudaStreamSynchronize(s), operation, "cudaStreamSynchronize");
+}
+
 template void cuda_attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&);
 template void cuda_attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&);
+template void cuda_attend_partial<float>(const AttentionInput<float>&, const PartialOutput<float>&);
+template void cuda_attend_partial<double>(const AttentionInput<double>&,
+                                          const PartialOutput<double>&);
 
 }  // namespace emflow::detail

@@ -1,5 +1,6 @@
 // The launches of a plan (attend_plan.hpp): the cuBLAS projections, then either the fused kernel
-// or the unfused chain of scores, row softmax and update products. Everything is enqueued on the
+// (with or without key splits and their merge) or the unfused chain of scores, row softmax and
+// update products. Everything is enqueued on the
 // caller's stream; nothing is allocated or synchronised.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -41,59 +42,72 @@ void gemm(const CublasApi& api, cublasHandle_t handle, cublasOperation_t a_op,
 template <class T>
 void AttentionPlan<T>::enqueue(const AttentionInput<T>& input, const AttentionOutput<T>& output,
                                void* workspace, cudaStream_t stream) const {
-  check_matches(input, output);
+  Targets targets;
+  targets.update = output.update;
+  targets.lse = output.lse;
+  targets.entropy = output.entropy;
+  targets.weights = output.weights;
+  check_matches(input, targets);
+  launch(input, targets, workspace, stream);
+}
+
+template <class T>
+void AttentionPlan<T>::enqueue(const AttentionInput<T>& input, const PartialOutput<T>& output,
+                               void* workspace, cudaStream_t stream) const {
+  Targets targets;
+  targets.heads = output.heads;
+  targets.lse = output.lse;
+  targets.entropy = output.entropy;
+  check_matches(input, targets);
+  launch(input, targets, workspace, stream);
+}
+
+template <class T>
+void AttentionPlan<T>::launch(const AttentionInput<T>& input, const Targets& out, void* workspace,
+                              cudaStream_t stream) const {
   const char* const operation = operation_.c_str();
   const CublasApi& api = *cublas_;
   const int B = static_cast<int>(batch_), N = static_cast<int>(tokens_);
+  const int Nq = static_cast<int>(queries_);
   const int d = static_cast<int>(dim_), H = static_cast<int>(heads_);
-  const long long rows = static_cast<long long>(B) * N;  // rows of one head's projections
-  const long long head_stride = rows * d;
+  const long long query_rows = static_cast<long long>(B) * Nq;  // one head's query projections
+  const long long key_rows = static_cast<long long>(B) * N;     // one head's contents
+  const long long query_head = query_rows * d, key_head = key_rows * d;
   auto* const base = static_cast<unsigned char*>(workspace);
   T* const relevance = reinterpret_cast<T*>(base + layout_.relevance);
   T* const content = reinterpret_cast<T*>(base + layout_.content);
-  const KernelMask mask{input.mask, input.key_lengths};
+  const T* const queries = input.queries != nullptr ? input.queries : input.cloud;
+  // Self-attention's queries are its keys: without query lengths they have the key lengths.
+  const std::int64_t* const query_lengths =
+      input.query_lengths != nullptr || input.queries != nullptr ? input.query_lengths
+                                                                 : input.key_lengths;
+  const KernelMask mask{input.mask,         input.key_lengths,    query_lengths,
+                        input.key_position, input.query_position, input.query_positions};
   cublasHandle_t handle = cublas_for_stream(api, device_, stream, base + layout_.cublas,
                                             layout_.total - layout_.cublas, operation);
 
-  // Q_h = scale (X M_h + 1 u_h^T): in column-major terms Q_h^T = M_h^T X^T, one product per head
-  // over all clouds at once (X is shared: stride 0).
+  // Q_h = scale (Y M_h + 1 u_h^T): in column-major terms Q_h^T = M_h^T Y^T, one product per head
+  // over all clouds at once (Y is shared: stride 0).
   const T scale =
       static_cast<T>(algorithm_ == cuda::Algorithm::fused ? input.beta * kLog2e : input.beta);
   const T one = 1, zero = 0;
   T bias_coefficient = zero;
   if (input.layer.key_bias != nullptr) {
-    launch_broadcast_bias<T>(relevance, input.layer.key_bias, one, H, rows, d, stream, operation);
+    launch_broadcast_bias<T>(relevance, input.layer.key_bias, one, H, query_rows, d, stream,
+                             operation);
     bias_coefficient = scale;
   }
-  gemm<T>(api, handle, CUBLAS_OP_N, CUBLAS_OP_N, d, static_cast<int>(rows), d, &scale,
-          input.layer.relevance, d, static_cast<long long>(d) * d, input.cloud, d, 0,
-          &bias_coefficient, relevance, d, head_stride, H, operation,
-          "cublasGemmStridedBatched (relevance R = X M)");
+  gemm<T>(api, handle, CUBLAS_OP_N, CUBLAS_OP_N, d, static_cast<int>(query_rows), d, &scale,
+          input.layer.relevance, d, static_cast<long long>(d) * d, queries, d, 0, &bias_coefficient,
+          relevance, d, query_head, H, operation, "cublasGemmStridedBatched (relevance R = X M)");
   // C_h = X F_h^T: C_h^T = F_h X^T with F_h read transposed.
-  gemm<T>(api, handle, CUBLAS_OP_T, CUBLAS_OP_N, d, static_cast<int>(rows), d, &one,
+  gemm<T>(api, handle, CUBLAS_OP_T, CUBLAS_OP_N, d, static_cast<int>(key_rows), d, &one,
           input.layer.content, d, static_cast<long long>(d) * d, input.cloud, d, 0, &zero, content,
-          d, head_stride, H, operation, "cublasGemmStridedBatched (content C = X F^T)");
+          d, key_head, H, operation, "cublasGemmStridedBatched (content C = X F^T)");
 
   if constexpr (std::is_same_v<T, float>) {
     if (algorithm_ == cuda::Algorithm::fused) {
-      FusedAttentionArgs args;
-      args.query = relevance;
-      args.cloud = input.cloud;
-      args.content = content;
-      args.offset = H == 1 ? input.layer.offset : nullptr;
-      args.out = H == 1 ? output.update : reinterpret_cast<float*>(base + layout_.partial);
-      args.lse = output.lse;
-      args.entropy = output.entropy;
-      args.batch = B;
-      args.heads = H;
-      args.tokens = N;
-      args.dim = d;
-      args.mask = mask;
-      launch_fused_attention(args, stream, operation);
-      if (H > 1) {
-        launch_sum_heads(args.out, input.layer.offset, output.update, B, H, N, d, mask, stream,
-                         operation);
-      }
+      launch_fused(input, out, relevance, content, base, mask, stream);
       return;
     }
   }
@@ -104,34 +118,140 @@ void AttentionPlan<T>::enqueue(const AttentionInput<T>& input, const AttentionOu
   // S_{b,h} = Q_{h,b} X_b^T (S^T = X Q^T in column-major terms), in place of the
   // weights when they are requested.
   T* const scores =
-      output.weights != nullptr ? output.weights : reinterpret_cast<T*>(base + layout_.scores);
-  const long long square = static_cast<long long>(N) * N;
+      out.weights != nullptr ? out.weights : reinterpret_cast<T*>(base + layout_.scores);
+  const long long rectangle = static_cast<long long>(Nq) * N;
   const long long cloud_stride = static_cast<long long>(N) * d;
+  const long long query_stride = static_cast<long long>(Nq) * d;
   for (int h = 0; h < H; ++h) {
-    gemm<T>(api, handle, CUBLAS_OP_T, CUBLAS_OP_N, N, N, d, &one, input.cloud, d, cloud_stride,
-            relevance + h * head_stride, d, cloud_stride, &zero, scores + h * square, N, square * H,
-            B, operation, "cublasGemmStridedBatched (scores S = R X^T)");
+    gemm<T>(api, handle, CUBLAS_OP_T, CUBLAS_OP_N, N, Nq, d, &one, input.cloud, d, cloud_stride,
+            relevance + h * query_head, d, query_stride, &zero, scores + h * rectangle, N,
+            rectangle * H, B, operation, "cublasGemmStridedBatched (scores S = R X^T)");
   }
-  launch_row_softmax<T>(scores, output.lse, output.entropy, B, H, N, mask, stream, operation);
+  launch_row_softmax<T>(scores, out.lse, out.entropy, B, H, N, Nq, mask, partial_, stream,
+                        operation);
+  if (partial_) {
+    // o_{b,h} = P_{b,h} C_{h,b} into the state's (batch, heads, Nq, dim) rows.
+    for (int h = 0; h < H; ++h) {
+      gemm<T>(api, handle, CUBLAS_OP_N, CUBLAS_OP_N, d, Nq, N, &one, content + h * key_head, d,
+              cloud_stride, scores + h * rectangle, N, rectangle * H, &zero,
+              out.heads + h * query_stride, d, query_stride * H, B, operation,
+              "cublasGemmStridedBatched (per-head update P C)");
+    }
+    // A query without a visible key weights every key by 0, and 0 * NaN would give it the NaN
+    // of a non-finite content row: it is set to 0 (docs/MATH.md §6.6).
+    launch_finish_rows<T>(out.heads, nullptr, B, H, N, Nq, d, mask, stream, operation);
+    return;
+  }
   // Delta_b = sum_h P_{b,h} C_{h,b} (Delta^T = C^T P^T), heads accumulated in order.
   for (int h = 0; h < H; ++h) {
-    gemm<T>(api, handle, CUBLAS_OP_N, CUBLAS_OP_N, d, N, N, &one, content + h * head_stride, d,
-            cloud_stride, scores + h * square, N, square * H, h == 0 ? &zero : &one, output.update,
-            d, cloud_stride, B, operation, "cublasGemmStridedBatched (update P C)");
+    gemm<T>(api, handle, CUBLAS_OP_N, CUBLAS_OP_N, d, Nq, N, &one, content + h * key_head, d,
+            cloud_stride, scores + h * rectangle, N, rectangle * H, h == 0 ? &zero : &one,
+            out.update, d, query_stride, B, operation, "cublasGemmStridedBatched (update P C)");
   }
-  // Padding queries (i >= L_b) weight every key by 0, and 0 * NaN would give them the NaN of a
-  // non-finite content row: they are set to 0 (docs/MATH.md §6.6).
-  launch_zero_padding<T>(output.update, 1, B, N, d, mask, stream, operation);
-  if (input.layer.offset != nullptr) {
-    launch_add_offset<T>(output.update, input.layer.offset, B, N, d, mask, stream, operation);
+  // Queries without a visible key get 0 (as above), the others the offset. Self-attention without
+  // lengths or offset has neither.
+  const bool every_query_sees_a_key = input.queries == nullptr && input.key_lengths == nullptr &&
+                                      input.query_lengths == nullptr && input.key_position == 0 &&
+                                      input.query_position == kAlignToEnd &&
+                                      input.query_positions == nullptr;
+  if (input.layer.offset != nullptr || !every_query_sees_a_key) {
+    launch_finish_rows<T>(out.update, input.layer.offset, B, 1, N, Nq, d, mask, stream, operation);
   }
 }
 
+template <class T>
+void AttentionPlan<T>::launch_fused(const AttentionInput<T>& input, const Targets& out,
+                                    const T* relevance, const T* content, unsigned char* base,
+                                    const KernelMask& mask, cudaStream_t stream) const {
+  if constexpr (std::is_same_v<T, float>) {
+    const char* const operation = operation_.c_str();
+    const int B = static_cast<int>(batch_), Nq = static_cast<int>(queries_);
+    const int d = static_cast<int>(dim_), H = static_cast<int>(heads_);
+    const std::size_t head_rows = static_cast<std::size_t>(Nq) * d;  // one (cloud, head)
+    FusedAttentionArgs args;
+    args.query = relevance;
+    args.cloud = input.cloud;
+    args.content = content;
+    args.batch = B;
+    args.heads = H;
+    args.tokens = static_cast<int>(tokens_);
+    args.queries = Nq;
+    args.dim = d;
+    args.split_keys = splits_.keys;
+    args.splits = splits_.splits;
+    args.partial_state = partial_ || splits_.splits > 1;
+    args.mask = mask;
+    if (splits_.splits > 1) {
+      // Each split writes its partial state (batch, heads, Nq, ...) to its own slice.
+      args.out.rows = reinterpret_cast<float*>(base + layout_.split_rows);
+      args.out.lse = reinterpret_cast<float*>(base + layout_.split_lse);
+      args.out.entropy = reinterpret_cast<float*>(base + layout_.split_entropy);
+      args.out.batch_stride = head_rows * H;
+      args.out.head_stride = head_rows;
+      args.out.split_rows = head_rows * H * B;
+      args.out.split_stats = static_cast<std::size_t>(Nq) * H * B;
+      launch_fused_attention(args, stream, operation);
+      SplitMerge merge;
+      merge.rows = args.out.rows;
+      merge.lse = args.out.lse;
+      merge.entropy = args.out.entropy;
+      merge.splits = splits_.splits;
+      merge.batch = B;
+      merge.heads = H;
+      merge.queries = Nq;
+      merge.dim = d;
+      merge.offset = partial_ ? nullptr : input.layer.offset;
+      merge.update = out.update;
+      merge.heads_out = out.heads;
+      merge.lse_out = out.lse;
+      merge.entropy_out = out.entropy;
+      launch_merge_splits(merge, stream, operation);
+      return;
+    }
+    args.out.lse = out.lse;
+    args.out.entropy = out.entropy;
+    if (partial_) {
+      args.out.rows = out.heads;
+      args.out.batch_stride = head_rows * H;
+      args.out.head_stride = head_rows;
+      launch_fused_attention(args, stream, operation);
+      return;
+    }
+    args.offset = H == 1 ? input.layer.offset : nullptr;
+    args.out.rows = H == 1 ? out.update : reinterpret_cast<float*>(base + layout_.partial);
+    args.out.batch_stride = head_rows;
+    args.out.head_stride = head_rows * B;
+    launch_fused_attention(args, stream, operation);
+    if (H > 1) {
+      launch_sum_heads(args.out.rows, input.layer.offset, out.update, B, H, args.tokens, Nq, d,
+                       mask, stream, operation);
+    }
+  } else {
+    (void)input, (void)out, (void)relevance, (void)content, (void)base, (void)mask, (void)stream;
+  }
+}
+
+// The header declares the class's instantiation extern: its members defined here are
+// instantiated here explicitly, the private ones that the enqueues call included.
+#define EMFLOW_INSTANTIATE_LAUNCH(T)                                                               \
+  template void AttentionPlan<T>::launch(const AttentionInput<T>&, const Targets&, void*,          \
+                                         cudaStream_t) const;                                      \
+  template void AttentionPlan<T>::launch_fused(const AttentionInput<T>&, const Targets&, const T*, \
+                                               const T*, unsigned char*, const KernelMask&,        \
+                                               cudaStream_t) const;
+EMFLOW_INSTANTIATE_LAUNCH(float)
+EMFLOW_INSTANTIATE_LAUNCH(double)
+#undef EMFLOW_INSTANTIATE_LAUNCH
 template void AttentionPlan<float>::enqueue(const AttentionInput<float>&,
                                             const AttentionOutput<float>&, void*,
                                             cudaStream_t) const;
 template void AttentionPlan<double>::enqueue(const AttentionInput<double>&,
                                              const AttentionOutput<double>&, void*,
+                                             cudaStream_t) const;
+template void AttentionPlan<float>::enqueue(const AttentionInput<float>&,
+                                            const PartialOutput<float>&, void*, cudaStream_t) const;
+template void AttentionPlan<double>::enqueue(const AttentionInput<double>&,
+                                             const PartialOutput<double>&, void*,
                                              cudaStream_t) const;
 
 }  // namespace emflow::detail

@@ -11,7 +11,9 @@
 //       but nothing else does: exp(NaN - m) makes Z, lse, H and the row's weights NaN, and a
 //       row whose visible scores are all -inf gets m = -inf and -inf - -inf = NaN, as
 //       docs/MATH.md §6.6 defines; no score is tested for NaN.
-//   add_offset_kernel      adds c to the update of every visible query.
+//   add_offset_kernel      adds c to the update of every visible query (self-attention, the flow).
+//   finish_rows_kernel     per-head or summed update rows: zero for a query that sees no key
+//       (padding, or a query before every key: P is 0 there but C may hold NaN), else plus c.
 //   zero_padding_kernel    zeroes the content rows of padding tokens (j >= L_b), which may hold
 //       anything, even NaN: P C multiplies them by weight 0, and 0 * NaN would spread NaN.
 #include <cuda_runtime.h>
@@ -74,14 +76,14 @@ __device__ T block_reduce(T value, bool is_max, T* scratch) {
 template <class T>
 __global__ void __launch_bounds__(kSoftmaxThreads)
     row_softmax_kernel(T* __restrict__ scores, T* __restrict__ lse, T* __restrict__ entropy,
-                       int heads, int tokens, KernelMask mask) {
+                       int heads, int tokens, int queries, KernelMask mask, bool partial) {
   EMFLOW_SHARED(T, scratch, [kWarps]);
-  const std::size_t row = blockIdx.x;  // (b * heads + h) * tokens + i
-  const int i = static_cast<int>(row % static_cast<std::size_t>(tokens));
-  const int b = static_cast<int>(row / (static_cast<std::size_t>(tokens) * heads));
+  const std::size_t row = blockIdx.x;  // (b * heads + h) * queries + i
+  const int i = static_cast<int>(row % static_cast<std::size_t>(queries));
+  const int b = static_cast<int>(row / (static_cast<std::size_t>(queries) * heads));
   T* const s = scores + row * static_cast<std::size_t>(tokens);
   int first = 0, last = 0;
-  visible_keys(i, visible_length(mask, b, tokens), mask, &first, &last);
+  visible_keys(mask, cloud_view(mask, b, tokens, queries), i, &first, &last);
 
   if (first >= last) {  // no visible key
     for (int j = static_cast<int>(threadIdx.x); j < tokens; j += kSoftmaxThreads) s[j] = T(0);
@@ -98,9 +100,13 @@ __global__ void __launch_bounds__(kSoftmaxThreads)
   }
   const T row_max = block_reduce(local_max, true, scratch);
 
+  // A partial state (partial.hpp) tells every visible score -inf (weights 0, lse = -inf,
+  // H = NaN) from a NaN among them: measured from 0 rather than from the max of -inf, the first
+  // sums to 0 and the second to NaN.
+  const T reference = partial && row_max == -INFINITY ? T(0) : row_max;
   T local_sum = 0, local_moment = 0;
   for (int j = first + static_cast<int>(threadIdx.x); j < last; j += kSoftmaxThreads) {
-    const T centred = s[j] - row_max;
+    const T centred = s[j] - reference;
     const T weight = exp_of(centred);
     local_sum += weight;
     // A visible score of -inf has weight 0 and adds nothing to the entropy (0 * -inf would).
@@ -108,6 +114,14 @@ __global__ void __launch_bounds__(kSoftmaxThreads)
   }
   const T sum = block_reduce(local_sum, false, scratch);
   const T moment = block_reduce(local_moment, false, scratch);
+  if (partial && row_max == -INFINITY && sum == T(0)) {
+    for (int j = static_cast<int>(threadIdx.x); j < tokens; j += kSoftmaxThreads) s[j] = T(0);
+    if (threadIdx.x == 0) {
+      if (lse != nullptr) lse[row] = -INFINITY;
+      if (entropy != nullptr) entropy[row] = T(NAN);
+    }
+    return;
+  }
   const T log_sum = log_of(sum);
   const T row_lse = row_max + log_sum;
 
@@ -125,6 +139,19 @@ __global__ void add_offset_kernel(T* __restrict__ update, const T* __restrict__ 
                                   int tokens, int dim, KernelMask mask) {
   for_each_token_element(batch, tokens, dim, [&](std::size_t index, int b, int i, int a) {
     if (i < visible_length(mask, b, tokens)) update[index] += offset[a];
+  });
+}
+
+template <class T>
+__global__ void finish_rows_kernel(T* __restrict__ rows, const T* __restrict__ offset, int batch,
+                                   int heads, int tokens, int queries, int dim, KernelMask mask) {
+  // (batch * heads) clouds of `queries` rows; the cloud of row group g is g / heads.
+  for_each_token_element(batch * heads, queries, dim, [&](std::size_t index, int g, int i, int a) {
+    if (!sees_a_key(mask, g / heads, tokens, queries, i)) {
+      rows[index] = T(0);
+    } else if (offset != nullptr) {
+      rows[index] += offset[a];
+    }
   });
 }
 
@@ -162,10 +189,20 @@ void launch_broadcast_bias(T* rows, const T* bias, T scale, int heads, std::int6
 
 template <class T>
 void launch_row_softmax(T* scores, T* lse, T* entropy, int batch, int heads, int tokens,
-                        const KernelMask& mask, cudaStream_t stream, const char* operation) {
-  const std::size_t rows = static_cast<std::size_t>(batch) * heads * tokens;
+                        int queries, const KernelMask& mask, bool partial, cudaStream_t stream,
+                        const char* operation) {
+  const std::size_t rows = static_cast<std::size_t>(batch) * heads * queries;
   launch(operation, "row_softmax_kernel", row_softmax_kernel<T>, static_cast<unsigned>(rows),
-         kSoftmaxThreads, 0, stream, scores, lse, entropy, heads, tokens, mask);
+         kSoftmaxThreads, 0, stream, scores, lse, entropy, heads, tokens, queries, mask, partial);
+}
+
+template <class T>
+void launch_finish_rows(T* rows, const T* offset, int batch, int heads, int tokens, int queries,
+                        int dim, const KernelMask& mask, cudaStream_t stream,
+                        const char* operation) {
+  const std::size_t total = static_cast<std::size_t>(batch) * heads * queries * dim;
+  launch(operation, "finish_rows_kernel", finish_rows_kernel<T>, grid_for(total), 256, 0, stream,
+         rows, offset, batch, heads, tokens, queries, dim, mask);
 }
 
 template <class T>
@@ -179,8 +216,10 @@ void launch_add_offset(T* update, const T* offset, int batch, int tokens, int di
 #define EMFLOW_INSTANTIATE_UNFUSED(T)                                                              \
   template void launch_broadcast_bias<T>(T*, const T*, T, int, std::int64_t, int, cudaStream_t,    \
                                          const char*);                                             \
-  template void launch_row_softmax<T>(T*, T*, T*, int, int, int, const KernelMask&, cudaStream_t,  \
-                                      const char*);                                                \
+  template void launch_row_softmax<T>(T*, T*, T*, int, int, int, int, const KernelMask&, bool,     \
+                                      cudaStream_t, const char*);                                  \
+  template void launch_finish_rows<T>(T*, const T*, int, int, int, int, int, const KernelMask&,    \
+                                      cudaStream_t, const char*);                                  \
   template void launch_add_offset<T>(T*, const T*, int, int, int, const KernelMask&, cudaStream_t, \
                                      const char*);                                                 \
   template void launch_zero_padding<T>(T*, int, int, int, int, const KernelMask&, cudaStream_t,    \

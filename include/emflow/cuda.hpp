@@ -24,6 +24,13 @@
 //            cloud and head (in `weights` when requested, else in the workspace).
 //   automatic: fused for float when no weights are requested and dim <= 256, else unfused.
 //
+// Cross-attention (queries given) projects the queries by M and the keys by F. When the fused
+// grid of a cross-attention would be small (few queries: decoding), the keys are split into
+// blocks of a multiple of 64 keys processed by thread blocks of their own, each writing its
+// partial state (partial.hpp) to the workspace, and a merge kernel combines them in a fixed
+// order (flash-decoding): one query against 128k keys then occupies the whole device. The
+// choice depends on the shapes only, and attend_workspace_size accounts for it.
+//
 // cuBLAS: emflow does not link it; the first call that needs it loads the toolkit's cuBLAS
 // (libcublas.so.<major version of the toolkit emflow was built with>), so a process that never
 // uses the GPU never maps it. A load failure is ErrorCode::unsupported naming the library and the
@@ -56,6 +63,7 @@
 #include <utility>
 
 #include "emflow/attention.hpp"
+#include "emflow/partial.hpp"
 
 struct CUstream_st;
 
@@ -102,6 +110,44 @@ extern template void attend_async<float>(const AttentionInput<float>&,
 extern template void attend_async<double>(const AttentionInput<double>&,
                                           const AttentionOutput<double>&, void*, std::size_t,
                                           Stream, Algorithm);
+
+/// Bytes of device workspace attend_partial_async needs (as attend_workspace_size).
+template <class T>
+std::size_t attend_partial_workspace_size(const AttentionInput<T>& input,
+                                          Algorithm algorithm = Algorithm::automatic);
+
+/// Enqueues the partial state of `input`'s queries over `input`'s keys (emflow::attend_partial,
+/// partial.hpp) on `stream`: device pointers throughout, the workspace and the key and query
+/// lengths as for attend_async.
+template <class T>
+void attend_partial_async(const AttentionInput<T>& input, const PartialOutput<T>& output,
+                          void* workspace, std::size_t workspace_bytes, Stream stream,
+                          Algorithm algorithm = Algorithm::automatic);
+
+/// Enqueues into = merge(into, part) on `stream` (device arrays of `shape`; `part` must not
+/// overlap `into`). Needs no workspace.
+template <class T>
+void merge_partial_async(const PartialShape& shape, const PartialInput<T>& part,
+                         const PartialOutput<T>& into, Stream stream);
+
+/// Enqueues the update (and lse / entropy where not null) of a merged state on `stream`, as
+/// emflow::finish_partial does; `offset` is a device array of dim entries or null.
+template <class T>
+void finish_partial_async(const PartialShape& shape, const PartialInput<T>& state, const T* offset,
+                          const AttentionOutput<T>& output, Stream stream);
+
+#define EMFLOW_CUDA_PARTIAL_EXTERN(T)                                                             \
+  extern template std::size_t attend_partial_workspace_size<T>(const AttentionInput<T>&,          \
+                                                               Algorithm);                        \
+  extern template void attend_partial_async<T>(const AttentionInput<T>&, const PartialOutput<T>&, \
+                                               void*, std::size_t, Stream, Algorithm);            \
+  extern template void merge_partial_async<T>(const PartialShape&, const PartialInput<T>&,        \
+                                              const PartialOutput<T>&, Stream);                   \
+  extern template void finish_partial_async<T>(const PartialShape&, const PartialInput<T>&,       \
+                                               const T*, const AttentionOutput<T>&, Stream);
+EMFLOW_CUDA_PARTIAL_EXTERN(float)
+EMFLOW_CUDA_PARTIAL_EXTERN(double)
+#undef EMFLOW_CUDA_PARTIAL_EXTERN
 
 namespace detail {
 /// cudaMalloc of `bytes` (nullptr for 0); throws ErrorCode::out_of_memory or device.

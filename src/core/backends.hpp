@@ -23,6 +23,10 @@ void cpu_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output
 template <class T>
 void cuda_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output);
 
+/// Blocking CUDA path of attend_partial on host arrays (kernels/, or a stub without CUDA).
+template <class T>
+void cuda_attend_partial(const AttentionInput<T>& input, const PartialOutput<T>& output);
+
 /// The checks of validate() that read no array: batch, tokens, dim and heads >= 1, every size
 /// product fits in int64, beta is finite (and |beta| <= 2^64 for float), the mask is valid. For
 /// callers that hold no host arrays (the CUDA backend's plan, which sees device pointers or none).

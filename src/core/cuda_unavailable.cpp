@@ -14,6 +14,15 @@ void cuda_attend(const AttentionInput<T>&, const AttentionOutput<T>&) {
   fail(ErrorCode::unsupported, "attend: emflow was built without CUDA (EMFLOW_WITH_CUDA=OFF)");
 }
 
+template <class T>
+void cuda_attend_partial(const AttentionInput<T>&, const PartialOutput<T>&) {
+  fail(ErrorCode::unsupported,
+       "attend_partial: emflow was built without CUDA (EMFLOW_WITH_CUDA=OFF)");
+}
+
+template void cuda_attend_partial<float>(const AttentionInput<float>&, const PartialOutput<float>&);
+template void cuda_attend_partial<double>(const AttentionInput<double>&,
+                                          const PartialOutput<double>&);
 template void cuda_attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&);
 template void cuda_attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&);
 

@@ -102,9 +102,8 @@ void attend_partial(const AttentionInput<T>& input, const PartialOutput<T>& outp
         detail::reference_partial(input, output);
         return;
       case Device::cuda:
-        detail::fail(ErrorCode::unsupported, op,
-                     ": the CUDA backend does not compute partial "
-                     "states yet; use Device::cpu or Device::reference");
+        detail::cuda_attend_partial(input, output);
+        return;
       case Device::cpu:
       case Device::automatic:
         detail::cpu_partial(input, output, options.threads);
