@@ -188,8 +188,10 @@ class DeviceBuffer {
   std::size_t size() const noexcept { return size_; }
   std::size_t bytes() const noexcept { return size_ * sizeof(T); }
 
-  /// Copies `count` <= size() elements from host memory, ordered on `stream`. With pageable host
-  /// memory the call returns once the source has been staged, so `host` may be reused at once.
+  /// Copies `count` <= size() elements from host memory, ordered on `stream`. `host` must stay
+  /// valid and unchanged until the copy has completed on `stream` (synchronise it, or wait for
+  /// an event recorded after the copy): CUDA does not promise that a copy from pageable memory
+  /// has read its source when the call returns.
   void copy_from_host(const T* host, std::size_t count, Stream stream) {
     detail::check_copy_count(count, size_);
     detail::copy_host_to_device(data_, host, count * sizeof(T), stream);

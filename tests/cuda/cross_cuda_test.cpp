@@ -113,6 +113,8 @@ template <class T>
 DeviceBuffer<T> upload(const std::vector<T>& host) {
   DeviceBuffer<T> device(host.size());
   device.copy_from_host(host.data(), host.size(), nullptr);
+  // `host` may be a temporary: the copy must have read it before the caller frees it.
+  EXPECT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
   return device;
 }
 
