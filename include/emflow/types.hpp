@@ -64,7 +64,7 @@ struct Mask {
 
   /// The keys a query at sequence position `position` sees among `count` keys whose first sits
   /// at `key_position` and of which the first `length` are real, as local indices j in
-  /// [0, count): the j < length with allows(position, key_position + j), one interval (empty
+  /// [0, count): the j < length with allows(position, key_position + j), one interval ({0, 0}
   /// when none). visible_keys(i, length) is visible_keys_at(i, 0, length). Callers decide
   /// separately whether the query itself is padding.
   EMFLOW_HOST_DEVICE constexpr KeyRange visible_keys_at(std::int64_t position,
@@ -78,7 +78,9 @@ struct Mask {
     std::int64_t last = relative + 1;
     if (first < 0) first = 0;
     if (last > length) last = length;
-    if (last < first) last = first;
+    // Empty is {0, 0}: a range whose first lies past `length` (a window that ends before this
+    // block's keys) would otherwise name keys that do not exist to callers that join ranges.
+    if (last <= first) return {0, 0};
     return {first, last};
   }
 };

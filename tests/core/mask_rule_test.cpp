@@ -107,3 +107,33 @@ static_assert(Mask::none().visible_keys(1, 4).last == 4, "none interval");
 
 }  // namespace
 }  // namespace emflow::testing
+
+// visible_keys_at over a block of keys that starts at key_position: the interval is exactly the
+// keys allows() admits, and an empty one is {0, 0}, never a range past the block's keys (a
+// window that ends before the block once gave {first, first} with first > length, and a caller
+// joining two rows' ranges read key panels that do not exist).
+TEST(MaskRule, VisibleKeysAtIsTheDefinedSetAndEmptyIsZero) {
+  const std::vector<emflow::Mask> masks = {emflow::Mask::none(), emflow::Mask::causal(),
+                                           emflow::Mask::sliding_window(1),
+                                           emflow::Mask::sliding_window(37)};
+  for (const emflow::Mask& mask : masks) {
+    for (std::int64_t key_position : {0, 5, 100}) {
+      for (std::int64_t length : {0, 1, 20}) {
+        for (std::int64_t position = -3; position < 200; ++position) {
+          const emflow::KeyRange range = mask.visible_keys_at(position, key_position, length);
+          for (std::int64_t j = 0; j < length; ++j) {
+            EXPECT_EQ(range.contains(j), mask.allows(position, key_position + j))
+                << emflow::to_string(mask) << " position " << position << " key " << j;
+          }
+          if (range.empty()) {
+            EXPECT_EQ(range.first, 0);
+            EXPECT_EQ(range.last, 0);
+          } else {
+            EXPECT_LE(range.last, length);
+            EXPECT_GE(range.first, 0);
+          }
+        }
+      }
+    }
+  }
+}
