@@ -64,9 +64,9 @@ struct Mask {
 
   /// The keys a query at sequence position `position` sees among `count` keys whose first sits
   /// at `key_position` and of which the first `length` are real, as local indices j in
-  /// [0, count): the j < length with allows(position, key_position + j), one interval ({0, 0}
-  /// when none). visible_keys(i, length) is visible_keys_at(i, 0, length). Callers decide
-  /// separately whether the query itself is padding.
+  /// [0, count): the j < length with allows(position, key_position + j), one interval within
+  /// [0, length] (empty when none). visible_keys(i, length) is visible_keys_at(i, 0, length).
+  /// Callers decide separately whether the query itself is padding.
   EMFLOW_HOST_DEVICE constexpr KeyRange visible_keys_at(std::int64_t position,
                                                         std::int64_t key_position,
                                                         std::int64_t length) const {
@@ -78,9 +78,11 @@ struct Mask {
     std::int64_t last = relative + 1;
     if (first < 0) first = 0;
     if (last > length) last = length;
-    // Empty is {0, 0}: a range whose first lies past `length` (a window that ends before this
-    // block's keys) would otherwise name keys that do not exist to callers that join ranges.
-    if (last <= first) return {0, 0};
+    // Both ends stay in [0, length] and non-decreasing in `position`: a window that ends before
+    // this block's real keys gives {length, length}, never a first past the keys that exist
+    // (callers join the ranges of several rows into the key tiles to read).
+    if (first > length) first = length;
+    if (last < first) last = first;
     return {first, last};
   }
 };

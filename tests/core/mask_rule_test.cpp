@@ -109,9 +109,9 @@ static_assert(Mask::none().visible_keys(1, 4).last == 4, "none interval");
 }  // namespace emflow::testing
 
 // visible_keys_at over a block of keys that starts at key_position: the interval is exactly the
-// keys allows() admits, and an empty one is {0, 0}, never a range past the block's keys (a
-// window that ends before the block once gave {first, first} with first > length, and a caller
-// joining two rows' ranges read key panels that do not exist).
+// keys allows() admits, its ends lie in [0, length] and grow with the position (a window that
+// ends before the block once gave {first, first} with first > length, and the CPU engine,
+// joining two rows' ranges, read key panels that do not exist).
 TEST(MaskRule, VisibleKeysAtIsTheDefinedSetAndEmptyIsZero) {
   const std::vector<emflow::Mask> masks = {emflow::Mask::none(), emflow::Mask::causal(),
                                            emflow::Mask::sliding_window(1),
@@ -125,13 +125,13 @@ TEST(MaskRule, VisibleKeysAtIsTheDefinedSetAndEmptyIsZero) {
             EXPECT_EQ(range.contains(j), mask.allows(position, key_position + j))
                 << emflow::to_string(mask) << " position " << position << " key " << j;
           }
-          if (range.empty()) {
-            EXPECT_EQ(range.first, 0);
-            EXPECT_EQ(range.last, 0);
-          } else {
-            EXPECT_LE(range.last, length);
-            EXPECT_GE(range.first, 0);
-          }
+          EXPECT_GE(range.first, 0);
+          EXPECT_LE(range.first, range.last);
+          EXPECT_LE(range.last, length);
+          // Both ends non-decreasing in the position (rows' ranges are joined by their ends).
+          const emflow::KeyRange next = mask.visible_keys_at(position + 1, key_position, length);
+          EXPECT_LE(range.first, next.first);
+          EXPECT_LE(range.last, next.last);
         }
       }
     }
