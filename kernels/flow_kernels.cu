@@ -12,10 +12,11 @@
 //                 to itself.
 //   pair_rows     one block per token i: its pairs (i, j > i) in double, thread t the tokens
 //                 j = i + 1 + t + k blockDim, so all threads share the row; per-thread sums,
-//                 then a fixed tree over the block, into the token's row of partial sums (sum <x_i, x_j>, energy, clustered pairs, min
-//                 inner product, max squared distance). Each clustered pair joins the trees of i
-//                 and j at once, in a lock-free union-find over the cloud's parents (ECL-CC:
-//                 the larger root hooked under the smaller with atomicCAS, finds halving paths).
+//                 then a fixed tree over the block, into the token's row of partial sums (sum <x_i,
+//                 x_j>, energy, clustered pairs, min inner product, max squared distance). Each
+//                 clustered pair joins the trees of i and j at once, in a lock-free union-find over
+//                 the cloud's parents (ECL-CC: the larger root hooked under the smaller with
+//                 atomicCAS, finds halving paths).
 //   finish        one block per cloud: the clusters are the roots left (parent[i] == i), then a
 //                 fixed tree over the token rows.
 // Every reduction has an order that depends on the sizes only, so two runs agree bit for bit;
@@ -253,9 +254,9 @@ __device__ void reduce_row_fields(double (*partial)[kThreads], int t, int thread
 // One block per token i (blockIdx.x = b * N + i). Thread t takes the tokens j = i + 1 + t,
 // i + 1 + t + blockDim, ...: every thread has work until fewer than blockDim pairs are left.
 template <class T>
-__global__ void pair_rows_kernel(const T* clouds, int tokens, int dim,
-                                 const double* betas, const double* norms, double cluster_eps,
-                                 double* rows, int* parents) {
+__global__ void pair_rows_kernel(const T* clouds, int tokens, int dim, const double* betas,
+                                 const double* norms, double cluster_eps, double* rows,
+                                 int* parents) {
   EMFLOW_SHARED(double, partial, [kRowFields][kThreads]);
   const int row = static_cast<int>(blockIdx.x), t = static_cast<int>(threadIdx.x);
   const int threads = static_cast<int>(blockDim.x);

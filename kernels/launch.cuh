@@ -65,9 +65,9 @@ void launch(const char* operation, const char* name, void (*kernel)(Params...), 
 /// poisons both at every block start, as a GPU leaves them holding garbage.
 #if defined(EMFLOW_CUDA_EMULATION)
 #define EMFLOW_DYNAMIC_SHARED(name) float4* const name = emu_dynamic_shared()
-#define EMFLOW_SHARED(type, name, extents)                                              \
-  static type name extents;                                                             \
-  [[maybe_unused]] static const bool name##_poisoned_at_block_start =                   \
+#define EMFLOW_SHARED(type, name, extents)                            \
+  static type name extents;                                           \
+  [[maybe_unused]] static const bool name##_poisoned_at_block_start = \
       emu::register_static_shared(static_cast<void*>(&name), sizeof(name))
 #else
 #define EMFLOW_DYNAMIC_SHARED(name) extern __shared__ float4 name[]

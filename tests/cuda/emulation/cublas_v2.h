@@ -45,10 +45,10 @@ inline cublasStatus_t cublasSetWorkspace(cublasHandle_t h, void* w, std::size_t 
 // Checks the arguments now, as cuBLAS does, and queues the product on the handle's stream (the
 // scalars are read now: host pointer mode).
 template <class T>
-cublasStatus_t emu_gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
-                        int n, int k, const T* alpha_at, const T* A, int lda, long long sa,
-                        const T* B, int ldb, long long sb, const T* beta_at, T* C, int ldc,
-                        long long sc, int count) {
+cublasStatus_t emu_gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                        int k, const T* alpha_at, const T* A, int lda, long long sa, const T* B,
+                        int ldb, long long sb, const T* beta_at, T* C, int ldc, long long sc,
+                        int count) {
   if (m < 0 || n < 0 || k < 0 || count < 0) return CUBLAS_STATUS_INVALID_VALUE;
   if (lda < std::max(1, ta == CUBLAS_OP_N ? m : k)) return CUBLAS_STATUS_INVALID_VALUE;
   if (ldb < std::max(1, tb == CUBLAS_OP_N ? k : n)) return CUBLAS_STATUS_INVALID_VALUE;

@@ -13,6 +13,8 @@
 //   * fresh device memory and shared memory at every block start hold all bits set (NaN).
 // Queued work runs in the order it was queued, whatever its stream: one order a GPU may choose.
 #pragma once
+#include <sys/mman.h>
+
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -26,8 +28,6 @@
 #include <tuple>
 #include <utility>
 #include <vector>
-
-#include <sys/mman.h>
 
 #include "emu_block.h"
 
@@ -121,7 +121,9 @@ struct Counters {
 };
 inline Counters counters;
 
-inline unsigned& pending_of(cudaStream_t s) { return s != nullptr ? s->pending : null_stream_pending; }
+inline unsigned& pending_of(cudaStream_t s) {
+  return s != nullptr ? s->pending : null_stream_pending;
+}
 
 inline void enqueue(cudaStream_t s, std::function<bool()> run) {
   std::lock_guard<std::recursive_mutex> lock(queue_mutex);
@@ -191,22 +193,34 @@ inline float4* emu_dynamic_shared() { return emu::dynamic_shared.data(); }
 
 inline const char* cudaGetErrorString(cudaError_t e) {
   switch (e) {
-    case cudaSuccess: return "no error";
-    case cudaErrorInvalidValue: return "invalid argument";
-    case cudaErrorMemoryAllocation: return "out of memory";
-    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
-    case cudaErrorNotReady: return "device not ready";
-    default: return "unspecified launch failure (emulated: a violation stopped a kernel)";
+    case cudaSuccess:
+      return "no error";
+    case cudaErrorInvalidValue:
+      return "invalid argument";
+    case cudaErrorMemoryAllocation:
+      return "out of memory";
+    case cudaErrorInvalidConfiguration:
+      return "invalid configuration argument";
+    case cudaErrorNotReady:
+      return "device not ready";
+    default:
+      return "unspecified launch failure (emulated: a violation stopped a kernel)";
   }
 }
 inline const char* cudaGetErrorName(cudaError_t e) {
   switch (e) {
-    case cudaSuccess: return "cudaSuccess";
-    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
-    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
-    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
-    case cudaErrorNotReady: return "cudaErrorNotReady";
-    default: return "cudaErrorLaunchFailure";
+    case cudaSuccess:
+      return "cudaSuccess";
+    case cudaErrorInvalidValue:
+      return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation:
+      return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration:
+      return "cudaErrorInvalidConfiguration";
+    case cudaErrorNotReady:
+      return "cudaErrorNotReady";
+    default:
+      return "cudaErrorLaunchFailure";
   }
 }
 inline cudaError_t cudaGetLastError() {
