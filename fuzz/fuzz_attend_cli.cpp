@@ -11,8 +11,9 @@
 // by an argument.
 //
 // To keep each run short and local, inputs are skipped when an argument names a path outside
-// the scratch folder, sets --threads (the run uses one OpenMP thread), or describes a problem
-// of more than about 2e7 multiply-adds.
+// the scratch folder, sets --threads (the run uses one OpenMP thread), asks for --distributed
+// (an MPI run: its reading and writing are tested under mpirun, tests/distributed), or describes
+// a problem of more than about 2e7 multiply-adds.
 #include <dirent.h>
 #include <omp.h>
 #include <sys/stat.h>
@@ -28,7 +29,8 @@
 #include <string>
 #include <vector>
 
-#include "commands.hpp"  // src/cli: the subcommands of the emflow binary
+#include "commands.hpp"              // src/cli: the subcommands of the emflow binary
+#include "distributed_commands.hpp"  // src/cli: run_attend_distributed
 #include "emflow/error.hpp"
 #include "emflow/io.hpp"
 
@@ -90,6 +92,7 @@ std::vector<std::string> split(const std::string& text, const std::string& separ
 bool place_argument(std::string& argument) {
   if (argument.find('\0') != std::string::npos) return false;  // a real argv cannot hold one
   if (argument.find("threads") != std::string::npos) return false;
+  if (argument.find("distributed") != std::string::npos) return false;
   if (argument.find("..") != std::string::npos) return false;
   const std::size_t marker = argument.find("$D");
   const std::size_t slash = argument.find('/');
@@ -117,6 +120,11 @@ double elements(const char* name, std::int64_t* second_to_last) {
 }
 
 }  // namespace
+
+// The fuzzed binary has no MPI; place_argument() keeps --distributed out of every run.
+void emflow::cli::run_attend_distributed(const AttendFiles&) {
+  defect("reached the distributed run", "place_argument() admits no --distributed");
+}
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
   omp_set_num_threads(1);
