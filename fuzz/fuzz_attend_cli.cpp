@@ -33,6 +33,9 @@
 #include "distributed_commands.hpp"  // src/cli: run_attend_distributed
 #include "emflow/error.hpp"
 #include "emflow/io.hpp"
+#include "fuzz_common.hpp"
+
+const char* const fuzz::kTarget = "fuzz_attend_cli";
 
 namespace {
 
@@ -40,10 +43,7 @@ const char kSeparator[] = "@@FILE@@";
 const char* const kInputNames[] = {"x.npy", "m.npy", "f.npy", "k.npy"};
 constexpr double kMaxWork = 2e7;
 
-[[noreturn]] void defect(const char* what, const std::string& detail) {
-  std::fprintf(stderr, "fuzz_attend_cli: %s: %s\n", what, detail.c_str());
-  std::abort();
-}
+using fuzz::defect;
 
 const std::string& folder() {
   static const std::string path = [] {

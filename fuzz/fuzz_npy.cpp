@@ -6,8 +6,6 @@
 // out_of_memory (a payload larger than memory); anything else, and any sanitizer report, is a
 // crash. A file the reader accepts is written again with write_npy and must read back bitwise
 // equal.
-#include <unistd.h>
-
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -16,25 +14,14 @@
 
 #include "emflow/error.hpp"
 #include "emflow/io.hpp"
+#include "fuzz_common.hpp"
+
+const char* const fuzz::kTarget = "fuzz_npy";
 
 namespace {
 
-std::string scratch_path(const char* name) {
-  const char* folder = ::access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp";
-  return std::string(folder) + "/emflow_fuzz_npy_" + std::to_string(::getpid()) + "_" + name;
-}
-
-[[noreturn]] void defect(const char* what, const std::string& detail) {
-  std::fprintf(stderr, "fuzz_npy: %s: %s\n", what, detail.c_str());
-  std::abort();
-}
-
-void expect_file_error(const emflow::Error& e) {
-  if (e.code() != emflow::ErrorCode::io && e.code() != emflow::ErrorCode::out_of_memory) {
-    defect("unexpected error kind", std::string(emflow::to_string(e.code())) + ": " + e.what());
-  }
-  if (std::strlen(e.what()) == 0) defect("empty error message", "");
-}
+using fuzz::defect;
+using fuzz::expect_file_error;
 
 template <class T>
 void read_as(const std::string& path, const std::string& copy) {
@@ -64,12 +51,9 @@ void read_as(const std::string& path, const std::string& copy) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  static const std::string path = scratch_path("input.npy");
-  static const std::string copy = scratch_path("copy.npy");
-  std::FILE* file = std::fopen(path.c_str(), "wb");
-  if (file == nullptr) defect("cannot write the input file", path);
-  if (size > 0 && std::fwrite(data, 1, size, file) != size) defect("short write", path);
-  std::fclose(file);
+  static const std::string path = fuzz::scratch_path("input.npy");
+  static const std::string copy = fuzz::scratch_path("copy.npy");
+  fuzz::write_input(path, data, size);
 
   try {
     emflow::read_npy_header(path);

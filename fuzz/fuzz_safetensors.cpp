@@ -4,8 +4,6 @@
 // header accepts is read as float and as double. Every outcome must be either tensors consistent
 // with their entries or an emflow::Error of kind io (malformed file) or out_of_memory; anything
 // else, and any sanitizer report, is a crash.
-#include <unistd.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -15,20 +13,14 @@
 
 #include "emflow/error.hpp"
 #include "emflow/safetensors.hpp"
+#include "fuzz_common.hpp"
+
+const char* const fuzz::kTarget = "fuzz_safetensors";
 
 namespace {
 
-[[noreturn]] void defect(const char* what, const std::string& detail) {
-  std::fprintf(stderr, "fuzz_safetensors: %s: %s\n", what, detail.c_str());
-  std::abort();
-}
-
-void expect_file_error(const emflow::Error& e) {
-  if (e.code() != emflow::ErrorCode::io && e.code() != emflow::ErrorCode::out_of_memory) {
-    defect("unexpected error kind", std::string(emflow::to_string(e.code())) + ": " + e.what());
-  }
-  if (std::strlen(e.what()) == 0) defect("empty error message", "");
-}
+using fuzz::defect;
+using fuzz::expect_file_error;
 
 template <class T>
 void read_all(const emflow::SafetensorsFile& file) {
@@ -54,15 +46,8 @@ void read_all(const emflow::SafetensorsFile& file) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  static const std::string path = [] {
-    const char* folder = ::access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp";
-    return std::string(folder) + "/emflow_fuzz_safetensors_" + std::to_string(::getpid()) +
-           "_input.safetensors";
-  }();
-  std::FILE* file = std::fopen(path.c_str(), "wb");
-  if (file == nullptr) defect("cannot write the input file", path);
-  if (size > 0 && std::fwrite(data, 1, size, file) != size) defect("short write", path);
-  std::fclose(file);
+  static const std::string path = fuzz::scratch_path("input.safetensors");
+  fuzz::write_input(path, data, size);
 
   try {
     const emflow::SafetensorsFile checkpoint(path);
