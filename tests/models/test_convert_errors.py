@@ -6,12 +6,11 @@ no output folder behind.
 import json
 import os
 import struct
-import subprocess
 
 import numpy as np
 import pytest
+from emflow_cli import run
 
-CLI = os.environ.get("EMFLOW_CLI")
 D, HEADS, FFN, LAYERS = 8, 2, 16, 2
 
 
@@ -60,9 +59,7 @@ def make_model(folder, tensors, config):
 
 
 def convert(*args):
-    if not CLI:
-        pytest.skip("EMFLOW_CLI is not set (run through ctest)")
-    return subprocess.run([CLI, "convert", *map(str, args)], capture_output=True, text=True)
+    return run("convert", *args, ok=False)
 
 
 def expect_refused(tmp_path, tensors, config, *phrases):

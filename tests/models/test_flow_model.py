@@ -5,24 +5,14 @@ the EMF operators); plus the outputs' shapes, the picture and the errors.
 """
 import json
 import os
-import subprocess
 from math import erf, sqrt
 
 import numpy as np
 import pytest
+from emflow_cli import run
 
 from test_convert_errors import D, FFN, HEADS, LAYERS, bert_config, bert_tensors, make_model
 
-CLI = os.environ.get("EMFLOW_CLI")
-
-
-def run(*args, ok=True):
-    if not CLI:
-        pytest.skip("EMFLOW_CLI is not set (run through ctest)")
-    result = subprocess.run([CLI, *map(str, args)], capture_output=True, text=True)
-    if ok:
-        assert result.returncode == 0, result.stderr
-    return result
 
 
 def gpt2_tensors():

@@ -3,29 +3,18 @@ mask): a small randomly initialised GPT2Model built by transformers from a confi
 safetensors, converted by `emflow convert` and run by `emflow flow --model` on a right-padded
 batch, equals the framework's attention outputs and hidden states layer by layer.
 """
-import os
-import subprocess
-
 import numpy as np
 import pytest
+from emflow_cli import relative_error, run
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-CLI = os.environ.get("EMFLOW_CLI")
 LAYERS = 3
-
-
-def run(*args):
-    result = subprocess.run([CLI, *args], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    return result.stdout
 
 
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory):
-    if not CLI:
-        pytest.skip("EMFLOW_CLI is not set (run through ctest)")
     torch.manual_seed(7)
     # A larger initializer range than GPT-2's 0.02, so that attention is far from uniform.
     config = transformers.GPT2Config(n_layer=LAYERS, n_head=4, n_embd=64, n_positions=32,
@@ -36,7 +25,7 @@ def gpt2(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpt2")
     model.save_pretrained(folder / "model", safe_serialization=True)
     ops = folder / "ops"
-    out = run("convert", str(folder / "model"), "--out", str(ops), "--report")
+    out = run("convert", str(folder / "model"), "--out", str(ops), "--report").stdout
     assert "gpt2" in out and (ops / "spectrum.csv").exists()
     return model, ops
 
@@ -67,11 +56,8 @@ def test_gpt2_layers_match_the_framework(gpt2, tmp_path, precision):
     traj, att = np.load(tmp_path / "traj.npy"), np.load(tmp_path / "att.npy")
     tol = 1e-12 if precision == "float64" else 3e-6
     for layer in range(LAYERS):
-        errors = []
-        for ours, theirs in ((att[layer], captured[layer]), (traj[layer + 1], hidden[layer + 1])):
-            worst = max(np.max(np.abs(ours[b, :n] - theirs[b, :n])) for b, n in enumerate(lengths))
-            scale = max(np.max(np.abs(theirs[b, :n])) for b, n in enumerate(lengths))
-            errors.append(worst / scale)
+        errors = [relative_error(att[layer], captured[layer], lengths),
+                  relative_error(traj[layer + 1], hidden[layer + 1], lengths)]
         print(f"gpt2 {precision} layer {layer}: attention rel err {errors[0]:.3e}, "
               f"hidden state rel err {errors[1]:.3e}")
         assert errors[0] < tol and errors[1] < 10 * tol, (layer, errors)

