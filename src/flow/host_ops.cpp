@@ -1,8 +1,7 @@
-// The flow on the host: the operations of stepper.hpp on std::vector buffers, every attention
+// The flow on the host with the operations of host_ops.hpp (std::vector buffers, every attention
 // evaluation an emflow::attend call on the chosen device (cpu or reference), the element-wise
-// parts OpenMP loops, the observables of a record computed by observe() in double. Used by
-// run_flow on Device::cpu and Device::reference, by attention_update, and by the generic phase
-// sweep off the GPU.
+// parts OpenMP loops, the observables of a record computed by observe() in double): run_flow on
+// Device::cpu and Device::reference, attention_update, and the generic phase sweep off the GPU.
 #include "host_ops.hpp"
 
 #include <algorithm>

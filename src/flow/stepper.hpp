@@ -3,7 +3,7 @@
 // projection, the mean entropy), the Euler and RK4 steps, a layer of a stack, the recorded run
 // and the generic phase sweep. All are templates over an operations type `Ops` that owns the
 // memory and does the work:
-//   HostOps   (host_ops.cpp): std::vector buffers, emflow::attend, OpenMP loops, observe();
+//   HostOps   (host_ops.hpp): std::vector buffers, emflow::attend, OpenMP loops, observe();
 //   DeviceOps (device_ops_cuda.cpp): cuda::DeviceBuffer, one owned stream, the kernels of
 //             kernels/flow_kernels.hpp, attention plans made once per configuration
 //             (kernels/attend_plan.hpp) sharing one workspace sized once.

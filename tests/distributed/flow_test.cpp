@@ -38,12 +38,13 @@ std::vector<FlowCase> cases() {
   usa.settings.unnormalized = true;
   usa.settings.record_every = 2;
   out.push_back(usa);
+  // Every normalisation once, post- and pre-norm alternating (the norms act per token, so the
+  // placement adds nothing across ranks that one of each does not show).
+  bool pre = false;
   for (const flow::Normalization norm : every_normalization()) {
-    for (const bool pre : {false, true}) {
-      FlowCase c{std::string("stack_") + flow::to_string(norm) + (pre ? "_pre" : "_post"),
-                 stack(3, norm, pre), 2, true, 3};
-      out.push_back(c);
-    }
+    out.push_back({std::string("stack_") + flow::to_string(norm) + (pre ? "_pre" : "_post"),
+                   stack(2, norm, pre), 2, true, 2});
+    pre = !pre;
   }
   return out;
 }
