@@ -20,25 +20,6 @@ namespace {
 
 using distributed::Segment;
 
-// Refuses a NaN or infinity in this rank's rows, naming the element by its index in the file.
-template <class T>
-void require_finite_shard(const std::vector<T>& rows, const std::vector<Segment>& segments,
-                          const Shape& shape, std::int64_t batch, std::int64_t tokens,
-                          std::int64_t dim, const std::string& what) {
-  const std::int64_t bad = find_non_finite(rows.data(), static_cast<std::int64_t>(rows.size()));
-  if (bad < 0) return;
-  std::int64_t rest = bad;
-  for (const Segment& s : segments) {
-    if (rest < batch * s.count * dim) {
-      const std::int64_t b = rest / (s.count * dim), i = rest / dim % s.count, a = rest % dim;
-      const std::int64_t global = (b * tokens + s.position + i) * dim + a;
-      fail_option(what, "element ", multi_index(shape, global), " is ", rows[bad],
-                  "; --check-finite refuses NaN and infinity");
-    }
-    rest -= batch * s.count * dim;
-  }
-}
-
 template <class T>
 void run(const AttendFiles& a, distributed::Communicator& comm) {
   const int P = comm.size(), r = comm.rank();

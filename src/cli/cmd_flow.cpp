@@ -23,6 +23,7 @@
 #include "emflow/flow.hpp"
 #include "emflow/io.hpp"
 #include "emflow/tensor.hpp"
+#include "flow_command.hpp"
 #include "flow_model.hpp"
 #include "generate.hpp"
 #include "tools/plot.hpp"
@@ -31,124 +32,12 @@
 namespace emflow::cli {
 namespace {
 
-struct FlowArguments {
-  std::string cloud;
-  std::int64_t tokens = 32, dim = 3, batch = 1;
-  std::string init = "sphere";
-  std::uint64_t seed = 0;
-  std::int64_t layers = 0;
-  double time = 10.0, dt = 0.1;
-  std::string integrator = "rk4";
-  std::string relevance = "identity", content = "identity";
-  std::string beta = "1";
-  std::string norm = "sphere";  // the default run is the sphere dynamics of docs/MATH.md §4
-  double norm_eps = 1e-5;
-  bool pre_norm = false, unnormalized = false;
-  bool check_finite = false;
-  std::int64_t record_every = 1;
-  std::int64_t generate = 0;  // > 0: causal generation of this many tokens (generate.hpp)
-  std::string device = "auto";
-  int threads = 0;
-  std::string precision = "float32";
-  std::string out, metrics, plot;
-  ModelFlowArguments model;  // --model: a converted model's layers (cmd_flow_model.cpp)
-  bool full_layer = false;
-  // Which of the mutually dependent options the user gave.
-  CLI::Option *tokens_option = nullptr, *dim_option = nullptr, *init_option = nullptr,
-              *batch_option = nullptr, *layers_option = nullptr, *time_option = nullptr,
-              *dt_option = nullptr, *integrator_option = nullptr, *precision_option = nullptr;
-};
-
-bool is_generated(const std::string& text) {
-  return text == "identity" || text == "minus-identity" || text == "random";
-}
-
-// "1", or "0.5,1,2" (one per cloud).
-std::vector<double> parse_betas(const std::string& text, std::int64_t batch) {
-  std::vector<double> betas;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    char* end = nullptr;
-    const double beta = std::strtod(item.c_str(), &end);
-    if (item.empty() || *end != '\0' || !std::isfinite(beta) || beta <= 0.0) {
-      fail_option("--beta",
-                  "expects a finite number > 0, or one per cloud separated by commas, "
-                  "got '",
-                  text, "'");
-    }
-    betas.push_back(beta);
-  }
-  if (betas.size() != 1 && static_cast<std::int64_t>(betas.size()) != batch) {
-    fail_option("--beta", "gives ", betas.size(), " values, expected 1 or one per cloud (", batch,
-                ")");
-  }
-  return betas;
-}
-
-// The operators of every layer (flow::layer_stack): generated, or read from --m / --f files of
-// shape (d, d), (H, d, d), or (L, H, d, d) for a stack of L layers each with its own heads.
-template <class T>
-std::vector<flow::FlowLayer<T>> read_layers(const FlowArguments& args, std::int64_t dim,
-                                            std::int64_t layer_count, Dtype dtype) {
-  const std::string main_option = args.cloud.empty() ? "--precision" : "--x";
-  flow::OperatorSource<T> sources[2];
-  const char* options[2] = {"--m", "--f"};
-  const std::string* texts[2] = {&args.relevance, &args.content};
-  for (int which = 0; which < 2; ++which) {
-    flow::OperatorSource<T>& s = sources[which];
-    const std::string& text = *texts[which];
-    s.name = std::string(options[which]) + " '" + text + "'";
-    if (is_generated(text)) {
-      s.kind = flow::parse_operator_kind(text, options[which]);
-      continue;
-    }
-    s.array = read_float_input<T>(options[which], text, dtype, main_option, 2, 4);
-    if (args.check_finite) require_finite(s.array, s.name);
-  }
-  return flow::layer_stack(sources[0], sources[1], dim, layer_count, args.seed);
-}
-
-std::string csv_number(double v) {
-  if (std::isnan(v)) return "nan";
-  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
-  char text[40];
-  std::snprintf(text, sizeof text, "%.9g", v);
-  return text;
-}
-
 template <class T>
 void run_flow_command(const FlowArguments& args, Dtype dtype) {
   const bool from_file = !args.cloud.empty();
   const bool continuous = args.layers_option->count() == 0;
-  if (!continuous && args.layers < 1) fail_option("--layers", "must be >= 1, got ", args.layers);
-  if (continuous) {
-    if (!(std::isfinite(args.time) && args.time > 0)) {
-      fail_option("--time", "must be finite and > 0, got ", args.time);
-    }
-    if (!(std::isfinite(args.dt) && args.dt > 0)) {
-      fail_option("--dt", "must be finite and > 0, got ", args.dt);
-    }
-    if (args.time / args.dt > static_cast<double>(flow::kMaxSteps)) {
-      fail_option("--dt", "gives more than ", flow::kMaxSteps, " steps (--time ", args.time,
-                  ", --dt ", args.dt, ")");
-    }
-  }
-  const flow::Integrator integrator = flow::parse_integrator(args.integrator, "--integrator");
-  const flow::Normalization norm = flow::parse_normalization(args.norm, "--norm");
-  if (continuous && norm != flow::Normalization::none && norm != flow::Normalization::sphere) {
-    fail_option("--norm",
-                "must be none or sphere with --time (layernorm and rmsnorm need "
-                "--layers), got '",
-                args.norm, "'");
-  }
-  if (continuous && args.pre_norm) fail_option("--pre-norm", "applies to --layers only");
-  if (!(std::isfinite(args.norm_eps) && args.norm_eps > 0)) {
-    fail_option("--norm-eps", "must be finite and > 0, got ", args.norm_eps);
-  }
-  if (args.record_every < 1) {
-    fail_option("--record-every", "must be >= 1, got ", args.record_every);
-  }
+  const flow::FlowSettings settings = flow_settings(args);
+  const flow::Normalization norm = settings.norm;
   const ExecutionOptions options = execution_options(args.device, args.threads);
   naming_option("--device", [&] { return resolve_device(options.device); });
 
@@ -199,34 +88,8 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
   }
   const std::int64_t B = initial.extent(0), N = initial.extent(1), d = initial.extent(2);
   const std::vector<double> betas = parse_betas(args.beta, B);
-
-  flow::FlowSettings settings;
-  settings.layers = continuous ? 0 : args.layers;
-  settings.norm = norm;
-  settings.pre_norm = args.pre_norm;
-  settings.time = args.time;
-  settings.dt = args.dt;
-  settings.integrator = integrator;
-  settings.unnormalized = args.unnormalized;
-  settings.norm_eps = args.norm_eps;
-  settings.record_every = args.record_every;
-  // run_flow refuses a trajectory of more than 2^31 values before allocating it; this names
-  // the option to change.
-  const std::int64_t steps = flow::step_count(settings);
-  const std::int64_t records =
-      steps / args.record_every + 1 + (steps % args.record_every != 0 ? 1 : 0);
-  const std::string step_options = continuous ? "--time/--dt" : "--layers";
-  const std::int64_t trajectory_values = expect_product_at_most(
-      {{step_options, records,
-        std::to_string(records) + " records (" + std::to_string(steps) +
-            (continuous
-                 ? " steps of --time " + csv_number(args.time) + " / --dt " + csv_number(args.dt)
-                 : " layers of --layers") +
-            ", --record-every " + std::to_string(args.record_every) + ")"},
-       {"--batch", B},
-       {from_file ? "--x" : "--tokens", N, from_file ? "N " + std::to_string(N) + " (--x)" : ""},
-       {from_file ? "--x" : "--dim", d, from_file ? "d " + std::to_string(d) + " (--x)" : ""}},
-      std::int64_t{1} << 31, "values of the trajectory (raise --record-every to record fewer)");
+  std::int64_t records = 0;
+  const std::int64_t values = trajectory_values(args, settings, B, N, d, from_file, &records);
   const auto layers = read_layers<T>(args, d, continuous ? 1 : args.layers, dtype);
   if (args.generate != 0) {
     if (args.generate < 0) fail_option("--generate", "must be >= 1, got ", args.generate);
@@ -279,66 +142,15 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
       return flow::run_flow(initial, betas, layers, settings, options, bar.callback());
     } catch (const std::bad_alloc&) {
       fail(ErrorCode::out_of_memory, "flow: out of memory: the trajectory (--out) alone needs ",
-           trajectory_values * static_cast<std::int64_t>(sizeof(T)), " bytes (", records, " x ", B,
-           " x ", N, " x ", d, " values of ", sizeof(T), " bytes)");
+           values * static_cast<std::int64_t>(sizeof(T)), " bytes (", records, " x ", B, " x ", N,
+           " x ", d, " values of ", sizeof(T), " bytes)");
     }
   }();
   bar.finish();
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const std::int64_t R = result.trajectory.extent(0);
-
-  if (!args.out.empty()) outputs.stage_npy(args.out, result.trajectory);
-  if (!args.metrics.empty()) {
-    std::ostringstream csv;
-    csv << "step," << (continuous ? "time" : "layer")
-        << ",cloud,beta,min_inner,mean_inner,clustered_fraction,clusters,energy,entropy,"
-           "diameter\n";
-    for (std::int64_t r = 0; r < R; ++r) {
-      for (std::int64_t b = 0; b < B; ++b) {
-        const flow::Observables& o = result.observables[static_cast<std::size_t>(r * B + b)];
-        csv << result.steps[static_cast<std::size_t>(r)] << ','
-            << csv_number(result.times[static_cast<std::size_t>(r)]) << ',' << b << ','
-            << csv_number(betas[betas.size() == 1 ? 0 : static_cast<std::size_t>(b)]) << ','
-            << csv_number(o.min_inner) << ',' << csv_number(o.mean_inner) << ','
-            << csv_number(o.clustered_fraction) << ',' << o.clusters << ',' << csv_number(o.energy)
-            << ',' << csv_number(o.entropy) << ',' << csv_number(o.diameter) << '\n';
-      }
-    }
-    outputs.stage_bytes(args.metrics, csv.str());
-  }
-  if (!args.plot.empty()) {
-    tools::FlowPicture picture;
-    picture.records = R;
-    picture.clouds = B;
-    picture.tokens = N;
-    picture.dim = d;
-    picture.trajectory.resize(static_cast<std::size_t>(R * N * d));
-    for (std::int64_t r = 0; r < R; ++r) {
-      const T* from = result.trajectory.data() + r * B * N * d;  // cloud 0
-      std::copy(from, from + N * d, picture.trajectory.begin() + r * N * d);
-    }
-    picture.times = result.times;
-    for (std::int64_t b = 0; b < B; ++b) {
-      picture.betas.push_back(betas[betas.size() == 1 ? 0 : static_cast<std::size_t>(b)]);
-    }
-    picture.observables = result.observables;
-    picture.on_sphere = norm == flow::Normalization::sphere && (continuous || !args.pre_norm);
-    picture.time_label = continuous ? "time t" : "layer";
-    std::ostringstream title;
-    title << (continuous ? (args.unnormalized ? "USA" : "SA") : "layers") << ": N = " << N
-          << ", d = " << d << ", M = " << (is_generated(args.relevance) ? args.relevance : "file")
-          << ", F = " << (is_generated(args.content) ? args.content : "file")
-          << ", \xCE\xB2 = " << args.beta << ", norm " << args.norm;
-    if (continuous) {
-      title << ", " << args.integrator << " dt = " << args.dt << ", T = " << args.time;
-    } else {
-      title << ", L = " << args.layers << (args.pre_norm ? " pre-norm" : " post-norm");
-    }
-    if (B > 1) title << "  (paths: cloud 0)";
-    picture.title = title.str();
-    outputs.stage_bytes(args.plot, tools::draw_flow(picture));
-  }
+  stage_flow_outputs(outputs, args, result, betas, settings);
   outputs.commit();
 
   const flow::Observables& last = result.observables[static_cast<std::size_t>((R - 1) * B)];
@@ -468,7 +280,17 @@ their observables; outputs are written only when the whole run succeeds.)");
         "--unnormalized", "--record-every", "--precision", "--check-finite"}) {
     model->excludes(command->get_option(name));
   }
+  command->add_flag("--distributed", args->distributed,
+                    "under mpirun: spread the tokens of every cloud over the ranks (each rank "
+                    "reads only its rows of --x; attention through the sequence-parallel ring); "
+                    "the same --out, --metrics and --plot as one process, written once by rank "
+                    "0. Runs on the CPU (--device cpu or reference); not with --model or "
+                    "--generate");
   command->callback([args] {
+    if (args->distributed) {
+      run_flow_distributed(*args);
+      return;
+    }
     if (!args->model.model.empty()) {
       ModelFlowArguments model_args = args->model;
       model_args.cloud = args->cloud;

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "emflow/flow.hpp"
@@ -23,11 +24,11 @@ inline std::int64_t beta_run_end(const std::vector<double>& betas, std::int64_t 
   return end;
 }
 
-/// Checks the arguments of run_flow (shapes, betas, layers, settings) and returns one beta per
-/// cloud; throws emflow::Error naming the first bad argument. Both the host and the CUDA run
-/// take their arguments from here.
+/// Checks the arguments of run_flow (the shape of the initial clouds, betas, layers, settings)
+/// and returns one beta per cloud; throws emflow::Error naming the first bad argument. Both the
+/// host and the CUDA run take their arguments from here, and so does the run across processes.
 template <class T>
-std::vector<double> validate_flow(const Tensor<T>& initial, const std::vector<double>& betas,
+std::vector<double> validate_flow(const Shape& initial, const std::vector<double>& betas,
                                   const std::vector<FlowLayer<T>>& layers,
                                   const FlowSettings& settings);
 
@@ -53,6 +54,37 @@ template <class T>
 FlowResult<T> run_flow_host(const Tensor<T>& initial, const std::vector<double>& betas,
                             const std::vector<FlowLayer<T>>& layers, const FlowSettings& settings,
                             const ExecutionOptions& options, const Progress& progress);
+
+/// Rows [first, first + count) of a cloud.
+struct RowRun {
+  std::int64_t first = 0;
+  std::int64_t count = 0;
+};
+
+/// What the pairs (i, j > i) with i in some rows of a cloud contribute to its observables
+/// (observe() is one part over every row; a cloud split among processes adds the parts of
+/// rows that cover it once). The clustered pairs are joined in a forest over the whole cloud.
+struct PairPart {
+  double min_inner = std::numeric_limits<double>::infinity();
+  double sum_inner = 0.0;
+  double energy = 0.0;  ///< exp(beta |x_i|^2) of the part's rows, then 2 exp(beta <x_i, x_j>)
+  double diameter_sq = 0.0;
+  std::int64_t clustered = 0;        ///< clustered pairs (exact)
+  std::int64_t joins = 0;            ///< joins that merged two components (N - clusters)
+  std::vector<std::int64_t> parent;  ///< the forest: N entries, each tree one component
+};
+
+/// ||x_i|| of the N tokens of x (N x d, in double).
+std::vector<double> token_norms(const double* x, std::int64_t N, std::int64_t d);
+/// The part of the rows `rows` of the cloud x (N x d; norms from token_norms), each sum over
+/// rows in the order given, pairs (i, j > i) with j ascending: the order of observe().
+PairPart pair_part(const double* x, const double* norms, std::int64_t N, std::int64_t d,
+                   double beta, double cluster_eps, const std::vector<RowRun>& rows);
+/// The joins that merge the components of the union of the forests (PairPart::parent) of the
+/// parts of one cloud of N tokens: clusters = N - merged_joins. Exact, in any order.
+std::int64_t merged_joins(std::int64_t N, const std::vector<const std::int64_t*>& forests);
+/// The observables (entropy 0) of a cloud of N tokens from the sums of all its pairs.
+Observables finish_observables(const PairPart& sums, std::int64_t N, double beta);
 
 /// The generic phase sweep (phase_diagram_generic): every cloud of every beta in one batch of
 /// B = K * C clouds sorted by beta, SA on the sphere with Q = K = V = I, RK4.

@@ -9,6 +9,7 @@
 
 #include "core/check.hpp"
 #include "emflow/flow.hpp"
+#include "internal.hpp"
 
 namespace emflow::flow {
 
@@ -71,6 +72,80 @@ EMFLOW_OBSERVE_CLONES void row_products(const double* x, std::int64_t N, std::in
 
 }  // namespace
 
+namespace detail {
+
+PairPart pair_part(const double* x, const double* norms, std::int64_t N, std::int64_t d,
+                   double beta, double cluster_eps, const std::vector<RowRun>& rows) {
+  PairPart part;
+  Components graph(N);
+  // The diagonal of the energy first, then the pairs: the order observe() has always summed in.
+  for (const auto& [first, count] : rows) {
+    for (std::int64_t i = first; i < first + count; ++i) {
+      double square = 0.0;
+      for (std::int64_t a = 0; a < d; ++a) square += x[i * d + a] * x[i * d + a];
+      part.energy += std::exp(beta * square);
+    }
+  }
+  // The pairs in the order (i, j > i), i ascending, as every sum below has always run: one row
+  // of inner products and squared distances at a time, the clustered pairs joined as found.
+  std::vector<double> inner(static_cast<std::size_t>(N)), distance_sq(inner.size());
+  for (const auto& [first, count] : rows) {
+    for (std::int64_t i = first; i < first + count && i + 1 < N; ++i) {
+      row_products(x, N, d, i, inner.data(), distance_sq.data());
+      const double norm_i = norms[static_cast<std::size_t>(i)];
+      for (std::int64_t j = i + 1; j < N; ++j) {
+        const auto p = static_cast<std::size_t>(j - i - 1);
+        const double g = inner[p];
+        part.min_inner = std::min(part.min_inner, g);
+        part.sum_inner += g;
+        part.diameter_sq = std::max(part.diameter_sq, distance_sq[p]);
+        part.energy += 2.0 * std::exp(beta * g);
+        // Clustering is about directions: the cosine, which is the inner product on the sphere.
+        const double scale = norm_i * norms[static_cast<std::size_t>(j)];
+        if (scale > 0.0 && g > (1.0 - cluster_eps) * scale) {
+          ++part.clustered;
+          if (graph.join(i, j)) ++part.joins;
+        }
+      }
+    }
+  }
+  part.parent = std::move(graph.parent);
+  return part;
+}
+
+std::vector<double> token_norms(const double* x, std::int64_t N, std::int64_t d) {
+  std::vector<double> norms(static_cast<std::size_t>(N));
+  for (std::int64_t i = 0; i < N; ++i) {
+    double square = 0.0;
+    for (std::int64_t a = 0; a < d; ++a) square += x[i * d + a] * x[i * d + a];
+    norms[static_cast<std::size_t>(i)] = std::sqrt(square);
+  }
+  return norms;
+}
+
+std::int64_t merged_joins(std::int64_t N, const std::vector<const std::int64_t*>& forests) {
+  Components graph(N);
+  std::int64_t joins = 0;
+  for (const std::int64_t* parent : forests) {
+    for (std::int64_t a = 0; a < N; ++a) joins += graph.join(a, parent[a]) ? 1 : 0;
+  }
+  return joins;
+}
+
+Observables finish_observables(const PairPart& sums, std::int64_t N, double beta) {
+  Observables o;
+  const double pair_count = static_cast<double>(N * (N - 1) / 2);
+  o.min_inner = sums.min_inner;
+  o.mean_inner = sums.sum_inner / pair_count;
+  o.clustered_fraction = static_cast<double>(sums.clustered) / pair_count;
+  o.clusters = N - sums.joins;
+  o.energy = sums.energy / (2.0 * beta * static_cast<double>(N) * static_cast<double>(N));
+  o.diameter = std::sqrt(sums.diameter_sq);
+  return o;
+}
+
+}  // namespace detail
+
 template <class T>
 Observables observe(const T* cloud, std::int64_t tokens, std::int64_t dim, double beta,
                     double cluster_eps) {
@@ -79,50 +154,9 @@ Observables observe(const T* cloud, std::int64_t tokens, std::int64_t dim, doubl
   }
   const std::int64_t N = tokens, d = dim;
   const std::vector<double> x(cloud, cloud + N * d);
-  const auto pairs = static_cast<std::size_t>(N * (N - 1) / 2);
-
-  std::vector<double> norms(static_cast<std::size_t>(N));
-  double energy = 0.0;  // sum_ij exp(beta <x_i, x_j>), the diagonal included
-  for (std::int64_t i = 0; i < N; ++i) {
-    double square = 0.0;
-    for (std::int64_t a = 0; a < d; ++a) square += x[i * d + a] * x[i * d + a];
-    norms[static_cast<std::size_t>(i)] = std::sqrt(square);
-    energy += std::exp(beta * square);
-  }
-
-  // The pairs in the order (i, j > i), i ascending, as every sum below has always run: one row
-  // of inner products and squared distances at a time, the clustered pairs joined as found.
-  Observables o;
-  o.min_inner = std::numeric_limits<double>::infinity();
-  double sum_inner = 0.0, diameter_sq = 0.0;
-  std::int64_t clustered = 0, components = N;
-  Components graph(N);
-  std::vector<double> inner(static_cast<std::size_t>(N)), distance_sq(inner.size());
-  for (std::int64_t i = 0; i + 1 < N; ++i) {
-    row_products(x.data(), N, d, i, inner.data(), distance_sq.data());
-    const double norm_i = norms[static_cast<std::size_t>(i)];
-    for (std::int64_t j = i + 1; j < N; ++j) {
-      const auto p = static_cast<std::size_t>(j - i - 1);
-      const double g = inner[p];
-      o.min_inner = std::min(o.min_inner, g);
-      sum_inner += g;
-      diameter_sq = std::max(diameter_sq, distance_sq[p]);
-      energy += 2.0 * std::exp(beta * g);
-      // Clustering is about directions: the cosine, which is the inner product on the sphere.
-      const double scale = norm_i * norms[static_cast<std::size_t>(j)];
-      if (scale > 0.0 && g > (1.0 - cluster_eps) * scale) {
-        ++clustered;
-        if (graph.join(i, j)) --components;
-      }
-    }
-  }
-  const double pair_count = static_cast<double>(pairs);
-  o.mean_inner = sum_inner / pair_count;
-  o.clustered_fraction = static_cast<double>(clustered) / pair_count;
-  o.clusters = components;
-  o.energy = energy / (2.0 * beta * static_cast<double>(N) * static_cast<double>(N));
-  o.diameter = std::sqrt(diameter_sq);
-  return o;
+  const std::vector<double> norms = detail::token_norms(x.data(), N, d);
+  return detail::finish_observables(
+      detail::pair_part(x.data(), norms.data(), N, d, beta, cluster_eps, {{0, N}}), N, beta);
 }
 
 template Observables observe<float>(const float*, std::int64_t, std::int64_t, double, double);

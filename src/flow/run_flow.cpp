@@ -54,15 +54,15 @@ void validate_layer(const FlowLayer<T>& layer, std::int64_t d, std::size_t index
 namespace detail {
 
 template <class T>
-std::vector<double> validate_flow(const Tensor<T>& initial, const std::vector<double>& betas_in,
+std::vector<double> validate_flow(const Shape& initial, const std::vector<double>& betas_in,
                                   const std::vector<FlowLayer<T>>& layers,
                                   const FlowSettings& settings) {
   const char* op = "run_flow";
-  if (initial.rank() != 3) {
+  if (initial.size() != 3) {
     fail_argument(op, "initial", "must have shape (batch, tokens, dim), got ",
-                  emflow::to_string(initial.shape()));
+                  emflow::to_string(initial));
   }
-  const std::int64_t B = initial.extent(0), N = initial.extent(1), d = initial.extent(2);
+  const std::int64_t B = initial[0], N = initial[1], d = initial[2];
   emflow::detail::expect_positive(op, "batch", B);
   if (N < 2) fail_argument(op, "tokens", "must be >= 2 (the observables are pairwise), got ", N);
   emflow::detail::expect_positive(op, "dim", d);
@@ -140,7 +140,8 @@ template <class T>
 FlowResult<T> run_flow(const Tensor<T>& initial, const std::vector<double>& betas_in,
                        const std::vector<FlowLayer<T>>& layers, const FlowSettings& settings,
                        const ExecutionOptions& options, const Progress& progress) {
-  const std::vector<double> betas = detail::validate_flow(initial, betas_in, layers, settings);
+  const std::vector<double> betas =
+      detail::validate_flow(initial.shape(), betas_in, layers, settings);
   if (options.threads < 0) {
     fail_argument("run_flow", "threads", "must be >= 0, got ", options.threads);
   }
@@ -167,14 +168,14 @@ FlowResult<T> run_flow(const Tensor<T>& initial, const std::vector<double>& beta
   return detail::run_flow_host(initial, betas, layers, settings, options, progress);
 }
 
-#define EMFLOW_RUN_FLOW_INSTANTIATE(T)                                                        \
-  template FlowResult<T> run_flow<T>(const Tensor<T>&, const std::vector<double>&,            \
-                                     const std::vector<FlowLayer<T>>&, const FlowSettings&,   \
-                                     const ExecutionOptions&, const Progress&);               \
-  template std::vector<double> detail::validate_flow<T>(                                      \
-      const Tensor<T>&, const std::vector<double>&, const std::vector<FlowLayer<T>>&,         \
-      const FlowSettings&);                                                                   \
-  template FlowResult<T> detail::allocate_result<T>(std::int64_t, std::int64_t, std::int64_t, \
+#define EMFLOW_RUN_FLOW_INSTANTIATE(T)                                                            \
+  template FlowResult<T> run_flow<T>(const Tensor<T>&, const std::vector<double>&,                \
+                                     const std::vector<FlowLayer<T>>&, const FlowSettings&,       \
+                                     const ExecutionOptions&, const Progress&);                   \
+  template std::vector<double> detail::validate_flow<T>(const Shape&, const std::vector<double>&, \
+                                                        const std::vector<FlowLayer<T>>&,         \
+                                                        const FlowSettings&);                     \
+  template FlowResult<T> detail::allocate_result<T>(std::int64_t, std::int64_t, std::int64_t,     \
                                                     const FlowSettings&);
 
 EMFLOW_RUN_FLOW_INSTANTIATE(float)

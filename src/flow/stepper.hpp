@@ -3,7 +3,7 @@
 // projection, the mean entropy), the Euler and RK4 steps, a layer of a stack, the recorded run
 // and the generic phase sweep. All are templates over an operations type `Ops` that owns the
 // memory and does the work:
-//   HostOps   (host_ops.cpp): std::vector buffers, emflow::attend, OpenMP loops, observe();
+//   HostOps   (host_ops.hpp): std::vector buffers, emflow::attend, OpenMP loops, observe();
 //   DeviceOps (device_ops_cuda.cpp): cuda::DeviceBuffer, one owned stream, the kernels of
 //             kernels/flow_kernels.hpp, attention plans made once per configuration
 //             (kernels/attend_plan.hpp) sharing one workspace sized once.
@@ -62,6 +62,9 @@ struct StepperShape {
   bool tangent = false;        ///< project the update on the tangent space of the sphere
   bool rk4 = false;            ///< room for the RK4 stages
   bool pre_norm = false;       ///< room for a normalised copy of the state
+  /// The tokens of a whole cloud when the Stepper advances part of each (the rows of one
+  /// process): USA divides by it. 0: `tokens`.
+  std::int64_t cloud_tokens = 0;
 };
 
 template <class Ops>
@@ -121,7 +124,8 @@ class Stepper {
       // USA: sum_j exp(s_ij) F x_j / N = delta_i Z_i / N, Z_i = exp(lse_i). Each head has its own
       // Z_i, so heads are evaluated one at a time; c is a constant drift, unscaled.
       // entropy: (H, B, N).
-      const double log_tokens = std::log(static_cast<double>(N));
+      const double log_tokens =
+          std::log(static_cast<double>(shape_.cloud_tokens > 0 ? shape_.cloud_tokens : N));
       for (std::int64_t h = 0; h < H; ++h) {
         LayerOperators<T> head = layer.ops;
         head.heads = 1;
@@ -226,11 +230,13 @@ class Stepper {
 /// The recorded run of run_flow from the validated state `x` (B, N, d), in place, into
 /// `result` (allocate_result): records every k steps and the last, each with the mean entropy
 /// of the evaluation at that state (the last layer's operators for the final state of a stack).
+/// cloud_tokens: StepperShape::cloud_tokens (the state holds part of every cloud), or 0.
 template <class Ops>
 void run_recorded(Ops& ops, typename Ops::Value* x,
                   const std::vector<LayerView<typename Ops::Value>>& layers,
                   const std::vector<double>& betas, const FlowSettings& settings,
-                  FlowResult<typename Ops::Value>& result, const Progress& progress) {
+                  FlowResult<typename Ops::Value>& result, const Progress& progress,
+                  std::int64_t cloud_tokens = 0) {
   const Shape& shape = result.trajectory.shape();
   const bool continuous = settings.layers == 0;
   StepperShape s;
@@ -242,6 +248,7 @@ void run_recorded(Ops& ops, typename Ops::Value* x,
   s.tangent = continuous && settings.norm == Normalization::sphere;
   s.rk4 = continuous && settings.integrator == Integrator::rk4;
   s.pre_norm = !continuous && settings.pre_norm;
+  s.cloud_tokens = cloud_tokens;
   Stepper<Ops> stepper(ops, betas, s, layers);
   const auto layer_of = [&](std::int64_t step) -> const auto& {
     return layers[layers.size() == 1 ? 0 : static_cast<std::size_t>(step)];
