@@ -242,46 +242,24 @@ TEST_P(TcAttention, MatchesTheDoubleReferenceWithinTwiceTheNaiveError) {
 
 const Mask kNone = Mask::none();
 const Mask kCausal = Mask::causal();
+const Mask kWindow5 = Mask::sliding_window(5);
+const Mask kWindow37 = Mask::sliding_window(37);
+constexpr TcType kBf16 = TcType::bf16;
+constexpr TcType kF16 = TcType::f16;
 
+// name, type, batch, heads, tokens, queries, dim, mask, key lengths, key bias
 INSTANTIATE_TEST_SUITE_P(
     Cases, TcAttention,
     ::testing::Values(
-        Case{"bf16_N1_d64_none", TcType::bf16, 1, 1, 1, 1, 64, kNone, {}, false},
-        Case{"f16_N1_d40_causal_bias", TcType::f16, 2, 1, 1, 1, 40, kCausal, {}, true},
-        Case{"bf16_N17_d64_causal_lengths", TcType::bf16, 2, 2, 17, 17, 64, kCausal, {17, 9}, true},
-        Case{"f16_N17_d128_window5",
-             TcType::f16,
-             1,
-             2,
-             17,
-             17,
-             128,
-             Mask::sliding_window(5),
-             {},
-             true},
-        Case{"bf16_N17_d200_none_lengths", TcType::bf16, 2, 1, 17, 17, 200, kNone, {5, 17}, false},
-        Case{"bf16_N130_d128_none_lengths",
-             TcType::bf16,
-             2,
-             1,
-             130,
-             130,
-             128,
-             kNone,
-             {130, 70},
-             true},
-        Case{"f16_N130_d64_causal", TcType::f16, 1, 1, 130, 130, 64, kCausal, {}, false},
-        Case{"bf16_N130_d72_window37_lengths",
-             TcType::bf16,
-             2,
-             1,
-             130,
-             130,
-             72,
-             Mask::sliding_window(37),
-             {101, 130},
-             true},
-        Case{"f16_N130_q3_d64_causal", TcType::f16, 1, 2, 130, 3, 64, kCausal, {}, true}),
+        Case{"bf16_N1_d64_none", kBf16, 1, 1, 1, 1, 64, kNone, {}, false},
+        Case{"f16_N1_d40_causal_bias", kF16, 2, 1, 1, 1, 40, kCausal, {}, true},
+        Case{"bf16_N17_d64_causal_len", kBf16, 2, 2, 17, 17, 64, kCausal, {17, 9}, true},
+        Case{"f16_N17_d128_window5", kF16, 1, 2, 17, 17, 128, kWindow5, {}, true},
+        Case{"bf16_N17_d200_len", kBf16, 2, 1, 17, 17, 200, kNone, {5, 17}, false},
+        Case{"bf16_N130_d128_len", kBf16, 1, 1, 130, 130, 128, kNone, {97}, true},
+        Case{"f16_N130_d64_causal", kF16, 1, 1, 130, 130, 64, kCausal, {}, false},
+        Case{"bf16_N130_d72_window37_len", kBf16, 2, 1, 130, 130, 72, kWindow37, {101, 130}, true},
+        Case{"f16_N130_q3_d64_causal", kF16, 1, 2, 130, 3, 64, kCausal, {}, true}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 }  // namespace
