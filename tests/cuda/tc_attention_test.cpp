@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -39,6 +40,8 @@ struct Case {
   std::vector<std::int64_t> key_lengths;  // empty: all keys; else also the query lengths
   bool bias;
 };
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 struct Rounded {
   std::vector<std::uint16_t> bits;  // as stored
