@@ -1,0 +1,312 @@
+// Fused attention on tensor cores for the factored form: per head h and cloud b, with the
+// projected queries Q_h, keys K_h and values V_h (computed before, stored as bfloat16 or
+// float16), a block of 64 queries streams 64-key tiles of K_h and V_h through shared memory:
+//
+//   S = Q K^T       mma.sync m16n8k16 (16-bit operands, float32 accumulators), kernels/mma.cuh
+//   online softmax  on the accumulator fragments in float32, base 2 (log2(e) is in the scale)
+//   O += P V        P rounded to the storage type straight from the S fragments (the lane holds
+//                   the A registers of P already), V from a transposed shared tile
+//
+// Layout of one block (128 threads, 4 warps): warp w owns query rows 16 w ... 16 w + 15 of the
+// block; lane (g = lane / 4, t = lane % 4) holds rows g and g + 8 of them, and per row the keys
+// (or output columns) 8 j + 2 t, 8 j + 2 t + 1 of every 8-wide tile j: a row's statistics are
+// reductions over the 4 lanes of a group (shuffles with lane masks 1 and 2). Per warp and key
+// tile: 8 S tiles (32 floats a lane), D / 8 output tiles (D / 2 floats a lane).
+// Shared memory (16-bit): Qs[64][D+8], Ks[64][D+8] and Vt[D][64+8] (V transposed, so P V reads
+// B fragments as 16-bit pairs along the keys); the rows are padded by 16 bytes so that the 8
+// groups of a warp read distinct banks. D = 64, 128, 256: 27, 53 and 104 KiB.
+//
+// Masks, key lengths and tails as the float kernel (fused_attention.cu): key tiles outside the
+// block's visible band are skipped, scores outside a row's visible keys are -inf, key rows past
+// the key length and columns past dim are zero in shared memory (padding tokens may hold
+// anything), and a warp whose 16 rows are all beyond the query length skips the arithmetic.
+// A row with no visible key so far keeps max = -inf, the exponent's reference point is then 0
+// and its rescale 0 (no -inf - -inf).
+//
+// History: version 1 (this one): mma.sync with plain 32-bit fragment loads from shared memory,
+// synchronous tile loads, one key tile in flight. Checked only under the CPU emulation of CUDA
+// (tests/cuda/emulation, the model of mma.sync in kernels/mma.cuh); never run or timed on a GPU.
+// Tuning candidates once it can be timed, in order: cp.async (16-byte) double-buffered K and V
+// tiles, ldmatrix (.trans for V, dropping the transposed tile), Q fragments kept in registers at
+// D = 64, cvt.rn.bf16x2.f32 for P, 128-key tiles at D = 64. ptxas -v (sm_90, nvcc 13): bf16
+// 132, 172 and 245 registers at D = 64, 128 and 256 (f16 127, 164, 247), no spills; one block of
+// 128 threads per 64 queries, so occupancy is bound by registers at D = 256.
+//
+// Next version, for Hopper (sm_90a): wgmma + TMA, the FlashAttention-3 plan. One warpgroup
+// (128 threads) per 64 query rows, 2 or 3 consumer warpgroups and one producer warp per block:
+//   * the producer issues cp.async.bulk.tensor (TMA) loads of K and V tiles (128 keys) into a
+//     2- or 3-stage ring in shared memory, with mbarrier arrive/expect-tx per stage, and
+//     setmaxnreg gives its registers to the consumers;
+//   * S = Q K^T with wgmma.mma_async m64n128k16 (Q and K from shared memory via matrix
+//     descriptors in the 128-byte swizzle TMA writes), accumulators in registers;
+//   * softmax on the wgmma accumulator layout (each thread holds 2 rows, as here), P converted
+//     in registers and used as the register A operand of O += P V (wgmma with V from shared
+//     memory, V's descriptor transposed, so no transposed copy);
+//   * ping-pong between two consumer warpgroups (named barriers), so one's softmax overlaps the
+//     other's GEMMs; and within a warpgroup the next S GEMM is issued before this tile's softmax
+//     (wgmma.commit_group / wait_group 1).
+// The mma layer then gains a wgmma implementation and an emulation model of its (m64nNk16)
+// fragment layout, tested the same way (tests/cuda/mma_test.cpp).
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "emflow/precision.hpp"
+#include "launch.cuh"
+#include "mask.cuh"
+#include "mma.cuh"
+#include "tc_attention.hpp"
+
+namespace emflow::detail {
+
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kRows = 64;  // queries of a block
+constexpr int kKeys = 64;  // keys of a tile
+constexpr float kLn2 = 0.693147180559945309f;
+
+template <int D>
+struct TcLayout {
+  static constexpr int row = D + 8;          // elements per row of Qs and Ks
+  static constexpr int key_row = kKeys + 8;  // elements per row of Vt
+  static constexpr std::size_t elements =
+      static_cast<std::size_t>(kRows + kKeys) * row + static_cast<std::size_t>(D) * key_row;
+  static constexpr std::size_t bytes = elements * 2;
+};
+
+template <class T>
+__device__ __forceinline__ T zero_of() {
+  return T{0};
+}
+
+// Rows [row0, row0 + 64) of a (rows x dim) row-major matrix into a [64][ld] shared tile
+// (transposed: into [D][ld], element (r, c) at c * ld + r), zero beyond `valid` rows and dim.
+template <class T, int D, bool Transposed>
+__device__ __forceinline__ void load_tile(T* dst, int ld, const T* src, int row0, int valid,
+                                          int dim) {
+  for (int index = static_cast<int>(threadIdx.x); index < kKeys * D; index += kThreads) {
+    const int r = index / D, c = index % D;
+    T value = zero_of<T>();
+    if (row0 + r < valid && c < dim) value = src[static_cast<std::size_t>(row0 + r) * dim + c];
+    if (Transposed) {
+      dst[c * ld + r] = value;
+    } else {
+      dst[r * ld + c] = value;
+    }
+  }
+}
+
+__device__ __forceinline__ float group_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float group_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(kThreads)
+    tc_attention_kernel(const TcAttentionArgs args, int query_blocks) {
+  using Layout = TcLayout<D>;
+  constexpr int kLd = Layout::row;
+  constexpr int kVld = Layout::key_row;
+  constexpr int kOutTiles = D / 8;
+  EMFLOW_DYNAMIC_SHARED(shared_storage);
+  T* const Qs = reinterpret_cast<T*>(shared_storage);
+  T* const Ks = Qs + kRows * kLd;
+  T* const Vt = Ks + kKeys * kLd;
+
+  const int query_block = query_blocks - 1 - static_cast<int>(blockIdx.x % query_blocks);
+  const int cloud_head = static_cast<int>(blockIdx.x / query_blocks);
+  const int b = cloud_head % args.batch;
+  const int h = cloud_head / args.batch;
+  const int N = args.tokens, Nq = args.queries, dim = args.dim;
+  const int m0 = query_block * kRows;
+  const CloudView view = cloud_view(args.mask, b, N, Nq);
+  const int length = view.key_length;
+  const std::size_t head_cloud = static_cast<std::size_t>(h) * args.batch + b;
+  const T* const query = static_cast<const T*>(args.query) + head_cloud * Nq * dim;
+  const T* const key = static_cast<const T*>(args.key) + head_cloud * N * dim;
+  const T* const value = static_cast<const T*>(args.value) + head_cloud * N * dim;
+  const float* const bias = args.key_bias != nullptr ? args.key_bias + head_cloud * N : nullptr;
+
+  int first_key = 0, last_key = 0;
+  if (m0 < view.query_length) {
+    int unused = 0;
+    visible_keys(args.mask, view, m0, &first_key, &unused);
+    visible_keys(args.mask, view, min(view.query_length, m0 + kRows) - 1, &unused, &last_key);
+  }
+  first_key = (first_key / kKeys) * kKeys;
+
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int g = mma::lane_group(), t = mma::lane_in_group();
+  const int row0 = 16 * warp;  // the warp's first row in the block
+  // The same for every lane: the warp's shuffles and MMAs run with the whole warp or not at all.
+  const bool warp_active = m0 + row0 < view.query_length;
+  const int k_steps = (dim + 15) / 16;
+  const int out_tiles = (dim + 7) / 8;
+
+  int first[2], last[2];  // visible keys of the lane's rows g and g + 8
+  float row_max[2], row_sum[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    visible_keys(args.mask, view, m0 + row0 + g + 8 * r, &first[r], &last[r]);
+    row_max[r] = -INFINITY;
+    row_sum[r] = 0.f;
+  }
+  mma::FragC o[kOutTiles];
+#pragma unroll
+  for (int n = 0; n < kOutTiles; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[n].x[e] = 0.f;
+  }
+
+  load_tile<T, D, false>(Qs, kLd, query, m0, Nq, dim);
+
+  for (int n0 = first_key; n0 < last_key; n0 += kKeys) {
+    __syncthreads();  // the previous tiles have been read
+    load_tile<T, D, false>(Ks, kLd, key, n0, length, dim);
+    load_tile<T, D, true>(Vt, kVld, value, n0, length, dim);
+    __syncthreads();  // tiles (and, the first time, the queries) in place
+    if (!warp_active) continue;
+
+    mma::FragC s[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j].x[e] = 0.f;
+    }
+    for (int kk = 0; kk < k_steps; ++kk) {
+      const mma::FragA a = mma::load_a(Qs + row0 * kLd + 16 * kk, kLd);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        mma::mma_16816<T>(s[j], a, mma::load_b_col(Ks + 8 * j * kLd + 16 * kk, kLd));
+      }
+    }
+
+    // Scores in base 2, masked; then the online softmax of the lane's two rows.
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        const int k = n0 + 8 * j + 2 * t + (e & 1);
+        float score = -INFINITY;
+        if (k >= first[r] && k < last[r]) {
+          score = args.scale * (s[j].x[e] + (bias != nullptr ? bias[k] : 0.f));
+        }
+        s[j].x[e] = score;
+        tile_max[r] = fmaxf(tile_max[r], score);
+      }
+    }
+    float rescale[2], reference[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float new_max = fmaxf(row_max[r], group_max(tile_max[r]));
+      reference[r] = new_max == -INFINITY ? 0.f : new_max;
+      rescale[r] = row_max[r] == -INFINITY ? 0.f : exp2f(row_max[r] - reference[r]);
+      row_max[r] = new_max;
+      row_sum[r] *= rescale[r];
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        const float weight = s[j].x[e] == -INFINITY ? 0.f : exp2f(s[j].x[e] - reference[r]);
+        row_sum[r] += weight;
+        s[j].x[e] = weight;
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < kOutTiles; ++n) {
+      o[n].x[0] *= rescale[0];
+      o[n].x[1] *= rescale[0];
+      o[n].x[2] *= rescale[1];
+      o[n].x[3] *= rescale[1];
+    }
+
+    // O += P V over the tile's keys, 16 at a time (weight 0 and value 0 beyond the tile's keys).
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) {
+      const mma::FragA p = mma::accumulators_to_a<T>(s[2 * kc], s[2 * kc + 1]);
+#pragma unroll
+      for (int n = 0; n < kOutTiles; ++n) {
+        if (n < out_tiles) {
+          mma::mma_16816<T>(o[n], p, mma::load_b_col(Vt + 8 * n * kVld + 16 * kc, kVld));
+        }
+      }
+    }
+  }
+
+  // Row totals over the group, then normalise and write.
+  if (warp_active) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) row_sum[r] = group_sum(row_sum[r]);
+  }
+  const std::size_t stat_base = head_cloud * Nq;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int qi = m0 + row0 + g + 8 * r;
+    if (qi >= Nq) continue;
+    // A real query sees a key; a sum that is not > 0 is NaN or comes from -inf scores only.
+    const bool any_key = first[r] < last[r];
+    const bool defined = row_sum[r] > 0.f;
+    const float inverse = defined ? 1.f / row_sum[r] : NAN;
+    float* const out = args.out + (stat_base + qi) * dim;
+#pragma unroll
+    for (int n = 0; n < kOutTiles; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * n + 2 * t + e;
+        if (col < dim) out[col] = any_key ? o[n].x[2 * r + e] * inverse : 0.f;
+      }
+    }
+    if (t == 0 && args.lse != nullptr) {
+      args.lse[stat_base + qi] =
+          any_key ? (defined ? (row_max[r] + log2f(row_sum[r])) * kLn2 : NAN) : -INFINITY;
+    }
+  }
+}
+
+template <class T, int D>
+void launch_dim(const TcAttentionArgs& args, cudaStream_t stream, const char* operation) {
+  const std::size_t bytes = TcLayout<D>::bytes;
+  // The attribute is the kernel's; setting it is cheap and needs no per-device bookkeeping.
+  check_cuda(
+      cudaFuncSetAttribute(tc_attention_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(bytes)),
+      operation, "cudaFuncSetAttribute(tc_attention_kernel)");
+  const int query_blocks = (args.queries + kRows - 1) / kRows;
+  const unsigned blocks = static_cast<unsigned>(query_blocks) * static_cast<unsigned>(args.heads) *
+                          static_cast<unsigned>(args.batch);
+  launch(operation, "tc_attention_kernel", tc_attention_kernel<T, D>, blocks, kThreads, bytes,
+         stream, args, query_blocks);
+}
+
+template <class T>
+void launch_type(const TcAttentionArgs& args, cudaStream_t stream, const char* operation) {
+  if (args.dim <= 64) {
+    launch_dim<T, 64>(args, stream, operation);
+  } else if (args.dim <= 128) {
+    launch_dim<T, 128>(args, stream, operation);
+  } else {
+    launch_dim<T, 256>(args, stream, operation);
+  }
+}
+
+}  // namespace
+
+void launch_tc_attention(const TcAttentionArgs& args, cudaStream_t stream, const char* operation) {
+  if (args.type == TcType::bf16) {
+    launch_type<bfloat16>(args, stream, operation);
+  } else {
+    launch_type<float16>(args, stream, operation);
+  }
+}
+
+}  // namespace emflow::detail

@@ -1,0 +1,50 @@
+// Launchers of the tensor-core kernels (kernels/mma.cuh): the check of the MMA layer
+// (mma_check.cu) and the fused attention on bfloat16 or float16 inputs (tc_attention.cu). Each
+// enqueues on `stream`, checks the launch, and never synchronises. Pointers are device pointers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "attention_kernels.hpp"
+
+namespace emflow::detail {
+
+/// The instruction an MMA check runs (kernels/mma.cuh).
+enum class MmaKind { bf16, f16, tf32 };
+
+/// One warp computes d = a b + c with one instruction of `kind`. a: 16 x K row-major, b: K x 8
+/// column-major (b[n * K + k]), c, d: 16 x 8 row-major floats; K = 16 for bf16 and f16 (a and b
+/// hold bfloat16 or float16), 8 for tf32 (a and b hold floats, rounded to TF32 on load).
+void launch_mma_check(MmaKind kind, const void* a, const void* b, const float* c, float* d,
+                      cudaStream_t stream, const char* operation);
+
+/// The storage type of a tensor-core attention.
+enum class TcType { bf16, f16 };
+
+/// Per head h and cloud b, with t_ij = scale (<q_i, k_j> + bias_j) (scale includes log2(e): the
+/// softmax is taken in base 2):
+///   out_i = sum_j softmax_j(t_ij) v_j,   lse_i = ln(sum_j e^(t_ij / log2(e)))
+/// over the keys j that query i sees (mask), in float32, from 16-bit queries, keys and values.
+/// A query that sees no key (a padding query) gets out = 0 and lse = -inf; one whose visible
+/// scores give no positive sum (NaN or all -inf) gets NaN.
+struct TcAttentionArgs {
+  TcType type = TcType::bf16;
+  const void* query = nullptr;      ///< (heads, batch, queries, dim) of `type`
+  const void* key = nullptr;        ///< (heads, batch, tokens, dim) of `type`
+  const void* value = nullptr;      ///< (heads, batch, tokens, dim) of `type`
+  const float* key_bias = nullptr;  ///< (heads, batch, tokens), added to <q_i, k_j>, or null
+  float scale = 1.f;
+  float* out = nullptr;  ///< (heads, batch, queries, dim)
+  float* lse = nullptr;  ///< (heads, batch, queries), natural log, or null
+  int batch = 1, heads = 1, tokens = 1, queries = 1, dim = 1;
+  KernelMask mask;
+};
+
+/// Largest dim of the tensor-core attention.
+constexpr int kTcMaxDim = 256;
+
+void launch_tc_attention(const TcAttentionArgs& args, cudaStream_t stream, const char* operation);
+
+}  // namespace emflow::detail

@@ -1,0 +1,160 @@
+// The MMA layer of the tensor-core kernels (kernels/mma.cuh): one instruction of each kind
+// against a plain matrix product of the same 16-bit (or TF32) values in double. The values are
+// distinct per element and small dyadic numbers, so every product and sum is exact in float and
+// the instruction must give the product exactly: a fragment layout that differs from the
+// hardware's (on a GPU) or from the PTX ISA's (the emulation's model) changes the result. The
+// first GPU tests of a device check (scripts/device-check.sh); skipped without a device.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/testing.hpp"
+#include "emflow/precision.hpp"
+
+#if defined(EMFLOW_WITH_CUDA)
+#include <cuda_runtime.h>
+
+#include "emflow/cuda.hpp"
+#include "kernels/tc_attention.hpp"
+
+namespace emflow::testing {
+namespace {
+
+using detail::MmaKind;
+
+constexpr int kM = 16, kN = 8;
+
+int depth(MmaKind kind) { return kind == MmaKind::tf32 ? 8 : 16; }
+
+// Distinct values: A[r][k] = (r * K + k - 128) / 64, B[k][n] = (n * K + k - 64) / 32 (as B is
+// stored, column-major), C[r][n] = (r * 8 + n - 64) / 16; exact in bf16, fp16 and TF32.
+struct Operands {
+  std::vector<float> a, b, c;  // a row-major 16 x K, b column-major K x 8, c row-major 16 x 8
+};
+Operands operands(MmaKind kind) {
+  const int K = depth(kind);
+  Operands o;
+  for (int i = 0; i < kM * K; ++i) o.a.push_back(static_cast<float>(i - 128) / 64.f);
+  for (int i = 0; i < kN * K; ++i) o.b.push_back(static_cast<float>(i - 64) / 32.f);
+  for (int i = 0; i < kM * kN; ++i) o.c.push_back(static_cast<float>(i - 64) / 16.f);
+  return o;
+}
+
+// d = a b + c in double, b read column-major (b_row_major: read as a row-major K x 8 instead,
+// the wrong layout).
+std::vector<double> product(MmaKind kind, const Operands& o, bool b_row_major = false) {
+  const int K = depth(kind);
+  std::vector<double> d(kM * kN);
+  for (int r = 0; r < kM; ++r) {
+    for (int n = 0; n < kN; ++n) {
+      double sum = o.c[r * kN + n];
+      for (int k = 0; k < K; ++k) {
+        const double b = b_row_major ? o.b[k * kN + n] : o.b[n * K + k];
+        sum += static_cast<double>(o.a[r * K + k]) * b;
+      }
+      d[r * kN + n] = sum;
+    }
+  }
+  return d;
+}
+
+template <class T, class Convert>
+std::vector<T> converted(const std::vector<float>& values, Convert convert) {
+  std::vector<T> out;
+  for (float v : values) out.push_back(convert(v));
+  return out;
+}
+
+// Runs one instruction on the device (or the emulation).
+std::vector<float> run_mma(MmaKind kind, const Operands& o) {
+  cudaStream_t stream = nullptr;
+  EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const std::size_t a_count = o.a.size(), b_count = o.b.size();
+  cuda::DeviceBuffer<float> c(kM * kN), d(kM * kN), a32(a_count), b32(b_count);
+  cuda::DeviceBuffer<std::uint16_t> a16(a_count), b16(b_count);
+  std::vector<std::uint16_t> a_bits, b_bits;
+  const auto bits = [&](float v) {
+    return kind == MmaKind::bf16 ? to_bfloat16(v).bits : to_float16(v).bits;
+  };
+  for (float v : o.a) a_bits.push_back(bits(v));
+  for (float v : o.b) b_bits.push_back(bits(v));
+  const std::vector<float> poison(kM * kN, std::nanf(""));
+  c.copy_from_host(o.c.data(), o.c.size(), stream);
+  d.copy_from_host(poison.data(), poison.size(), stream);
+  const void* a = a32.data();
+  const void* b = b32.data();
+  if (kind == MmaKind::tf32) {
+    a32.copy_from_host(o.a.data(), a_count, stream);
+    b32.copy_from_host(o.b.data(), b_count, stream);
+  } else {
+    a16.copy_from_host(a_bits.data(), a_count, stream);
+    b16.copy_from_host(b_bits.data(), b_count, stream);
+    a = a16.data();
+    b = b16.data();
+  }
+  detail::launch_mma_check(kind, a, b, c.data(), d.data(), stream, "mma check");
+  std::vector<float> out(kM * kN);
+  d.copy_to_host(out.data(), out.size(), stream);
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaStreamDestroy(stream);
+  return out;
+}
+
+const char* name(MmaKind kind) {
+  return kind == MmaKind::bf16  ? "bf16 m16n8k16"
+         : kind == MmaKind::f16 ? "f16 m16n8k16"
+                                : "tf32 m16n8k8";
+}
+
+// How many of the 128 outputs equal `expected` exactly.
+int matches(const std::vector<float>& got, const std::vector<double>& expected) {
+  int n = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) n += static_cast<double>(got[i]) == expected[i];
+  return n;
+}
+
+class Mma : public ::testing::TestWithParam<MmaKind> {};
+
+TEST_P(Mma, OneInstructionIsThePlainMatrixProduct) {
+  EMFLOW_REQUIRE_CUDA();
+  const MmaKind kind = GetParam();
+  const Operands o = operands(kind);
+  const std::vector<float> got = run_mma(kind, o);
+  const std::vector<double> expected = product(kind, o);
+  for (int r = 0; r < kM; ++r) {
+    for (int n = 0; n < kN; ++n) {
+      ASSERT_EQ(static_cast<double>(got[r * kN + n]), expected[r * kN + n])
+          << name(kind) << ": D[" << r << "][" << n << "]";
+    }
+  }
+}
+
+// The comparison above catches a layout swap: the same values read with B row-major (its rows
+// and columns exchanged) give a product that differs from the instruction's almost everywhere,
+// and the expected product is not degenerate (not zero, and not the same under the swap).
+TEST_P(Mma, AWrongFragmentLayoutIsCaught) {
+  EMFLOW_REQUIRE_CUDA();
+  const MmaKind kind = GetParam();
+  const Operands o = operands(kind);
+  const std::vector<float> got = run_mma(kind, o);
+  const std::vector<double> right = product(kind, o), wrong = product(kind, o, true);
+  EXPECT_EQ(matches(got, right), kM * kN) << name(kind);
+  EXPECT_LT(matches(got, wrong), kM * kN / 8) << name(kind);
+  int nonzero = 0;
+  for (double v : right) nonzero += v != 0.0;
+  EXPECT_GT(nonzero, kM * kN - 8);
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, Mma, ::testing::Values(MmaKind::bf16, MmaKind::f16, MmaKind::tf32),
+                         [](const ::testing::TestParamInfo<MmaKind>& info) {
+                           return std::string(info.param == MmaKind::bf16  ? "bf16"
+                                              : info.param == MmaKind::f16 ? "f16"
+                                                                           : "tf32");
+                         });
+
+}  // namespace
+}  // namespace emflow::testing
+#endif
