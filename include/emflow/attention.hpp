@@ -133,8 +133,10 @@ void validate(const AttentionInput<T>& input, const AttentionOutput<T>& output,
 /// float inputs are computed in float32 by cpu/cuda backends (accumulation in float, softmax
 /// in float with a running max) and in double by Device::reference; double inputs are computed
 /// in double on the CPU. Device::cuda copies to and from the GPU and synchronises its own stream.
-/// bfloat16 and float16 inputs: Device::cpu widens them exactly to float and computes in float32
-/// (docs/MATH.md §7), Device::reference widens them to double, and both
+/// bfloat16 and float16 inputs: Device::cpu widens them exactly to float and computes in float32,
+/// except bfloat16 self-attention without weights on a processor with AVX512-BF16, whose products
+/// take bfloat16 operands with float32 accumulation (docs/MATH.md §7); Device::reference widens
+/// them to double, and both
 /// round the update to T; Device::cuda refuses them (ErrorCode::unsupported) for now.
 /// Throws emflow::Error on invalid input or backend failure; outputs are then unspecified.
 template <class T>

@@ -6,10 +6,12 @@
 // passes through a float buffer and is rounded to nearest even once.
 #include "low_precision.hpp"
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
+#include "backends.hpp"
 #include "check.hpp"
 #include "queries.hpp"
 
@@ -122,6 +124,13 @@ struct WideOutput {
   }
 };
 
+bool finite(const std::vector<float>& values) {
+  for (float v : values) {
+    if (!std::isfinite(v)) return false;
+  }
+  return true;
+}
+
 template <class U, class T>
 void attend_wide(const AttentionInput<T>& in, const AttentionOutput<T>& out, Device device,
                  int threads) {
@@ -133,6 +142,16 @@ void attend_wide(const AttentionInput<T>& in, const AttentionOutput<T>& out, Dev
   const std::vector<U> offset = widened<U>(in.layer.offset, d);
   wide.input.layer = {H, relevance.data(), content.data(), data_or_null(key_bias),
                       data_or_null(offset)};
+  if constexpr (std::is_same_v<T, bfloat16> && std::is_same_v<U, float>) {
+    // The AVX512-BF16 products where the processor has them, for the common case; the float32
+    // engine on the widened values otherwise (non-finite values keep their rules there).
+    if (cpu_bf16_available() && plain_self_attention(in) && out.weights == nullptr &&
+        finite(wide.cloud) && finite(relevance) && finite(content) && finite(key_bias) &&
+        finite(offset)) {
+      cpu_attend_bf16(wide.input, out, threads);
+      return;
+    }
+  }
   WideOutput<U, T> sink(in, out);
   emflow::attend(wide.input, sink.output, ExecutionOptions{device, threads});
   sink.write_back();

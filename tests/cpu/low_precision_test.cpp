@@ -108,15 +108,20 @@ Result reference(const Problem<T>& p) {
   return {update, lse, entropy, weights};
 }
 
+/// The CPU result; without `weights` the weights are left out of the call (the bfloat16 kernel
+/// of AVX512-BF16 processors runs only then) and copied from `fill` instead.
 template <class T>
-Result emflow_result(const Problem<T>& p, Device device) {
+Result emflow_result(const Problem<T>& p, Device device, bool with_weights = true,
+                     const Result* fill = nullptr) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   std::vector<T> update(static_cast<std::size_t>(p.B * p.N * p.d), nan_value<T>());
   std::vector<float> lse(p.rows(), nan), entropy(p.rows(), nan),
       weights(p.rows() * static_cast<std::size_t>(p.N), nan);
   attend(p.input(p.X, p.M, p.F, p.u, p.c),
-         AttentionOutput<T>{update.data(), lse.data(), entropy.data(), weights.data()},
+         AttentionOutput<T>{update.data(), lse.data(), entropy.data(),
+                            with_weights ? weights.data() : nullptr},
          ExecutionOptions{device, 0});
+  if (!with_weights) std::copy(fill->weights.begin(), fill->weights.end(), weights.begin());
   Result r;
   for (T v : update) r.update.push_back(to_float(v));
   r.lse.assign(lse.begin(), lse.end());
