@@ -304,7 +304,9 @@ void cpu_attend_bf16(const AttentionInput<float>& in, const AttentionOutput<bflo
   const DenseMaps maps(in);
   const std::vector<QueryRule> rules = self_rules(B, N, in.mask, in.key_lengths);
   const std::int64_t blocks = (N + kBlock - 1) / kBlock;
-  const int team = threads > 0 ? threads : omp_get_max_threads();
+  // As the float32 engine: a call of under about 4 MFLOP runs on one thread unless told.
+  const double work = 4.0 * static_cast<double>(B * H * d) * static_cast<double>(N * N);
+  const int team = threads > 0 ? threads : work < 4e6 ? 1 : omp_get_max_threads();
   for (std::int64_t b = 0; b < B; ++b) {
     const float* X = in.cloud + b * N * d;
     std::vector<std::uint32_t> panels(static_cast<std::size_t>(padded * pairs), 0u);
