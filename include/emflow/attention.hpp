@@ -18,10 +18,17 @@
 // key j (even with weight 0), one in c every query that sees a key. Masked keys and padding
 // never contribute; padding queries get 0, -inf and 0 whatever the input holds. See finite.hpp
 // for what each input reaches and for the CUDA device's one exception.
+//
+// Precision (docs/MATH.md §7): T is float, double, emflow::bfloat16 or emflow::float16
+// (precision.hpp). The 16-bit types are storage only: X, Q, M, F, u, c and the update are stored
+// in T, every product accumulates in float32, and lse, entropy and weights are float32
+// (Stat<T>). The reference computes, in double, the exact result of the stored (rounded) inputs.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
+#include "emflow/precision.hpp"
 #include "emflow/types.hpp"
 
 namespace emflow {
@@ -84,13 +91,22 @@ struct AttentionInput {
   const std::int64_t* query_positions = nullptr;
 };
 
+/// True for the 16-bit storage types (bfloat16, float16).
+template <class T>
+inline constexpr bool is_16bit_v = std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>;
+
+/// The type of the statistics (lse, entropy, weights) for storage type T: double for double,
+/// float for float and for the 16-bit types (docs/MATH.md §7).
+template <class T>
+using Stat = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
 /// Where the contextual update writes. Only `update` is required.
 template <class T>
 struct AttentionOutput {
-  T* update = nullptr;   ///< Delta: (batch, Nq, dim) (Nq = tokens for self-attention)
-  T* lse = nullptr;      ///< (batch, heads, Nq); -inf for a query with no visible key
-  T* entropy = nullptr;  ///< (batch, heads, Nq); 0 for a query with no visible key
-  T* weights = nullptr;  ///< (batch, heads, Nq, tokens); needs the Nq x N matrix
+  T* update = nullptr;         ///< Delta: (batch, Nq, dim) (Nq = tokens for self-attention)
+  Stat<T>* lse = nullptr;      ///< (batch, heads, Nq); -inf for a query with no visible key
+  Stat<T>* entropy = nullptr;  ///< (batch, heads, Nq); 0 for a query with no visible key
+  Stat<T>* weights = nullptr;  ///< (batch, heads, Nq, tokens); needs the Nq x N matrix
 };
 
 /// How an operation runs.
@@ -99,6 +115,12 @@ struct ExecutionOptions {
   /// CPU threads (OpenMP). 0 chooses: all available, except that calls under about 4 MFLOP
   /// run on one thread, where starting a team would cost more than it saves.
   int threads = 0;
+  /// The products' precision (docs/MATH.md §7). fp32 (the default) means "as the storage type
+  /// computes": float32 for float, double for double, float32 accumulation for the 16-bit types.
+  /// Otherwise it must name the storage type (bf16 for bfloat16, fp16 for float16), or tf32 for
+  /// float input, which no device implements yet: the CPU and the reference refuse it with
+  /// ErrorCode::unsupported rather than return a result of another precision.
+  Precision precision = Precision::fp32;
 };
 
 /// Checks shapes, sizes, pointers, beta, the mask and the key lengths; throws emflow::Error
@@ -111,6 +133,11 @@ void validate(const AttentionInput<T>& input, const AttentionOutput<T>& output,
 /// float inputs are computed in float32 by cpu/cuda backends (accumulation in float, softmax
 /// in float with a running max) and in double by Device::reference; double inputs are computed
 /// in double on the CPU. Device::cuda copies to and from the GPU and synchronises its own stream.
+/// bfloat16 and float16 inputs: Device::cpu widens them exactly to float and computes in float32,
+/// except bfloat16 self-attention without weights on a processor with AVX512-BF16, whose products
+/// take bfloat16 operands with float32 accumulation (docs/MATH.md §7); Device::reference widens
+/// them to double, and both
+/// round the update to T; Device::cuda refuses them (ErrorCode::unsupported) for now.
 /// Throws emflow::Error on invalid input or backend failure; outputs are then unspecified.
 template <class T>
 void attend(const AttentionInput<T>& input, const AttentionOutput<T>& output,
@@ -128,5 +155,13 @@ extern template void attend<float>(const AttentionInput<float>&, const Attention
                                    const ExecutionOptions&);
 extern template void attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&,
                                     const ExecutionOptions&);
+extern template void validate<bfloat16>(const AttentionInput<bfloat16>&,
+                                        const AttentionOutput<bfloat16>&, const char*);
+extern template void validate<float16>(const AttentionInput<float16>&,
+                                       const AttentionOutput<float16>&, const char*);
+extern template void attend<bfloat16>(const AttentionInput<bfloat16>&,
+                                      const AttentionOutput<bfloat16>&, const ExecutionOptions&);
+extern template void attend<float16>(const AttentionInput<float16>&,
+                                     const AttentionOutput<float16>&, const ExecutionOptions&);
 
 }  // namespace emflow

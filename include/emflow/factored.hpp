@@ -39,6 +39,9 @@ struct FactoredLayer {
 /// query can see, are expanded to dense M_h, F_h and computed by the double reference.
 /// Device::reference expands to dense M_h, F_h in double and runs the reference. Other devices
 /// expand to dense operators in T and call emflow::attend.
+/// bfloat16 and float16 (docs/MATH.md §7): the inputs are widened exactly to float and the float
+/// path above runs (Device::cpu), or to double and the reference runs (Device::reference); the
+/// update is rounded to T, lse, entropy and weights are float32. Device::cuda refuses them.
 /// Throws emflow::Error (invalid_argument) naming the first offending argument.
 template <class T>
 void attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
@@ -51,5 +54,13 @@ extern template void attend_factored<double>(const AttentionInput<double>&,
                                              const FactoredLayer<double>&,
                                              const AttentionOutput<double>&,
                                              const ExecutionOptions&);
+extern template void attend_factored<bfloat16>(const AttentionInput<bfloat16>&,
+                                               const FactoredLayer<bfloat16>&,
+                                               const AttentionOutput<bfloat16>&,
+                                               const ExecutionOptions&);
+extern template void attend_factored<float16>(const AttentionInput<float16>&,
+                                              const FactoredLayer<float16>&,
+                                              const AttentionOutput<float16>&,
+                                              const ExecutionOptions&);
 
 }  // namespace emflow

@@ -8,12 +8,13 @@
 #include <memory>
 #include <string>
 
+#include "emflow/precision.hpp"
 #include "emflow/tensor.hpp"
 
 namespace emflow {
 
 /// Element type of an array file.
-enum class Dtype { float32, float64, int64, int32 };
+enum class Dtype { float32, float64, int64, int32, float16 };
 const char* to_string(Dtype dtype) noexcept;
 
 /// What a .npy header declares.
@@ -27,14 +28,16 @@ struct NpyHeader {
 /// Throws emflow::Error (ErrorCode::io) naming the file and the problem.
 NpyHeader read_npy_header(const std::string& path);
 
-/// Reads `path` as T. float32 and float64 files are read as either T (converted exactly for
-/// float -> double; double -> float rounds); int32/int64 files only as std::int64_t.
+/// Reads `path` as T. float16, float32 and float64 files are read as either T (converted exactly
+/// for float16 -> float or double and float -> double; double -> float rounds); int32/int64 files
+/// only as std::int64_t.
 /// Fortran order, big endian, other dtypes, ranks outside 1..4, truncated or oversized
 /// headers or payloads are refused with ErrorCode::io.
 template <class T>
 Tensor<T> read_npy(const std::string& path);
 
-/// Writes `array` (rank 1 to 4) as a little-endian C-order .npy file, atomically.
+/// Writes `array` (rank 1 to 4) as a little-endian C-order .npy file, atomically; float16 as
+/// '<f2'.
 template <class T>
 void write_npy(const std::string& path, const Tensor<T>& array);
 
@@ -112,5 +115,7 @@ extern template void OutputFiles::stage_npy<float>(const std::string&, const Ten
 extern template void OutputFiles::stage_npy<double>(const std::string&, const Tensor<double>&);
 extern template void OutputFiles::stage_npy<std::int64_t>(const std::string&,
                                                           const Tensor<std::int64_t>&);
+extern template void write_npy<float16>(const std::string&, const Tensor<float16>&);
+extern template void OutputFiles::stage_npy<float16>(const std::string&, const Tensor<float16>&);
 
 }  // namespace emflow

@@ -99,6 +99,7 @@ nb::tuple run(const Placement& place, const InArray& initial, const std::vector<
 nb::object read_npy_file(const std::string& path) {
   const NpyHeader header = read_npy_header(path);
   switch (header.dtype) {
+    case Dtype::float16:  // widened exactly
     case Dtype::float32:
       return to_numpy(read_npy<float>(path));
     case Dtype::float64:

@@ -1,11 +1,16 @@
 // emflow attend: the contextual update of one layer (docs/MATH.md §1) on .npy files.
 //
 // The cloud's dtype decides the precision: float64 files are computed and written in float64,
-// float32 in float32, and every other float input must match it. Every input is read and
+// float32 in float32, and every other float input must match it. --precision bf16 rounds
+// float32 inputs to bfloat16 and writes the update as float32 (numpy has no bfloat16; the values
+// are exactly the stored bfloat16 ones); --precision fp16 reads float16 ('<f2') or float32
+// (rounded) files and writes the update as float16. lse, entropy and weights are float32 for
+// both (docs/MATH.md §7). Every input is read and
 // checked, the update is computed, and only then are the outputs written, all or none.
 #include <cmath>
 #include <memory>
 #include <string>
+#include <type_traits>
 
 #include "commands.hpp"
 #include "common.hpp"
@@ -14,6 +19,8 @@
 #include "emflow/finite.hpp"
 #include "emflow/io.hpp"
 #include "emflow/memory.hpp"
+#include "emflow/precision.hpp"
+#include "storage.hpp"
 #include "tools/problem.hpp"
 
 namespace emflow::cli {
@@ -25,13 +32,14 @@ struct AttendArguments {
   double beta = 1.0;
   std::string mask = "none";
   std::string device = "auto";
+  std::string precision = "fp32";
   int threads = 0;
   bool check_finite = false;
   bool distributed = false;
 };
 
 template <class T>
-void run_attend(const AttendArguments& args, Dtype dtype) {
+void run_attend(const AttendArguments& args, Dtype dtype, Precision precision) {
   const Mask mask = parse_mask(args.mask, "--mask");
   if (!std::isfinite(args.beta)) fail_option("--beta", "must be finite, got ", args.beta);
   const ExecutionOptions options = execution_options(args.device, args.threads);
@@ -172,9 +180,24 @@ void run_attend(const AttendArguments& args, Dtype dtype) {
     entropy = allocate_output<T>("--entropy", Shape{batch, heads, query_tokens});
     output.entropy = entropy.data();
   }
-  attend(input, output, options);
+  const bool stored_16bit = precision == Precision::bf16 || precision == Precision::fp16;
+  if constexpr (std::is_same_v<T, float>) {
+    if (stored_16bit) {
+      attend_stored(precision, input, output, options);
+    } else {
+      attend(input, output, options);
+    }
+  } else {
+    attend(input, output, options);
+  }
 
-  outputs.stage_npy(args.update, update);
+  if (precision == Precision::fp16) {
+    Tensor<float16> half(update.shape());  // exact: the values are float16 ones
+    for (std::int64_t i = 0; i < update.size(); ++i) half[i] = to_float16(update[i]);
+    outputs.stage_npy(args.update, half);
+  } else {
+    outputs.stage_npy(args.update, update);
+  }
   if (!args.lse.empty()) outputs.stage_npy(args.lse, lse);
   if (!args.entropy.empty()) outputs.stage_npy(args.entropy, entropy);
   if (!args.weights.empty()) outputs.stage_npy(args.weights, weights);
@@ -190,8 +213,10 @@ void add_attend_command(CLI::App& app) {
                   R"(For each query x_i and head h:
   s_ij = beta (x_i^T M_h x_j + u_h^T x_j),  p_ij = softmax_j(s_ij),
   delta_i = sum_h sum_j p_ij F_h x_j + c.
-Inputs are float32 or float64 (all alike); outputs have the cloud's dtype. Outputs are
-written only when the whole run succeeds.)");
+Inputs are float32 or float64 (all alike); outputs have the cloud's dtype. --precision bf16
+rounds float32 inputs to bfloat16 and writes the update as float32; --precision fp16 reads
+float16 or float32 inputs and writes the update as float16; lse, entropy and weights are
+float32 for both. Outputs are written only when the whole run succeeds.)");
   command->add_option("--x", args->cloud, "cloud X (.npy): (N, d), or a batch (B, N, d)")
       ->required();
   command
@@ -218,6 +243,11 @@ written only when the whole run succeeds.)");
                       "i >= Lq_b get a zero update (default: Nq, or the key lengths without "
                       "--queries)");
   add_device_option(*command, args->device);
+  command
+      ->add_option("--precision", args->precision,
+                   "fp32 (the input's own precision), bf16 or fp16 (16-bit storage, float32 "
+                   "accumulation); tf32 is not implemented yet")
+      ->capture_default_str();
   add_threads_option(*command, args->threads);
   command->add_flag("--check-finite", args->check_finite,
                     "refuse inputs holding NaN or infinity, naming the file and the first such "
@@ -238,6 +268,17 @@ written only when the whole run succeeds.)");
                     "under mpirun: spread the tokens over the ranks (sequence-parallel ring); "
                     "rank 0 writes the same files as one process would");
   command->callback([args] {
+    const Precision precision = parse_precision(args->precision, "--precision");
+    if (precision == Precision::tf32) {
+      fail_option("--precision",
+                  "tf32 is not implemented on any device yet (float32 input "
+                  "computes in fp32: use --precision fp32)");
+    }
+    const bool stored_16bit = precision != Precision::fp32;
+    if (args->distributed && stored_16bit) {
+      fail_option("--precision", to_string(precision),
+                  " is not supported with --distributed (the ring computes in fp32 or fp64)");
+    }
     if (args->distributed) {
       if (!args->queries.empty() || !args->query_lengths.empty()) {
         fail_option(args->queries.empty() ? "--query-lengths" : "--queries",
@@ -249,11 +290,16 @@ written only when the whole run succeeds.)");
                               args->threads, args->check_finite});
       return;
     }
-    const Dtype dtype = float_dtype("--x", args->cloud);
-    if (dtype == Dtype::float32) {
-      run_attend<float>(*args, dtype);
+    const Dtype dtype = float_dtype("--x", args->cloud, precision == Precision::fp16);
+    if (stored_16bit && dtype == Dtype::float64) {
+      fail_option("--precision", to_string(precision), " reads float32",
+                  precision == Precision::fp16 ? " or float16" : "", " files; --x '", args->cloud,
+                  "' holds float64");
+    }
+    if (dtype == Dtype::float64) {
+      run_attend<double>(*args, dtype, precision);
     } else {
-      run_attend<double>(*args, dtype);
+      run_attend<float>(*args, dtype, precision);
     }
   });
 }

@@ -32,6 +32,8 @@
 #include "common.hpp"
 #include "emflow/attention.hpp"
 #include "emflow/decode.hpp"
+#include "emflow/precision.hpp"
+#include "storage.hpp"
 #include "tools/blas_baseline.hpp"
 #include "tools/measure.hpp"
 #include "tools/problem.hpp"
@@ -54,6 +56,7 @@ struct BenchArguments {
   int repeats = 5;
   int threads = 0;
   bool baseline = false, peak = false;
+  std::string precision = "fp32";  // comma-separated: fp32, bf16, fp16
 };
 
 /// The N x N matrix of the baseline is refused above this size.
@@ -80,6 +83,7 @@ struct Measurement {
 
   std::string op;
   bool shape = true;  // false: the problem keys do not apply (the FMA peak)
+  Precision precision = Precision::fp32;
   std::string extra;  // more JSON members, starting with ", "
   std::function<double()> run;
   std::vector<double> ms;
@@ -139,13 +143,14 @@ double cross_pairs(std::int64_t queries, std::int64_t tokens, const Mask& mask) 
 /// One line of output; `shape` false prints null for the problem keys (the FMA peak has none).
 void print_line(const std::string& op, const std::string& device, const BenchArguments& args,
                 const Mask& mask, bool shape, int threads, const std::vector<double>& ms,
-                double flop, const std::string& extra = "",
-                const std::vector<double>& cpu_ms = {}) {
+                double flop, const std::string& extra = "", const std::vector<double>& cpu_ms = {},
+                Precision precision = Precision::fp32) {
   const double ms_median = median(ms);
   std::ostringstream out;
   out << std::setprecision(6);
   auto value = [&](std::int64_t v) { return shape ? std::to_string(v) : std::string("null"); };
-  out << "{\"op\": \"" << op << "\", \"device\": \"" << device << "\", \"precision\": \"fp32\""
+  out << "{\"op\": \"" << op << "\", \"device\": \"" << device << "\", \"precision\": \""
+      << to_string(precision) << "\""
       << ", \"batch\": " << value(args.batch) << ", \"heads\": " << value(args.heads)
       << ", \"tokens\": " << value(args.tokens) << ", \"dim\": " << value(args.dim)
       << ", \"mask\": " << (shape ? "\"" + to_string(mask) + "\"" : std::string("null"))
@@ -202,8 +207,33 @@ std::vector<double> time_cuda(const Problem& p, int repeats) {
 }
 #endif
 
+/// The precisions of --precision: a comma-separated list of fp32, bf16 and fp16, each once.
+std::vector<Precision> bench_precisions(const BenchArguments& args) {
+  std::vector<Precision> list;
+  std::stringstream text(args.precision);
+  for (std::string item; std::getline(text, item, ',');) {
+    const Precision p = parse_precision(item, "--precision");
+    if (p == Precision::tf32) {
+      fail_option("--precision", "tf32 is not implemented on any device yet (use fp32)");
+    }
+    if (std::find(list.begin(), list.end(), p) != list.end()) {
+      fail_option("--precision", "names ", to_string(p), " twice");
+    }
+    list.push_back(p);
+  }
+  if (list.empty()) fail_option("--precision", "must name at least one precision");
+  const bool only_fp32 = list.size() == 1 && list[0] == Precision::fp32;
+  if (!only_fp32 && (args.device != "cpu" || args.query_tokens > 0)) {
+    fail_option("--precision",
+                "bf16 and fp16 time self-attention on the CPU alone (--device "
+                "cpu, no --queries-tokens)");
+  }
+  return list;
+}
+
 void run_bench(const BenchArguments& args) {
   const Mask mask = parse_mask(args.mask, "--mask");
+  const std::vector<Precision> precisions = bench_precisions(args);
   if (args.tokens < 1) fail_option("--tokens", "must be >= 1, got ", args.tokens);
   if (args.dim < 1) fail_option("--dim", "must be >= 1, got ", args.dim);
   if (args.heads < 1) fail_option("--heads", "must be >= 1, got ", args.heads);
@@ -268,7 +298,29 @@ void run_bench(const BenchArguments& args) {
     cross.query_tokens = args.query_tokens;
   }
   const AttentionOutput<float> cross_out{query_update.data(), nullptr, nullptr, nullptr};
-  if (args.device == "cpu") {
+  // 16-bit storage: the problem's inputs rounded once (untimed), timed in the same rounds.
+  std::vector<std::shared_ptr<void>> stored;
+  auto add_stored = [&](auto tag, Precision p) {
+    using S = decltype(tag);
+    auto in = std::make_shared<StoredInput<S>>(problem.input);
+    auto update = std::make_shared<std::vector<S>>(problem.update.size());
+    stored.push_back(in);
+    stored.push_back(update);
+    ExecutionOptions o = options;
+    o.precision = p;
+    measurements.emplace_back("attend", true, isa, [in, update, o, flop] {
+      attend(in->input, AttentionOutput<S>{update->data()}, o);
+      return flop;
+    });
+    measurements.back().precision = p;
+  };
+  const bool time_fp32 =
+      std::find(precisions.begin(), precisions.end(), Precision::fp32) != precisions.end();
+  for (Precision p : precisions) {
+    if (p == Precision::bf16) add_stored(bfloat16{}, p);
+    if (p == Precision::fp16) add_stored(float16{}, p);
+  }
+  if (args.device == "cpu" && time_fp32) {
     const std::string shape_members =
         args.query_tokens > 0 ? isa + ", \"query_tokens\": " + std::to_string(args.query_tokens)
                               : isa;
@@ -333,7 +385,8 @@ void run_bench(const BenchArguments& args) {
 #endif
   time_in_rounds(measurements, args.repeats);
   for (const Measurement& m : measurements) {
-    print_line(m.op, "cpu", args, mask, m.shape, threads, m.ms, m.flop, m.extra, m.cpu_ms);
+    print_line(m.op, "cpu", args, mask, m.shape, threads, m.ms, m.flop, m.extra, m.cpu_ms,
+               m.precision);
   }
 }
 
@@ -369,6 +422,11 @@ to the fused update compare like with like.)");
                    "attend_self; its tokens are in self_tokens)")
       ->capture_default_str();
   command->add_option("--repeats", args->repeats, "timed runs; the median is printed")
+      ->capture_default_str();
+  command
+      ->add_option("--precision", args->precision,
+                   "comma-separated storage precisions to time in the same rounds: fp32, bf16, "
+                   "fp16 (16-bit: the problem rounded once, --device cpu, self-attention)")
       ->capture_default_str();
   add_threads_option(*command, args->threads);
   command->add_flag("--baseline", args->baseline,

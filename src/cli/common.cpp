@@ -6,9 +6,15 @@
 
 namespace emflow::cli {
 
-Dtype float_dtype(const std::string& option, const std::string& path) {
+Dtype float_dtype(const std::string& option, const std::string& path, bool allow_float16) {
   const NpyHeader header = naming_option(option, [&] { return read_npy_header(path); });
-  if (header.dtype != Dtype::float32 && header.dtype != Dtype::float64) {
+  if (header.dtype == Dtype::float16 && !allow_float16) {
+    fail_option(option, "'", path,
+                "' holds float16 data; expected float32 or float64 (float16 files are read by "
+                "'emflow attend --precision fp16')");
+  }
+  if (header.dtype != Dtype::float32 && header.dtype != Dtype::float64 &&
+      header.dtype != Dtype::float16) {
     fail_option(option, "'", path, "' holds ", to_string(header.dtype),
                 " data; expected float32 or float64");
   }
@@ -36,7 +42,7 @@ template <class T>
 Tensor<T> read_float_input(const std::string& option, const std::string& path, Dtype expected,
                            const std::string& main_option, std::int64_t min_rank,
                            std::int64_t max_rank) {
-  const Dtype dtype = float_dtype(option, path);
+  const Dtype dtype = float_dtype(option, path, expected == Dtype::float16);
   if (dtype != expected) {
     fail_option(option, "'", path, "' holds ", to_string(dtype), " data but ", main_option,
                 " holds ", to_string(expected), "; every float input must have the precision of ",

@@ -44,12 +44,13 @@ auto naming_option(const std::string& option, Body&& body) -> decltype(body()) {
   }
 }
 
-/// The element type of the .npy file `path` given by `option`; refuses integer files.
-Dtype float_dtype(const std::string& option, const std::string& path);
+/// The element type of the .npy file `path` given by `option`; refuses integer files, and
+/// float16 files unless `allow_float16` (the commands that take --precision fp16).
+Dtype float_dtype(const std::string& option, const std::string& path, bool allow_float16 = false);
 
 /// Reads the float .npy file `path` given by `option` as T. Its dtype must be `expected` (all
 /// float inputs of a command share the precision of its main input, named `main_option`) and
-/// its rank in [min_rank, max_rank].
+/// its rank in [min_rank, max_rank]. A float16 file is read exactly when `expected` is float16.
 template <class T>
 Tensor<T> read_float_input(const std::string& option, const std::string& path, Dtype expected,
                            const std::string& main_option, std::int64_t min_rank,

@@ -8,6 +8,7 @@
 
 #include "backends.hpp"
 #include "check.hpp"
+#include "low_precision.hpp"
 #include "memory.hpp"
 #include "queries.hpp"
 
@@ -73,9 +74,9 @@ void check_shapes(const AttentionInput<T>& in, const AttentionOutput<T>& out, co
   // Float backends compute beta * score in float: beta and the score share the float range
   // (docs/MATH.md §6.6), so a beta that is finite as a double but not as a float, or one that
   // overflows against scores of order 1, never reaches them.
-  if (std::is_same_v<T, float> && std::abs(in.beta) > kMaxFloatBeta) {
+  if (!std::is_same_v<T, double> && std::abs(in.beta) > kMaxFloatBeta) {
     fail_argument(op, "beta", "must satisfy |beta| <= 2^64 (", kMaxFloatBeta,
-                  ") for float input, got ", in.beta);
+                  ") for float and 16-bit input, got ", in.beta);
   }
   if (in.mask.kind == MaskKind::window && in.mask.window < 1) {
     fail_argument(op, "mask", "window width must be >= 1, got ", in.mask.window);
@@ -171,9 +172,9 @@ void check_no_overlap(const AttentionInput<T>& in, const AttentionOutput<T>& out
       {"key_lengths", in.key_lengths, B * sizeof(std::int64_t), false},
       {"workspace", workspace, workspace_bytes, true},
       {"update", out.update, B * Nq * d * sizeof(T), true},
-      {"lse", out.lse, B * H * Nq * sizeof(T), true},
-      {"entropy", out.entropy, B * H * Nq * sizeof(T), true},
-      {"weights", out.weights, B * H * Nq * N * sizeof(T), true},
+      {"lse", out.lse, B * H * Nq * sizeof(Stat<T>), true},
+      {"entropy", out.entropy, B * H * Nq * sizeof(Stat<T>), true},
+      {"weights", out.weights, B * H * Nq * N * sizeof(Stat<T>), true},
   };
   check_disjoint(ranges, sizeof ranges / sizeof ranges[0], operation);
 }
@@ -193,6 +194,16 @@ template void check_no_overlap<float>(const AttentionInput<float>&, const Attent
 template void check_no_overlap<double>(const AttentionInput<double>&,
                                        const AttentionOutput<double>&, const char*, const void*,
                                        std::size_t);
+template void check_arguments<bfloat16>(const AttentionInput<bfloat16>&,
+                                        const AttentionOutput<bfloat16>&, const char*);
+template void check_arguments<float16>(const AttentionInput<float16>&,
+                                       const AttentionOutput<float16>&, const char*);
+template void check_no_overlap<bfloat16>(const AttentionInput<bfloat16>&,
+                                         const AttentionOutput<bfloat16>&, const char*, const void*,
+                                         std::size_t);
+template void check_no_overlap<float16>(const AttentionInput<float16>&,
+                                        const AttentionOutput<float16>&, const char*, const void*,
+                                        std::size_t);
 
 }  // namespace detail
 
@@ -222,7 +233,15 @@ void attend(const AttentionInput<T>& input, const AttentionOutput<T>& output,
     if (options.threads < 0) {
       detail::fail_argument("attend", "threads", "must be >= 0, got ", options.threads);
     }
-    switch (resolve_device(options.device)) {
+    if constexpr (is_16bit_v<T>) {
+      const Device device = detail::resolve_16bit_device(options.device, "attend");
+      detail::check_precision<T>(options, device, "attend");
+      detail::attend_16bit(input, output, device, options.threads);
+      return;
+    }
+    const Device device = resolve_device(options.device);
+    detail::check_precision<T>(options, device, "attend");
+    switch (device) {
       case Device::reference:
         detail::reference_attend(input, output);
         return;
@@ -245,5 +264,13 @@ template void attend<float>(const AttentionInput<float>&, const AttentionOutput<
                             const ExecutionOptions&);
 template void attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&,
                              const ExecutionOptions&);
+template void validate<bfloat16>(const AttentionInput<bfloat16>&, const AttentionOutput<bfloat16>&,
+                                 const char*);
+template void validate<float16>(const AttentionInput<float16>&, const AttentionOutput<float16>&,
+                                const char*);
+template void attend<bfloat16>(const AttentionInput<bfloat16>&, const AttentionOutput<bfloat16>&,
+                               const ExecutionOptions&);
+template void attend<float16>(const AttentionInput<float16>&, const AttentionOutput<float16>&,
+                              const ExecutionOptions&);
 
 }  // namespace emflow

@@ -19,6 +19,15 @@ void reference_attend(const AttentionInput<T>& input, const AttentionOutput<T>& 
 template <class T>
 void cpu_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output, int threads);
 
+/// Whether this processor has AVX512-BF16, which cpu_attend_bf16 needs.
+bool cpu_bf16_available();
+
+/// The AVX512-BF16 CPU path (src/cpu/attend_bf16.cpp) of bfloat16 self-attention of a dense
+/// layer without weights: `input` holds the stored bfloat16 values widened to float, all finite;
+/// writes the update in bfloat16 and lse and entropy in float32 (docs/MATH.md §7).
+void cpu_attend_bf16(const AttentionInput<float>& input, const AttentionOutput<bfloat16>& output,
+                     int threads);
+
 /// Blocking CUDA path on host arrays (kernels/, or a stub without CUDA).
 template <class T>
 void cuda_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output);

@@ -13,6 +13,7 @@
 
 #include "core/backends.hpp"
 #include "core/check.hpp"
+#include "core/low_precision.hpp"
 #include "core/queries.hpp"
 #include "engine.hpp"
 
@@ -71,9 +72,9 @@ void validate_factored(const AttentionInput<T>& input, const FactoredLayer<T>& l
       {"offset", layer.offset, d * sizeof(T), false},
       {"key_lengths", input.key_lengths, B * sizeof(std::int64_t), false},
       {"update", output.update, B * Nq * d * sizeof(T), true},
-      {"lse", output.lse, B * H * Nq * sizeof(T), true},
-      {"entropy", output.entropy, B * H * Nq * sizeof(T), true},
-      {"weights", output.weights, B * H * Nq * N * sizeof(T), true},
+      {"lse", output.lse, B * H * Nq * sizeof(Stat<T>), true},
+      {"entropy", output.entropy, B * H * Nq * sizeof(Stat<T>), true},
+      {"weights", output.weights, B * H * Nq * N * sizeof(Stat<T>), true},
   };
   detail::check_disjoint(ranges, sizeof ranges / sizeof ranges[0], kOperation);
 }
@@ -247,6 +248,12 @@ void attend_factored_cpu(const AttentionInput<float>& input, const FactoredLayer
   detail::cpu::fused_attend(clouds, layer, sink, threads);
 }
 
+/// attend_factored for float and double on `device` (cpu, reference or cuda).
+template <class T>
+void attend_factored_host(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                          const AttentionOutput<T>& output, const ExecutionOptions& options,
+                          Device device);
+
 }  // namespace
 
 template <class T>
@@ -256,7 +263,24 @@ void attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& lay
   if (options.threads < 0) {
     detail::fail_argument(kOperation, "threads", "must be >= 0, got ", options.threads);
   }
-  switch (resolve_device(options.device)) {
+  if constexpr (is_16bit_v<T>) {
+    const Device device = detail::resolve_16bit_device(options.device, kOperation);
+    detail::check_precision<T>(options, device, kOperation);
+    detail::attend_factored_16bit(input, layer, output, device, options.threads);
+  } else {
+    const Device device = resolve_device(options.device);
+    detail::check_precision<T>(options, device, kOperation);
+    attend_factored_host(input, layer, output, options, device);
+  }
+}
+
+namespace {
+
+template <class T>
+void attend_factored_host(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                          const AttentionOutput<T>& output, const ExecutionOptions& options,
+                          Device device) {
+  switch (device) {
     case Device::reference:
       attend_dense<double>(input, layer, output, options);
       return;
@@ -278,6 +302,14 @@ void attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& lay
   }
 }
 
+}  // namespace
+
+template void attend_factored<bfloat16>(const AttentionInput<bfloat16>&,
+                                        const FactoredLayer<bfloat16>&,
+                                        const AttentionOutput<bfloat16>&, const ExecutionOptions&);
+template void attend_factored<float16>(const AttentionInput<float16>&,
+                                       const FactoredLayer<float16>&,
+                                       const AttentionOutput<float16>&, const ExecutionOptions&);
 template void attend_factored<float>(const AttentionInput<float>&, const FactoredLayer<float>&,
                                      const AttentionOutput<float>&, const ExecutionOptions&);
 template void attend_factored<double>(const AttentionInput<double>&, const FactoredLayer<double>&,

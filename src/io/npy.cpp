@@ -38,7 +38,8 @@ struct DtypeInfo {
 constexpr DtypeInfo kDtypes[] = {{Dtype::float32, "float32", "<f4", 4},
                                  {Dtype::float64, "float64", "<f8", 8},
                                  {Dtype::int64, "int64", "<i8", 8},
-                                 {Dtype::int32, "int32", "<i4", 4}};
+                                 {Dtype::int32, "int32", "<i4", 4},
+                                 {Dtype::float16, "float16", "<f2", 2}};
 
 const DtypeInfo* info_of(Dtype dtype) noexcept {
   for (const DtypeInfo& info : kDtypes) {
@@ -170,10 +171,10 @@ class HeaderParser {
     }
     if (!descr.empty() && descr[0] == '>') {
       fail_file("read_npy", path_, "is big endian (dtype '", descr,
-                "'); only little-endian '<f4', '<f8', '<i4', '<i8' are supported");
+                "'); only little-endian '<f2', '<f4', '<f8', '<i4', '<i8' are supported");
     }
     fail_file("read_npy", path_, "has unsupported dtype '", descr,
-              "'; expected '<f4' (float32), '<f8' (float64), '<i4' or '<i8'");
+              "'; expected '<f2' (float16), '<f4' (float32), '<f8' (float64), '<i4' or '<i8'");
   }
 
   Shape parse_shape() {
@@ -294,7 +295,13 @@ void convert_payload(std::ifstream& file, const std::string& path, std::int64_t 
     const auto bytes = static_cast<std::streamsize>(n * static_cast<std::int64_t>(sizeof(Stored)));
     file.read(reinterpret_cast<char*>(block.data()), bytes);
     if (file.gcount() != bytes) fail_file("read_npy", path, "could not read its payload");
-    for (std::int64_t i = 0; i < n; ++i) out[done + i] = static_cast<T>(block[i]);
+    for (std::int64_t i = 0; i < n; ++i) {
+      if constexpr (std::is_same_v<Stored, float16>) {
+        out[done + i] = static_cast<T>(to_float(block[i]));  // exact
+      } else {
+        out[done + i] = static_cast<T>(block[i]);
+      }
+    }
     done += n;
   }
 }
@@ -303,6 +310,7 @@ template <class T>
 constexpr Dtype dtype_of() {
   if constexpr (std::is_same_v<T, float>) return Dtype::float32;
   if constexpr (std::is_same_v<T, double>) return Dtype::float64;
+  if constexpr (std::is_same_v<T, float16>) return Dtype::float16;
   return Dtype::int64;
 }
 
@@ -312,10 +320,11 @@ Tensor<T> read_npy_payload(const std::string& path) {
   std::int64_t size = 0;
   const NpyHeader header = read_header(file, path, &size);
   constexpr bool wants_float = !std::is_same_v<T, std::int64_t>;
-  const bool holds_float = header.dtype == Dtype::float32 || header.dtype == Dtype::float64;
+  const bool holds_float = header.dtype == Dtype::float16 || header.dtype == Dtype::float32 ||
+                           header.dtype == Dtype::float64;
   if (wants_float != holds_float) {
     fail_file("read_npy", path, "holds ", to_string(header.dtype), " data; expected ",
-              wants_float ? "float32 or float64" : "int32 or int64");
+              wants_float ? "float32 or float64 (or float16)" : "int32 or int64");
   }
   // The payload size was matched to the file size, so this allocation is bounded by the file;
   // a sparse file can still declare more than the memory holds, so that is refused first.
@@ -336,6 +345,9 @@ Tensor<T> read_npy_payload(const std::string& path) {
       break;
     case Dtype::int32:
       convert_payload<std::int32_t>(file, path, count, array.data());
+      break;
+    case Dtype::float16:
+      convert_payload<float16>(file, path, count, array.data());
       break;
   }
   return array;
@@ -393,6 +405,7 @@ void write_npy_to(StagedFile& file, const Tensor<T>& array) {
 template void write_npy_to<float>(StagedFile&, const Tensor<float>&);
 template void write_npy_to<double>(StagedFile&, const Tensor<double>&);
 template void write_npy_to<std::int64_t>(StagedFile&, const Tensor<std::int64_t>&);
+template void write_npy_to<float16>(StagedFile&, const Tensor<float16>&);
 
 }  // namespace detail
 
@@ -416,5 +429,6 @@ template Tensor<std::int64_t> read_npy<std::int64_t>(const std::string&);
 template void write_npy<float>(const std::string&, const Tensor<float>&);
 template void write_npy<double>(const std::string&, const Tensor<double>&);
 template void write_npy<std::int64_t>(const std::string&, const Tensor<std::int64_t>&);
+template void write_npy<float16>(const std::string&, const Tensor<float16>&);
 
 }  // namespace emflow

@@ -14,5 +14,6 @@ void write_npy_to(StagedFile& file, const Tensor<T>& array);
 extern template void write_npy_to<float>(StagedFile&, const Tensor<float>&);
 extern template void write_npy_to<double>(StagedFile&, const Tensor<double>&);
 extern template void write_npy_to<std::int64_t>(StagedFile&, const Tensor<std::int64_t>&);
+extern template void write_npy_to<float16>(StagedFile&, const Tensor<float16>&);
 
 }  // namespace emflow::detail

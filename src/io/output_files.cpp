@@ -193,6 +193,7 @@ void OutputFiles::stage_npy(const std::string& path, const Tensor<T>& array) {
 template void OutputFiles::stage_npy<float>(const std::string&, const Tensor<float>&);
 template void OutputFiles::stage_npy<double>(const std::string&, const Tensor<double>&);
 template void OutputFiles::stage_npy<std::int64_t>(const std::string&, const Tensor<std::int64_t>&);
+template void OutputFiles::stage_npy<float16>(const std::string&, const Tensor<float16>&);
 
 void OutputFiles::stage_bytes(const std::string& path, const std::string& bytes) {
   naming(state_->name_of(path), "write", path, [&] {

@@ -156,6 +156,24 @@ TEST_F(NpyFiles, WritesNumpysExactLayout) {
   EXPECT_NE(read_bytes("b.npy").find("'shape': (3,), }"), std::string::npos);
 }
 
+TEST_F(NpyFiles, ReadsAndWritesFloat16Exactly) {
+  // '<f2' as numpy writes it: 1, -2.5, the largest finite 65504, the smallest subnormal 2^-24.
+  const std::vector<std::uint16_t> bits = {0x3c00, 0xc100, 0x7bff, 0x0001};
+  write_bytes("h.npy", npy_file(dict("<f2", "(2, 2)"), raw(bits)));
+  EXPECT_EQ(emflow::read_npy_header(path("h.npy")).dtype, emflow::Dtype::float16);
+  const std::vector<double> want = {1.0, -2.5, 65504.0, std::ldexp(1.0, -24)};
+  EXPECT_EQ(emflow::read_npy<double>(path("h.npy")).values(), want);
+  const auto as_float = emflow::read_npy<float>(path("h.npy"));
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_EQ(as_float.values()[i], float(want[i]));
+  emflow::Tensor<emflow::float16> half(emflow::Shape{2, 2});
+  for (std::size_t i = 0; i < bits.size(); ++i) half.values()[i].bits = bits[i];
+  emflow::write_npy(path("h2.npy"), half);
+  const std::string written = read_bytes("h2.npy");
+  EXPECT_NE(written.find("'descr': '<f2'"), std::string::npos);
+  EXPECT_EQ(written.substr(written.size() - 8), raw(bits));
+  EXPECT_THROW(emflow::read_npy<std::int64_t>(path("h.npy")), emflow::Error);
+}
+
 TEST_F(NpyFiles, ConvertsBetweenFloatWidthsAndReadsIntegers) {
   const std::vector<float> f = {0.1f, -2.5f, 3.0e30f};
   write_bytes("f.npy", npy_file(dict("<f4", "(3,)"), raw(f)));
@@ -221,7 +239,7 @@ TEST_F(NpyFiles, RefusesEveryMalformedFile) {
       {"empty_header.npy", npy_file("", four), "empty header"},
       {"fortran.npy", npy_file(dict("<f8", "(2, 2)", true), four), "Fortran"},
       {"big_endian.npy", npy_file(dict(">f8", "(2, 2)"), four), "big endian"},
-      {"half.npy", npy_file(dict("<f2", "(2, 2)"), four), "unsupported dtype '<f2'"},
+      {"quad.npy", npy_file(dict("<f16", "(2,)"), four), "unsupported dtype '<f16'"},
       {"complex.npy", npy_file(dict("<c16", "(2,)"), four), "unsupported dtype '<c16'"},
       {"bytes.npy", npy_file(dict("|u1", "(32,)"), four), "unsupported dtype '|u1'"},
       {"native.npy", npy_file(dict("=f8", "(2, 2)"), four), "unsupported dtype '=f8'"},

@@ -1,0 +1,81 @@
+#include "storage.hpp"
+
+#include <cstdint>
+#include <type_traits>
+
+namespace emflow::cli {
+namespace {
+
+template <class S>
+std::vector<S> stored(const float* values, std::int64_t count) {
+  std::vector<S> out;
+  if (values == nullptr) return out;
+  out.reserve(static_cast<std::size_t>(count));
+  for (std::int64_t i = 0; i < count; ++i) {
+    if constexpr (std::is_same_v<S, bfloat16>) {
+      out.push_back(to_bfloat16(values[i]));
+    } else {
+      out.push_back(to_float16(values[i]));
+    }
+  }
+  return out;
+}
+
+template <class S>
+const S* data_or_null(const std::vector<S>& values) {
+  return values.empty() ? nullptr : values.data();
+}
+
+template <class S>
+void attend_as(const AttentionInput<float>& in, const AttentionOutput<float>& out,
+               ExecutionOptions options) {
+  const StoredInput<S> s(in);
+  const std::int64_t Nq = in.queries != nullptr ? in.query_tokens : in.tokens;
+  std::vector<S> update(static_cast<std::size_t>(in.batch * Nq * in.dim));
+  options.precision = std::is_same_v<S, bfloat16> ? Precision::bf16 : Precision::fp16;
+  attend(s.input, AttentionOutput<S>{update.data(), out.lse, out.entropy, out.weights}, options);
+  for (std::size_t i = 0; i < update.size(); ++i) out.update[i] = to_float(update[i]);
+}
+
+}  // namespace
+
+template <class S>
+StoredInput<S>::StoredInput(const AttentionInput<float>& from) {
+  const std::int64_t d = from.dim, H = from.layer.heads;
+  const std::int64_t Nq = from.queries != nullptr ? from.query_tokens : from.tokens;
+  cloud = stored<S>(from.cloud, from.batch * from.tokens * d);
+  queries = stored<S>(from.queries, from.batch * Nq * d);
+  relevance = stored<S>(from.layer.relevance, H * d * d);
+  content = stored<S>(from.layer.content, H * d * d);
+  key_bias = stored<S>(from.layer.key_bias, H * d);
+  offset = stored<S>(from.layer.offset, d);
+  input.cloud = data_or_null(cloud);
+  input.batch = from.batch;
+  input.tokens = from.tokens;
+  input.dim = d;
+  input.layer = {H, data_or_null(relevance), data_or_null(content), data_or_null(key_bias),
+                 data_or_null(offset)};
+  input.beta = from.beta;
+  input.mask = from.mask;
+  input.key_lengths = from.key_lengths;
+  input.queries = data_or_null(queries);
+  input.query_tokens = from.query_tokens;
+  input.query_lengths = from.query_lengths;
+  input.key_position = from.key_position;
+  input.query_position = from.query_position;
+  input.query_positions = from.query_positions;
+}
+
+void attend_stored(Precision precision, const AttentionInput<float>& input,
+                   const AttentionOutput<float>& output, const ExecutionOptions& options) {
+  if (precision == Precision::bf16) {
+    attend_as<bfloat16>(input, output, options);
+  } else {
+    attend_as<float16>(input, output, options);
+  }
+}
+
+template struct StoredInput<bfloat16>;
+template struct StoredInput<float16>;
+
+}  // namespace emflow::cli

@@ -1,0 +1,31 @@
+// The 16-bit storage types (bfloat16, float16) on the host devices (docs/MATH.md §7): the inputs
+// are widened exactly to float (Device::cpu) or double (Device::reference), the float or double
+// operation runs, and the update is rounded back to the storage type.
+#pragma once
+
+#include "emflow/attention.hpp"
+#include "emflow/factored.hpp"
+
+namespace emflow::detail {
+
+/// Refuses an ExecutionOptions::precision that the storage type T and `device` cannot honour:
+/// tf32 (unsupported: no device implements it yet), and bf16 or fp16 for another storage type
+/// (invalid_argument), naming the option.
+template <class T>
+void check_precision(const ExecutionOptions& options, Device device, const char* operation);
+
+/// The device a 16-bit call runs on: cpu for automatic (no GPU kernel takes 16-bit input yet),
+/// and ErrorCode::unsupported for cuda.
+Device resolve_16bit_device(Device requested, const char* operation);
+
+/// emflow::attend for 16-bit T on validated input, on Device::cpu or Device::reference.
+template <class T>
+void attend_16bit(const AttentionInput<T>& input, const AttentionOutput<T>& output, Device device,
+                  int threads);
+
+/// emflow::attend_factored for 16-bit T on validated input, on Device::cpu or Device::reference.
+template <class T>
+void attend_factored_16bit(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                           const AttentionOutput<T>& output, Device device, int threads);
+
+}  // namespace emflow::detail
