@@ -22,6 +22,14 @@
 // BasicDecodeCache<float> (DecodeCache) in the dense form runs the fused float32 engine of
 // Device::cpu; the factored form and double compute each query's scores and sums in double.
 // Non-finite tokens are not supported (append refuses them, naming the row).
+//
+// On the GPU (DecodeOptions{Device::cuda, capacity}; float, dense form, dim <= 256): the keys and
+// contents live in device buffers of a fixed capacity. append() copies the new tokens to the
+// device on the cache's own stream and projects them there; attend() copies the queries in and
+// runs the fused kernel with the keys split into blocks merged exactly (flash-decoding, as
+// emflow::cuda::attend_partial_async does), so one query against many keys uses the whole device,
+// then copies the outputs back. Both take and return host arrays and return once the device is
+// done. Without a usable device the constructor throws ErrorCode::unsupported.
 #pragma once
 
 #include <cstdint>
@@ -32,12 +40,23 @@
 
 namespace emflow {
 
+/// Where a cache lives. Device::cuda needs a capacity (the most tokens it will hold); other
+/// devices keep the cache on the host, growing as needed (capacity 0: no limit).
+struct DecodeOptions {
+  Device device = Device::cpu;
+  std::int64_t capacity = 0;
+};
+
 template <class T>
 class BasicDecodeCache {
  public:
   /// Copies the operators of `layer` (heads, dim); throws emflow::Error (invalid_argument) on a
   /// null relevance or content, dim or heads < 1, or a non-finite beta.
   BasicDecodeCache(const LayerOperators<T>& layer, std::int64_t dim, double beta = 1.0);
+  /// The same on `options.device`: Device::cuda needs T = float and capacity >= 1 (else
+  /// ErrorCode::unsupported naming 'device', invalid_argument naming 'capacity').
+  BasicDecodeCache(const LayerOperators<T>& layer, std::int64_t dim, double beta,
+                   const DecodeOptions& options);
   /// The factored form: copies the factors; throws emflow::Error (invalid_argument) naming a
   /// null factor, dim, heads or rank < 1, or a non-finite beta.
   BasicDecodeCache(const FactoredLayer<T>& layer, std::int64_t dim, double beta = 1.0);
@@ -51,10 +70,13 @@ class BasicDecodeCache {
   std::int64_t dim() const noexcept;
   std::int64_t heads() const noexcept;
   bool factored() const noexcept;
+  Device device() const noexcept;          ///< Device::cuda or Device::cpu
+  std::int64_t capacity() const noexcept;  ///< 0: grows without limit
 
   /// Appends `count` tokens (count x dim, row-major): their keys and contents. Storage grows
   /// geometrically; the old tokens are moved, never recomputed. Throws emflow::Error
-  /// (invalid_argument) naming the first row that holds a non-finite value.
+  /// (invalid_argument) naming the first row that holds a non-finite value, or naming 'count'
+  /// when the tokens would exceed the capacity.
   void append(const T* tokens, std::int64_t count);
 
   /// Drops every token (the operators stay).

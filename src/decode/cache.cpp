@@ -18,6 +18,7 @@
 #include "core/check.hpp"
 #include "core/queries.hpp"
 #include "cpu/engine.hpp"
+#include "decode/device.hpp"
 #include "decode/keys.hpp"
 #include "emflow/decode.hpp"
 #include "emflow/error.hpp"
@@ -121,13 +122,19 @@ void check_beta(double beta) {
 
 template <class T>
 struct BasicDecodeCache<T>::State {
-  std::int64_t dim = 0, heads = 0, size = 0;
-  std::unique_ptr<EngineCache> engine;                 // float, dense form
-  std::unique_ptr<detail::decode::KeyStore<T>> store;  // otherwise
+  std::int64_t dim = 0, heads = 0, size = 0, capacity = 0;
+  std::unique_ptr<detail::decode::DeviceCache> device;  // float, dense form, Device::cuda
+  std::unique_ptr<EngineCache> engine;                  // float, dense form
+  std::unique_ptr<detail::decode::KeyStore<T>> store;   // otherwise
 };
 
 template <class T>
 BasicDecodeCache<T>::BasicDecodeCache(const LayerOperators<T>& layer, std::int64_t dim, double beta)
+    : BasicDecodeCache(layer, dim, beta, DecodeOptions{}) {}
+
+template <class T>
+BasicDecodeCache<T>::BasicDecodeCache(const LayerOperators<T>& layer, std::int64_t dim, double beta,
+                                      const DecodeOptions& options)
     : state_(std::make_unique<State>()) {
   detail::expect_positive(kOperation, "dim", dim);
   detail::expect_positive(kOperation, "heads", layer.heads);
@@ -139,7 +146,22 @@ BasicDecodeCache<T>::BasicDecodeCache(const LayerOperators<T>& layer, std::int64
   check_beta(beta);
   state_->dim = dim;
   state_->heads = layer.heads;
-  if constexpr (std::is_same_v<T, float>) {
+  if (options.capacity < 0 || (options.device == Device::cuda && options.capacity < 1)) {
+    detail::fail_argument(kOperation, "capacity",
+                          options.device == Device::cuda ? "must be >= 1 on Device::cuda, got "
+                                                         : "must be >= 0, got ",
+                          options.capacity);
+  }
+  state_->capacity = options.capacity;
+  if (options.device == Device::cuda) {
+    if constexpr (std::is_same_v<T, float>) {
+      state_->device =
+          std::make_unique<detail::decode::DeviceCache>(layer, dim, beta, options.capacity);
+    } else {
+      detail::fail(ErrorCode::unsupported, kOperation,
+                   ": 'device' cuda holds float caches only (this one is double)");
+    }
+  } else if constexpr (std::is_same_v<T, float>) {
     state_->engine = std::make_unique<EngineCache>(layer, dim, beta);
   } else {
     state_->store = std::make_unique<detail::decode::KeyStore<T>>(layer, dim, beta);
@@ -190,6 +212,15 @@ bool BasicDecodeCache<T>::factored() const noexcept {
 }
 
 template <class T>
+Device BasicDecodeCache<T>::device() const noexcept {
+  return state_ && state_->device ? Device::cuda : Device::cpu;
+}
+template <class T>
+std::int64_t BasicDecodeCache<T>::capacity() const noexcept {
+  return state_ ? state_->capacity : 0;
+}
+
+template <class T>
 void BasicDecodeCache<T>::append(const T* tokens, std::int64_t count) {
   const char* const op = "DecodeCache::append";
   if (!state_) detail::fail_argument(op, "cache", "was moved from");
@@ -197,6 +228,10 @@ void BasicDecodeCache<T>::append(const T* tokens, std::int64_t count) {
   if (count < 0) detail::fail_argument(op, "count", "must be >= 0, got ", count);
   if (count == 0) return;
   detail::expect_not_null(op, "tokens", tokens);
+  if (s.capacity > 0 && count > s.capacity - s.size) {
+    detail::fail_argument(op, "count", count, " tokens after ", s.size,
+                          " would exceed the capacity of ", s.capacity);
+  }
   for (std::int64_t t = 0; t < count; ++t) {
     for (std::int64_t a = 0; a < s.dim; ++a) {
       if (!std::isfinite(tokens[t * s.dim + a])) {
@@ -206,6 +241,7 @@ void BasicDecodeCache<T>::append(const T* tokens, std::int64_t count) {
   }
   if constexpr (std::is_same_v<T, float>) {
     if (s.engine) s.engine->append(tokens, count);
+    if (s.device) s.device->append(tokens, s.size, count);
   }
   if (s.store) s.store->append(tokens, count);
   s.size += count;
@@ -263,6 +299,10 @@ void BasicDecodeCache<T>::attend(const T* queries, std::int64_t count, const Mas
   if constexpr (std::is_same_v<T, float>) {
     if (s.engine) {
       s.engine->attend(queries, count, rule, output, threads);
+      return;
+    }
+    if (s.device) {
+      s.device->attend(queries, count, rule, output);
       return;
     }
   }
