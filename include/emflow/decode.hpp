@@ -2,11 +2,16 @@
 //
 // A decoder adds one token (or a few) at a time and attends the new tokens to everything before:
 // in EMF terms a growing cloud whose keys and contents are kept. A DecodeCache holds, for one
-// dense layer (M_h, F_h, u_h, c) and one cloud, the keys x_j (shared by every head: the relevance
-// and the key bias act through the queries, s_ij = <beta (M_h^T q_i + u_h), x_j>) laid out for
-// the score tiles, and per head the contents C_h = X F_h^T. append() adds tokens at O(n H d^2)
-// for n tokens without touching the old ones; attend() updates a block of queries against the
-// whole cache at O(Nq H N d), the keys split across threads when the queries are few.
+// layer and one cloud, what the keys contribute to every later query, so that append() of n
+// tokens costs O(n H d^2) (O(n H r d) factored) without touching the old ones and attend() of
+// Nq queries O(Nq H N d) (O(Nq H N r) factored), the keys split across threads when the queries
+// are few.
+//
+// Dense form (M_h, F_h, u_h, c): the keys x_j (shared by every head: the relevance and the key
+// bias act through the queries, s_ij = <beta (M_h^T q_i + u_h), x_j>) and per head the contents
+// C_h = X F_h^T. Factored form (FactoredLayer, factored.hpp): per head the projected keys
+// K_h = X B_h^T with the key bias u_h^T x_j, and the values V_h = X V_h^T; attend() projects its
+// queries with A_h and maps the weighted values back with U_h.
 //
 // Positions: key j of the cache sits at position j; the queries of attend() at
 // [query_position, query_position + Nq), by default (kAlignToEnd) the last Nq positions
@@ -14,36 +19,65 @@
 // emflow::attend (attention.hpp). Decoding a cloud token by token (append x_t, attend x_t under
 // the causal mask) gives the rows of the causal one-pass update.
 //
-// Computed in float32 on the CPU (the fused engine of Device::cpu); non-finite tokens are not
-// supported (append refuses them, naming the token).
+// BasicDecodeCache<float> (DecodeCache) in the dense form runs the fused float32 engine of
+// Device::cpu; the factored form and double compute each query's scores and sums in double.
+// Non-finite tokens are not supported (append refuses them, naming the row).
+//
+// On the GPU (DecodeOptions{Device::cuda, capacity}; float, dense form, dim <= 256): the keys and
+// contents live in device buffers of a fixed capacity. append() copies the new tokens to the
+// device on the cache's own stream and projects them there; attend() copies the queries in and
+// runs the fused kernel with the keys split into blocks merged exactly (flash-decoding, as
+// emflow::cuda::attend_partial_async does), so one query against many keys uses the whole device,
+// then copies the outputs back. Both take and return host arrays and return once the device is
+// done. Without a usable device the constructor throws ErrorCode::unsupported.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 
 #include "emflow/attention.hpp"
+#include "emflow/factored.hpp"
 
 namespace emflow {
 
-class DecodeCache {
+/// Where a cache lives. Device::cuda needs a capacity (the most tokens it will hold); other
+/// devices keep the cache on the host, growing as needed (capacity 0: no limit).
+struct DecodeOptions {
+  Device device = Device::cpu;
+  std::int64_t capacity = 0;
+};
+
+template <class T>
+class BasicDecodeCache {
  public:
   /// Copies the operators of `layer` (heads, dim); throws emflow::Error (invalid_argument) on a
   /// null relevance or content, dim or heads < 1, or a non-finite beta.
-  DecodeCache(const LayerOperators<float>& layer, std::int64_t dim, double beta = 1.0);
-  ~DecodeCache();
-  DecodeCache(DecodeCache&&) noexcept;
-  DecodeCache& operator=(DecodeCache&&) noexcept;
-  DecodeCache(const DecodeCache&) = delete;
-  DecodeCache& operator=(const DecodeCache&) = delete;
+  BasicDecodeCache(const LayerOperators<T>& layer, std::int64_t dim, double beta = 1.0);
+  /// The same on `options.device`: Device::cuda needs T = float and capacity >= 1 (else
+  /// ErrorCode::unsupported naming 'device', invalid_argument naming 'capacity').
+  BasicDecodeCache(const LayerOperators<T>& layer, std::int64_t dim, double beta,
+                   const DecodeOptions& options);
+  /// The factored form: copies the factors; throws emflow::Error (invalid_argument) naming a
+  /// null factor, dim, heads or rank < 1, or a non-finite beta.
+  BasicDecodeCache(const FactoredLayer<T>& layer, std::int64_t dim, double beta = 1.0);
+  ~BasicDecodeCache();
+  BasicDecodeCache(BasicDecodeCache&&) noexcept;
+  BasicDecodeCache& operator=(BasicDecodeCache&&) noexcept;
+  BasicDecodeCache(const BasicDecodeCache&) = delete;
+  BasicDecodeCache& operator=(const BasicDecodeCache&) = delete;
 
   std::int64_t size() const noexcept;  ///< tokens held, N
   std::int64_t dim() const noexcept;
   std::int64_t heads() const noexcept;
+  bool factored() const noexcept;
+  Device device() const noexcept;          ///< Device::cuda or Device::cpu
+  std::int64_t capacity() const noexcept;  ///< 0: grows without limit
 
-  /// Appends `count` tokens (count x dim, row-major): their keys and their contents F_h x_j.
-  /// Storage grows geometrically; the old tokens are moved, never recomputed. Throws
-  /// emflow::Error (invalid_argument) naming the first row that holds a non-finite value.
-  void append(const float* tokens, std::int64_t count);
+  /// Appends `count` tokens (count x dim, row-major): their keys and contents. Storage grows
+  /// geometrically; the old tokens are moved, never recomputed. Throws emflow::Error
+  /// (invalid_argument) naming the first row that holds a non-finite value, or naming 'count'
+  /// when the tokens would exceed the capacity.
+  void append(const T* tokens, std::int64_t count);
 
   /// Drops every token (the operators stay).
   void clear() noexcept;
@@ -52,13 +86,18 @@ class DecodeCache {
   /// written to output.update (count x dim) and, when not null, output.lse and output.entropy
   /// (heads x count); output.weights must be null. Same rules as emflow::attend (a query that
   /// sees no key gets 0, -inf, 0).
-  void attend(const float* queries, std::int64_t count, const Mask& mask,
-              const AttentionOutput<float>& output, std::int64_t query_position = kAlignToEnd,
+  void attend(const T* queries, std::int64_t count, const Mask& mask,
+              const AttentionOutput<T>& output, std::int64_t query_position = kAlignToEnd,
               int threads = 0) const;
 
  private:
   struct State;
   std::unique_ptr<State> state_;
 };
+
+using DecodeCache = BasicDecodeCache<float>;
+
+extern template class BasicDecodeCache<float>;
+extern template class BasicDecodeCache<double>;
 
 }  // namespace emflow

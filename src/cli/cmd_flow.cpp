@@ -94,41 +94,36 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
   if (args.generate != 0) {
     if (args.generate < 0) fail_option("--generate", "must be >= 1, got ", args.generate);
     if (continuous) fail_option("--generate", "needs a stack of layers (--layers L)");
-    if (args.pre_norm) fail_option("--generate", "runs post-norm layers only (no --pre-norm)");
-    if (norm != flow::Normalization::none && norm != flow::Normalization::sphere) {
-      fail_option("--generate", "supports --norm none or sphere, got '", args.norm, "'");
+    if (args.unnormalized) fail_option("--generate", "runs SA layers only (no --unnormalized)");
+    if (options.device == Device::cuda) {
+      fail_option("--device", "cuda: --generate runs on the CPU (--device cpu or auto)");
     }
-    if (B != 1) fail_option("--generate", "grows one cloud (--batch 1), got ", B, " clouds");
-    if (!args.plot.empty()) fail_option("--plot", "is not drawn for --generate");
     if constexpr (std::is_same_v<T, float>) {
-      const Tensor<float> prompt(Shape{N, d}, initial.values());
-      const Generation g =
-          generate_tokens(prompt, layers, betas[0], norm == flow::Normalization::sphere,
-                          args.generate, args.threads);
-      // --out: every new token at the input of each layer and after the last, (K, L + 1, d);
-      // --metrics: how far each layer moved it, and the time per token.
+      GenerationSettings g_settings;
+      g_settings.norm = norm;
+      g_settings.pre_norm = args.pre_norm;
+      g_settings.norm_eps = args.norm_eps;
+      g_settings.betas = betas;
+      g_settings.layers = args.layers;
+      g_settings.count = args.generate;
+      g_settings.threads = args.threads;
+      const Generation g = generate_tokens(initial, layers, g_settings);
+      // --out: every new token at the input of each layer and after the last, (K, L + 1, d)
+      // or (B, K, L + 1, d); --metrics: how far each layer moved it, and the time per token.
       if (!args.out.empty()) outputs.stage_npy(args.out, g.paths);
-      if (!args.metrics.empty()) {
-        std::ostringstream csv;
-        csv << "token,position,layer,move,seconds\n";
-        const std::int64_t L = args.layers;
-        for (std::int64_t t = 0; t < args.generate; ++t) {
-          for (std::int64_t l = 0; l < L; ++l) {
-            double move = 0.0;
-            for (std::int64_t a = 0; a < d; ++a) {
-              const double step =
-                  g.paths[(t * (L + 1) + l + 1) * d + a] - g.paths[(t * (L + 1) + l) * d + a];
-              move += step * step;
-            }
-            csv << t << ',' << N + t << ',' << l << ',' << csv_number(std::sqrt(move)) << ','
-                << csv_number(g.seconds[static_cast<std::size_t>(t)]) << '\n';
-          }
-        }
-        outputs.stage_bytes(args.metrics, csv.str());
+      if (!args.metrics.empty()) outputs.stage_bytes(args.metrics, generation_metrics(g));
+      if (!args.plot.empty()) {
+        std::ostringstream title;
+        title << "generation: " << args.generate << " tokens after N = " << N << ", d = " << d
+              << ", L = " << args.layers << (args.pre_norm ? " pre-norm" : " post-norm")
+              << ", norm " << args.norm << ", \xCE\xB2 = " << args.beta;
+        if (B > 1) title << "  (paths: cloud 0)";
+        outputs.stage_bytes(args.plot, generation_picture(g, title.str()));
       }
       outputs.commit();
       std::cout << "generated " << args.generate << " tokens after " << N << " through "
-                << args.layers << " layers (d = " << d << ")" << std::endl;
+                << args.layers << " layers (d = " << d << (B > 1 ? ", " : "")
+                << (B > 1 ? std::to_string(B) + " clouds" : "") << ")" << std::endl;
     } else {
       fail_option("--generate", "computes in float32 (--precision float32 or a float32 --x)");
     }
@@ -245,8 +240,10 @@ their observables; outputs are written only when the whole run succeeds.)");
   command
       ->add_option("--generate", args->generate,
                    "layers: grow the cloud by K tokens causally, each the last token's output "
-                   "fed back, through one decode cache per layer; --out then holds each new "
-                   "token's path (K, L + 1, d), --metrics how far each layer moved it")
+                   "fed back, through one decode cache per layer and cloud (post- or pre-norm, "
+                   "any --norm, float32, on the CPU); --out then holds each new token's path "
+                   "(K, L + 1, d), or (B, K, L + 1, d) for B clouds, --metrics how far each "
+                   "layer moved it, --plot draws the paths")
       ->capture_default_str();
   command->add_option("--out", args->out,
                       "output: the recorded clouds (.npy), (records, B, N, d), the initial first");

@@ -1,7 +1,8 @@
 // `emflow flow --layers L --generate K`: each generated token's path through the stack equals the
 // causal one-pass flow of the grown cloud (prompt and generated tokens as entered), computed here
 // in process with emflow::attend layer by layer, and each token enters as the previous one's
-// output. Bad combinations fail naming --generate.
+// output; pre-norm layers, the other norms and several clouds
+// likewise; --plot draws the paths. Bad combinations fail naming the option.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,6 +13,7 @@
 #include "common/cli.hpp"
 #include "common/testing.hpp"
 #include "emflow/attention.hpp"
+#include "emflow/flow.hpp"
 #include "emflow/io.hpp"
 
 namespace emflow::testing {
@@ -83,14 +85,94 @@ TEST_F(Generate, PathsEqualTheCausalOnePassOfTheGrownCloud) {
             std::string::npos);
 }
 
-TEST_F(Generate, RefusesWhatItDoesNotRun) {
-  for (const std::string& extra :
-       {std::string("--time 1"), std::string("--layers 2 --pre-norm"),
-        std::string("--layers 2 --norm layernorm"), std::string("--layers 2 --batch 2")}) {
+// Pre-norm layers under layernorm, and post-norm under rmsnorm, on two clouds of their own beta:
+// every generated token's path equals the causal one-pass flow of its grown cloud.
+TEST_F(Generate, PreNormOtherNormsAndSeveralClouds) {
+  const std::int64_t B = 2, N = 7, d = 5, L = 2, K = 4;
+  const std::vector<double> values = uniform(B * N * d, 13);
+  const std::vector<float> prompts(values.begin(), values.end());
+  const std::vector<double> m = uniform(L * d * d, 14, -1.0, 1.0),
+                            f = uniform(L * d * d, 15, -0.5, 0.5);
+  const std::vector<float> mf(m.begin(), m.end()), ff(f.begin(), f.end());
+  write_npy(path("x.npy"), Tensor<float>({B, N, d}, prompts));
+  write_npy(path("m.npy"), Tensor<float>({L, 1, d, d}, mf));
+  write_npy(path("f.npy"), Tensor<float>({L, 1, d, d}, ff));
+  struct Case {
+    const char* options;
+    flow::Normalization norm;
+    bool pre_norm;
+  };
+  for (const Case& c : {Case{"--norm layernorm --pre-norm", flow::Normalization::layernorm, true},
+                        Case{"--norm rmsnorm", flow::Normalization::rmsnorm, false}}) {
+    SCOPED_TRACE(c.options);
     const CliRun run =
-        emflow("flow --tokens 8 --dim 3 --generate 2 " + extra + " --out " + path("p.npy"));
-    EXPECT_NE(run.status, 0) << extra;
-    EXPECT_NE(run.err.find("--generate"), std::string::npos) << extra << ": " << run.err;
+        emflow("flow --x " + path("x.npy") + " --m " + path("m.npy") + " --f " + path("f.npy") +
+               " --layers 2 --beta 0.5,2 --generate 4 " + c.options + " --device cpu --out " +
+               path("paths.npy") + " --metrics " + path("moves.csv"));
+    ASSERT_EQ(run.status, 0) << run.err;
+    const Tensor<float> paths = read_npy<float>(path("paths.npy"));
+    ASSERT_EQ(paths.shape(), (Shape{B, K, L + 1, d}));
+    EXPECT_NE(text_of("moves.csv").find("cloud,token,position,layer,move,seconds\n0,0,7,0,"),
+              std::string::npos);
+    for (std::int64_t b = 0; b < B; ++b) {
+      const float* path_of = paths.data() + b * K * (L + 1) * d;
+      std::vector<float> state(prompts.begin() + b * N * d, prompts.begin() + (b + 1) * N * d);
+      for (std::int64_t t = 0; t < K; ++t) {
+        for (std::int64_t a = 0; a < d; ++a) state.push_back(path_of[t * (L + 1) * d + a]);
+      }
+      for (std::int64_t l = 0; l < L; ++l) {
+        std::vector<float> attended = state, update(state.size());
+        if (c.pre_norm) flow::normalize(c.norm, attended.data(), N + K, d);
+        AttentionInput<float> in;
+        in.cloud = attended.data();
+        in.tokens = N + K;
+        in.dim = d;
+        in.layer = {1, mf.data() + l * d * d, ff.data() + l * d * d, nullptr, nullptr};
+        in.beta = b == 0 ? 0.5 : 2.0;
+        in.mask = Mask::causal();
+        attend(in, {update.data(), nullptr, nullptr, nullptr}, {Device::reference});
+        for (std::size_t k = 0; k < state.size(); ++k) state[k] += update[k];
+        if (!c.pre_norm) flow::normalize(c.norm, state.data(), N + K, d);
+        for (std::int64_t t = 0; t < K; ++t) {
+          for (std::int64_t a = 0; a < d; ++a) {
+            EXPECT_NEAR(path_of[(t * (L + 1) + l + 1) * d + a], state[(N + t) * d + a], 2e-5)
+                << "cloud " << b << " token " << t << " layer " << l;
+          }
+        }
+      }
+    }
+  }
+}
+
+// --plot draws the new tokens' paths through the stack (a PNG); one layer shared by a stack of
+// three (identity operators) still moves each token through three layers.
+TEST_F(Generate, DrawsThePathsOfTheNewTokens) {
+  const CliRun run = emflow("flow --tokens 8 --dim 3 --layers 3 --generate 5 --device cpu --plot " +
+                            path("g.png") + " --out " + path("p.npy"));
+  ASSERT_EQ(run.status, 0) << run.err;
+  const Tensor<float> paths = read_npy<float>(path("p.npy"));
+  ASSERT_EQ(paths.shape(), (Shape{5, 4, 3}));
+  EXPECT_NE(paths[3 * 3], paths[0]);  // the first token moved
+  const std::string png = text_of("g.png");
+  ASSERT_GT(png.size(), 1000u);
+  EXPECT_EQ(png.substr(1, 3), "PNG");
+}
+
+TEST_F(Generate, RefusesWhatItDoesNotRun) {
+  struct Case {
+    std::string extra, option;
+  };
+  for (const Case& c :
+       {Case{"--time 1", "--generate"}, Case{"--layers 2 --generate -1", "--generate"},
+        Case{"--layers 2 --unnormalized", "--generate"},
+        Case{"--layers 2 --precision float64", "--generate"},
+        Case{"--layers 2 --device cuda", "--device"}}) {
+    const CliRun run =
+        emflow("flow --tokens 8 --dim 3 " +
+               std::string(c.extra.find("--generate") == std::string::npos ? "--generate 2 " : "") +
+               c.extra + " --out " + path("p.npy"));
+    EXPECT_NE(run.status, 0) << c.extra;
+    EXPECT_NE(run.err.find(c.option), std::string::npos) << c.extra << ": " << run.err;
   }
 }
 

@@ -1,0 +1,232 @@
+// KeyStore (keys.hpp): append projects only the new tokens; attend splits the visible keys of
+// each query into spans, computes a partial state per span (lse, entropy, weighted value, as
+// partial.hpp defines them) and merges the spans in order with the merge every backend shares.
+#include "decode/keys.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "core/parallel.hpp"
+#include "core/partial_rows.hpp"
+
+namespace emflow::detail::decode {
+
+namespace {
+
+constexpr std::int64_t kSpanKeys = 1024;  // keys below which a query's span is not split
+
+/// out[rows x outputs] += rows of `in` (rows x inputs) times map^T, map row-major outputs x inputs.
+template <class T>
+void append_projected(const T* in, std::int64_t rows, std::int64_t inputs, const T* map,
+                      std::int64_t outputs, std::vector<T>& out) {
+  for (std::int64_t j = 0; j < rows; ++j) {
+    for (std::int64_t o = 0; o < outputs; ++o) {
+      double sum = 0.0;
+      for (std::int64_t k = 0; k < inputs; ++k) {
+        sum += static_cast<double>(map[o * inputs + k]) * static_cast<double>(in[j * inputs + k]);
+      }
+      out.push_back(static_cast<T>(sum));
+    }
+  }
+}
+
+}  // namespace
+
+template <class T>
+KeyStore<T>::KeyStore(const LayerOperators<T>& layer, std::int64_t dim, double beta)
+    : dim_(dim), heads_(layer.heads), width_(dim), beta_(beta) {
+  const std::int64_t ops = heads_ * dim * dim;
+  query_map_.assign(layer.relevance, layer.relevance + ops);
+  value_map_.assign(layer.content, layer.content + ops);
+  if (layer.key_bias) key_bias_.assign(layer.key_bias, layer.key_bias + heads_ * dim);
+  if (layer.offset) offset_.assign(layer.offset, layer.offset + dim);
+  per_head_.resize(static_cast<std::size_t>(heads_));
+}
+
+template <class T>
+KeyStore<T>::KeyStore(const FactoredLayer<T>& layer, std::int64_t dim, double beta)
+    : factored_(true), dim_(dim), heads_(layer.heads), width_(layer.rank), beta_(beta) {
+  const std::int64_t ops = heads_ * layer.rank * dim;
+  query_map_.assign(layer.query_factor, layer.query_factor + ops);
+  key_map_.assign(layer.key_factor, layer.key_factor + ops);
+  up_map_.assign(layer.content_up, layer.content_up + ops);
+  value_map_.assign(layer.content_down, layer.content_down + ops);
+  if (layer.key_bias) key_bias_.assign(layer.key_bias, layer.key_bias + heads_ * dim);
+  if (layer.offset) offset_.assign(layer.offset, layer.offset + dim);
+  per_head_.resize(static_cast<std::size_t>(heads_));
+}
+
+template <class T>
+void KeyStore<T>::append(const T* tokens, std::int64_t count) {
+  const std::int64_t d = dim_, w = width_;
+  if (!factored_) tokens_.insert(tokens_.end(), tokens, tokens + count * d);
+  for (std::int64_t h = 0; h < heads_; ++h) {
+    Head& head = per_head_[static_cast<std::size_t>(h)];
+    append_projected(tokens, count, d, value_map_.data() + h * w * d, w, head.values);
+    if (!factored_) continue;
+    append_projected(tokens, count, d, key_map_.data() + h * w * d, w, head.keys);
+    if (!key_bias_.empty()) {
+      append_projected(tokens, count, d, key_bias_.data() + h * d, 1, head.bias);
+    }
+  }
+  size_ += count;
+}
+
+template <class T>
+void KeyStore<T>::clear() {
+  size_ = 0;
+  tokens_.clear();
+  for (Head& head : per_head_) {
+    head.keys.clear();
+    head.bias.clear();
+    head.values.clear();
+  }
+}
+
+template <class T>
+const T* KeyStore<T>::head_keys(std::int64_t h) const {
+  return factored_ ? per_head_[static_cast<std::size_t>(h)].keys.data() : tokens_.data();
+}
+
+template <class T>
+void KeyStore<T>::project_query(const T* q, std::int64_t h, double* p) const {
+  const std::int64_t d = dim_, w = width_;
+  if (factored_) {  // p = beta A_h q
+    const T* A = query_map_.data() + h * w * d;
+    for (std::int64_t k = 0; k < w; ++k) {
+      double sum = 0.0;
+      for (std::int64_t b = 0; b < d; ++b) sum += static_cast<double>(A[k * d + b]) * q[b];
+      p[k] = beta_ * sum;
+    }
+    return;
+  }
+  // p = beta (M_h^T q + u_h): s_j = <p, x_j>
+  const T* M = query_map_.data() + h * d * d;
+  const T* u = key_bias_.empty() ? nullptr : key_bias_.data() + h * d;
+  for (std::int64_t a = 0; a < d; ++a) {
+    double sum = u ? static_cast<double>(u[a]) : 0.0;
+    for (std::int64_t k = 0; k < d; ++k) sum += static_cast<double>(q[k]) * M[k * d + a];
+    p[a] = beta_ * sum;
+  }
+}
+
+template <class T>
+void KeyStore<T>::attend(const T* queries, std::int64_t count, const QueryRule& rule,
+                         const AttentionOutput<T>& output, int threads) const {
+  const std::int64_t d = dim_, w = width_, H = heads_;
+  const int workers = threads > 0 ? threads : omp_get_max_threads();
+  // Few queries against many keys: split every query's keys so that each worker has spans.
+  std::int64_t spans = 1;
+  if (workers > 1 && size_ >= 2 * kSpanKeys && count * H < 4 * workers) {
+    spans = std::min<std::int64_t>(4 * workers, (size_ + kSpanKeys - 1) / kSpanKeys);
+  }
+  const std::int64_t span_keys = (size_ + spans - 1) / spans;
+  const std::int64_t rows = count * H;
+  std::vector<double> projected(static_cast<std::size_t>(rows * w));
+  std::vector<double> lse(static_cast<std::size_t>(spans * rows));
+  std::vector<double> entropy(lse.size());
+  std::vector<double> o(lse.size() * static_cast<std::size_t>(w));
+  ParallelErrors errors;
+#pragma omp parallel num_threads(workers)
+  {
+    std::vector<double> scores;
+#pragma omp for schedule(static)
+    for (std::int64_t row = 0; row < rows; ++row) {
+      errors.run(
+          [&] { project_query(queries + (row % count) * d, row / count, &projected[row * w]); });
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t task = 0; task < spans * rows; ++task) {
+      errors.run([&] {
+        const std::int64_t span = task / rows, row = task % rows, h = row / count, i = row % count;
+        const KeyRange seen = rule.keys(i);
+        const std::int64_t first = std::max(seen.first, span * span_keys);
+        const std::int64_t last = std::min(seen.last, (span + 1) * span_keys);
+        double* state = &o[static_cast<std::size_t>(task * w)];
+        std::fill(state, state + w, 0.0);
+        double& l = lse[static_cast<std::size_t>(task)];
+        double& e = entropy[static_cast<std::size_t>(task)];
+        l = -std::numeric_limits<double>::infinity();
+        e = 0.0;
+        if (first >= last) return;
+        const Head& head = per_head_[static_cast<std::size_t>(h)];
+        const T* keys = head_keys(h);
+        const T* bias = head.bias.empty() ? nullptr : head.bias.data();
+        const double* p = &projected[static_cast<std::size_t>(row * w)];
+        scores.resize(static_cast<std::size_t>(last - first));
+        double m = -std::numeric_limits<double>::infinity();
+        for (std::int64_t j = first; j < last; ++j) {
+          const T* k = keys + j * w;
+          double s = bias ? beta_ * static_cast<double>(bias[j]) : 0.0;
+          for (std::int64_t a = 0; a < w; ++a) s += p[a] * static_cast<double>(k[a]);
+          scores[static_cast<std::size_t>(j - first)] = s;
+          m = std::max(m, s);
+        }
+        double sum = 0.0;
+        for (double s : scores) sum += std::exp(s - m);
+        l = m + std::log(sum);
+        double expected = 0.0;
+        for (std::int64_t j = first; j < last; ++j) {
+          const double s = scores[static_cast<std::size_t>(j - first)];
+          const double weight = std::exp(s - l);
+          expected += weight * s;
+          const T* v = head.values.data() + j * w;
+          for (std::int64_t a = 0; a < w; ++a) state[a] += weight * static_cast<double>(v[a]);
+        }
+        e = l - expected;
+      });
+    }
+    // Merge the spans of each query in order, map each head back, and finish the query.
+    std::vector<double> heads_out(static_cast<std::size_t>(H * d)), head_lse(H), head_entropy(H),
+        delta(static_cast<std::size_t>(d)), offset;
+    if (!offset_.empty()) offset.assign(offset_.begin(), offset_.end());
+#pragma omp for schedule(static)
+    for (std::int64_t i = 0; i < count; ++i) {
+      errors.run([&] {
+        for (std::int64_t h = 0; h < H; ++h) {
+          const std::int64_t row = h * count + i;
+          double* state = &o[static_cast<std::size_t>(row * w)];
+          double& l = lse[static_cast<std::size_t>(row)];
+          double& e = entropy[static_cast<std::size_t>(row)];
+          for (std::int64_t span = 1; span < spans; ++span) {
+            const std::int64_t other = span * rows + row;
+            merge_state(l, e, state, lse[static_cast<std::size_t>(other)],
+                        entropy[static_cast<std::size_t>(other)],
+                        &o[static_cast<std::size_t>(other * w)], w);
+          }
+          double* back = &heads_out[static_cast<std::size_t>(h * d)];
+          if (factored_) {
+            const T* U = up_map_.data() + h * d * w;
+            for (std::int64_t a = 0; a < d; ++a) {
+              double sum = 0.0;
+              for (std::int64_t k = 0; k < w; ++k)
+                sum += static_cast<double>(U[a * w + k]) * state[k];
+              back[a] = sum;
+            }
+          } else {
+            std::copy(state, state + d, back);
+          }
+          head_lse[static_cast<std::size_t>(h)] = l;
+          head_entropy[static_cast<std::size_t>(h)] = e;
+        }
+        finish_query<double>(H, 1, head_lse.data(), head_entropy.data(), heads_out.data(), d,
+                             offset.empty() ? nullptr : offset.data(), delta.data(),
+                             head_lse.data(), head_entropy.data());
+        for (std::int64_t a = 0; a < d; ++a) output.update[i * d + a] = static_cast<T>(delta[a]);
+        for (std::int64_t h = 0; h < H; ++h) {
+          if (output.lse) output.lse[h * count + i] = static_cast<T>(head_lse[h]);
+          if (output.entropy) output.entropy[h * count + i] = static_cast<T>(head_entropy[h]);
+        }
+      });
+    }
+  }
+  errors.rethrow();
+}
+
+template class KeyStore<float>;
+template class KeyStore<double>;
+
+}  // namespace emflow::detail::decode
