@@ -7,15 +7,21 @@
 #
 #   scripts/sanitize.sh                   build and run the suites above
 #   SANITIZE_SUITES="io cli" scripts/sanitize.sh
-#   scripts/sanitize.sh -R Npy            further ctest arguments are passed on
+#   SANITIZE_SHARDS=0 scripts/sanitize.sh -R Npy   one ctest test per case; ctest arguments
+#                                                  after the options are passed on
 #
-# Environment: SANITIZE_BUILD (build folder, default build-asan), SANITIZE_SUITES, SANITIZE_JOBS.
+# Environment: SANITIZE_BUILD (build folder, default build-asan), SANITIZE_SUITES, SANITIZE_JOBS,
+# SANITIZE_SHARDS (gtest shards per suite, default 6).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 build=${SANITIZE_BUILD:-build-asan}
 mkdir -p "$build" && build=$(cd "$build" && pwd)  # absolute from here on
 jobs=${SANITIZE_JOBS:-$(nproc 2>/dev/null || echo 2)}
+# Each suite runs as this many gtest shards (processes): starting an instrumented binary costs
+# more than most tests, so one process per test would spend most of the run starting up.
+# SANITIZE_SHARDS=0 gives one ctest test per gtest case (names each failure in the summary).
+shards=${SANITIZE_SHARDS:-6}
 read -r -a suites <<<"${SANITIZE_SUITES:-core reference io cli cpu attention reliability}"
 flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g1"
 
@@ -23,7 +29,7 @@ start=$(date +%s)
 # -O1: a third of the compile time of -O3 and fast enough for the tests; asserts stay on.
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE=-O1 \
   -DEMFLOW_WITH_CUDA=OFF -DEMFLOW_BUILD_BENCHMARKS=OFF -DEMFLOW_BUILD_TESTS=ON \
-  -DEMFLOW_BUILD_CLI=ON -DCMAKE_CXX_FLAGS="$flags" \
+  -DEMFLOW_BUILD_CLI=ON -DCMAKE_CXX_FLAGS="$flags" -DEMFLOW_TEST_SHARDS="$shards" \
   -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" >/dev/null
 targets=(emflow_cli)
 for suite in "${suites[@]}"; do targets+=("emflow_${suite}_tests"); done
@@ -41,4 +47,9 @@ export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$build/lsan.supp}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 labels="^($(IFS='|'; echo "${suites[*]}"))\$"
 ctest --test-dir "$build" --output-on-failure -j "$jobs" -L "$labels" "$@"
+if [[ "$shards" -gt 0 ]]; then
+  cases=$(sed -n 's/^\[  PASSED  \] \([0-9]*\) tests\?\./\1/p' \
+    "$build/Testing/Temporary/LastTest.log" | awk '{ n += $1 } END { print n + 0 }')
+  echo "sanitize.sh: $cases test cases passed (in $shards shards per suite)"
+fi
 echo "sanitize.sh: tests in $(($(date +%s) - built)) s, total $(($(date +%s) - start)) s"
