@@ -193,10 +193,21 @@ else
   done
 fi
 
-# 4. Benchmarks, briefly.
+# 4. Benchmarks, briefly: emflow's kernels and, where cuDNN 9 was found at build time,
+#    BM_CudnnSdpa (cuDNN's fused flash attention in bf16 on the same shapes; bench/cuda_cudnn.cpp),
+#    whose ratio to emflow's fused kernel the summary prints per shape.
+#    The peer runs as a step of its own (12 shapes, each building its cuDNN plan once, which can
+#    take seconds) so that it cannot push emflow's benchmarks past their time limit.
 BENCH_JSON="$LOG_DIR/device-check-bench.json"
+CUDNN_JSON="$LOG_DIR/device-check-cudnn.json"
+OWN_FILTER=$BENCH_FILTER
+[[ "$OWN_FILTER" == "." ]] && OWN_FILTER=-BM_CudnnSdpa
 run_step "benchmarks" 90 "$BENCH" --benchmark_min_time="$BENCH_MIN_TIME" \
-  --benchmark_filter="$BENCH_FILTER" --benchmark_out="$BENCH_JSON" --benchmark_out_format=json
+  --benchmark_filter="$OWN_FILTER" --benchmark_out="$BENCH_JSON" --benchmark_out_format=json
+if [[ "$BENCH_FILTER" == "." ]]; then
+  run_step "benchmarks: cuDNN bf16" 60 "$BENCH" --benchmark_min_time="$BENCH_MIN_TIME" \
+    --benchmark_filter=BM_CudnnSdpa --benchmark_out="$CUDNN_JSON" --benchmark_out_format=json
+fi
 rm -f "$LOG_DIR/.step.out"
 
 # 5. The table, last.
@@ -205,10 +216,14 @@ echo "== device check summary ($(elapsed) s in all; commit $COMMIT)"
 printf '%s\n' "${TABLE[@]}"
 if [[ -s "$BENCH_JSON" ]] && command -v python3 >/dev/null 2>&1; then
   echo
-  python3 - "$BENCH_JSON" <<'EOF'
-import json, sys
+  python3 - "$BENCH_JSON" "$CUDNN_JSON" <<'EOF'
+import json, os, sys
+runs = []
+for path in sys.argv[1:]:
+    if os.path.exists(path) and os.path.getsize(path) > 0:
+        runs += json.load(open(path))["benchmarks"]
 rows, flow = {}, []
-for b in json.load(open(sys.argv[1]))["benchmarks"]:
+for b in runs:
     if b.get("run_type") == "aggregate" or "error_message" in b:
         continue
     kind, _, args = b["name"].partition("/")
@@ -226,6 +241,18 @@ for (n, d, causal), r in sorted(rows.items(), key=lambda kv: (kv[0][2], kv[0][1]
                if "BM_Fused" in r and "BM_Unfused" in r else f"{'-':>14}")
     print(f"{n:>6} {d:>4} {causal:>6} {cell(r, 'BM_Fused'):>16} {cell(r, 'BM_Unfused'):>16} "
           f"{cell(r, 'BM_CublasProducts'):>16} {speedup}")
+peer = {k: r for k, r in rows.items() if "BM_CudnnSdpa" in r}
+if peer:
+    print()
+    print("beside cuDNN's fused attention (bf16, same shapes; emflow's fused kernel in its precision)")
+    print(f"{'N':>6} {'d':>4} {'causal':>6} {'emflow fused':>16} {'cuDNN bf16':>16} {'emflow/cuDNN':>13}")
+    for (n, d, causal), r in sorted(peer.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+        ratio = (f"{r['BM_Fused'][1] / r['BM_CudnnSdpa'][1]:13.3f}"
+                 if "BM_Fused" in r and r['BM_CudnnSdpa'][1] > 0 else f"{'-':>13}")
+        print(f"{n:>6} {d:>4} {causal:>6} {cell(r, 'BM_Fused'):>16} {cell(r, 'BM_CudnnSdpa'):>16} {ratio}")
+skipped = [b for b in runs if b["name"].startswith("BM_CudnnSdpa") and "error_message" in b]
+for b in skipped[:3]:
+    print(f"  {b['name']}: {b['error_message']}")
 if flow:
     print()
     print("flow on the GPU (wall clock per run; targets: phase < 2000 ms, RK4 n=d=128 < 1000 ms)")
