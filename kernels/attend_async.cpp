@@ -17,25 +17,10 @@ namespace emflow::cuda {
 
 namespace {
 
+using emflow::detail::current_device;
+using emflow::detail::expect_device_pointer;
+using emflow::detail::expect_workspace;
 using emflow::detail::fail_argument;
-
-// A pointer the kernels will dereference must be reachable from the current device.
-void expect_device_pointer(const char* operation, const char* argument, const void* pointer,
-                           int device) {
-  if (pointer == nullptr) return;
-  cudaPointerAttributes attributes{};
-  emflow::detail::check_cuda(cudaPointerGetAttributes(&attributes, pointer), operation,
-                             "cudaPointerGetAttributes");
-  if (attributes.type == cudaMemoryTypeUnregistered) {
-    fail_argument(operation, argument,
-                  "must be device memory (cudaMalloc, managed or registered host memory), got an "
-                  "ordinary host pointer");
-  }
-  if (attributes.type == cudaMemoryTypeDevice && attributes.device != device) {
-    fail_argument(operation, argument, "is memory of device ", attributes.device,
-                  ", but the current device is ", device);
-  }
-}
 
 // validate() reads length values, which live on the device here: check shapes and pointers only;
 // the kernels clamp the lengths.
@@ -60,32 +45,6 @@ void expect_input_on_device(const AttentionInput<T>& input, const char* operatio
   expect_device_pointer(operation, "key_lengths", input.key_lengths, device);
   expect_device_pointer(operation, "query_lengths", input.query_lengths, device);
   expect_device_pointer(operation, "query_positions", input.query_positions, device);
-}
-
-void expect_workspace(const char* operation, const void* workspace, std::size_t bytes,
-                      std::size_t needed, int device) {
-  if (workspace == nullptr) fail_argument(operation, "workspace", "must not be null");
-  expect_device_pointer(operation, "workspace", workspace, device);
-  if (bytes < needed) {
-    fail_argument(operation, "workspace_bytes", "must be >= ", needed,
-                  " (the workspace size function), got ", bytes);
-  }
-  if (reinterpret_cast<std::uintptr_t>(workspace) % emflow::detail::kWorkspaceAlignment != 0) {
-    fail_argument(operation, "workspace", "must be aligned to ",
-                  emflow::detail::kWorkspaceAlignment, " bytes, got address ", workspace);
-  }
-}
-
-// The device of an element-wise call: one must be usable, with no error pending.
-int current_device(const char* operation) {
-  std::string reason;
-  if (!emflow::detail::cuda_device_available(&reason)) {
-    emflow::detail::fail(ErrorCode::unsupported, operation, ": no usable CUDA device: ", reason);
-  }
-  emflow::detail::check_no_pending_error(operation);
-  int device = 0;
-  emflow::detail::check_cuda(cudaGetDevice(&device), operation, "cudaGetDevice");
-  return device;
 }
 
 // Partial states hold batch * heads * query_tokens rows of dim values; each must fit in int.

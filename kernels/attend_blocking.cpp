@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 #include "core/backends.hpp"
 #include "cuda_support.hpp"
@@ -123,6 +125,64 @@ void cuda_attend_partial(const AttentionInput<T>& input, const PartialOutput<T>&
   check_cuda(cudaStreamSynchronize(s), operation, "cudaStreamSynchronize");
 }
 
+template <class T>
+void cuda_attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                          const AttentionOutput<T>& output) {
+  const char* const operation = "attend_factored";
+  const OwnedStream stream(operation);  // first: see cuda_attend
+  const cudaStream_t s = stream.get();
+  const auto B = static_cast<std::size_t>(input.batch);
+  const auto d = static_cast<std::size_t>(input.dim);
+  const auto H = static_cast<std::size_t>(layer.heads);
+  const auto r = static_cast<std::size_t>(layer.rank);
+  const std::size_t Nq = query_count(input), rows = B * H * Nq;
+  std::vector<cuda::DeviceBuffer<T>> arrays;
+  std::vector<cuda::DeviceBuffer<std::int64_t>> lengths;
+  arrays.reserve(8);
+  lengths.reserve(3);
+  // A device copy of `count` host values, or null for an absent array.
+  auto upload = [s](auto& owner, const auto* host, std::size_t count) {
+    using V = std::remove_const_t<std::remove_pointer_t<decltype(host)>>;
+    if (host == nullptr) return static_cast<const V*>(nullptr);
+    owner.emplace_back(count);
+    owner.back().copy_from_host(host, count, s);
+    return static_cast<const V*>(owner.back().data());
+  };
+  AttentionInput<T> in = input;
+  in.cloud = upload(arrays, input.cloud, B * static_cast<std::size_t>(input.tokens) * d);
+  in.queries = upload(arrays, input.queries, input.queries ? B * Nq * d : 0);
+  in.key_lengths = upload(lengths, input.key_lengths, B);
+  in.query_lengths = upload(lengths, input.query_lengths, B);
+  in.query_positions = upload(lengths, input.query_positions, B);
+  FactoredLayer<T> f = layer;
+  f.query_factor = upload(arrays, layer.query_factor, H * r * d);
+  f.key_factor = upload(arrays, layer.key_factor, H * r * d);
+  f.content_up = upload(arrays, layer.content_up, H * d * r);
+  f.content_down = upload(arrays, layer.content_down, H * r * d);
+  f.key_bias = upload(arrays, layer.key_bias, H * d);
+  f.offset = upload(arrays, layer.offset, d);
+
+  cuda::DeviceBuffer<T> update(B * Nq * d);
+  cuda::DeviceBuffer<Stat<T>> lse(output.lse ? rows : 0);
+  AttentionOutput<T> to_device;
+  to_device.update = update.data();
+  to_device.lse = output.lse ? lse.data() : nullptr;
+  to_device.entropy = output.entropy;  // refused by the checks when given
+  to_device.weights = output.weights;
+  const std::size_t bytes = cuda::attend_factored_workspace_size(in, f, to_device);
+  cuda::DeviceBuffer<unsigned char> workspace(bytes);
+  cuda::attend_factored_async(in, f, to_device, workspace.data(), bytes, s);
+  update.copy_to_host(output.update, B * Nq * d, s);
+  if (output.lse) lse.copy_to_host(output.lse, rows, s);
+  check_cuda(cudaStreamSynchronize(s), operation, "cudaStreamSynchronize");
+}
+
+template void cuda_attend_factored<bfloat16>(const AttentionInput<bfloat16>&,
+                                             const FactoredLayer<bfloat16>&,
+                                             const AttentionOutput<bfloat16>&);
+template void cuda_attend_factored<float16>(const AttentionInput<float16>&,
+                                            const FactoredLayer<float16>&,
+                                            const AttentionOutput<float16>&);
 template void cuda_attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&);
 template void cuda_attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&);
 template void cuda_attend_partial<float>(const AttentionInput<float>&, const PartialOutput<float>&);

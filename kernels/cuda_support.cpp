@@ -4,8 +4,10 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 
+#include "attend_plan.hpp"
 #include "core/backends.hpp"
 #include "core/check.hpp"
 #include "emflow/cuda.hpp"
@@ -99,6 +101,49 @@ void OwnedEvent::wait() {
   if (!recorded_) return;
   check_cuda(cudaEventSynchronize(event_), operation_, "cudaEventSynchronize");
   recorded_ = false;
+}
+
+// A pointer the kernels will dereference must be reachable from the current device.
+void expect_device_pointer(const char* operation, const char* argument, const void* pointer,
+                           int device) {
+  if (pointer == nullptr) return;
+  cudaPointerAttributes attributes{};
+  check_cuda(cudaPointerGetAttributes(&attributes, pointer), operation, "cudaPointerGetAttributes");
+  if (attributes.type == cudaMemoryTypeUnregistered) {
+    fail_argument(operation, argument,
+                  "must be device memory (cudaMalloc, managed or registered host memory), got an "
+                  "ordinary host pointer");
+  }
+  if (attributes.type == cudaMemoryTypeDevice && attributes.device != device) {
+    fail_argument(operation, argument, "is memory of device ", attributes.device,
+                  ", but the current device is ", device);
+  }
+}
+
+void expect_workspace(const char* operation, const void* workspace, std::size_t bytes,
+                      std::size_t needed, int device) {
+  if (workspace == nullptr) fail_argument(operation, "workspace", "must not be null");
+  expect_device_pointer(operation, "workspace", workspace, device);
+  if (bytes < needed) {
+    fail_argument(operation, "workspace_bytes", "must be >= ", needed,
+                  " (the workspace size function), got ", bytes);
+  }
+  if (reinterpret_cast<std::uintptr_t>(workspace) % kWorkspaceAlignment != 0) {
+    fail_argument(operation, "workspace", "must be aligned to ", kWorkspaceAlignment,
+                  " bytes, got address ", workspace);
+  }
+}
+
+// The device of an element-wise call: one must be usable, with no error pending.
+int current_device(const char* operation) {
+  std::string reason;
+  if (!cuda_device_available(&reason)) {
+    fail(ErrorCode::unsupported, operation, ": no usable CUDA device: ", reason);
+  }
+  check_no_pending_error(operation);
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), operation, "cudaGetDevice");
+  return device;
 }
 
 }  // namespace emflow::detail

@@ -22,6 +22,19 @@ void check_launch(const char* operation, const char* kernel);
 /// work), without consuming it, so that it is not reported later as a failure of emflow's own.
 void check_no_pending_error(const char* operation);
 
+/// Refuses (invalid_argument) a non-null pointer that `device`, the current device, cannot
+/// dereference: ordinary host memory, or memory of another device.
+void expect_device_pointer(const char* operation, const char* argument, const void* pointer,
+                           int device);
+
+/// Refuses a null, host, too small (`bytes` < `needed`) or misaligned workspace.
+void expect_workspace(const char* operation, const void* workspace, std::size_t bytes,
+                      std::size_t needed, int device);
+
+/// The device of a stream-ordered call: one must be usable (else unsupported), with no error
+/// pending.
+int current_device(const char* operation);
+
 /// An owned stream, non-blocking with respect to the legacy default stream.
 class OwnedStream {
  public:

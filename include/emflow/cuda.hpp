@@ -63,6 +63,7 @@
 #include <utility>
 
 #include "emflow/attention.hpp"
+#include "emflow/factored.hpp"
 #include "emflow/partial.hpp"
 
 struct CUstream_st;
@@ -110,6 +111,36 @@ extern template void attend_async<float>(const AttentionInput<float>&,
 extern template void attend_async<double>(const AttentionInput<double>&,
                                           const AttentionOutput<double>&, void*, std::size_t,
                                           Stream, Algorithm);
+
+/// Bytes of device workspace attend_factored_async needs for these shapes, this layer and these
+/// outputs (reads no memory, needs no device). Throws emflow::Error as attend_factored_async's
+/// checks do.
+template <class T>
+std::size_t attend_factored_workspace_size(const AttentionInput<T>& input,
+                                           const FactoredLayer<T>& layer,
+                                           const AttentionOutput<T>& output);
+
+/// Enqueues emflow::attend_factored (factored.hpp) for bfloat16 or float16 on `stream`, on the
+/// tensor cores (kernels/tc_attention.cu): per head, the projections A_h x_i, B_h x_j and V_h x_j
+/// rounded to T and the key bias terms u_h^T x_j in float32, the fused attention in rank r with
+/// lse, then the sum over heads of U_h times the head output plus the offset in float32, rounded
+/// once to T. Device pointers throughout, key lengths as for attend_async. Needs rank <= 256.
+/// Refuses (ErrorCode::unsupported) entropy and weights, which this path does not compute.
+/// `workspace` as for attend_async, at least attend_factored_workspace_size bytes.
+template <class T>
+void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                           const AttentionOutput<T>& output, void* workspace,
+                           std::size_t workspace_bytes, Stream stream);
+
+#define EMFLOW_CUDA_FACTORED_EXTERN(T)                                                             \
+  extern template std::size_t attend_factored_workspace_size<T>(                                   \
+      const AttentionInput<T>&, const FactoredLayer<T>&, const AttentionOutput<T>&);               \
+  extern template void attend_factored_async<T>(const AttentionInput<T>&, const FactoredLayer<T>&, \
+                                                const AttentionOutput<T>&, void*, std::size_t,     \
+                                                Stream);
+EMFLOW_CUDA_FACTORED_EXTERN(bfloat16)
+EMFLOW_CUDA_FACTORED_EXTERN(float16)
+#undef EMFLOW_CUDA_FACTORED_EXTERN
 
 /// Bytes of device workspace attend_partial_async needs (as attend_workspace_size).
 template <class T>

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "emflow/attention.hpp"
+#include "emflow/factored.hpp"
 #include "emflow/partial.hpp"
 
 namespace emflow::detail {
@@ -49,6 +50,21 @@ void check_shapes(const AttentionInput<T>& input, const AttentionOutput<T>& outp
 template <class T>
 void check_arguments(const AttentionInput<T>& input, const AttentionOutput<T>& output,
                      const char* operation);
+
+/// attend_factored's checks of its arguments under the name `operation`: the layer (heads, rank,
+/// the four factors), then check_arguments on the shapes, then no output sharing memory with an
+/// input, another output or the workspace (when given). Reads the key lengths when they are
+/// given (a device caller passes them as null).
+template <class T>
+void check_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                    const AttentionOutput<T>& output, const char* operation,
+                    const void* workspace = nullptr, std::size_t workspace_bytes = 0);
+
+/// Blocking CUDA path of attend_factored on host arrays of 16-bit T (kernels/, or a stub without
+/// CUDA): copies to the device, runs cuda::attend_factored_async, copies back.
+template <class T>
+void cuda_attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                          const AttentionOutput<T>& output);
 
 /// Throws ErrorCode::unsupported unless `input` is self-attention without query lengths or
 /// positions: for a backend that does not implement cross-attention yet.

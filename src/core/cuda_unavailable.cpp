@@ -20,6 +20,19 @@ void cuda_attend_partial(const AttentionInput<T>&, const PartialOutput<T>&) {
        "attend_partial: emflow was built without CUDA (EMFLOW_WITH_CUDA=OFF)");
 }
 
+template <class T>
+void cuda_attend_factored(const AttentionInput<T>&, const FactoredLayer<T>&,
+                          const AttentionOutput<T>&) {
+  fail(ErrorCode::unsupported,
+       "attend_factored: emflow was built without CUDA (EMFLOW_WITH_CUDA=OFF)");
+}
+
+template void cuda_attend_factored<bfloat16>(const AttentionInput<bfloat16>&,
+                                             const FactoredLayer<bfloat16>&,
+                                             const AttentionOutput<bfloat16>&);
+template void cuda_attend_factored<float16>(const AttentionInput<float16>&,
+                                            const FactoredLayer<float16>&,
+                                            const AttentionOutput<float16>&);
 template void cuda_attend_partial<float>(const AttentionInput<float>&, const PartialOutput<float>&);
 template void cuda_attend_partial<double>(const AttentionInput<double>&,
                                           const PartialOutput<double>&);

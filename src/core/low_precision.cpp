@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -206,6 +207,24 @@ Device resolve_16bit_device(Device requested, const char* op) {
 }
 
 template <class T>
+Device resolve_16bit_factored_device(Device requested, const FactoredLayer<T>& layer,
+                                     const AttentionOutput<T>& output, const char* op) {
+  std::string reason;
+  if (requested == Device::cuda) {
+    if (!cuda_device_available(&reason)) {
+      fail(ErrorCode::unsupported, op, ": device 'cuda' requested but unavailable: ", reason);
+    }
+    return Device::cuda;
+  }
+  if (requested == Device::automatic) {
+    // The tensor-core path's limits (kernels/tc_factored.cu): elsewhere the CPU computes.
+    const bool fits = output.entropy == nullptr && output.weights == nullptr && layer.rank <= 256;
+    return fits && cuda_device_available(&reason) ? Device::cuda : Device::cpu;
+  }
+  return requested;
+}
+
+template <class T>
 void attend_16bit(const AttentionInput<T>& in, const AttentionOutput<T>& out, Device device,
                   int threads) {
   if (device == Device::reference) {
@@ -229,6 +248,12 @@ template void check_precision<float>(const ExecutionOptions&, Device, const char
 template void check_precision<double>(const ExecutionOptions&, Device, const char*);
 template void check_precision<bfloat16>(const ExecutionOptions&, Device, const char*);
 template void check_precision<float16>(const ExecutionOptions&, Device, const char*);
+template Device resolve_16bit_factored_device<bfloat16>(Device, const FactoredLayer<bfloat16>&,
+                                                        const AttentionOutput<bfloat16>&,
+                                                        const char*);
+template Device resolve_16bit_factored_device<float16>(Device, const FactoredLayer<float16>&,
+                                                       const AttentionOutput<float16>&,
+                                                       const char*);
 template void attend_16bit<bfloat16>(const AttentionInput<bfloat16>&,
                                      const AttentionOutput<bfloat16>&, Device, int);
 template void attend_16bit<float16>(const AttentionInput<float16>&, const AttentionOutput<float16>&,

@@ -18,6 +18,13 @@ void check_precision(const ExecutionOptions& options, Device device, const char*
 /// and ErrorCode::unsupported for cuda.
 Device resolve_16bit_device(Device requested, const char* operation);
 
+/// The device a 16-bit attend_factored call runs on: cuda when requested (ErrorCode::unsupported
+/// without a usable device) and for automatic when a device exists and the tensor-core path
+/// computes what `output` asks (no entropy, no weights, rank <= 256); else cpu or reference.
+template <class T>
+Device resolve_16bit_factored_device(Device requested, const FactoredLayer<T>& layer,
+                                     const AttentionOutput<T>& output, const char* operation);
+
 /// emflow::attend for 16-bit T on validated input, on Device::cpu or Device::reference.
 template <class T>
 void attend_16bit(const AttentionInput<T>& input, const AttentionOutput<T>& output, Device device,

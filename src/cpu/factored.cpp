@@ -23,26 +23,31 @@ namespace {
 
 constexpr const char* kOperation = "attend_factored";
 
+}  // namespace
+
+namespace detail {
+
 template <class T>
-void validate_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
-                       const AttentionOutput<T>& output) {
+void check_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                    const AttentionOutput<T>& output, const char* operation, const void* workspace,
+                    std::size_t workspace_bytes) {
   using detail::checked_multiply;
   using detail::expect_not_null;
   using detail::fail_argument;
   if (input.layer.relevance != nullptr || input.layer.content != nullptr ||
       input.layer.key_bias != nullptr || input.layer.offset != nullptr) {
-    fail_argument(kOperation, "input.layer",
+    fail_argument(operation, "input.layer",
                   "must be empty (null pointers): the operators come from 'layer'");
   }
-  detail::expect_positive(kOperation, "heads", layer.heads);
-  detail::expect_positive(kOperation, "rank", layer.rank);
-  expect_not_null(kOperation, "query_factor", layer.query_factor);
-  expect_not_null(kOperation, "key_factor", layer.key_factor);
-  expect_not_null(kOperation, "content_up", layer.content_up);
-  expect_not_null(kOperation, "content_down", layer.content_down);
+  detail::expect_positive(operation, "heads", layer.heads);
+  detail::expect_positive(operation, "rank", layer.rank);
+  expect_not_null(operation, "query_factor", layer.query_factor);
+  expect_not_null(operation, "key_factor", layer.key_factor);
+  expect_not_null(operation, "content_up", layer.content_up);
+  expect_not_null(operation, "content_down", layer.content_down);
   if (input.dim >= 1) {
-    checked_multiply(kOperation, "query_factor",
-                     checked_multiply(kOperation, "query_factor", layer.heads, layer.rank),
+    checked_multiply(operation, "query_factor",
+                     checked_multiply(operation, "query_factor", layer.heads, layer.rank),
                      input.dim);
   }
   // Everything else (sizes, cloud, beta, mask, key lengths, outputs) as for emflow::attend; the
@@ -51,7 +56,7 @@ void validate_factored(const AttentionInput<T>& input, const FactoredLayer<T>& l
   shape.layer.heads = layer.heads;
   shape.layer.relevance = layer.query_factor;
   shape.layer.content = layer.content_down;
-  detail::check_arguments(shape, output, kOperation);
+  detail::check_arguments(shape, output, operation);
   // No output may share memory with the factors (sizes fit: checked above).
   const auto B = static_cast<std::size_t>(input.batch);
   const auto N = static_cast<std::size_t>(input.tokens);
@@ -75,9 +80,24 @@ void validate_factored(const AttentionInput<T>& input, const FactoredLayer<T>& l
       {"lse", output.lse, B * H * Nq * sizeof(Stat<T>), true},
       {"entropy", output.entropy, B * H * Nq * sizeof(Stat<T>), true},
       {"weights", output.weights, B * H * Nq * N * sizeof(Stat<T>), true},
+      {"workspace", workspace, workspace_bytes, true},
   };
-  detail::check_disjoint(ranges, sizeof ranges / sizeof ranges[0], kOperation);
+  detail::check_disjoint(ranges, sizeof ranges / sizeof ranges[0], operation);
 }
+
+#define EMFLOW_CHECK_FACTORED(T)                                                       \
+  template void check_factored<T>(const AttentionInput<T>&, const FactoredLayer<T>&,   \
+                                  const AttentionOutput<T>&, const char*, const void*, \
+                                  std::size_t);
+EMFLOW_CHECK_FACTORED(float)
+EMFLOW_CHECK_FACTORED(double)
+EMFLOW_CHECK_FACTORED(bfloat16)
+EMFLOW_CHECK_FACTORED(float16)
+#undef EMFLOW_CHECK_FACTORED
+
+}  // namespace detail
+
+namespace {
 
 /// M_h = A_h^T B_h and F_h = U_h V_h in double, with the key bias and offset, as a dense layer.
 template <class T>
@@ -259,14 +279,19 @@ void attend_factored_host(const AttentionInput<T>& input, const FactoredLayer<T>
 template <class T>
 void attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
                      const AttentionOutput<T>& output, const ExecutionOptions& options) {
-  validate_factored(input, layer, output);
+  detail::check_factored(input, layer, output, kOperation);
   if (options.threads < 0) {
     detail::fail_argument(kOperation, "threads", "must be >= 0, got ", options.threads);
   }
   if constexpr (is_16bit_v<T>) {
-    const Device device = detail::resolve_16bit_device(options.device, kOperation);
+    const Device device =
+        detail::resolve_16bit_factored_device(options.device, layer, output, kOperation);
     detail::check_precision<T>(options, device, kOperation);
-    detail::attend_factored_16bit(input, layer, output, device, options.threads);
+    if (device == Device::cuda) {
+      detail::cuda_attend_factored(input, layer, output);
+    } else {
+      detail::attend_factored_16bit(input, layer, output, device, options.threads);
+    }
   } else {
     const Device device = resolve_device(options.device);
     detail::check_precision<T>(options, device, kOperation);

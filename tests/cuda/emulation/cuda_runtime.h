@@ -299,7 +299,8 @@ inline cudaError_t emu_allocate(void** p, std::size_t bytes, cudaMemoryType type
               -1, 0);
     if (*p == MAP_FAILED) *p = nullptr;
   } else {
-    *p = std::malloc(bytes == 0 ? 1 : bytes);
+    // cudaMalloc's alignment (256 bytes), which the workspace checks require.
+    if (posix_memalign(p, 256, bytes == 0 ? 1 : bytes) != 0) *p = nullptr;
     // Fresh memory is poisoned, so reads of unwritten workspace show up as NaN.
     if (*p != nullptr) std::memset(*p, 0xff, bytes);
   }

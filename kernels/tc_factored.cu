@@ -1,0 +1,266 @@
+// cuda::attend_factored_async for bfloat16 and float16 (emflow/cuda.hpp): the factored layer
+// (emflow/factored.hpp) on the tensor-core attention (tc_attention.cu).
+//
+//   1. project: per head, Q_h = A_h Y^T, K_h = B_h X^T, V_h = V_h X^T, accumulated in float32 and
+//      rounded to T (the kernel's inputs are 16-bit), and the key bias terms u_h^T x_j in float32
+//      (the kernel adds them to <q, k> before the scale, as s_ij = beta (<A x_i, B x_j> + u^T x_j)
+//      asks);
+//   2. the tensor-core attention in rank r with scale beta log2(e) and lse;
+//   3. combine: update_i = sum_h U_h o_h,i + c in float32 over heads in order, rounded once to T,
+//      for a query that sees a key (lse > -inf); 0 for a padding query. lse is transposed from
+//      the kernel's (heads, batch, queries) to the public (batch, heads, queries).
+//
+// The projections are plain element-wise products: r and d are small next to N, and the
+// attention dominates from a few hundred tokens on.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "attend_plan.hpp"
+#include "core/backends.hpp"
+#include "core/check.hpp"
+#include "core/queries.hpp"
+#include "cuda_support.hpp"
+#include "emflow/cuda.hpp"
+#include "emflow/precision.hpp"
+#include "launch.cuh"
+#include "tc_attention.hpp"
+
+namespace emflow::detail {
+
+namespace {
+
+__device__ __forceinline__ void store(bfloat16* p, float v) { *p = to_bfloat16(v); }
+__device__ __forceinline__ void store(float16* p, float v) { *p = to_float16(v); }
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+
+/// out[h, row, c] = sum_k W[h, c, k] x[row, k] for rows of (rows, dim), W of (heads, rank, dim).
+template <class T, class Out>
+__global__ void project_kernel(const T* weights, const T* x, Out* out, int heads, int rows, int dim,
+                               int rank) {
+  const std::size_t total = static_cast<std::size_t>(heads) * rows * rank;
+  for (std::size_t index = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+       index < total; index += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const int c = static_cast<int>(index % rank);
+    const std::size_t head_row = index / rank;
+    const int row = static_cast<int>(head_row % rows);
+    const int h = static_cast<int>(head_row / rows);
+    const T* const w = weights + (static_cast<std::size_t>(h) * rank + c) * dim;
+    const T* const xr = x + static_cast<std::size_t>(row) * dim;
+    float sum = 0.f;
+    for (int k = 0; k < dim; ++k) sum += to_float(w[k]) * to_float(xr[k]);
+    store(out + index, sum);
+  }
+}
+
+struct CombineArgs {
+  const float* heads_out = nullptr;  ///< (heads, batch, queries, rank)
+  const float* lse = nullptr;        ///< (heads, batch, queries)
+  float* lse_out = nullptr;          ///< (batch, heads, queries) or null
+  int heads = 1, batch = 1, queries = 1, dim = 1, rank = 1;
+};
+
+template <class T>
+__global__ void combine_kernel(const CombineArgs args, const T* up, const T* offset, T* update) {
+  const int H = args.heads, B = args.batch, Nq = args.queries, d = args.dim, r = args.rank;
+  for_each_token_element(B, Nq, d, [&](std::size_t index, int b, int i, int a) {
+    // Every head sees the same keys: head 0's lse says whether the query sees any.
+    const bool sees_key = !(args.lse[static_cast<std::size_t>(b) * Nq + i] == -INFINITY);
+    float sum = 0.f;
+    if (sees_key) {
+      for (int h = 0; h < H; ++h) {
+        const T* const u = up + (static_cast<std::size_t>(h) * d + a) * r;
+        const float* const o =
+            args.heads_out + ((static_cast<std::size_t>(h) * B + b) * Nq + i) * r;
+        for (int c = 0; c < r; ++c) sum += to_float(u[c]) * o[c];
+      }
+      if (offset != nullptr) sum += to_float(offset[a]);
+    }
+    store(update + index, sum);
+    if (a == 0 && args.lse_out != nullptr) {
+      for (int h = 0; h < H; ++h) {
+        args.lse_out[(static_cast<std::size_t>(b) * H + h) * Nq + i] =
+            args.lse[(static_cast<std::size_t>(h) * B + b) * Nq + i];
+      }
+    }
+  });
+}
+
+std::size_t aligned_bytes(std::size_t bytes) {
+  return (bytes + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment;
+}
+
+/// Where each array lives in the workspace (byte offsets, each aligned).
+struct FactoredLayout {
+  std::size_t query = 0, key = 0, value = 0, bias = 0, heads_out = 0, lse = 0, total = 0;
+};
+
+template <class T>
+FactoredLayout factored_layout(const AttentionInput<T>& input, const FactoredLayer<T>& layer) {
+  const auto H = static_cast<std::size_t>(layer.heads), r = static_cast<std::size_t>(layer.rank);
+  const auto B = static_cast<std::size_t>(input.batch);
+  const auto N = static_cast<std::size_t>(input.tokens);
+  const auto Nq = static_cast<std::size_t>(query_count(input));
+  FactoredLayout l;
+  std::size_t at = 0;
+  auto take = [&at](std::size_t bytes) {
+    const std::size_t here = at;
+    at += aligned_bytes(bytes);
+    return here;
+  };
+  l.query = take(H * B * Nq * r * sizeof(T));
+  l.key = take(H * B * N * r * sizeof(T));
+  l.value = take(H * B * N * r * sizeof(T));
+  l.bias = take(layer.key_bias != nullptr ? H * B * N * sizeof(float) : 0);
+  l.heads_out = take(H * B * Nq * r * sizeof(float));
+  l.lse = take(H * B * Nq * sizeof(float));
+  l.total = at;
+  return l;
+}
+
+/// The checks that read no device memory: the factored layer's own (with the lengths, which live
+/// on the device, left out), what this path computes, and the kernels' int limits.
+template <class T>
+void check_factored_async(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                          const AttentionOutput<T>& output, const char* operation,
+                          const void* workspace = nullptr, std::size_t workspace_bytes = 0) {
+  AttentionInput<T> shapes = input;
+  shapes.key_lengths = nullptr;
+  shapes.query_lengths = nullptr;
+  shapes.query_positions = nullptr;
+  check_factored(shapes, layer, output, operation, workspace, workspace_bytes);
+  if (output.entropy != nullptr) {
+    fail(ErrorCode::unsupported, operation,
+         ": output 'entropy' is not computed by the tensor-core path (leave it null, or use "
+         "device 'cpu')");
+  }
+  if (output.weights != nullptr) {
+    fail(ErrorCode::unsupported, operation,
+         ": output 'weights' is not computed by the tensor-core path (leave it null, or use "
+         "device 'cpu')");
+  }
+  if (layer.rank > kTcMaxDim) {
+    fail(ErrorCode::unsupported, operation, ": rank ", layer.rank,
+         " exceeds the tensor-core attention's limit of ", kTcMaxDim);
+  }
+  const std::int64_t longest = std::max(input.tokens, query_count(input));
+  // Sizes fit in int64 (check_shapes); the kernels index rows and tiles in int.
+  if (input.batch * layer.heads * longest * layer.rank > INT_MAX || longest > INT_MAX - 256 ||
+      input.dim > INT_MAX) {
+    fail(ErrorCode::unsupported, operation,
+         ": batch * heads * tokens * rank = ", input.batch * layer.heads * longest * layer.rank,
+         " exceeds the CUDA backend's limit of ", INT_MAX);
+  }
+}
+
+}  // namespace
+
+}  // namespace emflow::detail
+
+namespace emflow::cuda {
+
+template <class T>
+std::size_t attend_factored_workspace_size(const AttentionInput<T>& input,
+                                           const FactoredLayer<T>& layer,
+                                           const AttentionOutput<T>& output) {
+  emflow::detail::check_factored_async(input, layer, output, "attend_factored_workspace_size");
+  return emflow::detail::factored_layout(input, layer).total;
+}
+
+template <class T>
+void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                           const AttentionOutput<T>& output, void* workspace,
+                           std::size_t workspace_bytes, Stream stream) {
+  using namespace emflow::detail;
+  const char* const operation = "attend_factored_async";
+  const FactoredLayout l = factored_layout(input, layer);
+  check_factored_async(input, layer, output, operation, workspace, l.total);
+  const int device = current_device(operation);
+  const char* const names[] = {
+      "cloud",        "queries",    "key_lengths", "query_lengths", "query_positions",
+      "query_factor", "key_factor", "content_up",  "content_down",  "key_bias",
+      "offset",       "update",     "lse"};
+  const void* const arrays[] = {input.cloud,         input.queries,         input.key_lengths,
+                                input.query_lengths, input.query_positions, layer.query_factor,
+                                layer.key_factor,    layer.content_up,      layer.content_down,
+                                layer.key_bias,      layer.offset,          output.update,
+                                output.lse};
+  for (std::size_t k = 0; k < sizeof arrays / sizeof arrays[0]; ++k) {
+    expect_device_pointer(operation, names[k], arrays[k], device);
+  }
+  expect_workspace(operation, workspace, workspace_bytes, l.total, device);
+
+  const int B = static_cast<int>(input.batch), N = static_cast<int>(input.tokens);
+  const int Nq = static_cast<int>(query_count(input)), d = static_cast<int>(input.dim);
+  const int H = static_cast<int>(layer.heads), r = static_cast<int>(layer.rank);
+  auto* const base = static_cast<unsigned char*>(workspace);
+  T* const q = reinterpret_cast<T*>(base + l.query);
+  T* const k = reinterpret_cast<T*>(base + l.key);
+  T* const v = reinterpret_cast<T*>(base + l.value);
+  float* const bias = layer.key_bias != nullptr ? reinterpret_cast<float*>(base + l.bias) : nullptr;
+  float* const heads_out = reinterpret_cast<float*>(base + l.heads_out);
+  float* const lse = reinterpret_cast<float*>(base + l.lse);
+  const T* const queries = input.queries != nullptr ? input.queries : input.cloud;
+
+  const auto grid = [](std::int64_t total) { return grid_for(total); };
+  launch(operation, "project_kernel", project_kernel<T, T>, grid(std::int64_t{H} * B * Nq * r),
+         kElementwiseThreads, 0, stream, layer.query_factor, queries, q, H, B * Nq, d, r);
+  launch(operation, "project_kernel", project_kernel<T, T>, grid(std::int64_t{H} * B * N * r),
+         kElementwiseThreads, 0, stream, layer.key_factor, input.cloud, k, H, B * N, d, r);
+  launch(operation, "project_kernel", project_kernel<T, T>, grid(std::int64_t{H} * B * N * r),
+         kElementwiseThreads, 0, stream, layer.content_down, input.cloud, v, H, B * N, d, r);
+  if (bias != nullptr) {
+    launch(operation, "project_kernel", project_kernel<T, float>, grid(std::int64_t{H} * B * N),
+           kElementwiseThreads, 0, stream, layer.key_bias, input.cloud, bias, H, B * N, d, 1);
+  }
+
+  TcAttentionArgs args;
+  args.type = std::is_same_v<T, bfloat16> ? TcType::bf16 : TcType::f16;
+  args.query = q;
+  args.key = k;
+  args.value = v;
+  args.key_bias = bias;
+  args.scale = static_cast<float>(input.beta * 1.4426950408889634);
+  args.out = heads_out;
+  args.lse = lse;
+  args.batch = B;
+  args.heads = H;
+  args.tokens = N;
+  args.queries = Nq;
+  args.dim = r;
+  // Self-attention's queries are its keys: without query lengths they have the key lengths.
+  const std::int64_t* const query_lengths =
+      input.query_lengths != nullptr || input.queries != nullptr ? input.query_lengths
+                                                                 : input.key_lengths;
+  args.mask = KernelMask{input.mask,         input.key_lengths,    query_lengths,
+                         input.key_position, input.query_position, input.query_positions};
+  launch_tc_attention(args, stream, operation);
+
+  CombineArgs combine;
+  combine.heads_out = heads_out;
+  combine.lse = lse;
+  combine.lse_out = output.lse;
+  combine.heads = H;
+  combine.batch = B;
+  combine.queries = Nq;
+  combine.dim = d;
+  combine.rank = r;
+  launch(operation, "combine_kernel", combine_kernel<T>, grid(std::int64_t{B} * Nq * d),
+         kElementwiseThreads, 0, stream, combine, layer.content_up, layer.offset, output.update);
+}
+
+#define EMFLOW_INSTANTIATE(T)                                                               \
+  template std::size_t attend_factored_workspace_size<T>(                                   \
+      const AttentionInput<T>&, const FactoredLayer<T>&, const AttentionOutput<T>&);        \
+  template void attend_factored_async<T>(const AttentionInput<T>&, const FactoredLayer<T>&, \
+                                         const AttentionOutput<T>&, void*, std::size_t, Stream);
+EMFLOW_INSTANTIATE(bfloat16)
+EMFLOW_INSTANTIATE(float16)
+#undef EMFLOW_INSTANTIATE
+
+}  // namespace emflow::cuda

@@ -1,0 +1,383 @@
+// cuda::attend_factored_async and the blocking attend_factored on Device::cuda for bfloat16 and
+// float16 (the tensor-core path, kernels/tc_factored.cu), at awkward sizes (N = 1, 17, 130;
+// ranks and dims that leave part of a 16-wide step empty), masks none, causal and window, key
+// lengths, key bias, offset and lse. The accuracy rule (issue 16): against the double result of
+// the same rounded inputs, the error is at most twice the error of a naive implementation in the
+// same precision (projections in float rounded to the 16-bit type, then the naive attention of
+// tc_reference.hpp, the output projection in float, rounded to the 16-bit type), plus 1e-6; and
+// the result agrees with the CPU's 16-bit attend_factored within three times that error.
+// Outputs are poisoned (NaN) before each call. Skipped without a device; tests/cuda/emulation
+// runs them on the CPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <ostream>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "common/testing.hpp"
+#include "emflow/error.hpp"
+#include "emflow/factored.hpp"
+#include "emflow/precision.hpp"
+#include "emflow/types.hpp"
+
+#if defined(EMFLOW_WITH_CUDA)
+#include <cuda_runtime.h>
+
+#include "emflow/cuda.hpp"
+#include "tc_reference.hpp"
+
+namespace emflow::testing {
+namespace {
+
+struct FactoredCase {
+  const char* name;
+  TcType type;
+  int batch, heads, tokens, dim, rank;
+  Mask mask;
+  std::vector<std::int64_t> key_lengths;  // empty: all keys
+  bool bias, offset;
+};
+
+void PrintTo(const FactoredCase& c, std::ostream* os) { *os << c.name; }
+
+// The problem of one head's attention in rank r, as tc_reference.hpp reads it.
+struct HeadProblem {
+  TcType type;
+  int batch, heads, tokens, queries, dim;
+  Mask mask;
+  std::vector<std::int64_t> key_lengths;
+};
+
+template <class T>
+T stored(std::uint16_t bits) {
+  T t;
+  t.bits = bits;
+  return t;
+}
+
+struct Inputs {
+  Rounded x, a, b, v, u, bias, offset;  // X (B,N,d); A, B, V (H,r,d); U (H,d,r); u (H,d); c (d)
+  double beta = 1.0;
+};
+
+Inputs make_inputs(const FactoredCase& c) {
+  std::mt19937 random(77u + static_cast<unsigned>(c.tokens * 13 + c.dim + c.rank));
+  const auto B = static_cast<std::size_t>(c.batch), N = static_cast<std::size_t>(c.tokens);
+  const auto d = static_cast<std::size_t>(c.dim), H = static_cast<std::size_t>(c.heads);
+  const auto r = static_cast<std::size_t>(c.rank);
+  const float range = 1.7f / std::sqrt(static_cast<float>(d));  // projections of order one
+  Inputs in;
+  in.x = random_rounded(c.type, B * N * d, random);
+  in.a = random_rounded(c.type, H * r * d, random, range);
+  in.b = random_rounded(c.type, H * r * d, random, range);
+  in.v = random_rounded(c.type, H * r * d, random, range);
+  in.u = random_rounded(c.type, H * d * r, random, 1.7f / std::sqrt(static_cast<float>(r)));
+  if (c.bias) in.bias = random_rounded(c.type, H * d, random, range);
+  if (c.offset) in.offset = random_rounded(c.type, d, random, 0.5f);
+  in.beta = 2.0 / std::sqrt(static_cast<double>(r));
+  return in;
+}
+
+struct Expected {
+  std::vector<double> update, lse;  // update (B,N,d), lse (B,H,N)
+};
+
+// naive = false: in double. naive = true: as a straightforward 16-bit kernel would.
+Expected factored_attention(const FactoredCase& c, const Inputs& in, bool naive) {
+  const int B = c.batch, N = c.tokens, d = c.dim, H = c.heads, r = c.rank;
+  const HeadProblem head{c.type, B, H, N, N, r, c.mask, c.key_lengths};
+  // Per head, rows of X projected by W (H, rows_out, d): (H, B, N, rows_out); naive: in float,
+  // rounded to the 16-bit type when `round`. The double result is kept as the nearest float,
+  // far below the 16-bit errors tested.
+  auto project = [&](const Rounded& w, int rows_out, bool round) {
+    std::vector<float> out(static_cast<std::size_t>(H) * B * N * rows_out);
+    for (int h = 0; h < H; ++h) {
+      for (int row = 0; row < B * N; ++row) {
+        for (int k = 0; k < rows_out; ++k) {
+          float sum_f = 0.f;
+          double sum = 0.0;
+          for (int a = 0; a < d; ++a) {
+            const float wa = w.values[(static_cast<std::size_t>(h) * rows_out + k) * d + a];
+            const float xa = in.x.values[static_cast<std::size_t>(row) * d + a];
+            sum_f += wa * xa;
+            sum += static_cast<double>(wa) * xa;
+          }
+          out[(static_cast<std::size_t>(h) * B * N + row) * rows_out + k] =
+              naive ? (round ? round_to(c.type, sum_f) : sum_f) : static_cast<float>(sum);
+        }
+      }
+    }
+    return out;
+  };
+  const std::vector<float> q = project(in.a, r, true), k = project(in.b, r, true),
+                           v = project(in.v, r, true);
+  std::vector<float> bias;
+  if (c.bias) bias = project(in.bias, 1, false);
+  const float scale = static_cast<float>(in.beta * 1.4426950408889634);
+  const Result heads = attention(head, q, k, v, bias, scale, naive);
+
+  Expected e;
+  e.update.assign(static_cast<std::size_t>(B) * N * d, 0.0);
+  e.lse.assign(static_cast<std::size_t>(B) * H * N, 0.0);
+  for (int b = 0; b < B; ++b) {
+    for (int i = 0; i < N; ++i) {
+      for (int h = 0; h < H; ++h) {
+        e.lse[(static_cast<std::size_t>(b) * H + h) * N + i] =
+            heads.lse[(static_cast<std::size_t>(h) * B + b) * N + i];
+      }
+      if (std::isinf(heads.lse[static_cast<std::size_t>(b) * N + i])) continue;  // padding
+      for (int a = 0; a < d; ++a) {
+        double sum = 0.0;
+        float sum_f = 0.f;
+        for (int h = 0; h < H; ++h) {
+          const double* o = &heads.out[((static_cast<std::size_t>(h) * B + b) * N + i) * r];
+          for (int t = 0; t < r; ++t) {
+            const float up = in.u.values[(static_cast<std::size_t>(h) * d + a) * r + t];
+            sum += up * o[t];
+            sum_f += up * static_cast<float>(o[t]);
+          }
+        }
+        if (c.offset) {
+          sum += in.offset.values[static_cast<std::size_t>(a)];
+          sum_f += in.offset.values[static_cast<std::size_t>(a)];
+        }
+        e.update[static_cast<std::size_t>(b) * N * d + static_cast<std::size_t>(i) * d + a] =
+            naive ? round_to(c.type, sum_f) : sum;
+      }
+    }
+  }
+  return e;
+}
+
+template <class T>
+std::vector<T> as_type(const Rounded& r) {
+  std::vector<T> out;
+  for (std::uint16_t bits : r.bits) out.push_back(stored<T>(bits));
+  return out;
+}
+
+template <class T>
+struct HostProblem {
+  std::vector<T> x, a, b, u, v, bias, offset;
+  FactoredLayer<T> layer;
+  AttentionInput<T> input;
+
+  HostProblem(const FactoredCase& c, const Inputs& in)
+      : x(as_type<T>(in.x)),
+        a(as_type<T>(in.a)),
+        b(as_type<T>(in.b)),
+        u(as_type<T>(in.u)),
+        v(as_type<T>(in.v)),
+        bias(as_type<T>(in.bias)),
+        offset(as_type<T>(in.offset)) {
+    layer = {c.heads,
+             c.rank,
+             a.data(),
+             b.data(),
+             u.data(),
+             v.data(),
+             c.bias ? bias.data() : nullptr,
+             c.offset ? offset.data() : nullptr};
+    input.cloud = x.data();
+    input.batch = c.batch;
+    input.tokens = c.tokens;
+    input.dim = c.dim;
+    input.beta = in.beta;
+    input.mask = c.mask;
+    input.key_lengths = c.key_lengths.empty() ? nullptr : c.key_lengths.data();
+  }
+};
+
+template <class T>
+T poison() {
+  return stored<T>(std::is_same_v<T, bfloat16> ? 0x7FC0 : 0x7E00);
+}
+
+template <class T>
+std::vector<double> widened(const std::vector<T>& values) {
+  std::vector<double> out;
+  for (const T& value : values) out.push_back(to_float(value));
+  return out;
+}
+
+double max_difference(const std::vector<double>& got, const std::vector<double>& want) {
+  double e = 0.0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (std::isinf(want[i]) && got[i] == want[i]) continue;
+    e = std::max(e, std::abs(got[i] - want[i]));
+    if (std::isnan(got[i]) != std::isnan(want[i])) e = std::numeric_limits<double>::infinity();
+  }
+  return e;
+}
+
+template <class T>
+void check_case(const FactoredCase& c) {
+  const Inputs in = make_inputs(c);
+  const HostProblem<T> host(c, in);
+  const auto B = static_cast<std::size_t>(c.batch), N = static_cast<std::size_t>(c.tokens);
+  const auto d = static_cast<std::size_t>(c.dim), H = static_cast<std::size_t>(c.heads);
+  const auto r = static_cast<std::size_t>(c.rank);
+
+  // The stream-ordered call on device copies. The stream outlives the buffers and is destroyed
+  // on every path (a failed assertion returns early).
+  struct OwnedStream {
+    cudaStream_t stream = nullptr;
+    ~OwnedStream() {
+      if (stream != nullptr) cudaStreamDestroy(stream);
+    }
+  } owned;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&owned.stream, cudaStreamNonBlocking), cudaSuccess);
+  const cudaStream_t stream = owned.stream;
+  cuda::DeviceBuffer<T> dx(B * N * d), da(H * r * d), db(H * r * d), du(H * d * r), dv(H * r * d),
+      dbias(H * d), doffset(d), dupdate(B * N * d);
+  cuda::DeviceBuffer<float> dlse(B * H * N);
+  cuda::DeviceBuffer<std::int64_t> dlengths(B);
+  dx.copy_from_host(host.x.data(), host.x.size(), stream);
+  da.copy_from_host(host.a.data(), host.a.size(), stream);
+  db.copy_from_host(host.b.data(), host.b.size(), stream);
+  du.copy_from_host(host.u.data(), host.u.size(), stream);
+  dv.copy_from_host(host.v.data(), host.v.size(), stream);
+  if (c.bias) dbias.copy_from_host(host.bias.data(), host.bias.size(), stream);
+  if (c.offset) doffset.copy_from_host(host.offset.data(), host.offset.size(), stream);
+  if (!c.key_lengths.empty()) dlengths.copy_from_host(c.key_lengths.data(), B, stream);
+  const std::vector<T> poison_update(dupdate.size(), poison<T>());
+  const std::vector<float> poison_lse(dlse.size(), std::nanf(""));
+  dupdate.copy_from_host(poison_update.data(), poison_update.size(), stream);
+  dlse.copy_from_host(poison_lse.data(), poison_lse.size(), stream);
+  AttentionInput<T> input = host.input;
+  input.cloud = dx.data();
+  input.key_lengths = c.key_lengths.empty() ? nullptr : dlengths.data();
+  const FactoredLayer<T> layer{c.heads,
+                               c.rank,
+                               da.data(),
+                               db.data(),
+                               du.data(),
+                               dv.data(),
+                               c.bias ? dbias.data() : nullptr,
+                               c.offset ? doffset.data() : nullptr};
+  const AttentionOutput<T> output{dupdate.data(), dlse.data()};
+  const std::size_t bytes = cuda::attend_factored_workspace_size(input, layer, output);
+  cuda::DeviceBuffer<unsigned char> workspace(bytes);
+  cuda::attend_factored_async(input, layer, output, workspace.data(), bytes, stream);
+  std::vector<T> update(dupdate.size());
+  std::vector<float> lse(dlse.size());
+  dupdate.copy_to_host(update.data(), update.size(), stream);
+  dlse.copy_to_host(lse.data(), lse.size(), stream);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+
+  // The blocking form on the host arrays: the same kernels, so the same bits.
+  std::vector<T> blocking_update(update.size(), poison<T>());
+  std::vector<float> blocking_lse(lse.size(), std::nanf(""));
+  attend_factored(host.input, host.layer,
+                  AttentionOutput<T>{blocking_update.data(), blocking_lse.data()}, {Device::cuda});
+  for (std::size_t i = 0; i < update.size(); ++i) {
+    ASSERT_EQ(blocking_update[i].bits, update[i].bits) << c.name << ": update " << i;
+  }
+  for (std::size_t i = 0; i < lse.size(); ++i) {
+    ASSERT_EQ(std::isnan(blocking_lse[i]), std::isnan(lse[i])) << c.name << ": lse " << i;
+    if (!std::isnan(lse[i])) {
+      ASSERT_EQ(blocking_lse[i], lse[i]) << c.name << ": lse " << i;
+    }
+  }
+
+  // The CPU's 16-bit path on the same arrays.
+  std::vector<T> cpu_update(update.size(), poison<T>());
+  std::vector<float> cpu_lse(lse.size(), std::nanf(""));
+  attend_factored(host.input, host.layer, AttentionOutput<T>{cpu_update.data(), cpu_lse.data()},
+                  {Device::cpu});
+
+  const Expected exact = factored_attention(c, in, false);
+  const Expected naive = factored_attention(c, in, true);
+  const std::vector<double> got = widened(update), got_lse(lse.begin(), lse.end());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(got[i])) << c.name << ": update " << i;
+  }
+  for (std::size_t i = 0; i < got_lse.size(); ++i) {
+    if (std::isinf(exact.lse[i])) {
+      ASSERT_EQ(got_lse[i], exact.lse[i]) << c.name << ": lse of padding query " << i;
+    } else {
+      ASSERT_TRUE(std::isfinite(got_lse[i])) << c.name << ": lse " << i;
+    }
+  }
+  double magnitude = 0.0;
+  for (double x : exact.update) magnitude = std::max(magnitude, std::abs(x));
+  ASSERT_GT(magnitude, 0.05) << c.name << ": the updates must not be near zero";
+  const double naive_error = max_difference(naive.update, exact.update);
+  const double naive_lse_error = max_difference(naive.lse, exact.lse);
+  EXPECT_LE(max_difference(got, exact.update), 2.0 * naive_error + 1e-6)
+      << c.name << ": naive error " << naive_error;
+  EXPECT_LE(max_difference(got_lse, exact.lse), 2.0 * naive_lse_error + 1e-6)
+      << c.name << ": naive lse error " << naive_lse_error;
+  const std::vector<double> cpu = widened(cpu_update), cpu_lse_d(cpu_lse.begin(), cpu_lse.end());
+  EXPECT_LE(max_difference(got, cpu), 3.0 * naive_error + 1e-6) << c.name << ": against the CPU";
+  EXPECT_LE(max_difference(got_lse, cpu_lse_d), 3.0 * naive_lse_error + 1e-6)
+      << c.name << ": lse against the CPU";
+}
+
+class TcFactored : public ::testing::TestWithParam<FactoredCase> {};
+
+TEST_P(TcFactored, MatchesTheDoubleResultWithinTwiceTheNaiveErrorAndTheCpu) {
+  EMFLOW_REQUIRE_CUDA();
+  const FactoredCase& c = GetParam();
+  if (c.type == TcType::bf16) {
+    check_case<bfloat16>(c);
+  } else {
+    check_case<float16>(c);
+  }
+}
+
+const Mask kNone = Mask::none();
+const Mask kCausal = Mask::causal();
+const Mask kWindow5 = Mask::sliding_window(5);
+constexpr TcType kBf16 = TcType::bf16;
+constexpr TcType kF16 = TcType::f16;
+
+// name, type, batch, heads, tokens, dim, rank, mask, key lengths, key bias, offset
+INSTANTIATE_TEST_SUITE_P(
+    Cases, TcFactored,
+    ::testing::Values(
+        FactoredCase{"bf16_N1_d24_r16_none", kBf16, 1, 1, 1, 24, 16, kNone, {}, false, true},
+        FactoredCase{
+            "f16_N17_d40_r24_causal_bias", kF16, 2, 2, 17, 40, 24, kCausal, {17, 9}, true, true},
+        FactoredCase{
+            "bf16_N17_d32_r40_window5_len", kBf16, 2, 1, 17, 32, 40, kWindow5, {5, 0}, true, false},
+        FactoredCase{"f16_N130_d48_r32_none_len", kF16, 1, 2, 130, 48, 32, kNone, {97}, true, true},
+        FactoredCase{
+            "bf16_N130_d20_r8_causal", kBf16, 1, 1, 130, 20, 8, kCausal, {}, false, false}),
+    [](const ::testing::TestParamInfo<FactoredCase>& info) {
+      return std::string(info.param.name);
+    });
+
+// The tensor-core path computes neither entropy nor weights: refused by name before any device
+// work (these checks run without a device).
+TEST(TcFactoredRefusals, EntropyAndWeightsAreUnsupportedByName) {
+  const FactoredCase c{"refusal", kBf16, 1, 1, 3, 4, 2, kNone, {}, false, false};
+  const Inputs in = make_inputs(c);
+  const HostProblem<bfloat16> host(c, in);
+  std::vector<bfloat16> update(12);
+  std::vector<float> stats(3), weights(9);
+  const auto refusal = [&](const AttentionOutput<bfloat16>& output) {
+    try {
+      unsigned char workspace[256];
+      cuda::attend_factored_async(host.input, host.layer, output, workspace, sizeof workspace,
+                                  nullptr);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::unsupported) << e.what();
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_NE(refusal({update.data(), nullptr, stats.data()}).find("'entropy'"), std::string::npos);
+  EXPECT_NE(refusal({update.data(), nullptr, nullptr, weights.data()}).find("'weights'"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace emflow::testing
+#endif

@@ -1,0 +1,140 @@
+// The host side of the tensor-core attention tests (tc_attention_test.cpp, tc_factored_test.cpp):
+// 16-bit random inputs, and the attention of one problem in double or as a naive kernel in the
+// same precision would compute it, for the accuracy rule of issue 16. A problem (`Case`) has
+// the fields type, batch, heads, tokens, queries, dim, mask and key_lengths (empty: all keys;
+// else also the query lengths); arrays are (heads, batch, rows, dim).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "emflow/precision.hpp"
+#include "emflow/types.hpp"
+#include "kernels/tc_attention.hpp"
+
+namespace emflow::testing {
+
+using detail::TcType;
+
+struct Rounded {
+  std::vector<std::uint16_t> bits;  // as stored
+  std::vector<float> values;        // the same values in float
+};
+
+// `count` values uniform in [-range, range], rounded to `type`.
+inline Rounded random_rounded(TcType type, std::size_t count, std::mt19937& random,
+                              float range = 1.f) {
+  std::uniform_real_distribution<float> uniform(-range, range);
+  Rounded r;
+  for (std::size_t i = 0; i < count; ++i) {
+    const float v = uniform(random);
+    if (type == TcType::bf16) {
+      r.bits.push_back(to_bfloat16(v).bits);
+      r.values.push_back(to_float(bfloat16{r.bits.back()}));
+    } else {
+      r.bits.push_back(to_float16(v).bits);
+      r.values.push_back(to_float(float16{r.bits.back()}));
+    }
+  }
+  return r;
+}
+
+inline float round_to(TcType type, float v) {
+  return type == TcType::bf16 ? to_float(to_bfloat16(v)) : to_float(to_float16(v));
+}
+
+struct Result {
+  std::vector<double> out, lse;
+};
+
+// The visible keys of query i of cloud b, as the kernel's mask (self-attention with query
+// lengths equal to the key lengths, or all queries against all keys, aligned to the end).
+template <class Case>
+KeyRange visible(const Case& c, int b, int i) {
+  const std::int64_t keys = c.key_lengths.empty() ? c.tokens : c.key_lengths[b];
+  const std::int64_t queries = c.key_lengths.empty() ? c.queries : c.key_lengths[b];
+  if (i >= queries) return {0, 0};
+  return c.mask.visible_keys_at(keys - queries + i, 0, keys);
+}
+
+// naive = false: in double. naive = true: float scores, exponentials and sums; the normalised
+// probabilities rounded to the storage type; float products with V.
+template <class Case>
+Result attention(const Case& c, const std::vector<float>& q, const std::vector<float>& k,
+                 const std::vector<float>& v, const std::vector<float>& bias, float scale,
+                 bool naive) {
+  const int d = c.dim, N = c.tokens, Nq = c.queries;
+  Result r;
+  r.out.assign(static_cast<std::size_t>(c.heads) * c.batch * Nq * d, 0.0);
+  r.lse.assign(static_cast<std::size_t>(c.heads) * c.batch * Nq,
+               -std::numeric_limits<double>::infinity());
+  for (int h = 0; h < c.heads; ++h) {
+    for (int b = 0; b < c.batch; ++b) {
+      const std::size_t hb = static_cast<std::size_t>(h) * c.batch + b;
+      for (int i = 0; i < Nq; ++i) {
+        const KeyRange keys = visible(c, b, i);
+        if (keys.empty()) continue;
+        std::vector<double> s;
+        for (std::int64_t j = keys.first; j < keys.last; ++j) {
+          const float* qi = &q[(hb * Nq + i) * d];
+          const float* kj = &k[(hb * N + j) * d];
+          const double beta = bias.empty() ? 0.0 : bias[hb * N + j];
+          if (naive) {
+            float dot = 0.f;
+            for (int a = 0; a < d; ++a) dot += qi[a] * kj[a];
+            s.push_back(scale * (dot + static_cast<float>(beta)));
+          } else {
+            double dot = 0.0;
+            for (int a = 0; a < d; ++a) dot += static_cast<double>(qi[a]) * kj[a];
+            s.push_back(static_cast<double>(scale) * (dot + beta));
+          }
+        }
+        const double m = *std::max_element(s.begin(), s.end());
+        std::vector<double> w;
+        double sum = 0.0;
+        float sum_f = 0.f;
+        for (double x : s) {
+          if (naive) {
+            w.push_back(std::exp2(static_cast<float>(x) - static_cast<float>(m)));
+            sum_f += static_cast<float>(w.back());
+          } else {
+            w.push_back(std::exp2(x - m));
+            sum += w.back();
+          }
+        }
+        double* out = &r.out[(hb * Nq + i) * d];
+        for (int a = 0; a < d; ++a) {
+          double acc = 0.0;
+          float acc_f = 0.f;
+          for (std::size_t t = 0; t < w.size(); ++t) {
+            const float value = v[(hb * N + keys.first + static_cast<std::int64_t>(t)) * d + a];
+            if (naive) {
+              acc_f += round_to(c.type, static_cast<float>(w[t]) / sum_f) * value;
+            } else {
+              acc += w[t] * value;
+            }
+          }
+          out[a] = naive ? acc_f : acc / sum;
+        }
+        r.lse[hb * Nq + i] = naive ? (static_cast<float>(m) + std::log2(sum_f)) * 0.6931472f
+                                   : (m + std::log2(sum)) * std::log(2.0);
+      }
+    }
+  }
+  return r;
+}
+
+inline double max_error(const std::vector<double>& got, const std::vector<double>& want) {
+  double e = 0.0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (std::isinf(want[i])) continue;  // -inf lse of a padding query: checked exactly
+    e = std::max(e, std::abs(got[i] - want[i]));
+  }
+  return e;
+}
+
+}  // namespace emflow::testing
