@@ -82,17 +82,7 @@ void run(const FlowArguments& args, Dtype dtype, distributed::Communicator& comm
       }
       if (N < 2) fail_option("--x", "'", args.cloud, "' has ", N, " tokens, expected at least 2");
     } else {
-      if (args.tokens < 2) fail_option("--tokens", "must be >= 2, got ", args.tokens);
-      if (args.dim < 1) fail_option("--dim", "must be >= 1, got ", args.dim);
-      if (args.batch < 1) fail_option("--batch", "must be >= 1, got ", args.batch);
-      const flow::InitialCloud init = flow::parse_initial_cloud(args.init, "--init");
-      if (init == flow::InitialCloud::orthonormal && args.tokens > args.dim) {
-        fail_option("--init", "orthonormal needs --tokens <= --dim, got ", args.tokens, " > ",
-                    args.dim);
-      }
-      expect_product_at_most(
-          {{"--batch", args.batch}, {"--tokens", args.tokens}, {"--dim", args.dim}},
-          std::int64_t{1} << 31, "values of the generated clouds");
+      const flow::InitialCloud init = check_generated_cloud(args);
       B = args.batch;
       N = args.tokens;
       d = args.dim;

@@ -17,6 +17,20 @@ bool is_generated(const std::string& text) {
   return text == "identity" || text == "minus-identity" || text == "random";
 }
 
+flow::InitialCloud check_generated_cloud(const FlowArguments& args) {
+  if (args.tokens < 2) fail_option("--tokens", "must be >= 2, got ", args.tokens);
+  if (args.dim < 1) fail_option("--dim", "must be >= 1, got ", args.dim);
+  if (args.batch < 1) fail_option("--batch", "must be >= 1, got ", args.batch);
+  const flow::InitialCloud init = flow::parse_initial_cloud(args.init, "--init");
+  if (init == flow::InitialCloud::orthonormal && args.tokens > args.dim) {
+    fail_option("--init", "orthonormal needs --tokens <= --dim, got ", args.tokens, " > ",
+                args.dim);
+  }
+  expect_product_at_most({{"--batch", args.batch}, {"--tokens", args.tokens}, {"--dim", args.dim}},
+                         std::int64_t{1} << 31, "values of the generated clouds");
+  return init;
+}
+
 std::vector<double> parse_betas(const std::string& text, std::int64_t batch) {
   std::vector<double> betas;
   std::stringstream in(text);

@@ -47,6 +47,10 @@ struct FlowArguments {
 /// Is `text` the name of a generated operator (identity, minus-identity, random)?
 bool is_generated(const std::string& text);
 
+/// The kind of generated cloud, after checking --tokens, --dim, --batch and --init (without
+/// --x), each named when wrong.
+flow::InitialCloud check_generated_cloud(const FlowArguments& args);
+
 /// "1", or "0.5,1,2" (one per cloud).
 std::vector<double> parse_betas(const std::string& text, std::int64_t batch);
 

@@ -295,8 +295,7 @@ flow::FlowResult<T> run_flow(Communicator& comm, const T* shard_rows, std::int64
   std::vector<flow::detail::LayerView<T>> views;
   for (const flow::FlowLayer<T>& layer : layers) views.push_back(flow::detail::host_view(layer));
   ops->record_into(betas, settings.cluster_eps, result.times.size());
-  flow::detail::run_recorded(*ops, state.data(), views, betas, settings, result, progress,
-                             tokens);
+  flow::detail::run_recorded(*ops, state.data(), views, betas, settings, result, progress, tokens);
   ops->finish(result);
   if (comm.rank() == 0) result.trajectory = std::move(whole);
   return result;
