@@ -21,7 +21,9 @@
 
 // GCC 12's AVX-512 reductions start from _mm512_undefined_ps(), which -Wmaybe-uninitialized
 // reports inside every caller: a false positive of the intrinsic headers.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 #include <algorithm>
 #include <cmath>
