@@ -136,23 +136,32 @@ inline float horizontal_sum(Vec v) {
   return lanes[0];
 }
 
+/// The constants of Cephes' expf, for exp_nonpositive below and for the AVX512-BF16 kernel's
+/// exp (attend_bf16.cpp), which is compiled for its own target and cannot call this one: inputs
+/// below kExpLowest give 0; x = n ln2 + r with ln2 = kExpLn2High + kExpLn2Low in two parts so
+/// that n ln2 is exact; exp(r) = 1 + r + r^2 P(r), the coefficients of P highest first.
+inline constexpr float kExpLowest = -87.33654f;
+inline constexpr float kExpLog2e = 1.44269504088896341f;
+inline constexpr float kExpLn2High = 0.693359375f;
+inline constexpr float kExpLn2Low = -2.12194440e-4f;
+inline constexpr int kExpTerms = 6;
+inline constexpr float kExpPolynomial[kExpTerms] = {1.9875691500e-4f, 1.3981999507e-3f,
+                                                    8.3334519073e-3f, 4.1665795894e-2f,
+                                                    1.6666665459e-1f, 5.0000001201e-1f};
+
 /// exp(x) for x <= 0, including -inf; results below FLT_MIN (x < -87.3) are flushed to 0, so a
 /// masked score gives a weight of exactly 0. Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2,
 /// exp(r) by a degree-7 polynomial, 2^n built in the exponent bits. Relative error ~2 ulp.
 inline Vec exp_nonpositive(Vec x) {
-  const Vec lowest = splat(-87.33654f);
+  const Vec lowest = splat(kExpLowest);
   const Vec xc = x < lowest ? lowest : x;
   // Round x / ln2 to the nearest integer with the 1.5 * 2^23 trick (exact for |t| < 2^22).
   const Vec magic = splat(12582912.0f);
-  const Vec n = (xc * splat(1.44269504088896341f) + magic) - magic;
-  Vec r = fma(n, splat(-0.693359375f), xc);  // ln2 in two parts so n * ln2 is exact
-  r = fma(n, splat(2.12194440e-4f), r);
-  Vec p = splat(1.9875691500e-4f);
-  p = fma(p, r, splat(1.3981999507e-3f));
-  p = fma(p, r, splat(8.3334519073e-3f));
-  p = fma(p, r, splat(4.1665795894e-2f));
-  p = fma(p, r, splat(1.6666665459e-1f));
-  p = fma(p, r, splat(5.0000001201e-1f));
+  const Vec n = (xc * splat(kExpLog2e) + magic) - magic;
+  Vec r = fma(n, splat(-kExpLn2High), xc);
+  r = fma(n, splat(-kExpLn2Low), r);
+  Vec p = splat(kExpPolynomial[0]);
+  for (int i = 1; i < kExpTerms; ++i) p = fma(p, r, splat(kExpPolynomial[i]));
   p = fma(p, r * r, r) + splat(1.0f);
   const VecInt exponent = (__builtin_convertvector(n, VecInt) + 127) << 23;
   const Vec scale = (Vec)exponent;  // the same bits read as floats
