@@ -13,6 +13,7 @@
 // every task it needs finished, and its thread is running it, not waiting.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -46,11 +47,10 @@ class PhasedTasks {
   Task next() {
     const std::int64_t claimed = next_.fetch_add(1, std::memory_order_relaxed);
     if (claimed >= total_) return {};
-    int phase = 0;
-    while (claimed >=
-           first_[static_cast<std::size_t>(phase)] + sizes_[static_cast<std::size_t>(phase)]) {
-      ++phase;
-    }
+    // The last phase starting at or before the task (empty phases share their successor's start).
+    const int phase =
+        static_cast<int>(std::upper_bound(first_.begin(), first_.end(), claimed) - first_.begin()) -
+        1;
     const int need = needs_[static_cast<std::size_t>(phase)];
     if (need >= 0) wait(need);
     return {phase, claimed - first_[static_cast<std::size_t>(phase)]};
