@@ -94,11 +94,7 @@ class DistributedAttendCliCases : public DistributedAttendCli,
                                   public ::testing::WithParamInterface<Case> {};
 
 TEST_P(DistributedAttendCliCases, SameFilesAsOneProcess) {
-  if (GetParam().float64) {
-    check<double>(GetParam());
-  } else {
-    check<float>(GetParam());
-  }
+  in_precision(GetParam().float64, [&](auto zero) { check<decltype(zero)>(GetParam()); });
 }
 
 std::vector<Case> cases() {

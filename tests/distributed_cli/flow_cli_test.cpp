@@ -128,11 +128,7 @@ class DistributedFlowCliCases : public DistributedFlowCli,
                                 public ::testing::WithParamInterface<Case> {};
 
 TEST_P(DistributedFlowCliCases, SameFilesAsOneProcess) {
-  if (GetParam().float64) {
-    check<double>(GetParam());
-  } else {
-    check<float>(GetParam());
-  }
+  in_precision(GetParam().float64, [&](auto zero) { check<decltype(zero)>(GetParam()); });
 }
 
 std::vector<Case> cases() {
