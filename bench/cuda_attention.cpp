@@ -77,6 +77,16 @@ double timed(cudaStream_t stream, const Event& start, const Event& stop, Enqueue
   return static_cast<double>(milliseconds) * 1e-3;
 }
 
+// Two untimed calls; false, with the benchmark marked as failed, when the device reports an
+// error.
+template <class Enqueue>
+bool warmed_up(benchmark::State& state, cudaStream_t stream, Enqueue&& enqueue) {
+  for (int warm = 0; warm < 2; ++warm) enqueue();
+  if (cudaStreamSynchronize(stream) == cudaSuccess) return true;
+  state.SkipWithError("the warm-up run failed on the device");
+  return false;
+}
+
 // Uniform values in [-scale, scale) from a xorshift generator: fast enough for 10^8 values.
 std::vector<float> random_values(std::size_t count, std::uint64_t seed, float scale) {
   std::vector<float> values(count);
@@ -154,11 +164,7 @@ void run_attention(benchmark::State& state, Algorithm algorithm) {
     auto enqueue = [&] {
       emflow::cuda::attend_async(input, output, workspace.data(), bytes, stream.handle, algorithm);
     };
-    for (int warm = 0; warm < 2; ++warm) enqueue();
-    if (cudaStreamSynchronize(stream.handle) != cudaSuccess) {
-      state.SkipWithError("the warm-up run failed on the device");
-      return;
-    }
+    if (!warmed_up(state, stream.handle, enqueue)) return;
     std::size_t turn = 0;
     for (auto _ : state) {
       input.cloud = clouds[++turn % copies].data();
@@ -261,11 +267,7 @@ void BM_Decode(benchmark::State& state) {
     auto enqueue = [&] {
       emflow::cuda::attend_async(input, output, workspace.data(), bytes, stream.handle);
     };
-    for (int warm = 0; warm < 2; ++warm) enqueue();
-    if (cudaStreamSynchronize(stream.handle) != cudaSuccess) {
-      state.SkipWithError("the warm-up run failed on the device");
-      return;
-    }
+    if (!warmed_up(state, stream.handle, enqueue)) return;
     std::size_t turn = 0;
     for (auto _ : state) {
       input.cloud = clouds[++turn % 2].data();

@@ -198,14 +198,9 @@ void AttentionPlan<T>::set_up(const AttentionInput<T>& shapes, Algorithm, bool q
                        splits_, operation);
   if (!query_device) return;
 
-  std::string reason;
-  if (!cuda_device_available(&reason)) {
-    fail(ErrorCode::unsupported, operation, ": no usable CUDA device: ", reason);
-  }
-  // The queries below read the last error on failure: one already pending is the caller's.
-  check_no_pending_error(operation);
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), operation, "cudaGetDevice");
+  // Refuses a pending error: the queries below read the last error on failure, so one already
+  // pending is the caller's.
+  const int device = current_device(operation);
   if (algorithm_ == Algorithm::fused) {
     int shared_limit = 0;
     check_cuda(

@@ -91,6 +91,30 @@ struct AttentionInput {
   const std::int64_t* query_positions = nullptr;
 };
 
+/// `input` over arrays of another element type U (for example its values widened or rounded to
+/// U): the given cloud, queries and layer, and every other field of `input` (shapes, beta, mask,
+/// positions, and the length arrays, which are shared, not copied).
+template <class U, class T>
+AttentionInput<U> with_arrays(const AttentionInput<T>& input, const U* cloud, const U* queries,
+                              const LayerOperators<U>& layer) {
+  AttentionInput<U> out;
+  out.cloud = cloud;
+  out.batch = input.batch;
+  out.tokens = input.tokens;
+  out.dim = input.dim;
+  out.layer = layer;
+  out.beta = input.beta;
+  out.mask = input.mask;
+  out.key_lengths = input.key_lengths;
+  out.queries = queries;
+  out.query_tokens = input.query_tokens;
+  out.query_lengths = input.query_lengths;
+  out.key_position = input.key_position;
+  out.query_position = input.query_position;
+  out.query_positions = input.query_positions;
+  return out;
+}
+
 /// True for the 16-bit storage types (bfloat16, float16).
 template <class T>
 inline constexpr bool is_16bit_v = std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>;

@@ -46,6 +46,7 @@ void run_attend(const AttendArguments& args, Dtype dtype, Precision precision) {
   // Fail before reading anything when the requested device is absent.
   naming_option("--device", [&] { return resolve_device(options.device); });
 
+  const LayerFiles layer_files{args.relevance, args.content, args.key_bias, args.offset};
   OutputFiles outputs;
   outputs.declare("--out", args.update);
   if (!args.lse.empty()) outputs.declare("--lse", args.lse);
@@ -53,10 +54,7 @@ void run_attend(const AttendArguments& args, Dtype dtype, Precision precision) {
   if (!args.weights.empty()) outputs.declare("--weights", args.weights);
   // An output over an input would replace it at the commit: refused, as a likely mistake.
   outputs.declare_input("--x", args.cloud);
-  outputs.declare_input("--m", args.relevance);
-  outputs.declare_input("--f", args.content);
-  outputs.declare_input("--key-bias", args.key_bias);
-  outputs.declare_input("--offset", args.offset);
+  layer_files.declare_inputs(outputs);
   outputs.declare_input("--key-lengths", args.key_lengths);
   outputs.declare_input("--queries", args.queries);
   outputs.declare_input("--query-lengths", args.query_lengths);
@@ -67,44 +65,11 @@ void run_attend(const AttendArguments& args, Dtype dtype, Precision precision) {
   const std::int64_t batch = batched ? cloud.extent(0) : 1;
   const std::int64_t tokens = cloud.extent(cloud.rank() - 2);
   const std::int64_t dim = cloud.extent(cloud.rank() - 1);
-  const std::string from_x = "(d = " + std::to_string(dim) + " from --x)";
-
-  // The operators: (d, d) is one head, (H, d, d) a layer of H heads.
-  const Tensor<T> relevance = read_float_input<T>("--m", args.relevance, dtype, "--x", 2, 3);
-  const std::int64_t heads = relevance.rank() == 3 ? relevance.extent(0) : 1;
-  if (relevance.extent(relevance.rank() - 1) != dim ||
-      relevance.extent(relevance.rank() - 2) != dim) {
-    fail_option("--m", "'", args.relevance, "' has shape ", to_string(relevance.shape()),
-                ", expected (", dim, ", ", dim, ") or (H, ", dim, ", ", dim, ") ", from_x);
-  }
-  const Tensor<T> content = read_float_input<T>("--f", args.content, dtype, "--x", 2, 3);
-  expect_shape("--f", args.content, content.shape(), relevance.shape(), "(the shape of --m)");
-
-  Tensor<T> key_bias, offset;
-  if (!args.key_bias.empty()) {
-    key_bias = read_float_input<T>("--key-bias", args.key_bias, dtype, "--x", 1, 2);
-    // One row per head; a single head may also give the bare vector (d).
-    if (!(heads == 1 && key_bias.shape() == Shape{dim})) {
-      expect_shape(
-          "--key-bias", args.key_bias, key_bias.shape(), {heads, dim},
-          heads == 1 ? "or (" + std::to_string(dim) + ",) " + from_x : "(H from --m, d from --x)");
-    }
-  }
-  if (!args.offset.empty()) {
-    offset = read_float_input<T>("--offset", args.offset, dtype, "--x", 1, 1);
-    expect_shape("--offset", args.offset, offset.shape(), {dim}, from_x);
-  }
+  const LayerArrays<T> layer = read_layer<T>(layer_files, dtype, dim);
+  const std::int64_t heads = layer.heads;
   Tensor<std::int64_t> key_lengths;
   if (!args.key_lengths.empty()) {
-    key_lengths = read_integer_input("--key-lengths", args.key_lengths, 1, 1);
-    expect_shape("--key-lengths", args.key_lengths, key_lengths.shape(), {batch},
-                 "(one length per cloud of --x)");
-    for (std::int64_t b = 0; b < batch; ++b) {
-      if (key_lengths[b] < 0 || key_lengths[b] > tokens) {
-        fail_option("--key-lengths", "'", args.key_lengths, "' entry ", b, " is ", key_lengths[b],
-                    ", expected a length in [0, ", tokens, "] (N from --x)");
-      }
-    }
+    key_lengths = read_lengths("--key-lengths", args.key_lengths, batch, tokens, "(N from --x)");
   }
 
   // Queries of their own: (Nq, d) against an (N, d) cloud, (B, Nq, d) against a batch.
@@ -119,32 +84,20 @@ void run_attend(const AttendArguments& args, Dtype dtype, Precision precision) {
   }
   Tensor<std::int64_t> query_lengths;
   if (!args.query_lengths.empty()) {
-    query_lengths = read_integer_input("--query-lengths", args.query_lengths, 1, 1);
-    expect_shape("--query-lengths", args.query_lengths, query_lengths.shape(), {batch},
-                 "(one length per cloud of --x)");
-    for (std::int64_t b = 0; b < batch; ++b) {
-      if (query_lengths[b] < 0 || query_lengths[b] > query_tokens) {
-        fail_option("--query-lengths", "'", args.query_lengths, "' entry ", b, " is ",
-                    query_lengths[b], ", expected a length in [0, ", query_tokens,
-                    args.queries.empty() ? "] (N from --x)" : "] (Nq from --queries)");
-      }
-    }
+    query_lengths = read_lengths("--query-lengths", args.query_lengths, batch, query_tokens,
+                                 args.queries.empty() ? "(N from --x)" : "(Nq from --queries)");
   }
 
   if (args.check_finite) {
     require_finite(queries, "--queries '" + args.queries + "'");
     // Refuse NaN and infinity up front, naming the file and the first offending element.
     require_finite(cloud, "--x '" + args.cloud + "'");
-    require_finite(relevance, "--m '" + args.relevance + "'");
-    require_finite(content, "--f '" + args.content + "'");
-    require_finite(key_bias, "--key-bias '" + args.key_bias + "'");
-    require_finite(offset, "--offset '" + args.offset + "'");
+    require_finite_layer(layer, layer_files);
   }
 
-  AttentionInput<T> input =
-      tools::layer_input(cloud.data(), batch, tokens, dim, heads, relevance.data(), content.data());
-  input.layer.key_bias = key_bias.size() > 0 ? key_bias.data() : nullptr;
-  input.layer.offset = offset.size() > 0 ? offset.data() : nullptr;
+  AttentionInput<T> input = tools::layer_input(cloud.data(), batch, tokens, dim, heads,
+                                               layer.relevance.data(), layer.content.data());
+  input.layer = layer.operators();  // with the key bias and offset, where given
   input.beta = args.beta;
   input.mask = mask;
   input.key_lengths = key_lengths.size() > 0 ? key_lengths.data() : nullptr;

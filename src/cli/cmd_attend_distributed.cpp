@@ -29,9 +29,10 @@ void run(const AttendFiles& a, distributed::Communicator& comm) {
   distributed::Layout layout = distributed::Layout::contiguous;
   Shape shape;
   std::vector<T> cloud;
-  Tensor<T> relevance, content, key_bias, offset;
+  const LayerFiles layer_files{a.relevance, a.content, a.key_bias, a.offset};
+  LayerArrays<T> layer;
   Tensor<std::int64_t> key_lengths;
-  std::int64_t batch = 1, tokens = 0, dim = 0, heads = 1;
+  std::int64_t batch = 1, tokens = 0, dim = 0;
   std::vector<Segment> segments;
   const Dtype dtype = sizeof(T) == 4 ? Dtype::float32 : Dtype::float64;
   Tensor<T> update, lse, entropy;  // the whole outputs, on rank 0
@@ -56,10 +57,7 @@ void run(const AttendFiles& a, distributed::Communicator& comm) {
       if (!a.lse.empty()) outputs.declare("--lse", a.lse);
       if (!a.entropy.empty()) outputs.declare("--entropy", a.entropy);
       outputs.declare_input("--x", a.cloud);
-      outputs.declare_input("--m", a.relevance);
-      outputs.declare_input("--f", a.content);
-      outputs.declare_input("--key-bias", a.key_bias);
-      outputs.declare_input("--offset", a.offset);
+      layer_files.declare_inputs(outputs);
       outputs.declare_input("--key-lengths", a.key_lengths);
     }
     layout = distributed::default_layout(mask);
@@ -69,56 +67,25 @@ void run(const AttendFiles& a, distributed::Communicator& comm) {
     tokens = shape[shape.size() - 2];
     dim = shape[shape.size() - 1];
     segments = distributed::shard(layout, tokens, P, r);
-    const std::string from_x = "(d = " + std::to_string(dim) + " from --x)";
-    relevance = read_float_input<T>("--m", a.relevance, dtype, "--x", 2, 3);
-    heads = relevance.rank() == 3 ? relevance.extent(0) : 1;
-    if (relevance.extent(relevance.rank() - 1) != dim ||
-        relevance.extent(relevance.rank() - 2) != dim) {
-      fail_option("--m", "'", a.relevance, "' has shape ", to_string(relevance.shape()),
-                  ", expected (", dim, ", ", dim, ") or (H, ", dim, ", ", dim, ") ", from_x);
-    }
-    content = read_float_input<T>("--f", a.content, dtype, "--x", 2, 3);
-    expect_shape("--f", a.content, content.shape(), relevance.shape(), "(the shape of --m)");
-    if (!a.key_bias.empty()) {
-      key_bias = read_float_input<T>("--key-bias", a.key_bias, dtype, "--x", 1, 2);
-      if (!(heads == 1 && key_bias.shape() == Shape{dim})) {
-        expect_shape("--key-bias", a.key_bias, key_bias.shape(), {heads, dim},
-                     "(H from --m, d from --x)");
-      }
-    }
-    if (!a.offset.empty()) {
-      offset = read_float_input<T>("--offset", a.offset, dtype, "--x", 1, 1);
-      expect_shape("--offset", a.offset, offset.shape(), {dim}, from_x);
-    }
+    layer = read_layer<T>(layer_files, dtype, dim);
     if (!a.key_lengths.empty()) {
-      key_lengths = read_integer_input("--key-lengths", a.key_lengths, 1, 1);
-      expect_shape("--key-lengths", a.key_lengths, key_lengths.shape(), {batch},
-                   "(one length per cloud of --x)");
-      for (std::int64_t b = 0; b < batch; ++b) {
-        if (key_lengths[b] < 0 || key_lengths[b] > tokens) {
-          fail_option("--key-lengths", "'", a.key_lengths, "' entry ", b, " is ", key_lengths[b],
-                      ", expected a length in [0, ", tokens, "] (N from --x)");
-        }
-      }
+      key_lengths = read_lengths("--key-lengths", a.key_lengths, batch, tokens, "(N from --x)");
     }
     if (a.check_finite) {
       require_finite_shard(cloud, segments, shape, batch, tokens, dim, "--x '" + a.cloud + "'");
-      require_finite(relevance, "--m '" + a.relevance + "'");
-      require_finite(content, "--f '" + a.content + "'");
-      require_finite(key_bias, "--key-bias '" + a.key_bias + "'");
-      require_finite(offset, "--offset '" + a.offset + "'");
+      require_finite_layer(layer, layer_files);
     }
     const std::int64_t local = distributed::shard_tokens(segments);
     local_update.resize(static_cast<std::size_t>(batch * local * dim));
     if (stats) {
-      local_lse.resize(static_cast<std::size_t>(batch * heads * local));
+      local_lse.resize(static_cast<std::size_t>(batch * layer.heads * local));
       local_entropy.resize(local_lse.size());
     }
     if (r == 0) {
       update = allocate_output<T>("--out", shape);
       if (stats) {
-        lse = allocate_output<T>("--lse", Shape{batch, heads, tokens});
-        entropy = allocate_output<T>("--entropy", Shape{batch, heads, tokens});
+        lse = allocate_output<T>("--lse", Shape{batch, layer.heads, tokens});
+        entropy = allocate_output<T>("--entropy", Shape{batch, layer.heads, tokens});
       }
     }
   });
@@ -128,9 +95,7 @@ void run(const AttendFiles& a, distributed::Communicator& comm) {
   in.batch = batch;
   in.tokens = tokens;
   in.dim = dim;
-  in.layer = {heads, relevance.data(), content.data(),
-              key_bias.size() > 0 ? key_bias.data() : nullptr,
-              offset.size() > 0 ? offset.data() : nullptr};
+  in.layer = layer.operators();
   in.beta = a.beta;
   in.mask = mask;
   in.key_lengths = key_lengths.size() > 0 ? key_lengths.data() : nullptr;
@@ -169,8 +134,8 @@ void run(const AttendFiles& a, distributed::Communicator& comm) {
   };
   collect(local_update, batch, dim, update.data());
   if (stats) {
-    collect(local_lse, batch * heads, 1, lse.data());
-    collect(local_entropy, batch * heads, 1, entropy.data());
+    collect(local_lse, batch * layer.heads, 1, lse.data());
+    collect(local_entropy, batch * layer.heads, 1, entropy.data());
   }
   distributed::agreed(comm, [&] {
     if (r != 0) return;

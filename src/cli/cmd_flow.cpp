@@ -42,12 +42,7 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
   naming_option("--device", [&] { return resolve_device(options.device); });
 
   OutputFiles outputs;
-  if (!args.out.empty()) outputs.declare("--out", args.out);
-  if (!args.metrics.empty()) outputs.declare("--metrics", args.metrics);
-  if (!args.plot.empty()) outputs.declare("--plot", args.plot);
-  outputs.declare_input("--x", args.cloud);
-  if (!is_generated(args.relevance)) outputs.declare_input("--m", args.relevance);
-  if (!is_generated(args.content)) outputs.declare_input("--f", args.content);
+  declare_flow_files(outputs, args);
 
   // The initial clouds.
   Tensor<T> initial;

@@ -47,12 +47,7 @@ void run(const FlowArguments& args, Dtype dtype, distributed::Communicator& comm
       fail_option("--device", "with --distributed must be cpu or reference, got ", args.device);
     }
     if (r == 0) {
-      if (!args.out.empty()) outputs.declare("--out", args.out);
-      if (!args.metrics.empty()) outputs.declare("--metrics", args.metrics);
-      if (!args.plot.empty()) outputs.declare("--plot", args.plot);
-      outputs.declare_input("--x", args.cloud);
-      if (!is_generated(args.relevance)) outputs.declare_input("--m", args.relevance);
-      if (!is_generated(args.content)) outputs.declare_input("--f", args.content);
+      declare_flow_files(outputs, args);
     }
     if (from_file) {
       Shape shape;

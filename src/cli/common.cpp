@@ -4,6 +4,8 @@
 #include <new>
 #include <thread>
 
+#include "emflow/finite.hpp"
+
 namespace emflow::cli {
 
 Dtype float_dtype(const std::string& option, const std::string& path, bool allow_float16) {
@@ -75,6 +77,64 @@ void expect_shape(const std::string& option, const std::string& path, const Shap
   if (actual == expected) return;
   fail_option(option, "'", path, "' has shape ", to_string(actual), ", expected ",
               to_string(expected), meaning.empty() ? "" : " ", meaning);
+}
+
+template <class T>
+LayerArrays<T> read_layer(const LayerFiles& files, Dtype dtype, std::int64_t dim) {
+  const std::string from_x = "(d = " + std::to_string(dim) + " from --x)";
+  LayerArrays<T> layer;
+  // (d, d) is one head, (H, d, d) a layer of H heads.
+  layer.relevance = read_float_input<T>("--m", files.relevance, dtype, "--x", 2, 3);
+  const Tensor<T>& m = layer.relevance;
+  layer.heads = m.rank() == 3 ? m.extent(0) : 1;
+  if (m.extent(m.rank() - 1) != dim || m.extent(m.rank() - 2) != dim) {
+    fail_option("--m", "'", files.relevance, "' has shape ", to_string(m.shape()), ", expected (",
+                dim, ", ", dim, ") or (H, ", dim, ", ", dim, ") ", from_x);
+  }
+  layer.content = read_float_input<T>("--f", files.content, dtype, "--x", 2, 3);
+  expect_shape("--f", files.content, layer.content.shape(), m.shape(), "(the shape of --m)");
+  if (!files.key_bias.empty()) {
+    layer.key_bias = read_float_input<T>("--key-bias", files.key_bias, dtype, "--x", 1, 2);
+    // One row per head; a single head may also give the bare vector (d).
+    if (!(layer.heads == 1 && layer.key_bias.shape() == Shape{dim})) {
+      expect_shape("--key-bias", files.key_bias, layer.key_bias.shape(), {layer.heads, dim},
+                   layer.heads == 1 ? "or (" + std::to_string(dim) + ",) " + from_x
+                                    : "(H from --m, d from --x)");
+    }
+  }
+  if (!files.offset.empty()) {
+    layer.offset = read_float_input<T>("--offset", files.offset, dtype, "--x", 1, 1);
+    expect_shape("--offset", files.offset, layer.offset.shape(), {dim}, from_x);
+  }
+  return layer;
+}
+
+template LayerArrays<float> read_layer<float>(const LayerFiles&, Dtype, std::int64_t);
+template LayerArrays<double> read_layer<double>(const LayerFiles&, Dtype, std::int64_t);
+
+template <class T>
+void require_finite_layer(const LayerArrays<T>& layer, const LayerFiles& files) {
+  require_finite(layer.relevance, "--m '" + files.relevance + "'");
+  require_finite(layer.content, "--f '" + files.content + "'");
+  require_finite(layer.key_bias, "--key-bias '" + files.key_bias + "'");
+  require_finite(layer.offset, "--offset '" + files.offset + "'");
+}
+
+template void require_finite_layer<float>(const LayerArrays<float>&, const LayerFiles&);
+template void require_finite_layer<double>(const LayerArrays<double>&, const LayerFiles&);
+
+Tensor<std::int64_t> read_lengths(const std::string& option, const std::string& path,
+                                  std::int64_t batch, std::int64_t limit,
+                                  const std::string& limit_meaning) {
+  Tensor<std::int64_t> lengths = read_integer_input(option, path, 1, 1);
+  expect_shape(option, path, lengths.shape(), {batch}, "(one length per cloud of --x)");
+  for (std::int64_t b = 0; b < batch; ++b) {
+    if (lengths[b] < 0 || lengths[b] > limit) {
+      fail_option(option, "'", path, "' entry ", b, " is ", lengths[b],
+                  ", expected a length in [0, ", limit, "] ", limit_meaning);
+    }
+  }
+  return lengths;
 }
 
 std::int64_t expect_product_at_most(const std::vector<Factor>& factors, std::int64_t limit,

@@ -65,6 +65,49 @@ Tensor<std::int64_t> read_integer_input(const std::string& option, const std::st
 void expect_shape(const std::string& option, const std::string& path, const Shape& actual,
                   const Shape& expected, const std::string& meaning = "");
 
+/// The files of one attention layer's operators as the attend commands take them: --m, --f and
+/// the optional --key-bias and --offset (empty: not given).
+struct LayerFiles {
+  std::string relevance, content, key_bias, offset;
+
+  /// Declares the files as inputs of `outputs` (no output may overwrite one).
+  void declare_inputs(OutputFiles& outputs) const {
+    outputs.declare_input("--m", relevance);
+    outputs.declare_input("--f", content);
+    outputs.declare_input("--key-bias", key_bias);
+    outputs.declare_input("--offset", offset);
+  }
+};
+
+/// The operators read from LayerFiles and checked against d (from --x): --m (d, d) or (H, d, d),
+/// --f the shape of --m, --key-bias (H, d) (or (d) for one head), --offset (d).
+template <class T>
+struct LayerArrays {
+  std::int64_t heads = 1;
+  Tensor<T> relevance, content, key_bias, offset;  ///< key_bias and offset empty if not given
+
+  LayerOperators<T> operators() const {
+    return {heads, relevance.data(), content.data(),
+            key_bias.size() > 0 ? key_bias.data() : nullptr,
+            offset.size() > 0 ? offset.data() : nullptr};
+  }
+};
+
+/// Reads and checks the operators of `files`, every one of dtype `dtype` (that of --x).
+template <class T>
+LayerArrays<T> read_layer(const LayerFiles& files, Dtype dtype, std::int64_t dim);
+
+/// With --check-finite: refuses NaN and infinity in the operators, naming the file and the
+/// first such element.
+template <class T>
+void require_finite_layer(const LayerArrays<T>& layer, const LayerFiles& files);
+
+/// Reads the per-cloud lengths `path` of `option` (int32 or int64, shape (batch)); each must lie
+/// in [0, limit], `limit_meaning` saying where the limit comes from, e.g. "(N from --x)".
+Tensor<std::int64_t> read_lengths(const std::string& option, const std::string& path,
+                                  std::int64_t batch, std::int64_t limit,
+                                  const std::string& limit_meaning);
+
 /// One factor of a size product, and the option (or the words) it comes from.
 struct Factor {
   std::string option;  ///< "--tokens": named first when this factor is the largest

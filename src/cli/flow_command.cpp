@@ -125,6 +125,15 @@ flow::FlowSettings flow_settings(const FlowArguments& args) {
   return settings;
 }
 
+void declare_flow_files(OutputFiles& outputs, const FlowArguments& args) {
+  if (!args.out.empty()) outputs.declare("--out", args.out);
+  if (!args.metrics.empty()) outputs.declare("--metrics", args.metrics);
+  if (!args.plot.empty()) outputs.declare("--plot", args.plot);
+  outputs.declare_input("--x", args.cloud);
+  if (!is_generated(args.relevance)) outputs.declare_input("--m", args.relevance);
+  if (!is_generated(args.content)) outputs.declare_input("--f", args.content);
+}
+
 // run_flow refuses a trajectory of more than 2^31 values before allocating it; this names the
 // option to change.
 std::int64_t trajectory_values(const FlowArguments& args, const flow::FlowSettings& settings,

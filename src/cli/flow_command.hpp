@@ -72,6 +72,10 @@ std::int64_t trajectory_values(const FlowArguments& args, const flow::FlowSettin
                                std::int64_t B, std::int64_t N, std::int64_t d, bool from_file,
                                std::int64_t* records);
 
+/// Declares the run's outputs (--out, --metrics, --plot, as given) and its input files (--x, and
+/// --m / --f unless generated) in `outputs`, before anything is read.
+void declare_flow_files(OutputFiles& outputs, const FlowArguments& args);
+
 /// Stages --out, --metrics and --plot of a finished run (the whole trajectory).
 template <class T>
 void stage_flow_outputs(OutputFiles& outputs, const FlowArguments& args,

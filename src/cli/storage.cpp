@@ -49,21 +49,9 @@ StoredInput<S>::StoredInput(const AttentionInput<float>& from) {
   content = stored<S>(from.layer.content, H * d * d);
   key_bias = stored<S>(from.layer.key_bias, H * d);
   offset = stored<S>(from.layer.offset, d);
-  input.cloud = data_or_null(cloud);
-  input.batch = from.batch;
-  input.tokens = from.tokens;
-  input.dim = d;
-  input.layer = {H, data_or_null(relevance), data_or_null(content), data_or_null(key_bias),
-                 data_or_null(offset)};
-  input.beta = from.beta;
-  input.mask = from.mask;
-  input.key_lengths = from.key_lengths;
-  input.queries = data_or_null(queries);
-  input.query_tokens = from.query_tokens;
-  input.query_lengths = from.query_lengths;
-  input.key_position = from.key_position;
-  input.query_position = from.query_position;
-  input.query_positions = from.query_positions;
+  input = with_arrays(from, data_or_null(cloud), data_or_null(queries),
+                      {H, data_or_null(relevance), data_or_null(content), data_or_null(key_bias),
+                       data_or_null(offset)});
 }
 
 void attend_stored(Precision precision, const AttentionInput<float>& input,

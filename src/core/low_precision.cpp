@@ -66,20 +66,7 @@ struct WideInput {
     const std::int64_t Nq = query_count(in);
     cloud = widened<U>(in.cloud, in.batch * in.tokens * in.dim);
     queries = widened<U>(in.queries, in.batch * Nq * in.dim);
-    input.cloud = cloud.data();
-    input.batch = in.batch;
-    input.tokens = in.tokens;
-    input.dim = in.dim;
-    input.layer.heads = in.layer.heads;
-    input.beta = in.beta;
-    input.mask = in.mask;
-    input.key_lengths = in.key_lengths;
-    input.queries = data_or_null(queries);
-    input.query_tokens = in.query_tokens;
-    input.query_lengths = in.query_lengths;
-    input.key_position = in.key_position;
-    input.query_position = in.query_position;
-    input.query_positions = in.query_positions;
+    input = with_arrays(in, cloud.data(), data_or_null(queries), LayerOperators<U>{in.layer.heads});
   }
 };
 

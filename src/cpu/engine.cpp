@@ -81,6 +81,26 @@ void pack_keys(const float* keys, std::int64_t stride, std::int64_t score_dim,
   }
 }
 
+/// The shapes of `query_tokens` queries against `tokens` keys under `layer`, padded to the
+/// tiles; shared_keys: one set of key panels serves every head.
+Geometry geometry(std::int64_t tokens, std::int64_t query_tokens, const EngineLayer& layer,
+                  bool shared_keys) {
+  Geometry g;
+  g.tokens = tokens;
+  g.padded_tokens = round_up(tokens, kTokenAlign);
+  g.query_tokens = query_tokens;
+  g.padded_queries = round_up(query_tokens, kTokenAlign);
+  g.dim = layer.dim;
+  g.heads = layer.heads;
+  g.score_dim = layer.score_dim;
+  g.score_stride = padded_columns(layer.score_dim);
+  g.value_dim = layer.value_dim;
+  g.value_stride = padded_columns(layer.value_dim);
+  g.dim_stride = padded_columns(layer.dim);
+  g.shared_keys = shared_keys;
+  return g;
+}
+
 }  // namespace
 
 std::int64_t padded_columns(std::int64_t columns) { return round_to_lanes(columns); }
@@ -116,19 +136,7 @@ std::vector<QueryRule> self_rules(std::int64_t batch, std::int64_t tokens, const
 void fused_attend(const EngineClouds& clouds, const EngineLayer& layer, const EngineOutput& out,
                   int threads) {
   const std::int64_t batch = clouds.batch, tokens = clouds.tokens;
-  Geometry g;
-  g.tokens = tokens;
-  g.padded_tokens = round_up(tokens, kTokenAlign);
-  g.query_tokens = clouds.query_tokens;
-  g.padded_queries = round_up(clouds.query_tokens, kTokenAlign);
-  g.dim = layer.dim;
-  g.heads = layer.heads;
-  g.score_dim = layer.score_dim;
-  g.score_stride = padded_columns(layer.score_dim);
-  g.value_dim = layer.value_dim;
-  g.value_stride = padded_columns(layer.value_dim);
-  g.dim_stride = padded_columns(layer.dim);
-  g.shared_keys = layer.key_map == nullptr;
+  Geometry g = geometry(tokens, clouds.query_tokens, layer, layer.key_map == nullptr);
   const std::int64_t Nq = g.query_tokens;
 
   // With the thread count left to us, small calls run on one thread: waking a team costs a few
@@ -241,19 +249,7 @@ void project_rows(const float* rows, std::int64_t count, std::int64_t dim, const
 void attend_cached(const float* queries, std::int64_t query_tokens, const QueryRule& rule,
                    const CachedOperands& keys, const EngineLayer& layer,
                    const AttentionOutput<float>& out, int threads) {
-  Geometry g;
-  g.tokens = keys.tokens;
-  g.padded_tokens = round_up(keys.tokens, kTokenAlign);
-  g.query_tokens = query_tokens;
-  g.padded_queries = round_up(query_tokens, kTokenAlign);
-  g.dim = layer.dim;
-  g.heads = layer.heads;
-  g.score_dim = layer.score_dim;
-  g.score_stride = padded_columns(layer.score_dim);
-  g.value_dim = layer.value_dim;
-  g.value_stride = padded_columns(layer.value_dim);
-  g.dim_stride = padded_columns(layer.dim);
-  g.shared_keys = true;
+  Geometry g = geometry(keys.tokens, query_tokens, layer, true);
   const double work = 4.0 * static_cast<double>(layer.heads) * static_cast<double>(query_tokens) *
                       static_cast<double>(keys.tokens) * static_cast<double>(layer.dim);
   const int team = threads > 0 ? threads : work < 4e6 ? 1 : omp_get_max_threads();

@@ -159,22 +159,10 @@ void attend_dense(const AttentionInput<T>& input, const FactoredLayer<T>& factor
   const std::vector<U> key_bias(dense.key_bias.begin(), dense.key_bias.end());
   const std::vector<U> offset(dense.offset.begin(), dense.offset.end());
 
-  AttentionInput<U> in;
-  in.cloud = cloud.data();
-  in.batch = B;
-  in.tokens = N;
-  in.dim = d;
-  in.layer = {H, relevance.data(), content.data(), key_bias.empty() ? nullptr : key_bias.data(),
-              offset.empty() ? nullptr : offset.data()};
-  in.beta = input.beta;
-  in.mask = input.mask;
-  in.key_lengths = input.key_lengths;
-  in.queries = input.queries ? queries.data() : nullptr;
-  in.query_tokens = input.query_tokens;
-  in.query_lengths = input.query_lengths;
-  in.key_position = input.key_position;
-  in.query_position = input.query_position;
-  in.query_positions = input.query_positions;
+  const AttentionInput<U> in = with_arrays(
+      input, cloud.data(), input.queries ? queries.data() : nullptr,
+      {H, relevance.data(), content.data(), key_bias.empty() ? nullptr : key_bias.data(),
+       offset.empty() ? nullptr : offset.data()});
 
   if constexpr (std::is_same_v<U, T>) {
     emflow::attend(in, output, options);

@@ -70,18 +70,7 @@ struct Case {
   }
 };
 
-struct Param {
-  Target target;
-  Case c;
-};
-
-std::ostream& operator<<(std::ostream& out, const Param& p) {
-  return out << p.target.name() << "_" << p.c.name();
-}
-
-std::string param_name(const ::testing::TestParamInfo<Param>& info) {
-  return info.param.target.name() + "_" + info.param.c.name();
-}
+using Param = OnTarget<Case>;
 
 /// The composed reference of a case, computed once for all targets.
 const reference::Attention& expected_for(const Case& c) {
@@ -106,22 +95,8 @@ void check(const Target& target, const Case& c) {
 TEST_P(AttentionMatchesReference, AllOutputs) {
   const Param& param = GetParam();
   EMFLOW_REQUIRE_TARGET(param.target);
-  if (param.target.is_double) {
-    check<double>(param.target, param.c);
-  } else {
-    check<float>(param.target, param.c);
-  }
-}
-
-/// Every target crossed with every case it accepts.
-std::vector<Param> on_every_target(const std::vector<Case>& cases) {
-  std::vector<Param> out;
-  for (const Target& t : all_targets()) {
-    for (const Case& c : cases) {
-      if (t.accepts(c.dim, c.weights)) out.push_back({t, c});
-    }
-  }
-  return out;
+  in_precision(param.target.is_double,
+               [&](auto zero) { check<decltype(zero)>(param.target, param.c); });
 }
 
 const Mask kNone = Mask::none();
@@ -198,11 +173,11 @@ std::vector<Case> large_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Small, AttentionMatchesReference,
-                         ::testing::ValuesIn(on_every_target(small_cases())), param_name);
+                         ::testing::ValuesIn(on_every_target(small_cases())), on_target_name<Case>);
 INSTANTIATE_TEST_SUITE_P(Sweep, AttentionMatchesReference,
-                         ::testing::ValuesIn(on_every_target(sweep_cases())), param_name);
+                         ::testing::ValuesIn(on_every_target(sweep_cases())), on_target_name<Case>);
 INSTANTIATE_TEST_SUITE_P(Large, AttentionMatchesReference,
-                         ::testing::ValuesIn(on_every_target(large_cases())), param_name);
+                         ::testing::ValuesIn(on_every_target(large_cases())), on_target_name<Case>);
 
 }  // namespace
 }  // namespace emflow::testing

@@ -8,6 +8,7 @@
 //   cuda_unfused_f32, _f64         cuda::attend_async, Algorithm::unfused, on device buffers
 #pragma once
 
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,36 @@ template <class T>
 void run_on(const Target& target, Buffers<T>& buffers);
 
 std::ostream& operator<<(std::ostream& out, const Target& target);
+
+/// One case of a suite that runs every case on every target (Case has name(), dim, weights).
+template <class Case>
+struct OnTarget {
+  Target target;
+  Case c;
+};
+
+/// Every target crossed with every case it accepts.
+template <class Case>
+std::vector<OnTarget<Case>> on_every_target(const std::vector<Case>& cases) {
+  std::vector<OnTarget<Case>> out;
+  for (const Target& t : all_targets()) {
+    for (const Case& c : cases) {
+      if (t.accepts(c.dim, c.weights)) out.push_back({t, c});
+    }
+  }
+  return out;
+}
+
+/// "cpu_f32_<case name>": the test name of an OnTarget parameter.
+template <class Case>
+std::string on_target_name(const ::testing::TestParamInfo<OnTarget<Case>>& info) {
+  return info.param.target.name() + "_" + info.param.c.name();
+}
+
+template <class Case>
+std::ostream& operator<<(std::ostream& out, const OnTarget<Case>& p) {
+  return out << p.target.name() << "_" << p.c.name();
+}
 
 }  // namespace emflow::testing
 

@@ -79,14 +79,7 @@ struct Case {
   }
 };
 
-struct Param {
-  Target target;
-  Case c;
-};
-
-std::ostream& operator<<(std::ostream& out, const Param& p) {
-  return out << p.target.name() << "_" << p.c.name();
-}
+using Param = OnTarget<Case>;
 
 class CrossMatchesOracle : public ::testing::TestWithParam<Param> {};
 
@@ -103,21 +96,8 @@ void check(const Target& target, const Case& c) {
 TEST_P(CrossMatchesOracle, AllOutputs) {
   const Param& param = GetParam();
   EMFLOW_REQUIRE_TARGET(param.target);
-  if (param.target.is_double) {
-    check<double>(param.target, param.c);
-  } else {
-    check<float>(param.target, param.c);
-  }
-}
-
-std::vector<Param> on_every_target(const std::vector<Case>& cases) {
-  std::vector<Param> out;
-  for (const Target& t : all_targets()) {
-    for (const Case& c : cases) {
-      if (t.accepts(c.dim, c.weights)) out.push_back({t, c});
-    }
-  }
-  return out;
+  in_precision(param.target.is_double,
+               [&](auto zero) { check<decltype(zero)>(param.target, param.c); });
 }
 
 std::vector<Case> cases() {
@@ -151,9 +131,7 @@ std::vector<Case> cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cross, CrossMatchesOracle, ::testing::ValuesIn(on_every_target(cases())),
-                         [](const ::testing::TestParamInfo<Param>& info) {
-                           return info.param.target.name() + "_" + info.param.c.name();
-                         });
+                         on_target_name<Case>);
 
 // Queries equal to the last Nq tokens of X, aligned bottom-right, give exactly the last Nq rows
 // of causal self-attention: the alignment ties cross-attention to the self-attention reference.

@@ -47,6 +47,19 @@ inline CliRun run_cli(const std::string& arguments, const std::string& stderr_pa
 #endif
 }
 
+/// The shell words that start emflow on `ranks` ranks of an MPI job with one OpenMP thread each
+/// (EMFLOW_MPIEXEC, defined for the suites that run under mpirun), for run_cli's `prefix`; empty
+/// without it.
+inline std::string mpirun_prefix(int ranks) {
+#ifdef EMFLOW_MPIEXEC
+  return std::string("OMP_NUM_THREADS=1 '") + EMFLOW_MPIEXEC + "' -np " + std::to_string(ranks) +
+         " --oversubscribe --allow-run-as-root";
+#else
+  (void)ranks;
+  return "";
+#endif
+}
+
 /// A FileFolder for tests of the emflow binary, with the subfolder `outputs` (none when empty)
 /// made in it: skips the test when the binary is not built.
 class CliFolder : public FileFolder {

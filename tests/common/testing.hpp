@@ -29,6 +29,17 @@ Tensor<double> random_tensor(const Shape& shape, std::uint64_t seed, double lo =
 /// The two precisions every backend computes in, for typed tests.
 using FloatTypes = ::testing::Types<float, double>;
 
+/// Runs `body(T{})` with T double when `is_double`, else float: one test body written once as a
+/// generic lambda, `[&](auto zero) { check<decltype(zero)>(...); }`, for both precisions.
+template <class Body>
+void in_precision(bool is_double, Body&& body) {
+  if (is_double) {
+    body(double{});
+  } else {
+    body(float{});
+  }
+}
+
 /// A complete seeded attention problem, stored in double so it can be converted exactly to
 /// float (values are rounded to float first, so float and double problems are identical).
 struct Problem {

@@ -21,16 +21,6 @@ struct Case {
   bool float64;
 };
 
-std::string mpirun(int ranks) {
-#ifdef EMFLOW_MPIEXEC
-  return std::string("OMP_NUM_THREADS=1 '") + EMFLOW_MPIEXEC + "' -np " + std::to_string(ranks) +
-         " --oversubscribe --allow-run-as-root";
-#else
-  (void)ranks;
-  return "";
-#endif
-}
-
 class DistributedAttendCli : public CliFolder {
  protected:
   DistributedAttendCli() : CliFolder("emflow-distributed-cli") {}
@@ -58,7 +48,7 @@ class DistributedAttendCli : public CliFolder {
 
   CliRun run(const std::string& arguments, int ranks) {
     return run_cli(arguments + (ranks > 0 ? " --distributed" : ""), path("stderr.txt"),
-                   ranks > 0 ? mpirun(ranks) : "");
+                   ranks > 0 ? mpirun_prefix(ranks) : "");
   }
 
   template <class T>
@@ -94,11 +84,7 @@ class DistributedAttendCliCases : public DistributedAttendCli,
                                   public ::testing::WithParamInterface<Case> {};
 
 TEST_P(DistributedAttendCliCases, SameFilesAsOneProcess) {
-  if (GetParam().float64) {
-    check<double>(GetParam());
-  } else {
-    check<float>(GetParam());
-  }
+  in_precision(GetParam().float64, [&](auto zero) { check<decltype(zero)>(GetParam()); });
 }
 
 std::vector<Case> cases() {

@@ -26,16 +26,6 @@ struct Case {
   bool float64;
 };
 
-std::string mpirun(int ranks) {
-#ifdef EMFLOW_MPIEXEC
-  return std::string("OMP_NUM_THREADS=1 '") + EMFLOW_MPIEXEC + "' -np " + std::to_string(ranks) +
-         " --oversubscribe --allow-run-as-root";
-#else
-  (void)ranks;
-  return "";
-#endif
-}
-
 std::size_t occurrences(const std::string& text, const std::string& part) {
   std::size_t count = 0;
   for (std::size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) {
@@ -84,7 +74,7 @@ class DistributedFlowCli : public CliFolder {
     const std::string outputs = " --out '" + path("traj" + tag + ".npy") + "' --metrics '" +
                                 path("metrics" + tag + ".csv") + "' --threads 1";
     return run_cli("flow " + with_files(c.options) + outputs + (ranks > 0 ? " --distributed" : ""),
-                   path("stderr.txt"), ranks > 0 ? mpirun(ranks) : "");
+                   path("stderr.txt"), ranks > 0 ? mpirun_prefix(ranks) : "");
   }
 
   template <class T>
@@ -128,11 +118,7 @@ class DistributedFlowCliCases : public DistributedFlowCli,
                                 public ::testing::WithParamInterface<Case> {};
 
 TEST_P(DistributedFlowCliCases, SameFilesAsOneProcess) {
-  if (GetParam().float64) {
-    check<double>(GetParam());
-  } else {
-    check<float>(GetParam());
-  }
+  in_precision(GetParam().float64, [&](auto zero) { check<decltype(zero)>(GetParam()); });
 }
 
 std::vector<Case> cases() {

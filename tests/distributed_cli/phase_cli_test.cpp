@@ -20,10 +20,8 @@ TEST_P(DistributedPhaseCli, SameCsvAsOneProcess) {
   const CliRun one = run_cli(sweep + "'" + path("one.csv") + "'", path("stderr.txt"));
   ASSERT_EQ(one.status, 0) << one.err;
 #ifdef EMFLOW_MPIEXEC
-  const std::string mpirun = std::string("OMP_NUM_THREADS=1 '") + EMFLOW_MPIEXEC + "' -np " +
-                             std::to_string(GetParam()) + " --oversubscribe --allow-run-as-root";
-  const CliRun many =
-      run_cli(sweep + "'" + path("many.csv") + "' --distributed", path("stderr.txt"), mpirun);
+  const CliRun many = run_cli(sweep + "'" + path("many.csv") + "' --distributed",
+                              path("stderr.txt"), mpirun_prefix(GetParam()));
   ASSERT_EQ(many.status, 0) << many.err;
   const std::string expected = text_of("one.csv");
   EXPECT_GT(expected.size(), 1000u);
