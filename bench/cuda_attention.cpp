@@ -5,6 +5,8 @@
 // For N from 1k to 32k tokens, d = 64 and 128, with and without the causal mask:
 //   BM_Fused            attend_async with Algorithm::fused (projections + fused kernel + sum)
 //   BM_Unfused          attend_async with Algorithm::unfused (projections, S = R X^T, softmax, P C)
+//   BM_FusedBf16        attend_async on bfloat16 storage: the dense form on the tensor cores
+//                       (projections rounded to bf16, mma.sync attention per head, fp32 sum)
 //   BM_CublasProducts   the two N x N products of the unfused path alone (S = R X^T and P C),
 //                       cuBLAS sgemm: the floor of any unfused implementation
 //   BM_Decode           one query (cross-attention, causal, aligned bottom-right) against N =
@@ -39,10 +41,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "emflow/cuda.hpp"
 #include "emflow/error.hpp"
+#include "emflow/precision.hpp"
 #include "tools/problem.hpp"
 
 namespace {
@@ -100,10 +104,22 @@ std::vector<float> random_values(std::size_t count, std::uint64_t seed, float sc
   return values;
 }
 
-DeviceBuffer<float> random_buffer(std::size_t count, std::uint64_t seed, float scale,
-                                  cudaStream_t stream) {
-  DeviceBuffer<float> buffer(count);
-  const std::vector<float> host = random_values(count, seed, scale);
+// The values of random_values rounded to T (float, or a 16-bit storage type).
+template <class T = float>
+DeviceBuffer<T> random_buffer(std::size_t count, std::uint64_t seed, float scale,
+                              cudaStream_t stream) {
+  DeviceBuffer<T> buffer(count);
+  const std::vector<float> values = random_values(count, seed, scale);
+  std::vector<T> host(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    if constexpr (std::is_same_v<T, emflow::bfloat16>) {
+      host[i] = emflow::to_bfloat16(values[i]);
+    } else if constexpr (std::is_same_v<T, emflow::float16>) {
+      host[i] = emflow::to_float16(values[i]);
+    } else {
+      host[i] = values[i];
+    }
+  }
   buffer.copy_from_host(host.data(), count, stream);
   cudaStreamSynchronize(stream);
   return buffer;
@@ -134,29 +150,32 @@ void set_counters(benchmark::State& state, const Shape& shape, double bytes) {
   state.counters["B"] = static_cast<double>(shape.batch);
 }
 
+template <class T = float>
 void run_attention(benchmark::State& state, Algorithm algorithm) {
   const Shape shape(state);
   try {
     Stream stream;
     const Event start, stop;
-    const std::size_t cloud_bytes = shape.cloud_size() * sizeof(float);
+    const std::size_t cloud_bytes = shape.cloud_size() * sizeof(T);
     const std::size_t copies = std::clamp<std::size_t>(kRotationBytes / cloud_bytes, 2, 8);
-    std::vector<DeviceBuffer<float>> clouds;
+    std::vector<DeviceBuffer<T>> clouds;
     for (std::size_t c = 0; c < copies; ++c) {
-      clouds.push_back(random_buffer(shape.cloud_size(), 1 + c, 1.f, stream.handle));
+      clouds.push_back(random_buffer<T>(shape.cloud_size(), 1 + c, 1.f, stream.handle));
     }
     const auto operator_size = static_cast<std::size_t>(shape.heads * shape.dim * shape.dim);
     const float operator_scale = 2.f / std::sqrt(static_cast<float>(shape.dim));
-    DeviceBuffer<float> relevance =
-        random_buffer(operator_size, 101, operator_scale, stream.handle);
-    DeviceBuffer<float> content = random_buffer(operator_size, 102, operator_scale, stream.handle);
-    DeviceBuffer<float> update(shape.cloud_size());
+    DeviceBuffer<T> relevance = random_buffer<T>(operator_size, 101, operator_scale, stream.handle);
+    DeviceBuffer<T> content = random_buffer<T>(operator_size, 102, operator_scale, stream.handle);
+    DeviceBuffer<T> update(shape.cloud_size());
 
-    emflow::AttentionInput<float> input =
-        emflow::tools::layer_input(clouds[0].data(), shape.batch, shape.tokens, shape.dim,
-                                   shape.heads, relevance.data(), content.data());
+    emflow::AttentionInput<T> input;
+    input.cloud = clouds[0].data();
+    input.batch = shape.batch;
+    input.tokens = shape.tokens;
+    input.dim = shape.dim;
+    input.layer = {shape.heads, relevance.data(), content.data()};
     input.mask = shape.causal ? emflow::Mask::causal() : emflow::Mask::none();
-    emflow::AttentionOutput<float> output;
+    emflow::AttentionOutput<T> output;
     output.update = update.data();
 
     const std::size_t bytes = emflow::cuda::attend_workspace_size(input, output, algorithm);
@@ -170,7 +189,7 @@ void run_attention(benchmark::State& state, Algorithm algorithm) {
       input.cloud = clouds[++turn % copies].data();
       state.SetIterationTime(timed(stream.handle, start, stop, enqueue));
     }
-    const double per_head = static_cast<double>(shape.cloud_size()) * sizeof(float);
+    const double per_head = static_cast<double>(shape.cloud_size()) * sizeof(T);
     double traffic = per_head * (2 + 2 * shape.heads);  // clouds + update, projections
     if (algorithm == Algorithm::unfused) {
       traffic += 4.0 * shape.batch * shape.heads * static_cast<double>(shape.tokens) *
@@ -184,6 +203,9 @@ void run_attention(benchmark::State& state, Algorithm algorithm) {
 
 void BM_Fused(benchmark::State& state) { run_attention(state, Algorithm::fused); }
 void BM_Unfused(benchmark::State& state) { run_attention(state, Algorithm::unfused); }
+void BM_FusedBf16(benchmark::State& state) {
+  run_attention<emflow::bfloat16>(state, Algorithm::fused);
+}
 
 // S = R X^T and Delta = P C with cuBLAS for every cloud, as the unfused path issues them.
 void BM_CublasProducts(benchmark::State& state) {
@@ -301,6 +323,7 @@ void product_sizes(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_Fused)->Apply(attention_sizes);
 BENCHMARK(BM_Unfused)->Apply(attention_sizes);
+BENCHMARK(BM_FusedBf16)->Apply(attention_sizes);
 BENCHMARK(BM_CublasProducts)->Apply(product_sizes);
 BENCHMARK(BM_Decode)
     ->ArgNames({"N", "d"})

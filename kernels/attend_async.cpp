@@ -12,6 +12,7 @@
 #include "core/check.hpp"
 #include "cuda_support.hpp"
 #include "emflow/cuda.hpp"
+#include "tc_dense.hpp"
 
 namespace emflow::cuda {
 
@@ -76,9 +77,14 @@ emflow::detail::MemoryRange range(const char* name, const T* pointer, std::int64
 template <class T>
 std::size_t attend_workspace_size(const AttentionInput<T>& input, const AttentionOutput<T>& output,
                                   Algorithm algorithm) {
-  return emflow::detail::AttentionPlan<T>(input, output, algorithm, "attend_workspace_size",
-                                          /*query_device=*/false)
-      .workspace_bytes();
+  if constexpr (is_16bit_v<T>) {
+    return emflow::detail::tc_dense_workspace_size(input, output, algorithm,
+                                                   "attend_workspace_size");
+  } else {
+    return emflow::detail::AttentionPlan<T>(input, output, algorithm, "attend_workspace_size",
+                                            /*query_device=*/false)
+        .workspace_bytes();
+  }
 }
 
 template <class T>
@@ -86,20 +92,24 @@ void attend_async(const AttentionInput<T>& input, const AttentionOutput<T>& outp
                   std::size_t workspace_bytes, Stream stream, Algorithm algorithm) {
   using namespace emflow::detail;
   const char* const operation = "attend_async";
-  check_input(input, output, operation);
-  // Shapes, algorithm, device (unsupported without one), a pending error, shared memory. The
-  // plan reads a pending error before any query of its own, so launch failures read back later
-  // are ours; the pointer queries below leave none behind (check_cuda clears what it reports).
-  const AttentionPlan<T> plan(input, output, algorithm, operation);
-  const int device = plan.device();
-  expect_input_on_device(input, operation, device);
-  expect_device_pointer(operation, "update", output.update, device);
-  expect_device_pointer(operation, "lse", output.lse, device);
-  expect_device_pointer(operation, "entropy", output.entropy, device);
-  expect_device_pointer(operation, "weights", output.weights, device);
-  expect_workspace(operation, workspace, workspace_bytes, plan.workspace_bytes(), device);
-  check_no_overlap(input, output, operation, workspace, plan.workspace_bytes());
-  plan.enqueue(input, output, workspace, stream);
+  if constexpr (is_16bit_v<T>) {
+    tc_dense_attend_async(input, output, workspace, workspace_bytes, stream, algorithm, operation);
+  } else {
+    check_input(input, output, operation);
+    // Shapes, algorithm, device (unsupported without one), a pending error, shared memory. The
+    // plan reads a pending error before any query of its own, so launch failures read back later
+    // are ours; the pointer queries below leave none behind (check_cuda clears what it reports).
+    const AttentionPlan<T> plan(input, output, algorithm, operation);
+    const int device = plan.device();
+    expect_input_on_device(input, operation, device);
+    expect_device_pointer(operation, "update", output.update, device);
+    expect_device_pointer(operation, "lse", output.lse, device);
+    expect_device_pointer(operation, "entropy", output.entropy, device);
+    expect_device_pointer(operation, "weights", output.weights, device);
+    expect_workspace(operation, workspace, workspace_bytes, plan.workspace_bytes(), device);
+    check_no_overlap(input, output, operation, workspace, plan.workspace_bytes());
+    plan.enqueue(input, output, workspace, stream);
+  }
 }
 
 template <class T>
@@ -230,5 +240,15 @@ void finish_partial_async(const PartialShape& shape, const PartialInput<T>& stat
 EMFLOW_INSTANTIATE_ASYNC(float)
 EMFLOW_INSTANTIATE_ASYNC(double)
 #undef EMFLOW_INSTANTIATE_ASYNC
+// 16-bit storage: the dense form on the tensor cores (tc_dense.cu).
+template std::size_t attend_workspace_size<bfloat16>(const AttentionInput<bfloat16>&,
+                                                     const AttentionOutput<bfloat16>&, Algorithm);
+template std::size_t attend_workspace_size<float16>(const AttentionInput<float16>&,
+                                                    const AttentionOutput<float16>&, Algorithm);
+template void attend_async<bfloat16>(const AttentionInput<bfloat16>&,
+                                     const AttentionOutput<bfloat16>&, void*, std::size_t, Stream,
+                                     Algorithm);
+template void attend_async<float16>(const AttentionInput<float16>&, const AttentionOutput<float16>&,
+                                    void*, std::size_t, Stream, Algorithm);
 
 }  // namespace emflow::cuda

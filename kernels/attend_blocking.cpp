@@ -84,8 +84,8 @@ void cuda_attend(const AttentionInput<T>& input, const AttentionOutput<T>& outpu
 
   const DeviceInputs<T> inputs(input, s);
   cuda::DeviceBuffer<T> update(update_size);
-  cuda::DeviceBuffer<T> lse(output.lse ? rows : 0), entropy(output.entropy ? rows : 0);
-  cuda::DeviceBuffer<T> weights(output.weights ? rows * N : 0);
+  cuda::DeviceBuffer<Stat<T>> lse(output.lse ? rows : 0), entropy(output.entropy ? rows : 0);
+  cuda::DeviceBuffer<Stat<T>> weights(output.weights ? rows * N : 0);
   AttentionOutput<T> to_device;
   to_device.update = update.data();
   to_device.lse = output.lse ? lse.data() : nullptr;
@@ -185,6 +185,9 @@ template void cuda_attend_factored<float16>(const AttentionInput<float16>&,
                                             const AttentionOutput<float16>&);
 template void cuda_attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&);
 template void cuda_attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&);
+template void cuda_attend<bfloat16>(const AttentionInput<bfloat16>&,
+                                    const AttentionOutput<bfloat16>&);
+template void cuda_attend<float16>(const AttentionInput<float16>&, const AttentionOutput<float16>&);
 template void cuda_attend_partial<float>(const AttentionInput<float>&, const PartialOutput<float>&);
 template void cuda_attend_partial<double>(const AttentionInput<double>&,
                                           const PartialOutput<double>&);

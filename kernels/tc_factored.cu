@@ -10,8 +10,7 @@
 //      for a query that sees a key (lse > -inf); 0 for a padding query. lse is transposed from
 //      the kernel's (heads, batch, queries) to the public (batch, heads, queries).
 //
-// The projections are plain element-wise products: r and d are small next to N, and the
-// attention dominates from a few hundred tokens on.
+// The projections and the combine are tc_projection.cu's, shared with the dense form (tc_dense.cu).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -28,72 +27,12 @@
 #include "cuda_support.hpp"
 #include "emflow/cuda.hpp"
 #include "emflow/precision.hpp"
-#include "launch.cuh"
 #include "tc_attention.hpp"
+#include "tc_projection.hpp"
 
 namespace emflow::detail {
 
 namespace {
-
-__device__ __forceinline__ void store(bfloat16* p, float v) { *p = to_bfloat16(v); }
-__device__ __forceinline__ void store(float16* p, float v) { *p = to_float16(v); }
-__device__ __forceinline__ void store(float* p, float v) { *p = v; }
-
-/// out[h, row, c] = sum_k W[h, c, k] x[row, k] for rows of (rows, dim), W of (heads, rank, dim).
-template <class T, class Out>
-__global__ void project_kernel(const T* weights, const T* x, Out* out, int heads, int rows, int dim,
-                               int rank) {
-  const std::size_t total = static_cast<std::size_t>(heads) * rows * rank;
-  for (std::size_t index = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
-       index < total; index += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const int c = static_cast<int>(index % rank);
-    const std::size_t head_row = index / rank;
-    const int row = static_cast<int>(head_row % rows);
-    const int h = static_cast<int>(head_row / rows);
-    const T* const w = weights + (static_cast<std::size_t>(h) * rank + c) * dim;
-    const T* const xr = x + static_cast<std::size_t>(row) * dim;
-    float sum = 0.f;
-    for (int k = 0; k < dim; ++k) sum += to_float(w[k]) * to_float(xr[k]);
-    store(out + index, sum);
-  }
-}
-
-struct CombineArgs {
-  const float* heads_out = nullptr;  ///< (heads, batch, queries, rank)
-  const float* lse = nullptr;        ///< (heads, batch, queries)
-  float* lse_out = nullptr;          ///< (batch, heads, queries) or null
-  int heads = 1, batch = 1, queries = 1, dim = 1, rank = 1;
-};
-
-template <class T>
-__global__ void combine_kernel(const CombineArgs args, const T* up, const T* offset, T* update) {
-  const int H = args.heads, B = args.batch, Nq = args.queries, d = args.dim, r = args.rank;
-  for_each_token_element(B, Nq, d, [&](std::size_t index, int b, int i, int a) {
-    // Every head sees the same keys: head 0's lse says whether the query sees any.
-    const bool sees_key = !(args.lse[static_cast<std::size_t>(b) * Nq + i] == -INFINITY);
-    float sum = 0.f;
-    if (sees_key) {
-      for (int h = 0; h < H; ++h) {
-        const T* const u = up + (static_cast<std::size_t>(h) * d + a) * r;
-        const float* const o =
-            args.heads_out + ((static_cast<std::size_t>(h) * B + b) * Nq + i) * r;
-        for (int c = 0; c < r; ++c) sum += to_float(u[c]) * o[c];
-      }
-      if (offset != nullptr) sum += to_float(offset[a]);
-    }
-    store(update + index, sum);
-    if (a == 0 && args.lse_out != nullptr) {
-      for (int h = 0; h < H; ++h) {
-        args.lse_out[(static_cast<std::size_t>(b) * H + h) * Nq + i] =
-            args.lse[(static_cast<std::size_t>(h) * B + b) * Nq + i];
-      }
-    }
-  });
-}
-
-std::size_t aligned_bytes(std::size_t bytes) {
-  return (bytes + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment;
-}
 
 /// Where each array lives in the workspace (byte offsets, each aligned).
 struct FactoredLayout {
@@ -110,7 +49,7 @@ FactoredLayout factored_layout(const AttentionInput<T>& input, const FactoredLay
   std::size_t at = 0;
   auto take = [&at](std::size_t bytes) {
     const std::size_t here = at;
-    at += aligned_bytes(bytes);
+    at += tc_aligned_bytes(bytes);
     return here;
   };
   l.query = take(H * B * Nq * r * sizeof(T));
@@ -134,16 +73,7 @@ void check_factored_async(const AttentionInput<T>& input, const FactoredLayer<T>
   shapes.query_lengths = nullptr;
   shapes.query_positions = nullptr;
   check_factored(shapes, layer, output, operation, workspace, workspace_bytes);
-  if (output.entropy != nullptr) {
-    fail(ErrorCode::unsupported, operation,
-         ": output 'entropy' is not computed by the tensor-core path (leave it null, or use "
-         "device 'cpu')");
-  }
-  if (output.weights != nullptr) {
-    fail(ErrorCode::unsupported, operation,
-         ": output 'weights' is not computed by the tensor-core path (leave it null, or use "
-         "device 'cpu')");
-  }
+  check_tc_outputs(output, operation);
   if (layer.rank > kTcMaxDim) {
     fail(ErrorCode::unsupported, operation, ": rank ", layer.rank,
          " exceeds the tensor-core attention's limit of ", kTcMaxDim);
@@ -207,16 +137,15 @@ void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T
   float* const lse = reinterpret_cast<float*>(base + l.lse);
   const T* const queries = input.queries != nullptr ? input.queries : input.cloud;
 
-  const auto grid = [](std::int64_t total) { return grid_for(total); };
-  launch(operation, "project_kernel", project_kernel<T, T>, grid(std::int64_t{H} * B * Nq * r),
-         kElementwiseThreads, 0, stream, layer.query_factor, queries, q, H, B * Nq, d, r);
-  launch(operation, "project_kernel", project_kernel<T, T>, grid(std::int64_t{H} * B * N * r),
-         kElementwiseThreads, 0, stream, layer.key_factor, input.cloud, k, H, B * N, d, r);
-  launch(operation, "project_kernel", project_kernel<T, T>, grid(std::int64_t{H} * B * N * r),
-         kElementwiseThreads, 0, stream, layer.content_down, input.cloud, v, H, B * N, d, r);
+  launch_tc_project(layer.query_factor, TcWeights::rows, queries, q, H, B * Nq, d, r, stream,
+                    operation);
+  launch_tc_project(layer.key_factor, TcWeights::rows, input.cloud, k, H, B * N, d, r, stream,
+                    operation);
+  launch_tc_project(layer.content_down, TcWeights::rows, input.cloud, v, H, B * N, d, r, stream,
+                    operation);
   if (bias != nullptr) {
-    launch(operation, "project_kernel", project_kernel<T, float>, grid(std::int64_t{H} * B * N),
-           kElementwiseThreads, 0, stream, layer.key_bias, input.cloud, bias, H, B * N, d, 1);
+    launch_tc_project(layer.key_bias, TcWeights::rows, input.cloud, bias, H, B * N, d, 1, stream,
+                      operation);
   }
 
   TcAttentionArgs args;
@@ -241,7 +170,7 @@ void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T
                          input.key_position, input.query_position, input.query_positions};
   launch_tc_attention(args, stream, operation);
 
-  CombineArgs combine;
+  TcCombineArgs combine;
   combine.heads_out = heads_out;
   combine.lse = lse;
   combine.lse_out = output.lse;
@@ -250,8 +179,7 @@ void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T
   combine.queries = Nq;
   combine.dim = d;
   combine.rank = r;
-  launch(operation, "combine_kernel", combine_kernel<T>, grid(std::int64_t{B} * Nq * d),
-         kElementwiseThreads, 0, stream, combine, layer.content_up, layer.offset, output.update);
+  launch_tc_combine(combine, layer.content_up, layer.offset, output.update, stream, operation);
 }
 
 #define EMFLOW_INSTANTIATE(T)                                                               \

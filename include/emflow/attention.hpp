@@ -160,8 +160,9 @@ void validate(const AttentionInput<T>& input, const AttentionOutput<T>& output,
 /// bfloat16 and float16 inputs: Device::cpu widens them exactly to float and computes in float32,
 /// except bfloat16 self-attention without weights on a processor with AVX512-BF16, whose products
 /// take bfloat16 operands with float32 accumulation (docs/MATH.md §7); Device::reference widens
-/// them to double; both round the update to T. Device::cuda refuses them
-/// (ErrorCode::unsupported) for now.
+/// them to double; both round the update to T. Device::cuda runs them on the tensor cores
+/// (cuda::attend_async, cuda.hpp; dim <= 256, no entropy or weights); Device::automatic picks it
+/// when a device exists and the call fits it, else the CPU.
 /// Throws emflow::Error on invalid input or backend failure; outputs are then unspecified.
 template <class T>
 void attend(const AttentionInput<T>& input, const AttentionOutput<T>& output,

@@ -24,6 +24,15 @@
 //            cloud and head (in `weights` when requested, else in the workspace).
 //   automatic: fused for float when no weights are requested and dim <= 256, else unfused.
 //
+// bfloat16 and float16 (precision.hpp): the tensor-core path (kernels/tc_dense.cu), taken by
+// automatic and fused; unfused is refused (ErrorCode::unsupported). Per head, R_h = Q M_h and
+// C_h = X F_h^T are computed in float32 from the stored values and rounded once to T, the key
+// bias terms u_h^T x_j stay in float32, the fused attention of R_h against the keys X with values
+// C_h runs on mma.sync (float32 accumulation, lse in float32), and the heads' outputs plus the
+// offset are summed in float32 and rounded once to T (docs/MATH.md §7). Needs dim <= 256; every
+// mask, key and query lengths and cross-attention as for float. Refuses entropy and weights
+// (ErrorCode::unsupported, naming the output), which it does not compute.
+//
 // Cross-attention (queries given) projects the queries by M and the keys by F. When the fused
 // grid of a cross-attention would be small (few queries: decoding), the keys are split into
 // blocks of a multiple of 64 keys processed by thread blocks of their own, each writing its
@@ -111,6 +120,18 @@ extern template void attend_async<float>(const AttentionInput<float>&,
 extern template void attend_async<double>(const AttentionInput<double>&,
                                           const AttentionOutput<double>&, void*, std::size_t,
                                           Stream, Algorithm);
+extern template std::size_t attend_workspace_size<bfloat16>(const AttentionInput<bfloat16>&,
+                                                            const AttentionOutput<bfloat16>&,
+                                                            Algorithm);
+extern template std::size_t attend_workspace_size<float16>(const AttentionInput<float16>&,
+                                                           const AttentionOutput<float16>&,
+                                                           Algorithm);
+extern template void attend_async<bfloat16>(const AttentionInput<bfloat16>&,
+                                            const AttentionOutput<bfloat16>&, void*, std::size_t,
+                                            Stream, Algorithm);
+extern template void attend_async<float16>(const AttentionInput<float16>&,
+                                           const AttentionOutput<float16>&, void*, std::size_t,
+                                           Stream, Algorithm);
 
 /// Bytes of device workspace attend_factored_async needs for these shapes, this layer and these
 /// outputs (reads no memory, needs no device). Throws emflow::Error as attend_factored_async's

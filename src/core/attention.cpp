@@ -234,9 +234,13 @@ void attend(const AttentionInput<T>& input, const AttentionOutput<T>& output,
       detail::fail_argument("attend", "threads", "must be >= 0, got ", options.threads);
     }
     if constexpr (is_16bit_v<T>) {
-      const Device device = detail::resolve_16bit_device(options.device, "attend");
+      const Device device = detail::resolve_16bit_device(options.device, input, output, "attend");
       detail::check_precision<T>(options, device, "attend");
-      detail::attend_16bit(input, output, device, options.threads);
+      if (device == Device::cuda) {
+        detail::cuda_attend(input, output);
+      } else {
+        detail::attend_16bit(input, output, device, options.threads);
+      }
       return;
     }
     const Device device = resolve_device(options.device);

@@ -38,5 +38,8 @@ template void cuda_attend_partial<double>(const AttentionInput<double>&,
                                           const PartialOutput<double>&);
 template void cuda_attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&);
 template void cuda_attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&);
+template void cuda_attend<bfloat16>(const AttentionInput<bfloat16>&,
+                                    const AttentionOutput<bfloat16>&);
+template void cuda_attend<float16>(const AttentionInput<float16>&, const AttentionOutput<float16>&);
 
 }  // namespace emflow::detail

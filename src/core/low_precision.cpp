@@ -184,13 +184,29 @@ void check_precision(const ExecutionOptions& options, Device device, const char*
                 p == Precision::bf16 ? "bfloat16" : "float16", " input, got ", type_name<T>());
 }
 
-Device resolve_16bit_device(Device requested, const char* op) {
+const char* tensor_core_missing_output(const void* entropy, const void* weights) {
+  if (entropy != nullptr) return "entropy";
+  if (weights != nullptr) return "weights";
+  return nullptr;
+}
+
+template <class T>
+Device resolve_16bit_device(Device requested, const AttentionInput<T>& input,
+                            const AttentionOutput<T>& output, const char* op) {
+  std::string reason;
   if (requested == Device::cuda) {
-    fail(ErrorCode::unsupported, op,
-         ": bfloat16 and float16 input is not implemented on device 'cuda' yet (use device "
-         "'cpu' or 'reference')");
+    if (!cuda_device_available(&reason)) {
+      fail(ErrorCode::unsupported, op, ": device 'cuda' requested but unavailable: ", reason);
+    }
+    return Device::cuda;
   }
-  return requested == Device::reference ? Device::reference : Device::cpu;
+  if (requested == Device::automatic) {
+    // The tensor-core path's limits (kernels/tc_dense.cu, kTcMaxDim): elsewhere the CPU computes.
+    const bool fits =
+        tensor_core_missing_output(output.entropy, output.weights) == nullptr && input.dim <= 256;
+    return fits && cuda_device_available(&reason) ? Device::cuda : Device::cpu;
+  }
+  return requested;
 }
 
 template <class T>
@@ -235,6 +251,10 @@ template void check_precision<float>(const ExecutionOptions&, Device, const char
 template void check_precision<double>(const ExecutionOptions&, Device, const char*);
 template void check_precision<bfloat16>(const ExecutionOptions&, Device, const char*);
 template void check_precision<float16>(const ExecutionOptions&, Device, const char*);
+template Device resolve_16bit_device<bfloat16>(Device, const AttentionInput<bfloat16>&,
+                                               const AttentionOutput<bfloat16>&, const char*);
+template Device resolve_16bit_device<float16>(Device, const AttentionInput<float16>&,
+                                              const AttentionOutput<float16>&, const char*);
 template Device resolve_16bit_factored_device<bfloat16>(Device, const FactoredLayer<bfloat16>&,
                                                         const AttentionOutput<bfloat16>&,
                                                         const char*);

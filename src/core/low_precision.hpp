@@ -14,9 +14,17 @@ namespace emflow::detail {
 template <class T>
 void check_precision(const ExecutionOptions& options, Device device, const char* operation);
 
-/// The device a 16-bit call runs on: cpu for automatic (no GPU kernel takes 16-bit input yet),
-/// and ErrorCode::unsupported for cuda.
-Device resolve_16bit_device(Device requested, const char* operation);
+/// The first output that the tensor-core 16-bit paths (kernels/tc_dense.cu, tc_factored.cu) do
+/// not compute, by name ("entropy", "weights"), or null when they compute every one given. The
+/// one place that says so: the kernels' refusals and the choice of Device::automatic read it.
+const char* tensor_core_missing_output(const void* entropy, const void* weights);
+
+/// The device a 16-bit emflow::attend call runs on: cuda when requested (ErrorCode::unsupported
+/// without a usable device) and for automatic when a device exists and the tensor-core path
+/// computes what `output` asks (tensor_core_missing_output, dim <= 256); else cpu or reference.
+template <class T>
+Device resolve_16bit_device(Device requested, const AttentionInput<T>& input,
+                            const AttentionOutput<T>& output, const char* operation);
 
 /// The device a 16-bit attend_factored call runs on: cuda when requested (ErrorCode::unsupported
 /// without a usable device) and for automatic when a device exists and the tensor-core path

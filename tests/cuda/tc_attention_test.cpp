@@ -108,27 +108,7 @@ TEST_P(TcAttention, MatchesTheDoubleReferenceWithinTwiceTheNaiveError) {
   const Result naive = attention(c, q.values, k.values, v.values, bias, scale, true);
   const Result got{std::vector<double>(out.begin(), out.end()),
                    std::vector<double>(lse.begin(), lse.end())};
-  for (std::size_t i = 0; i < got.out.size(); ++i) {
-    ASSERT_TRUE(std::isfinite(got.out[i])) << c.name << ": output " << i;
-  }
-  for (std::size_t i = 0; i < got.lse.size(); ++i) {
-    if (std::isinf(exact.lse[i])) {
-      ASSERT_EQ(got.lse[i], exact.lse[i]) << c.name << ": lse of padding query " << i;
-    } else {
-      ASSERT_TRUE(std::isfinite(got.lse[i])) << c.name << ": lse " << i;
-    }
-  }
-  double scale_out = 0.0;
-  for (double x : exact.out) scale_out = std::max(scale_out, std::abs(x));
-  ASSERT_GT(scale_out, 0.05) << c.name << ": the outputs must not be near zero";
-  const double out_error = max_error(got.out, exact.out);
-  const double naive_out_error = max_error(naive.out, exact.out);
-  EXPECT_LE(out_error, 2.0 * naive_out_error + 1e-6)
-      << c.name << ": naive error " << naive_out_error;
-  const double lse_error = max_error(got.lse, exact.lse);
-  const double naive_lse_error = max_error(naive.lse, exact.lse);
-  EXPECT_LE(lse_error, 2.0 * naive_lse_error + 1e-6)
-      << c.name << ": naive lse error " << naive_lse_error;
+  expect_accuracy_rule(c.name, {got.out, got.lse}, {exact.out, exact.lse}, {naive.out, naive.lse});
 }
 
 const Mask kNone = Mask::none();

@@ -206,16 +206,6 @@ std::vector<double> widened(const std::vector<T>& values) {
   return out;
 }
 
-double max_difference(const std::vector<double>& got, const std::vector<double>& want) {
-  double e = 0.0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    if (std::isinf(want[i]) && got[i] == want[i]) continue;
-    e = std::max(e, std::abs(got[i] - want[i]));
-    if (std::isnan(got[i]) != std::isnan(want[i])) e = std::numeric_limits<double>::infinity();
-  }
-  return e;
-}
-
 template <class T>
 void check_case(const FactoredCase& c) {
   const Inputs in = make_inputs(c);
@@ -295,25 +285,8 @@ void check_case(const FactoredCase& c) {
   const Expected exact = factored_attention(c, in, false);
   const Expected naive = factored_attention(c, in, true);
   const std::vector<double> got = widened(update), got_lse(lse.begin(), lse.end());
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    ASSERT_TRUE(std::isfinite(got[i])) << c.name << ": update " << i;
-  }
-  for (std::size_t i = 0; i < got_lse.size(); ++i) {
-    if (std::isinf(exact.lse[i])) {
-      ASSERT_EQ(got_lse[i], exact.lse[i]) << c.name << ": lse of padding query " << i;
-    } else {
-      ASSERT_TRUE(std::isfinite(got_lse[i])) << c.name << ": lse " << i;
-    }
-  }
-  double magnitude = 0.0;
-  for (double x : exact.update) magnitude = std::max(magnitude, std::abs(x));
-  ASSERT_GT(magnitude, 0.05) << c.name << ": the updates must not be near zero";
-  const double naive_error = max_difference(naive.update, exact.update);
-  const double naive_lse_error = max_difference(naive.lse, exact.lse);
-  EXPECT_LE(max_difference(got, exact.update), 2.0 * naive_error + 1e-6)
-      << c.name << ": naive error " << naive_error;
-  EXPECT_LE(max_difference(got_lse, exact.lse), 2.0 * naive_lse_error + 1e-6)
-      << c.name << ": naive lse error " << naive_lse_error;
+  const auto [naive_error, naive_lse_error] = expect_accuracy_rule(
+      c.name, {got, got_lse}, {exact.update, exact.lse}, {naive.update, naive.lse});
   const std::vector<double> cpu = widened(cpu_update), cpu_lse_d(cpu_lse.begin(), cpu_lse.end());
   EXPECT_LE(max_difference(got, cpu), 3.0 * naive_error + 1e-6) << c.name << ": against the CPU";
   EXPECT_LE(max_difference(got_lse, cpu_lse_d), 3.0 * naive_lse_error + 1e-6)

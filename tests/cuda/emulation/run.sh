@@ -47,9 +47,11 @@ SMALL+=':CudaCross.*:CudaKeySplits.*:CudaPartial.*:Cross/*/cuda_*_B1_H1_N?_q?_*'
 SMALL+=':Cross/*/cuda_*_B2_H2_N33_*:Cross/*/cuda_*_B4_H2_N45_*'
 SMALL+=':Blocks/*/cuda_f??_B1_H1_N1_*:Blocks/*/cuda_f??_B2_H2_N65_*'
 # The tensor-core layer (the model of mma.sync against a plain product) and the tensor-core
-# attention on bf16 and fp16 (N = 1, 17, 130, every mask, key lengths), and the factored layer
-# on it through the public API (cuda::attend_factored_async and attend_factored on the device).
+# attention on bf16 and fp16 (N = 1, 17, 130, every mask, key lengths), and the factored and the
+# dense layers on it through the public API (cuda::attend_factored_async, cuda::attend_async for
+# 16-bit input, and the blocking forms on the device).
 SMALL+=':Kinds/Mma.*:Cases/TcAttention.*:Cases/TcFactored.*:TcFactoredRefusals.*'
+SMALL+=':Cases/TcDense.*:TcDenseRefusals.*'
 # The device decode cache: token by token against the host cache, split keys, refusals.
 SMALL+=':CudaDecode.*'
 LARGE='Large/*/cuda_fused_f32_*'

@@ -1,0 +1,53 @@
+// The element-wise stages around the tensor-core attention (tc_attention.hpp) that the factored
+// (tc_factored.cu) and the dense (tc_dense.cu) 16-bit paths share: the per-head projections of
+// the clouds before it, in float32 and rounded once to the storage type, and the float32 sum
+// over heads after it. Each launcher enqueues on `stream`, checks the launch and never
+// synchronises; pointers are device pointers. T is bfloat16 or float16.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "emflow/attention.hpp"
+
+namespace emflow::detail {
+
+/// How a projection reads its weights w(h, c, k) of `heads` maps R^dim -> R^rank.
+enum class TcWeights {
+  rows,       ///< weights[(h * rank + c) * dim + k]: out = W x (A, B, V, F, u)
+  transposed  ///< weights[(h * dim + k) * rank + c]: out = W^T x (R = X M: r_i = M^T x_i)
+};
+
+/// out[(h * rows + row) * rank + c] = sum_k w(h, c, k) x[row * dim + k], accumulated in float32
+/// from the stored values and rounded once to Out (T, or float for the key bias terms).
+template <class T, class Out>
+void launch_tc_project(const T* weights, TcWeights layout, const T* x, Out* out, int heads,
+                       int rows, int dim, int rank, cudaStream_t stream, const char* operation);
+
+/// The sum over heads after the attention.
+struct TcCombineArgs {
+  const float* heads_out = nullptr;  ///< (heads, batch, queries, rank)
+  const float* lse = nullptr;        ///< (heads, batch, queries)
+  float* lse_out = nullptr;          ///< (batch, heads, queries) or null
+  int heads = 1, batch = 1, queries = 1, dim = 1, rank = 1;
+};
+
+/// update[b, i, a] = sum_h (U_h o_h,bi)[a] + offset[a] in float32 over the heads in order,
+/// rounded once to T, for a query that sees a key (head 0's lse > -inf), else 0; `up` is U
+/// (heads, dim, rank), or null for the identity (rank == dim: the dense form's heads output
+/// their contents directly); `offset` may be null. lse is transposed from the kernel's
+/// (heads, batch, queries) to the public (batch, heads, queries) when lse_out is set.
+template <class T>
+void launch_tc_combine(const TcCombineArgs& args, const T* up, const T* offset, T* update,
+                       cudaStream_t stream, const char* operation);
+
+/// Bytes rounded up to the workspace alignment (kWorkspaceAlignment).
+std::size_t tc_aligned_bytes(std::size_t bytes);
+
+/// Refuses (ErrorCode::unsupported) an output the tensor-core paths do not compute, naming it
+/// (low_precision.hpp decides which).
+template <class T>
+void check_tc_outputs(const AttentionOutput<T>& output, const char* operation);
+
+}  // namespace emflow::detail

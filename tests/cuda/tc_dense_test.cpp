@@ -1,0 +1,455 @@
+// cuda::attend_async and the blocking attend on Device::cuda for bfloat16 and float16: the dense
+// EMF form on the tensor cores (kernels/tc_dense.cu), at awkward sizes (N = 1, 7, 33, 130;
+// d = 1, 5, 64, 130), masks none, causal and window, key lengths, cross-attention, key bias,
+// offset, with and without lse. The accuracy rule (issue 16, tc_reference.hpp): against the
+// double result of the same rounded inputs, the error is at most twice the error of a naive
+// implementation in the same precision (R_h = Q M_h and C_h = X F_h^T in float rounded to the
+// 16-bit type, the naive attention of tc_reference.hpp against the keys X, the sum over heads and
+// the offset in float rounded to the 16-bit type). Outputs are poisoned (NaN) before each call;
+// the blocking call gives the stream-ordered one's bits. Skipped without a device;
+// tests/cuda/emulation runs them on the CPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <ostream>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "common/testing.hpp"
+#include "emflow/attention.hpp"
+#include "emflow/error.hpp"
+#include "emflow/precision.hpp"
+#include "emflow/types.hpp"
+
+#if defined(EMFLOW_WITH_CUDA)
+#include <cuda_runtime.h>
+
+#include "emflow/cuda.hpp"
+#include "tc_reference.hpp"
+
+namespace emflow::testing {
+namespace {
+
+struct DenseCase {
+  const char* name;
+  TcType type;
+  int batch, heads, tokens, cross_queries, dim;  // cross_queries 0: self-attention
+  Mask mask;
+  std::vector<std::int64_t> key_lengths;  // empty: all keys (self-attention only)
+  bool bias, offset, lse;
+};
+
+void PrintTo(const DenseCase& c, std::ostream* os) { *os << c.name; }
+
+int query_rows(const DenseCase& c) { return c.cross_queries > 0 ? c.cross_queries : c.tokens; }
+
+// One head's attention in dim d, as tc_reference.hpp reads it (queries R_h, keys X, values C_h).
+struct HeadProblem {
+  TcType type;
+  int batch, heads, tokens, queries, dim;
+  Mask mask;
+  std::vector<std::int64_t> key_lengths;
+};
+
+struct Inputs {
+  Rounded x, q, m, f, u, offset;  // X (B,N,d); Q (B,Nq,d); M, F (H,d,d); u (H,d); c (d)
+  double beta = 1.0;
+};
+
+Inputs make_inputs(const DenseCase& c) {
+  std::mt19937 random(91u + static_cast<unsigned>(c.tokens * 31 + c.dim * 7 + c.heads));
+  const auto B = static_cast<std::size_t>(c.batch), N = static_cast<std::size_t>(c.tokens);
+  const auto d = static_cast<std::size_t>(c.dim), H = static_cast<std::size_t>(c.heads);
+  const float range = 1.7f / std::sqrt(static_cast<float>(d));  // projections of order one
+  Inputs in;
+  in.x = random_rounded(c.type, B * N * d, random);
+  if (c.cross_queries > 0) {
+    in.q = random_rounded(c.type, B * static_cast<std::size_t>(c.cross_queries) * d, random);
+  }
+  in.m = random_rounded(c.type, H * d * d, random, range);
+  in.f = random_rounded(c.type, H * d * d, random, range);
+  if (c.bias) in.u = random_rounded(c.type, H * d, random, range);
+  if (c.offset) in.offset = random_rounded(c.type, d, random, 0.5f);
+  in.beta = 2.0 / std::sqrt(static_cast<double>(d));
+  return in;
+}
+
+struct Expected {
+  std::vector<double> update, lse;  // update (B,Nq,d), lse (B,H,Nq)
+};
+
+// naive = false: in double. naive = true: as a straightforward 16-bit kernel would.
+Expected dense_attention(const DenseCase& c, const Inputs& in, bool naive) {
+  const int B = c.batch, N = c.tokens, Nq = query_rows(c), d = c.dim, H = c.heads;
+  const HeadProblem head{c.type, B, H, N, Nq, d, c.mask, c.key_lengths};
+  const Rounded& queries = c.cross_queries > 0 ? in.q : in.x;
+  // Per head, the rows of `x` mapped by W (H, outputs, d) (entry (h, o, k) at `at(h, o, k)`):
+  // (H, rows, outputs); naive: in float, rounded to the 16-bit type when `round`. The double
+  // result is kept as the nearest float, far below the 16-bit errors tested.
+  auto project = [&](const Rounded& x, int rows, const Rounded& w, int outputs, auto at,
+                     bool round) {
+    std::vector<float> out(static_cast<std::size_t>(H) * rows * outputs);
+    for (int h = 0; h < H; ++h) {
+      for (int row = 0; row < rows; ++row) {
+        for (int o = 0; o < outputs; ++o) {
+          float sum_f = 0.f;
+          double sum = 0.0;
+          for (int k = 0; k < d; ++k) {
+            const float wk = w.values[at(h, o, k)];
+            const float xk = x.values[static_cast<std::size_t>(row) * d + k];
+            sum_f += wk * xk;
+            sum += static_cast<double>(wk) * xk;
+          }
+          out[(static_cast<std::size_t>(h) * rows + row) * outputs + o] =
+              naive ? (round ? round_to(c.type, sum_f) : sum_f) : static_cast<float>(sum);
+        }
+      }
+    }
+    return out;
+  };
+  const auto dd = static_cast<std::size_t>(d);
+  // r_i = M^T q_i: entry (h, o, k) of M^T is M[h][k][o]; c_j = F x_j; u_h^T x_j.
+  const auto transposed = [dd](int h, int o, int k) { return (h * dd + k) * dd + o; };
+  const auto rows_of = [dd](int h, int o, int k) { return (h * dd + o) * dd + k; };
+  const auto bias_of = [dd](int h, int, int k) { return h * dd + k; };
+  const std::vector<float> r = project(queries, B * Nq, in.m, d, transposed, true);
+  const std::vector<float> v = project(in.x, B * N, in.f, d, rows_of, true);
+  std::vector<float> bias;
+  if (c.bias) bias = project(in.x, B * N, in.u, 1, bias_of, false);
+  std::vector<float> keys;  // X for every head
+  for (int h = 0; h < H; ++h) keys.insert(keys.end(), in.x.values.begin(), in.x.values.end());
+  const float scale = static_cast<float>(in.beta * 1.4426950408889634);
+  const Result heads = attention(head, r, keys, v, bias, scale, naive);
+
+  Expected e;
+  e.update.assign(static_cast<std::size_t>(B) * Nq * d, 0.0);
+  if (c.lse) e.lse.assign(static_cast<std::size_t>(B) * H * Nq, 0.0);
+  for (int b = 0; b < B; ++b) {
+    for (int i = 0; i < Nq; ++i) {
+      for (int h = 0; c.lse && h < H; ++h) {
+        e.lse[(static_cast<std::size_t>(b) * H + h) * Nq + i] =
+            heads.lse[(static_cast<std::size_t>(h) * B + b) * Nq + i];
+      }
+      if (std::isinf(heads.lse[static_cast<std::size_t>(b) * Nq + i])) continue;  // no key
+      for (int a = 0; a < d; ++a) {
+        double sum = 0.0;
+        float sum_f = 0.f;
+        for (int h = 0; h < H; ++h) {
+          const double o = heads.out[((static_cast<std::size_t>(h) * B + b) * Nq + i) * d + a];
+          sum += o;
+          sum_f += static_cast<float>(o);
+        }
+        if (c.offset) {
+          sum += in.offset.values[static_cast<std::size_t>(a)];
+          sum_f += in.offset.values[static_cast<std::size_t>(a)];
+        }
+        e.update[(static_cast<std::size_t>(b) * Nq + i) * d + a] =
+            naive ? round_to(c.type, sum_f) : sum;
+      }
+    }
+  }
+  return e;
+}
+
+template <class T>
+T stored(std::uint16_t bits) {
+  T t;
+  t.bits = bits;
+  return t;
+}
+
+template <class T>
+std::vector<T> as_type(const Rounded& r) {
+  std::vector<T> out;
+  for (std::uint16_t bits : r.bits) out.push_back(stored<T>(bits));
+  return out;
+}
+
+// The exponent of half a unit in the last place relative to |x|: 2^-8 (bf16), 2^-11 (fp16).
+template <class T>
+constexpr int kHalfUlpExponent = std::is_same_v<T, bfloat16> ? -8 : -11;
+
+template <class T>
+T poison() {
+  return stored<T>(std::is_same_v<T, bfloat16> ? 0x7FC0 : 0x7E00);
+}
+
+template <class T>
+struct HostProblem {
+  std::vector<T> x, q, m, f, u, offset;
+  AttentionInput<T> input;
+
+  HostProblem(const DenseCase& c, const Inputs& in)
+      : x(as_type<T>(in.x)),
+        q(as_type<T>(in.q)),
+        m(as_type<T>(in.m)),
+        f(as_type<T>(in.f)),
+        u(as_type<T>(in.u)),
+        offset(as_type<T>(in.offset)) {
+    input.cloud = x.data();
+    input.batch = c.batch;
+    input.tokens = c.tokens;
+    input.dim = c.dim;
+    input.layer = {c.heads, m.data(), f.data(), c.bias ? u.data() : nullptr,
+                   c.offset ? offset.data() : nullptr};
+    input.beta = in.beta;
+    input.mask = c.mask;
+    input.key_lengths = c.key_lengths.empty() ? nullptr : c.key_lengths.data();
+    if (c.cross_queries > 0) {
+      input.queries = q.data();
+      input.query_tokens = c.cross_queries;
+    }
+  }
+};
+
+// The stream outlives the buffers and is destroyed on every path (a failed assertion returns).
+struct OwnedStream {
+  cudaStream_t stream = nullptr;
+  ~OwnedStream() {
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+};
+
+template <class T>
+void check_case(const DenseCase& c) {
+  const Inputs in = make_inputs(c);
+  const HostProblem<T> host(c, in);
+  const auto B = static_cast<std::size_t>(c.batch), N = static_cast<std::size_t>(c.tokens);
+  const auto Nq = static_cast<std::size_t>(query_rows(c));
+  const auto d = static_cast<std::size_t>(c.dim), H = static_cast<std::size_t>(c.heads);
+
+  OwnedStream owned;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&owned.stream, cudaStreamNonBlocking), cudaSuccess);
+  const cudaStream_t stream = owned.stream;
+  cuda::DeviceBuffer<T> dx(B * N * d), dq(host.q.size()), dm(H * d * d), df(H * d * d), du(H * d),
+      doffset(d), dupdate(B * Nq * d);
+  cuda::DeviceBuffer<float> dlse(B * H * Nq);
+  cuda::DeviceBuffer<std::int64_t> dlengths(B);
+  dx.copy_from_host(host.x.data(), host.x.size(), stream);
+  if (!host.q.empty()) dq.copy_from_host(host.q.data(), host.q.size(), stream);
+  dm.copy_from_host(host.m.data(), host.m.size(), stream);
+  df.copy_from_host(host.f.data(), host.f.size(), stream);
+  if (c.bias) du.copy_from_host(host.u.data(), host.u.size(), stream);
+  if (c.offset) doffset.copy_from_host(host.offset.data(), host.offset.size(), stream);
+  if (!c.key_lengths.empty()) dlengths.copy_from_host(c.key_lengths.data(), B, stream);
+  const std::vector<T> poison_update(dupdate.size(), poison<T>());
+  const std::vector<float> poison_lse(dlse.size(), std::nanf(""));
+  dupdate.copy_from_host(poison_update.data(), poison_update.size(), stream);
+  dlse.copy_from_host(poison_lse.data(), poison_lse.size(), stream);
+  AttentionInput<T> input = host.input;
+  input.cloud = dx.data();
+  input.queries = host.q.empty() ? nullptr : dq.data();
+  input.layer = {c.heads, dm.data(), df.data(), c.bias ? du.data() : nullptr,
+                 c.offset ? doffset.data() : nullptr};
+  input.key_lengths = c.key_lengths.empty() ? nullptr : dlengths.data();
+  const AttentionOutput<T> output{dupdate.data(), c.lse ? dlse.data() : nullptr};
+  const std::size_t bytes = cuda::attend_workspace_size(input, output);
+  cuda::DeviceBuffer<unsigned char> workspace(bytes);
+  cuda::attend_async(input, output, workspace.data(), bytes, stream);
+  std::vector<T> update(dupdate.size());
+  std::vector<float> lse(c.lse ? dlse.size() : 0);
+  dupdate.copy_to_host(update.data(), update.size(), stream);
+  if (c.lse) dlse.copy_to_host(lse.data(), lse.size(), stream);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+
+  // The blocking form on the host arrays: the same kernels, so the same bits.
+  std::vector<T> blocking_update(update.size(), poison<T>());
+  std::vector<float> blocking_lse(lse.size(), std::nanf(""));
+  attend(host.input,
+         AttentionOutput<T>{blocking_update.data(), c.lse ? blocking_lse.data() : nullptr},
+         {Device::cuda});
+  for (std::size_t i = 0; i < update.size(); ++i) {
+    ASSERT_EQ(blocking_update[i].bits, update[i].bits) << c.name << ": update " << i;
+  }
+  for (std::size_t i = 0; i < lse.size(); ++i) {
+    ASSERT_EQ(std::isnan(blocking_lse[i]), std::isnan(lse[i])) << c.name << ": lse " << i;
+    if (!std::isnan(lse[i])) {
+      ASSERT_EQ(blocking_lse[i], lse[i]) << c.name << ": lse " << i;
+    }
+  }
+
+  const Expected exact = dense_attention(c, in, false);
+  const Expected naive = dense_attention(c, in, true);
+  // The test's model of the dense form is emflow's own: the double reference of the same stored
+  // values (its update rounded to T once: half a unit in the last place, |x| 2^-8 or 2^-11).
+  std::vector<T> reference_update(update.size(), poison<T>());
+  std::vector<float> reference_lse(lse.size(), std::nanf(""));
+  attend(host.input,
+         AttentionOutput<T>{reference_update.data(), c.lse ? reference_lse.data() : nullptr},
+         {Device::reference});
+  for (std::size_t i = 0; i < update.size(); ++i) {
+    const double half_ulp = std::ldexp(std::abs(exact.update[i]), kHalfUlpExponent<T>) + 1e-6;
+    ASSERT_LE(std::abs(to_float(reference_update[i]) - exact.update[i]), half_ulp)
+        << c.name << ": the test's double model against Device::reference, update " << i;
+  }
+  for (std::size_t i = 0; i < lse.size(); ++i) {
+    if (std::isinf(exact.lse[i])) {
+      ASSERT_EQ(reference_lse[i], exact.lse[i]) << c.name << ": reference lse " << i;
+    } else {
+      ASSERT_NEAR(reference_lse[i], exact.lse[i], 1e-5) << c.name << ": reference lse " << i;
+    }
+  }
+  std::vector<double> got, got_lse(lse.begin(), lse.end());
+  for (const T& value : update) got.push_back(to_float(value));
+  expect_accuracy_rule(c.name, {got, got_lse}, {exact.update, exact.lse},
+                       {naive.update, naive.lse});
+}
+
+class TcDense : public ::testing::TestWithParam<DenseCase> {};
+
+TEST_P(TcDense, MatchesTheDoubleResultWithinTwiceTheNaiveError) {
+  EMFLOW_REQUIRE_CUDA();
+  const DenseCase& c = GetParam();
+  if (c.type == TcType::bf16) {
+    check_case<bfloat16>(c);
+  } else {
+    check_case<float16>(c);
+  }
+}
+
+const Mask kNone = Mask::none();
+const Mask kCausal = Mask::causal();
+const Mask kWindow5 = Mask::sliding_window(5);
+const Mask kWindow37 = Mask::sliding_window(37);
+constexpr TcType kBf16 = TcType::bf16;
+constexpr TcType kF16 = TcType::f16;
+
+// name, type, batch, heads, tokens, cross queries, dim, mask, key lengths, bias, offset, lse
+INSTANTIATE_TEST_SUITE_P(
+    Cases, TcDense,
+    ::testing::Values(
+        DenseCase{"bf16_N1_d1_none", kBf16, 1, 1, 1, 0, 1, kNone, {}, true, true, true},
+        DenseCase{"f16_N7_d5_causal_len", kF16, 2, 2, 7, 0, 5, kCausal, {7, 3}, true, false, true},
+        DenseCase{"bf16_N33_d64_window5_len",
+                  kBf16,
+                  2,
+                  1,
+                  33,
+                  0,
+                  64,
+                  kWindow5,
+                  {33, 0},
+                  false,
+                  true,
+                  true},
+        DenseCase{"f16_N33_q5_d64_causal", kF16, 1, 2, 33, 5, 64, kCausal, {}, true, true, true},
+        DenseCase{"bf16_N7_q33_d5_causal", kBf16, 1, 1, 7, 33, 5, kCausal, {}, false, true, true},
+        DenseCase{
+            "bf16_N130_d130_none_len", kBf16, 1, 1, 130, 0, 130, kNone, {97}, true, true, true},
+        DenseCase{
+            "f16_N130_d5_window37", kF16, 1, 2, 130, 0, 5, kWindow37, {}, false, false, false}),
+    [](const ::testing::TestParamInfo<DenseCase>& info) { return std::string(info.param.name); });
+
+// What the tensor-core path does not compute or cannot run is refused by name, before any
+// device work (these checks read no memory and run without a device).
+TEST(TcDenseRefusals, UnsupportedOutputsAlgorithmsAndShapesAreNamed) {
+  const DenseCase c{"refusal", kBf16, 1, 1, 3, 0, 4, kNone, {}, false, false, false};
+  const Inputs in = make_inputs(c);
+  const HostProblem<bfloat16> host(c, in);
+  std::vector<bfloat16> update(12);
+  std::vector<float> stats(3), weights(9);
+  const auto refusal = [&](const AttentionInput<bfloat16>& input,
+                           const AttentionOutput<bfloat16>& output,
+                           cuda::Algorithm algorithm = cuda::Algorithm::automatic) {
+    std::string seen[2];
+    for (int form = 0; form < 2; ++form) {
+      try {
+        if (form == 0) {
+          cuda::attend_workspace_size(input, output, algorithm);
+        } else {
+          unsigned char workspace[256];
+          cuda::attend_async(input, output, workspace, sizeof workspace, nullptr, algorithm);
+        }
+        seen[form] = "accepted";
+      } catch (const Error& e) {
+        // The message without the operation's name, which differs between the two.
+        std::string what = e.what();
+        what.erase(0, what.find(':'));
+        seen[form] = std::string(to_string(e.code())) + what;
+      }
+    }
+    EXPECT_EQ(seen[0], seen[1]) << "attend_workspace_size and attend_async differ";
+    return seen[1];
+  };
+  const auto has = [](const std::string& message, const char* part) {
+    return message.find(part) != std::string::npos;
+  };
+  std::string m = refusal(host.input, {update.data(), nullptr, stats.data()});
+  EXPECT_TRUE(has(m, "unsupported") && has(m, "'entropy'")) << m;
+  m = refusal(host.input, {update.data(), nullptr, nullptr, weights.data()});
+  EXPECT_TRUE(has(m, "unsupported") && has(m, "'weights'")) << m;
+  m = refusal(host.input, {update.data()}, cuda::Algorithm::unfused);
+  EXPECT_TRUE(has(m, "unsupported") && has(m, "Algorithm::unfused")) << m;
+  AttentionInput<bfloat16> wide = host.input;
+  wide.dim = 257;
+  std::vector<bfloat16> big(257 * 257 * 3), big_update(257 * 3);
+  wide.cloud = wide.layer.relevance = wide.layer.content = big.data();
+  m = refusal(wide, {big_update.data()});
+  EXPECT_TRUE(has(m, "unsupported") && has(m, "dim 257")) << m;
+  AttentionInput<bfloat16> empty = host.input;
+  empty.tokens = 0;
+  m = refusal(empty, {update.data()});
+  EXPECT_TRUE(has(m, "invalid_argument") && has(m, "'tokens'")) << m;
+  AttentionInput<bfloat16> no_content = host.input;
+  no_content.layer.content = nullptr;
+  m = refusal(no_content, {update.data()});
+  EXPECT_TRUE(has(m, "invalid_argument") && has(m, "'content'")) << m;
+  // The blocking form refuses entropy on device 'cuda'; Device::automatic computes it on the
+  // CPU, as the tensor-core path does not.
+  try {
+    attend(host.input, AttentionOutput<bfloat16>{update.data(), nullptr, stats.data()},
+           {Device::cuda});
+    ADD_FAILURE() << "entropy on device 'cuda' was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unsupported) << e.what();
+  }
+  std::fill(stats.begin(), stats.end(), std::nanf(""));
+  attend(host.input, AttentionOutput<bfloat16>{update.data(), nullptr, stats.data()},
+         {Device::automatic});
+  for (float h : stats) EXPECT_TRUE(std::isfinite(h) && h >= 0.f) << "entropy " << h;
+}
+
+// The workspace is checked on the device: too small and misaligned are named.
+TEST(TcDenseRefusals, WorkspaceTooSmallOrMisalignedIsNamed) {
+  EMFLOW_REQUIRE_CUDA();
+  const DenseCase c{"workspace", kF16, 1, 1, 3, 0, 4, kNone, {}, false, false, false};
+  const Inputs in = make_inputs(c);
+  const HostProblem<float16> host(c, in);
+  cuda::DeviceBuffer<float16> dx(12), dm(16), df(16), dupdate(12);
+  OwnedStream owned;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&owned.stream, cudaStreamNonBlocking), cudaSuccess);
+  dx.copy_from_host(host.x.data(), 12, owned.stream);
+  dm.copy_from_host(host.m.data(), 16, owned.stream);
+  df.copy_from_host(host.f.data(), 16, owned.stream);
+  AttentionInput<float16> input = host.input;
+  input.cloud = dx.data();
+  input.layer.relevance = dm.data();
+  input.layer.content = df.data();
+  const AttentionOutput<float16> output{dupdate.data()};
+  const std::size_t bytes = cuda::attend_workspace_size(input, output);
+  ASSERT_GT(bytes, 0u);
+  cuda::DeviceBuffer<unsigned char> workspace(bytes + 256);
+  const auto message = [&](void* at, std::size_t size) {
+    try {
+      cuda::attend_async(input, output, at, size, owned.stream);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_NE(message(workspace.data(), bytes - 1).find("'workspace_bytes'"), std::string::npos);
+  EXPECT_NE(message(workspace.data() + 1, bytes).find("aligned"), std::string::npos);
+  // The host's cloud is refused by name on the device path.
+  input.cloud = host.x.data();
+  EXPECT_NE(message(workspace.data(), bytes).find("'cloud'"), std::string::npos);
+  ASSERT_EQ(cudaStreamSynchronize(owned.stream), cudaSuccess);
+}
+
+}  // namespace
+}  // namespace emflow::testing
+#endif
