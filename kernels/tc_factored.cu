@@ -1,14 +1,15 @@
-// cuda::attend_factored_async for bfloat16 and float16 (emflow/cuda.hpp): the factored layer
-// (emflow/factored.hpp) on the tensor-core attention (tc_attention.cu).
+// cuda::attend_factored_async for bfloat16, float16 and float with TF32 products (emflow/cuda.hpp):
+// the factored layer (emflow/factored.hpp) on the tensor-core attention (tc_attention.cu).
 //
 //   1. project: per head, Q_h = A_h Y^T, K_h = B_h X^T, V_h = V_h X^T, accumulated in float32 and
-//      rounded to T (the kernel's inputs are 16-bit), and the key bias terms u_h^T x_j in float32
-//      (the kernel adds them to <q, k> before the scale, as s_ij = beta (<A x_i, B x_j> + u^T x_j)
-//      asks);
-//   2. the tensor-core attention in rank r with scale beta log2(e) and lse;
+//      stored in T (rounded for the 16-bit types; the TF32 kernel rounds its operands itself),
+//      and the key bias terms u_h^T x_j in float32 (the kernel adds them to <q, k> before the
+//      scale, as s_ij = beta (<A x_i, B x_j> + u^T x_j) asks);
+//   2. the tensor-core attention in rank r with scale beta log2(e), lse and entropy;
 //   3. combine: update_i = sum_h U_h o_h,i + c in float32 over heads in order, rounded once to T,
-//      for a query that sees a key (lse > -inf); 0 for a padding query. lse is transposed from
-//      the kernel's (heads, batch, queries) to the public (batch, heads, queries).
+//      for a query that sees a key (lse > -inf); 0 for a padding query. lse and entropy, per
+//      head, are transposed from the kernel's (heads, batch, queries) to the public (batch,
+//      heads, queries).
 //
 // The projections are plain element-wise products: r and d are small next to N, and the
 // attention dominates from a few hundred tokens on.
@@ -38,6 +39,9 @@ namespace {
 __device__ __forceinline__ void store(bfloat16* p, float v) { *p = to_bfloat16(v); }
 __device__ __forceinline__ void store(float16* p, float v) { *p = to_float16(v); }
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ float widen(bfloat16 v) { return to_float(v); }
+__device__ __forceinline__ float widen(float16 v) { return to_float(v); }
+__device__ __forceinline__ float widen(float v) { return v; }
 
 /// out[h, row, c] = sum_k W[h, c, k] x[row, k] for rows of (rows, dim), W of (heads, rank, dim).
 template <class T, class Out>
@@ -53,7 +57,7 @@ __global__ void project_kernel(const T* weights, const T* x, Out* out, int heads
     const T* const w = weights + (static_cast<std::size_t>(h) * rank + c) * dim;
     const T* const xr = x + static_cast<std::size_t>(row) * dim;
     float sum = 0.f;
-    for (int k = 0; k < dim; ++k) sum += to_float(w[k]) * to_float(xr[k]);
+    for (int k = 0; k < dim; ++k) sum += widen(w[k]) * widen(xr[k]);
     store(out + index, sum);
   }
 }
@@ -62,6 +66,8 @@ struct CombineArgs {
   const float* heads_out = nullptr;  ///< (heads, batch, queries, rank)
   const float* lse = nullptr;        ///< (heads, batch, queries)
   float* lse_out = nullptr;          ///< (batch, heads, queries) or null
+  const float* entropy = nullptr;    ///< (heads, batch, queries) or null
+  float* entropy_out = nullptr;      ///< (batch, heads, queries) or null
   int heads = 1, batch = 1, queries = 1, dim = 1, rank = 1;
 };
 
@@ -77,15 +83,18 @@ __global__ void combine_kernel(const CombineArgs args, const T* up, const T* off
         const T* const u = up + (static_cast<std::size_t>(h) * d + a) * r;
         const float* const o =
             args.heads_out + ((static_cast<std::size_t>(h) * B + b) * Nq + i) * r;
-        for (int c = 0; c < r; ++c) sum += to_float(u[c]) * o[c];
+        for (int c = 0; c < r; ++c) sum += widen(u[c]) * o[c];
       }
-      if (offset != nullptr) sum += to_float(offset[a]);
+      if (offset != nullptr) sum += widen(offset[a]);
     }
     store(update + index, sum);
-    if (a == 0 && args.lse_out != nullptr) {
+    if (a == 0) {
+      // The statistics are per head (attention.hpp): only the order of their indices changes.
       for (int h = 0; h < H; ++h) {
-        args.lse_out[(static_cast<std::size_t>(b) * H + h) * Nq + i] =
-            args.lse[(static_cast<std::size_t>(h) * B + b) * Nq + i];
+        const std::size_t to = (static_cast<std::size_t>(b) * H + h) * Nq + i;
+        const std::size_t from = (static_cast<std::size_t>(h) * B + b) * Nq + i;
+        if (args.lse_out != nullptr) args.lse_out[to] = args.lse[from];
+        if (args.entropy_out != nullptr) args.entropy_out[to] = args.entropy[from];
       }
     }
   });
@@ -97,11 +106,13 @@ std::size_t aligned_bytes(std::size_t bytes) {
 
 /// Where each array lives in the workspace (byte offsets, each aligned).
 struct FactoredLayout {
-  std::size_t query = 0, key = 0, value = 0, bias = 0, heads_out = 0, lse = 0, total = 0;
+  std::size_t query = 0, key = 0, value = 0, bias = 0, heads_out = 0, lse = 0, entropy = 0;
+  std::size_t total = 0;
 };
 
 template <class T>
-FactoredLayout factored_layout(const AttentionInput<T>& input, const FactoredLayer<T>& layer) {
+FactoredLayout factored_layout(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                               const AttentionOutput<T>& output) {
   const auto H = static_cast<std::size_t>(layer.heads), r = static_cast<std::size_t>(layer.rank);
   const auto B = static_cast<std::size_t>(input.batch);
   const auto N = static_cast<std::size_t>(input.tokens);
@@ -119,26 +130,51 @@ FactoredLayout factored_layout(const AttentionInput<T>& input, const FactoredLay
   l.bias = take(layer.key_bias != nullptr ? H * B * N * sizeof(float) : 0);
   l.heads_out = take(H * B * Nq * r * sizeof(float));
   l.lse = take(H * B * Nq * sizeof(float));
+  l.entropy = take(output.entropy != nullptr ? H * B * Nq * sizeof(float) : 0);
   l.total = at;
   return l;
 }
 
+/// The kernel's type for storage type T and `precision` (cuda.hpp says which pairs run).
+template <class T>
+TcType tc_type(Precision precision, const char* operation) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (precision == Precision::tf32) return TcType::tf32;
+    if (precision == Precision::fp32) {
+      fail(ErrorCode::unsupported, operation,
+           ": precision fp32 for float input is not implemented on the tensor cores (use "
+           "precision tf32 here, or emflow::attend_factored on device 'cuda' or 'cpu' for "
+           "float32 products)");
+    }
+    fail_argument(operation, "precision", to_string(precision), " needs ",
+                  precision == Precision::bf16 ? "bfloat16" : "float16", " input, got float");
+  } else {
+    constexpr bool bf16 = std::is_same_v<T, bfloat16>;
+    if (precision == storage_precision<T>() || precision == Precision::fp32) {
+      return bf16 ? TcType::bf16 : TcType::f16;
+    }
+    if (precision == Precision::tf32) {
+      fail_argument(operation, "precision", "tf32 needs float input, got ",
+                    bf16 ? "bfloat16" : "float16");
+    }
+    fail_argument(operation, "precision", to_string(precision), " needs ",
+                  bf16 ? "float16" : "bfloat16", " input, got ", bf16 ? "bfloat16" : "float16");
+  }
+}
+
 /// The checks that read no device memory: the factored layer's own (with the lengths, which live
-/// on the device, left out), what this path computes, and the kernels' int limits.
+/// on the device, left out), the precision, what this path computes, and the kernels' int limits.
 template <class T>
 void check_factored_async(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
-                          const AttentionOutput<T>& output, const char* operation,
-                          const void* workspace = nullptr, std::size_t workspace_bytes = 0) {
+                          const AttentionOutput<T>& output, Precision precision,
+                          const char* operation, const void* workspace = nullptr,
+                          std::size_t workspace_bytes = 0) {
   AttentionInput<T> shapes = input;
   shapes.key_lengths = nullptr;
   shapes.query_lengths = nullptr;
   shapes.query_positions = nullptr;
   check_factored(shapes, layer, output, operation, workspace, workspace_bytes);
-  if (output.entropy != nullptr) {
-    fail(ErrorCode::unsupported, operation,
-         ": output 'entropy' is not computed by the tensor-core path (leave it null, or use "
-         "device 'cpu')");
-  }
+  (void)tc_type<T>(precision, operation);
   if (output.weights != nullptr) {
     fail(ErrorCode::unsupported, operation,
          ": output 'weights' is not computed by the tensor-core path (leave it null, or use "
@@ -167,29 +203,30 @@ namespace emflow::cuda {
 template <class T>
 std::size_t attend_factored_workspace_size(const AttentionInput<T>& input,
                                            const FactoredLayer<T>& layer,
-                                           const AttentionOutput<T>& output) {
-  emflow::detail::check_factored_async(input, layer, output, "attend_factored_workspace_size");
-  return emflow::detail::factored_layout(input, layer).total;
+                                           const AttentionOutput<T>& output, Precision precision) {
+  emflow::detail::check_factored_async(input, layer, output, precision,
+                                       "attend_factored_workspace_size");
+  return emflow::detail::factored_layout(input, layer, output).total;
 }
 
 template <class T>
 void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
                            const AttentionOutput<T>& output, void* workspace,
-                           std::size_t workspace_bytes, Stream stream) {
+                           std::size_t workspace_bytes, Stream stream, Precision precision) {
   using namespace emflow::detail;
   const char* const operation = "attend_factored_async";
-  const FactoredLayout l = factored_layout(input, layer);
-  check_factored_async(input, layer, output, operation, workspace, l.total);
+  const FactoredLayout l = factored_layout(input, layer, output);
+  check_factored_async(input, layer, output, precision, operation, workspace, l.total);
   const int device = current_device(operation);
   const char* const names[] = {
       "cloud",        "queries",    "key_lengths", "query_lengths", "query_positions",
       "query_factor", "key_factor", "content_up",  "content_down",  "key_bias",
-      "offset",       "update",     "lse"};
+      "offset",       "update",     "lse",         "entropy"};
   const void* const arrays[] = {input.cloud,         input.queries,         input.key_lengths,
                                 input.query_lengths, input.query_positions, layer.query_factor,
                                 layer.key_factor,    layer.content_up,      layer.content_down,
                                 layer.key_bias,      layer.offset,          output.update,
-                                output.lse};
+                                output.lse,          output.entropy};
   for (std::size_t k = 0; k < sizeof arrays / sizeof arrays[0]; ++k) {
     expect_device_pointer(operation, names[k], arrays[k], device);
   }
@@ -205,6 +242,8 @@ void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T
   float* const bias = layer.key_bias != nullptr ? reinterpret_cast<float*>(base + l.bias) : nullptr;
   float* const heads_out = reinterpret_cast<float*>(base + l.heads_out);
   float* const lse = reinterpret_cast<float*>(base + l.lse);
+  float* const entropy =
+      output.entropy != nullptr ? reinterpret_cast<float*>(base + l.entropy) : nullptr;
   const T* const queries = input.queries != nullptr ? input.queries : input.cloud;
 
   const auto grid = [](std::int64_t total) { return grid_for(total); };
@@ -220,7 +259,7 @@ void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T
   }
 
   TcAttentionArgs args;
-  args.type = std::is_same_v<T, bfloat16> ? TcType::bf16 : TcType::f16;
+  args.type = tc_type<T>(precision, operation);
   args.query = q;
   args.key = k;
   args.value = v;
@@ -228,6 +267,7 @@ void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T
   args.scale = static_cast<float>(input.beta * 1.4426950408889634);
   args.out = heads_out;
   args.lse = lse;
+  args.entropy = entropy;
   args.batch = B;
   args.heads = H;
   args.tokens = N;
@@ -245,6 +285,8 @@ void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T
   combine.heads_out = heads_out;
   combine.lse = lse;
   combine.lse_out = output.lse;
+  combine.entropy = entropy;
+  combine.entropy_out = output.entropy;
   combine.heads = H;
   combine.batch = B;
   combine.queries = Nq;
@@ -254,13 +296,15 @@ void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T
          kElementwiseThreads, 0, stream, combine, layer.content_up, layer.offset, output.update);
 }
 
-#define EMFLOW_INSTANTIATE(T)                                                               \
-  template std::size_t attend_factored_workspace_size<T>(                                   \
-      const AttentionInput<T>&, const FactoredLayer<T>&, const AttentionOutput<T>&);        \
-  template void attend_factored_async<T>(const AttentionInput<T>&, const FactoredLayer<T>&, \
-                                         const AttentionOutput<T>&, void*, std::size_t, Stream);
+#define EMFLOW_INSTANTIATE(T)                                                                   \
+  template std::size_t attend_factored_workspace_size<T>(                                       \
+      const AttentionInput<T>&, const FactoredLayer<T>&, const AttentionOutput<T>&, Precision); \
+  template void attend_factored_async<T>(const AttentionInput<T>&, const FactoredLayer<T>&,     \
+                                         const AttentionOutput<T>&, void*, std::size_t, Stream, \
+                                         Precision);
 EMFLOW_INSTANTIATE(bfloat16)
 EMFLOW_INSTANTIATE(float16)
+EMFLOW_INSTANTIATE(float)
 #undef EMFLOW_INSTANTIATE
 
 }  // namespace emflow::cuda
