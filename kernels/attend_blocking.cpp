@@ -127,7 +127,7 @@ void cuda_attend_partial(const AttentionInput<T>& input, const PartialOutput<T>&
 
 template <class T>
 void cuda_attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
-                          const AttentionOutput<T>& output) {
+                          const AttentionOutput<T>& output, Precision precision) {
   const char* const operation = "attend_factored";
   const OwnedStream stream(operation);  // first: see cuda_attend
   const cudaStream_t s = stream.get();
@@ -163,26 +163,29 @@ void cuda_attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>
   f.offset = upload(arrays, layer.offset, d);
 
   cuda::DeviceBuffer<T> update(B * Nq * d);
-  cuda::DeviceBuffer<Stat<T>> lse(output.lse ? rows : 0);
+  cuda::DeviceBuffer<Stat<T>> lse(output.lse ? rows : 0), entropy(output.entropy ? rows : 0);
   AttentionOutput<T> to_device;
   to_device.update = update.data();
   to_device.lse = output.lse ? lse.data() : nullptr;
-  to_device.entropy = output.entropy;  // refused by the checks when given
+  to_device.entropy = output.entropy ? entropy.data() : nullptr;
   to_device.weights = output.weights;
-  const std::size_t bytes = cuda::attend_factored_workspace_size(in, f, to_device);
+  const std::size_t bytes = cuda::attend_factored_workspace_size(in, f, to_device, precision);
   cuda::DeviceBuffer<unsigned char> workspace(bytes);
-  cuda::attend_factored_async(in, f, to_device, workspace.data(), bytes, s);
+  cuda::attend_factored_async(in, f, to_device, workspace.data(), bytes, s, precision);
   update.copy_to_host(output.update, B * Nq * d, s);
   if (output.lse) lse.copy_to_host(output.lse, rows, s);
+  if (output.entropy) entropy.copy_to_host(output.entropy, rows, s);
   check_cuda(cudaStreamSynchronize(s), operation, "cudaStreamSynchronize");
 }
 
 template void cuda_attend_factored<bfloat16>(const AttentionInput<bfloat16>&,
                                              const FactoredLayer<bfloat16>&,
-                                             const AttentionOutput<bfloat16>&);
+                                             const AttentionOutput<bfloat16>&, Precision);
 template void cuda_attend_factored<float16>(const AttentionInput<float16>&,
                                             const FactoredLayer<float16>&,
-                                            const AttentionOutput<float16>&);
+                                            const AttentionOutput<float16>&, Precision);
+template void cuda_attend_factored<float>(const AttentionInput<float>&, const FactoredLayer<float>&,
+                                          const AttentionOutput<float>&, Precision);
 template void cuda_attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&);
 template void cuda_attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&);
 template void cuda_attend<bfloat16>(const AttentionInput<bfloat16>&,

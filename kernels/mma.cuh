@@ -5,6 +5,10 @@
 //   mma_1688_tf32(d, a, b) d += a b, a 16 x 8, b 8 x 8, TF32 operands:
 //                          mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32
 //
+// accumulators_to_a (16-bit) and accumulator_to_a_tf32 turn score accumulators into the A
+// operand of the next product in registers; for TF32 that permutes the keys of each 8-key chunk,
+// and load_b_pairs_tf32 loads the values' B operand in the same order.
+//
 // with float32 accumulators. Two implementations behind this interface: the inline PTX on a
 // device of compute capability 8.0 or later, and under EMFLOW_CUDA_EMULATION a software model of
 // the instruction built from the fragment layouts of the PTX ISA ("Matrix Fragments for
@@ -134,6 +138,30 @@ __device__ __forceinline__ FragB load_b_col_tf32(const float* base, int ld) {
   return b;
 }
 
+/// The A operand (16 x 8, TF32) made of one accumulator tile, with the 8 columns permuted:
+/// A column t is C column 2t and A column t + 4 is C column 2t + 1, the values the lane holds
+/// already (the accumulators hold columns 2t, 2t + 1, the A registers want t, t + 4). A product
+/// with a B operand whose rows are permuted the same way (load_b_pairs_tf32) is the product of
+/// the tiles as they are: the keys of an 8-key chunk are summed in another order.
+__device__ __forceinline__ FragA accumulator_to_a_tf32(const FragC& c) {
+  FragA a;
+  a.x[0] = detail::float_bits(round_to_tf32(c.x[0]));  // A[g][t]       = C[g][2t]
+  a.x[1] = detail::float_bits(round_to_tf32(c.x[2]));  // A[g + 8][t]   = C[g + 8][2t]
+  a.x[2] = detail::float_bits(round_to_tf32(c.x[1]));  // A[g][t + 4]   = C[g][2t + 1]
+  a.x[3] = detail::float_bits(round_to_tf32(c.x[3]));  // A[g + 8][t + 4] = C[g + 8][2t + 1]
+  return a;
+}
+
+/// An 8 x 8 TF32 B tile from row-major floats (row k at base + k * ld) with the rows in the order
+/// of accumulator_to_a_tf32: B row t is stored row 2t, B row t + 4 stored row 2t + 1.
+__device__ __forceinline__ FragB load_b_pairs_tf32(const float* base, int ld) {
+  const int g = lane_group(), t = lane_in_group();
+  FragB b;
+  b.x[0] = detail::float_bits(round_to_tf32(base[2 * t * ld + g]));
+  b.x[1] = detail::float_bits(round_to_tf32(base[(2 * t + 1) * ld + g]));
+  return b;
+}
+
 /// C tile (16 x 8) to row-major floats.
 __device__ __forceinline__ void store_c(const FragC& c, float* base, int ld) {
   const int g = lane_group(), t = lane_in_group();
@@ -219,45 +247,36 @@ inline void run(Kind kind, FragC& d, const FragA& a, const FragB& b) {
 }  // namespace model
 #endif
 
+// One instruction: the model under the emulation, the PTX on the device (the operand list is
+// the same for the three shapes: 4 accumulators, 4 A and 2 B registers).
+#if defined(EMFLOW_CUDA_EMULATION)
+#define EMFLOW_MMA_SYNC(kind, instruction) model::run(model::Kind::kind, d, a, b)
+#elif defined(__CUDA_ARCH__)
+#define EMFLOW_MMA_SYNC(kind, instruction)                                                      \
+  asm volatile(instruction " {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n" \
+               : "+f"(d.x[0]), "+f"(d.x[1]), "+f"(d.x[2]), "+f"(d.x[3])                         \
+               : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "r"(b.x[0]), "r"(b.x[1]))
+#else
+#define EMFLOW_MMA_SYNC(kind, instruction) ((void)d, (void)a, (void)b)
+#endif
+
 template <class T>
 __device__ __forceinline__ void mma_16816(FragC& d, const FragA& a, const FragB& b);
 
 template <>
 __device__ __forceinline__ void mma_16816<bfloat16>(FragC& d, const FragA& a, const FragB& b) {
-#if defined(EMFLOW_CUDA_EMULATION)
-  model::run(model::Kind::bf16, d, a, b);
-#elif defined(__CUDA_ARCH__)
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d.x[0]), "+f"(d.x[1]), "+f"(d.x[2]), "+f"(d.x[3])
-      : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "r"(b.x[0]), "r"(b.x[1]));
-#endif
+  EMFLOW_MMA_SYNC(bf16, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32");
 }
 
 template <>
 __device__ __forceinline__ void mma_16816<float16>(FragC& d, const FragA& a, const FragB& b) {
-#if defined(EMFLOW_CUDA_EMULATION)
-  model::run(model::Kind::f16, d, a, b);
-#elif defined(__CUDA_ARCH__)
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d.x[0]), "+f"(d.x[1]), "+f"(d.x[2]), "+f"(d.x[3])
-      : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "r"(b.x[0]), "r"(b.x[1]));
-#endif
+  EMFLOW_MMA_SYNC(f16, "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32");
 }
 
 __device__ __forceinline__ void mma_1688_tf32(FragC& d, const FragA& a, const FragB& b) {
-#if defined(EMFLOW_CUDA_EMULATION)
-  model::run(model::Kind::tf32, d, a, b);
-#elif defined(__CUDA_ARCH__)
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d.x[0]), "+f"(d.x[1]), "+f"(d.x[2]), "+f"(d.x[3])
-      : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "r"(b.x[0]), "r"(b.x[1]));
-#endif
+  EMFLOW_MMA_SYNC(tf32, "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32");
 }
+
+#undef EMFLOW_MMA_SYNC
 
 }  // namespace emflow::detail::mma

@@ -25,6 +25,16 @@ __global__ void mma_check_tf32_kernel(const float* a, const float* b, const floa
   mma::store_c(acc, d, 8);
 }
 
+// a as an accumulator tile (the scores of 8 keys) and b as 8 rows of values, row-major: the
+// operands of the attention's P V with their keys permuted the same way.
+__global__ void mma_check_tf32_pairs_kernel(const float* a, const float* b, const float* c,
+                                            float* d) {
+  mma::FragC acc = mma::load_c(c, 8);
+  mma::mma_1688_tf32(acc, mma::accumulator_to_a_tf32(mma::load_c(a, 8)),
+                     mma::load_b_pairs_tf32(b, 8));
+  mma::store_c(acc, d, 8);
+}
+
 }  // namespace
 
 void launch_mma_check(MmaKind kind, const void* a, const void* b, const float* c, float* d,
@@ -41,6 +51,10 @@ void launch_mma_check(MmaKind kind, const void* a, const void* b, const float* c
     case MmaKind::tf32:
       launch(operation, "mma_check_tf32_kernel", mma_check_tf32_kernel, 1, 32, 0, stream,
              static_cast<const float*>(a), static_cast<const float*>(b), c, d);
+      break;
+    case MmaKind::tf32_pairs:
+      launch(operation, "mma_check_tf32_pairs_kernel", mma_check_tf32_pairs_kernel, 1, 32, 0,
+             stream, static_cast<const float*>(a), static_cast<const float*>(b), c, d);
       break;
   }
 }

@@ -1,11 +1,20 @@
 // Fused attention on tensor cores for the factored form: per head h and cloud b, with the
-// projected queries Q_h, keys K_h and values V_h (computed before, stored as bfloat16 or
-// float16), a block of 64 queries streams 64-key tiles of K_h and V_h through shared memory:
+// projected queries Q_h, keys K_h and values V_h (computed before, stored as bfloat16, float16
+// or float), a block of 64 queries streams 64-key tiles of K_h and V_h through shared memory:
 //
-//   S = Q K^T       mma.sync m16n8k16 (16-bit operands, float32 accumulators), kernels/mma.cuh
-//   online softmax  on the accumulator fragments in float32, base 2 (log2(e) is in the scale)
-//   O += P V        P rounded to the storage type straight from the S fragments (the lane holds
-//                   the A registers of P already), V from a transposed shared tile
+//   S = Q K^T       mma.sync m16n8k16 (16-bit operands), or m16n8k8 with the float operands
+//                   rounded to TF32 (cvt.rna) at the fragment load; float32 accumulators
+//   online softmax  on the accumulator fragments in float32, base 2 (log2(e) is in the scale),
+//                   with the entropy's moment sum_j w_j (t_j - m) kept relative to the running
+//                   max m, rescaled with it (no difference of large terms at the end)
+//   O += P V        P rounded to the storage type (or TF32) straight from the S fragments (the
+//                   lane holds the A registers of P already), V from a transposed shared tile
+//                   (16-bit) or as it is (TF32)
+//
+// TF32: the accumulators of m16n8k8 hold key columns 2t, 2t + 1 of an 8-key chunk while its A
+// fragment wants columns t, t + 4; the keys of each chunk are permuted (A column t is key 2t,
+// t + 4 is key 2t + 1) and V's B fragment is read with the same permutation
+// (mma::accumulator_to_a_tf32, mma::load_b_pairs_tf32), so P needs no shuffle.
 //
 // Layout of one block (128 threads, 4 warps): warp w owns query rows 16 w ... 16 w + 15 of the
 // block; lane (g = lane / 4, t = lane % 4) holds rows g and g + 8 of them, and per row the keys
@@ -14,7 +23,9 @@
 // tile: 8 S tiles (32 floats a lane), D / 8 output tiles (D / 2 floats a lane).
 // Shared memory (16-bit): Qs[64][D+8], Ks[64][D+8] and Vt[D][64+8] (V transposed, so P V reads
 // B fragments as 16-bit pairs along the keys); the rows are padded by 16 bytes so that the 8
-// groups of a warp read distinct banks. D = 64, 128, 256: 27, 53 and 104 KiB.
+// groups of a warp read distinct banks. D = 64, 128, 256: 27, 53 and 104 KiB. TF32: Qs, Ks and
+// Vs [64][D+4] floats (padding of 4 floats: distinct banks for the A, B and the permuted V
+// fragments): 51, 99 and 195 KiB, within the H200's 227 KiB a block at D = 256.
 //
 // Masks, key lengths and tails as the float kernel (fused_attention.cu): key tiles outside the
 // block's visible band are skipped, scores outside a row's visible keys are -inf, key rows past
@@ -23,14 +34,17 @@
 // A row with no visible key so far keeps max = -inf, the exponent's reference point is then 0
 // and its rescale 0 (no -inf - -inf).
 //
-// History: version 1 (this one): mma.sync with plain 32-bit fragment loads from shared memory,
-// synchronous tile loads, one key tile in flight. Checked only under the CPU emulation of CUDA
-// (tests/cuda/emulation, the model of mma.sync in kernels/mma.cuh); never run or timed on a GPU.
+// History: version 1: mma.sync with plain 32-bit fragment loads from shared memory, synchronous
+// tile loads, one key tile in flight. Version 2 (this one) adds the entropy and the TF32 variant
+// (float storage, m16n8k8), D = 64, 128, 256 each. Both checked only under the CPU emulation of
+// CUDA (tests/cuda/emulation, the model of mma.sync in kernels/mma.cuh); never run or timed on a
+// GPU.
 // Tuning candidates once it can be timed, in order: cp.async (16-byte) double-buffered K and V
 // tiles, ldmatrix (.trans for V, dropping the transposed tile), Q fragments kept in registers at
-// D = 64, cvt.rn.bf16x2.f32 for P, 128-key tiles at D = 64. ptxas -v (sm_90, nvcc 13): bf16
-// 132, 172 and 245 registers at D = 64, 128 and 256 (f16 127, 164, 247), no spills; one block of
-// 128 threads per 64 queries, so occupancy is bound by registers at D = 256.
+// D = 64, cvt.rn.bf16x2.f32 for P, 128-key tiles at D = 64. ptxas -v (sm_90, nvcc 13), version
+// 1: bf16 132, 172 and 245 registers at D = 64, 128 and 256 (f16 127, 164, 247); version 2: bf16
+// and f16 126, 164, 247, TF32 124, 157, 228; no spills. One block of 128 threads per 64 queries,
+// so occupancy is bound by registers at D = 256 (and by shared memory for TF32 at D = 256).
 //
 // Next version, for Hopper (sm_90a): wgmma + TMA, the FlashAttention-3 plan. One warpgroup
 // (128 threads) per 64 query rows, 2 or 3 consumer warpgroups and one producer warp per block:
@@ -51,6 +65,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "emflow/precision.hpp"
 #include "launch.cuh"
@@ -67,14 +82,21 @@ constexpr int kRows = 64;  // queries of a block
 constexpr int kKeys = 64;  // keys of a tile
 constexpr float kLn2 = 0.693147180559945309f;
 
-template <int D>
+// 16-bit: Qs, Ks [64][D + 8] and Vt [D][64 + 8]. TF32 (float storage): Qs, Ks and Vs [64][D + 4]
+// (V as it is: its B fragments are read down the keys, 2t and 2t + 1 apart, with the padding of 4
+// floats putting the lanes of a warp on distinct banks).
+template <class T, int D>
 struct TcLayout {
-  static constexpr int row = D + 8;          // elements per row of Qs and Ks
-  static constexpr int key_row = kKeys + 8;  // elements per row of Vt
-  static constexpr std::size_t elements =
-      static_cast<std::size_t>(kRows + kKeys) * row + static_cast<std::size_t>(D) * key_row;
-  static constexpr std::size_t bytes = elements * 2;
+  static constexpr bool tf32 = std::is_same_v<T, float>;
+  static constexpr int row = tf32 ? D + 4 : D + 8;            // elements per row of Qs, Ks
+  static constexpr int value_row = tf32 ? D + 4 : kKeys + 8;  // elements per row of Vt / Vs
+  static constexpr int value_rows = tf32 ? kKeys : D;
+  static constexpr std::size_t elements = static_cast<std::size_t>(kRows + kKeys) * row +
+                                          static_cast<std::size_t>(value_rows) * value_row;
+  static constexpr std::size_t bytes = elements * sizeof(T);
 };
+// The H200's limit is 227 KiB a block; the largest layout, TF32 at D = 256, takes 195 KiB.
+static_assert(TcLayout<float, 256>::bytes <= 227 * 1024, "shared memory of a block");
 
 template <class T>
 __device__ __forceinline__ T zero_of() {
@@ -110,9 +132,10 @@ __device__ __forceinline__ float group_sum(float v) {
 template <class T, int D>
 __global__ void __launch_bounds__(kThreads)
     tc_attention_kernel(const TcAttentionArgs args, int query_blocks) {
-  using Layout = TcLayout<D>;
+  using Layout = TcLayout<T, D>;
+  constexpr bool kTf32 = Layout::tf32;
   constexpr int kLd = Layout::row;
-  constexpr int kVld = Layout::key_row;
+  constexpr int kVld = Layout::value_row;
   constexpr int kOutTiles = D / 8;
   EMFLOW_DYNAMIC_SHARED(shared_storage);
   T* const Qs = reinterpret_cast<T*>(shared_storage);
@@ -146,16 +169,19 @@ __global__ void __launch_bounds__(kThreads)
   const int row0 = 16 * warp;  // the warp's first row in the block
   // The same for every lane: the warp's shuffles and MMAs run with the whole warp or not at all.
   const bool warp_active = m0 + row0 < view.query_length;
-  const int k_steps = (dim + 15) / 16;
+  const int k_steps = kTf32 ? (dim + 7) / 8 : (dim + 15) / 16;
   const int out_tiles = (dim + 7) / 8;
 
   int first[2], last[2];  // visible keys of the lane's rows g and g + 8
-  float row_max[2], row_sum[2];
+  // row_moment: sum_j w_j (t_j - reference) over the lane's keys of the row, kept relative to
+  // the running reference so that the entropy needs no difference of large terms.
+  float row_max[2], row_sum[2], row_moment[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     visible_keys(args.mask, view, m0 + row0 + g + 8 * r, &first[r], &last[r]);
     row_max[r] = -INFINITY;
     row_sum[r] = 0.f;
+    row_moment[r] = 0.f;
   }
   mma::FragC o[kOutTiles];
 #pragma unroll
@@ -169,7 +195,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int n0 = first_key; n0 < last_key; n0 += kKeys) {
     __syncthreads();  // the previous tiles have been read
     load_tile<T, D, false>(Ks, kLd, key, n0, length, dim);
-    load_tile<T, D, true>(Vt, kVld, value, n0, length, dim);
+    load_tile<T, D, !kTf32>(Vt, kVld, value, n0, length, dim);
     __syncthreads();  // tiles (and, the first time, the queries) in place
     if (!warp_active) continue;
 
@@ -180,10 +206,18 @@ __global__ void __launch_bounds__(kThreads)
       for (int e = 0; e < 4; ++e) s[j].x[e] = 0.f;
     }
     for (int kk = 0; kk < k_steps; ++kk) {
-      const mma::FragA a = mma::load_a(Qs + row0 * kLd + 16 * kk, kLd);
+      if constexpr (kTf32) {
+        const mma::FragA a = mma::load_a_tf32(Qs + row0 * kLd + 8 * kk, kLd);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        mma::mma_16816<T>(s[j], a, mma::load_b_col(Ks + 8 * j * kLd + 16 * kk, kLd));
+        for (int j = 0; j < 8; ++j) {
+          mma::mma_1688_tf32(s[j], a, mma::load_b_col_tf32(Ks + 8 * j * kLd + 8 * kk, kLd));
+        }
+      } else {
+        const mma::FragA a = mma::load_a(Qs + row0 * kLd + 16 * kk, kLd);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          mma::mma_16816<T>(s[j], a, mma::load_b_col(Ks + 8 * j * kLd + 16 * kk, kLd));
+        }
       }
     }
 
@@ -208,8 +242,10 @@ __global__ void __launch_bounds__(kThreads)
     for (int r = 0; r < 2; ++r) {
       const float new_max = fmaxf(row_max[r], group_max(tile_max[r]));
       reference[r] = new_max == -INFINITY ? 0.f : new_max;
-      rescale[r] = row_max[r] == -INFINITY ? 0.f : exp2f(row_max[r] - reference[r]);
+      const float shift = row_max[r] == -INFINITY ? 0.f : row_max[r] - reference[r];  // <= 0
+      rescale[r] = row_max[r] == -INFINITY ? 0.f : exp2f(shift);
       row_max[r] = new_max;
+      row_moment[r] = rescale[r] * (row_moment[r] + shift * row_sum[r]);
       row_sum[r] *= rescale[r];
     }
 #pragma unroll
@@ -217,8 +253,13 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1;
-        const float weight = s[j].x[e] == -INFINITY ? 0.f : exp2f(s[j].x[e] - reference[r]);
-        row_sum[r] += weight;
+        float weight = 0.f;
+        if (s[j].x[e] != -INFINITY) {
+          const float centred = s[j].x[e] - reference[r];
+          weight = exp2f(centred);
+          row_sum[r] += weight;
+          row_moment[r] = fmaf(weight, centred, row_moment[r]);
+        }
         s[j].x[e] = weight;
       }
     }
@@ -230,14 +271,28 @@ __global__ void __launch_bounds__(kThreads)
       o[n].x[3] *= rescale[1];
     }
 
-    // O += P V over the tile's keys, 16 at a time (weight 0 and value 0 beyond the tile's keys).
+    // O += P V over the tile's keys, 16 (TF32: 8, keys permuted within the chunk as
+    // accumulator_to_a_tf32 says) at a time; weight 0 and value 0 beyond the tile's keys.
+    if constexpr (kTf32) {
 #pragma unroll
-    for (int kc = 0; kc < 4; ++kc) {
-      const mma::FragA p = mma::accumulators_to_a<T>(s[2 * kc], s[2 * kc + 1]);
+      for (int kc = 0; kc < 8; ++kc) {
+        const mma::FragA p = mma::accumulator_to_a_tf32(s[kc]);
 #pragma unroll
-      for (int n = 0; n < kOutTiles; ++n) {
-        if (n < out_tiles) {
-          mma::mma_16816<T>(o[n], p, mma::load_b_col(Vt + 8 * n * kVld + 16 * kc, kVld));
+        for (int n = 0; n < kOutTiles; ++n) {
+          if (n < out_tiles) {
+            mma::mma_1688_tf32(o[n], p, mma::load_b_pairs_tf32(Vt + 8 * kc * kVld + 8 * n, kVld));
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int kc = 0; kc < 4; ++kc) {
+        const mma::FragA p = mma::accumulators_to_a<T>(s[2 * kc], s[2 * kc + 1]);
+#pragma unroll
+        for (int n = 0; n < kOutTiles; ++n) {
+          if (n < out_tiles) {
+            mma::mma_16816<T>(o[n], p, mma::load_b_col(Vt + 8 * n * kVld + 16 * kc, kVld));
+          }
         }
       }
     }
@@ -246,7 +301,10 @@ __global__ void __launch_bounds__(kThreads)
   // Row totals over the group, then normalise and write.
   if (warp_active) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) row_sum[r] = group_sum(row_sum[r]);
+    for (int r = 0; r < 2; ++r) {
+      row_sum[r] = group_sum(row_sum[r]);
+      row_moment[r] = group_sum(row_moment[r]);
+    }
   }
   const std::size_t stat_base = head_cloud * Nq;
 #pragma unroll
@@ -266,16 +324,20 @@ __global__ void __launch_bounds__(kThreads)
         if (col < dim) out[col] = any_key ? o[n].x[2 * r + e] * inverse : 0.f;
       }
     }
+    const float log2_sum = defined ? log2f(row_sum[r]) : NAN;
     if (t == 0 && args.lse != nullptr) {
-      args.lse[stat_base + qi] =
-          any_key ? (defined ? (row_max[r] + log2f(row_sum[r])) * kLn2 : NAN) : -INFINITY;
+      args.lse[stat_base + qi] = any_key ? (row_max[r] + log2_sum) * kLn2 : -INFINITY;
+    }
+    // H = ln Z - sum_j p_j s_j = ln 2 (log2 of the sum - moment / sum) relative to the reference.
+    if (t == 0 && args.entropy != nullptr) {
+      args.entropy[stat_base + qi] = any_key ? kLn2 * (log2_sum - row_moment[r] * inverse) : 0.f;
     }
   }
 }
 
 template <class T, int D>
 void launch_dim(const TcAttentionArgs& args, cudaStream_t stream, const char* operation) {
-  const std::size_t bytes = TcLayout<D>::bytes;
+  const std::size_t bytes = TcLayout<T, D>::bytes;
   // The attribute is the kernel's; setting it is cheap and needs no per-device bookkeeping.
   check_cuda(
       cudaFuncSetAttribute(tc_attention_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -302,10 +364,16 @@ void launch_type(const TcAttentionArgs& args, cudaStream_t stream, const char* o
 }  // namespace
 
 void launch_tc_attention(const TcAttentionArgs& args, cudaStream_t stream, const char* operation) {
-  if (args.type == TcType::bf16) {
-    launch_type<bfloat16>(args, stream, operation);
-  } else {
-    launch_type<float16>(args, stream, operation);
+  switch (args.type) {
+    case TcType::bf16:
+      launch_type<bfloat16>(args, stream, operation);
+      break;
+    case TcType::f16:
+      launch_type<float16>(args, stream, operation);
+      break;
+    case TcType::tf32:
+      launch_type<float>(args, stream, operation);
+      break;
   }
 }
 

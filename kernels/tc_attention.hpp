@@ -1,5 +1,6 @@
 // Launchers of the tensor-core kernels (kernels/mma.cuh): the check of the MMA layer
-// (mma_check.cu) and the fused attention on bfloat16 or float16 inputs (tc_attention.cu). Each
+// (mma_check.cu) and the fused attention on bfloat16, float16 or float (TF32) inputs
+// (tc_attention.cu). Each
 // enqueues on `stream`, checks the launch, and never synchronises. Pointers are device pointers.
 #pragma once
 
@@ -11,33 +12,40 @@
 
 namespace emflow::detail {
 
-/// The instruction an MMA check runs (kernels/mma.cuh).
-enum class MmaKind { bf16, f16, tf32 };
+/// The instruction an MMA check runs (kernels/mma.cuh). tf32_pairs: the TF32 instruction on the
+/// operands of the attention's P V (a through accumulator_to_a_tf32, b through
+/// load_b_pairs_tf32, both with the keys of the chunk permuted).
+enum class MmaKind { bf16, f16, tf32, tf32_pairs };
 
 /// One warp computes d = a b + c with one instruction of `kind`. a: 16 x K row-major, b: K x 8
-/// column-major (b[n * K + k]), c, d: 16 x 8 row-major floats; K = 16 for bf16 and f16 (a and b
-/// hold bfloat16 or float16), 8 for tf32 (a and b hold floats, rounded to TF32 on load).
+/// column-major (b[n * K + k]; tf32_pairs: row-major, b[k * 8 + n]), c, d: 16 x 8 row-major
+/// floats; K = 16 for bf16 and f16 (a and b hold bfloat16 or float16), 8 for the TF32 kinds (a
+/// and b hold floats, rounded to TF32 on load).
 void launch_mma_check(MmaKind kind, const void* a, const void* b, const float* c, float* d,
                       cudaStream_t stream, const char* operation);
 
-/// The storage type of a tensor-core attention.
-enum class TcType { bf16, f16 };
+/// The storage type of a tensor-core attention and its products: bf16 and f16 (16-bit storage,
+/// m16n8k16), tf32 (float storage, the operands rounded to TF32 for m16n8k8).
+enum class TcType { bf16, f16, tf32 };
 
 /// Per head h and cloud b, with t_ij = scale (<q_i, k_j> + bias_j) (scale includes log2(e): the
 /// softmax is taken in base 2):
-///   out_i = sum_j softmax_j(t_ij) v_j,   lse_i = ln(sum_j e^(t_ij / log2(e)))
-/// over the keys j that query i sees (mask), in float32, from 16-bit queries, keys and values.
-/// A query that sees no key (a padding query) gets out = 0 and lse = -inf; one whose visible
-/// scores give no positive sum (NaN or all -inf) gets NaN.
+///   out_i = sum_j p_ij v_j,   p_ij = softmax_j(t_ij),   lse_i = ln(sum_j e^(t_ij / log2(e))),
+///   entropy_i = -sum_j p_ij ln p_ij
+/// over the keys j that query i sees (mask), in float32, from 16-bit queries, keys and values
+/// (tf32: float ones, rounded to TF32 as the products read them, as are the probabilities).
+/// A query that sees no key (a padding query) gets out = 0, lse = -inf and entropy = 0; one
+/// whose visible scores give no positive sum (NaN or all -inf) gets NaN lse, entropy and out.
 struct TcAttentionArgs {
   TcType type = TcType::bf16;
-  const void* query = nullptr;      ///< (heads, batch, queries, dim) of `type`
-  const void* key = nullptr;        ///< (heads, batch, tokens, dim) of `type`
-  const void* value = nullptr;      ///< (heads, batch, tokens, dim) of `type`
+  const void* query = nullptr;      ///< (heads, batch, queries, dim) of `type` (tf32: float)
+  const void* key = nullptr;        ///< (heads, batch, tokens, dim) of `type` (tf32: float)
+  const void* value = nullptr;      ///< (heads, batch, tokens, dim) of `type` (tf32: float)
   const float* key_bias = nullptr;  ///< (heads, batch, tokens), added to <q_i, k_j>, or null
   float scale = 1.f;
-  float* out = nullptr;  ///< (heads, batch, queries, dim)
-  float* lse = nullptr;  ///< (heads, batch, queries), natural log, or null
+  float* out = nullptr;      ///< (heads, batch, queries, dim)
+  float* lse = nullptr;      ///< (heads, batch, queries), natural log, or null
+  float* entropy = nullptr;  ///< (heads, batch, queries), natural log, or null
   int batch = 1, heads = 1, tokens = 1, queries = 1, dim = 1;
   KernelMask mask;
 };

@@ -39,11 +39,11 @@ namespace {
 
 /// Where each array lives in the workspace (byte offsets, each aligned).
 struct DenseLayout {
-  std::size_t query = 0, value = 0, bias = 0, heads_out = 0, lse = 0, total = 0;
+  std::size_t query = 0, value = 0, bias = 0, heads_out = 0, lse = 0, entropy = 0, total = 0;
 };
 
 template <class T>
-DenseLayout dense_layout(const AttentionInput<T>& input) {
+DenseLayout dense_layout(const AttentionInput<T>& input, const AttentionOutput<T>& output) {
   const auto H = static_cast<std::size_t>(input.layer.heads);
   const auto B = static_cast<std::size_t>(input.batch);
   const auto N = static_cast<std::size_t>(input.tokens);
@@ -61,6 +61,7 @@ DenseLayout dense_layout(const AttentionInput<T>& input) {
   l.bias = take(input.layer.key_bias != nullptr ? H * B * N * sizeof(float) : 0);
   l.heads_out = take(H * B * Nq * d * sizeof(float));
   l.lse = take(H * B * Nq * sizeof(float));
+  l.entropy = take(output.entropy != nullptr ? H * B * Nq * sizeof(float) : 0);
   l.total = at;
   return l;
 }
@@ -108,7 +109,7 @@ std::size_t tc_dense_workspace_size(const AttentionInput<T>& input,
                                     const AttentionOutput<T>& output, cuda::Algorithm algorithm,
                                     const char* operation) {
   check_dense_async(input, output, algorithm, operation);
-  return dense_layout(input).total;
+  return dense_layout(input, output).total;
 }
 
 template <class T>
@@ -116,15 +117,15 @@ void tc_dense_attend_async(const AttentionInput<T>& input, const AttentionOutput
                            void* workspace, std::size_t workspace_bytes, cuda::Stream stream,
                            cuda::Algorithm algorithm, const char* operation) {
   check_dense_async(input, output, algorithm, operation);
-  const DenseLayout l = dense_layout(input);
+  const DenseLayout l = dense_layout(input, output);
   const int device = current_device(operation);
   const char* const names[] = {"cloud",           "queries",   "key_lengths", "query_lengths",
                                "query_positions", "relevance", "content",     "key_bias",
-                               "offset",          "update",    "lse"};
+                               "offset",          "update",    "lse",         "entropy"};
   const void* const arrays[] = {
       input.cloud,           input.queries,         input.key_lengths,   input.query_lengths,
       input.query_positions, input.layer.relevance, input.layer.content, input.layer.key_bias,
-      input.layer.offset,    output.update,         output.lse};
+      input.layer.offset,    output.update,         output.lse,          output.entropy};
   for (std::size_t k = 0; k < sizeof arrays / sizeof arrays[0]; ++k) {
     expect_device_pointer(operation, names[k], arrays[k], device);
   }
@@ -141,6 +142,8 @@ void tc_dense_attend_async(const AttentionInput<T>& input, const AttentionOutput
       input.layer.key_bias != nullptr ? reinterpret_cast<float*>(base + l.bias) : nullptr;
   float* const heads_out = reinterpret_cast<float*>(base + l.heads_out);
   float* const lse = reinterpret_cast<float*>(base + l.lse);
+  float* const entropy =
+      output.entropy != nullptr ? reinterpret_cast<float*>(base + l.entropy) : nullptr;
   const T* const queries = input.queries != nullptr ? input.queries : input.cloud;
 
   launch_tc_project(input.layer.relevance, TcWeights::transposed, queries, r, H, B * Nq, d, d,
@@ -168,6 +171,7 @@ void tc_dense_attend_async(const AttentionInput<T>& input, const AttentionOutput
     args.scale = static_cast<float>(input.beta * 1.4426950408889634);
     args.out = heads_out + h * query_rows * d;
     args.lse = lse + h * query_rows;
+    args.entropy = entropy != nullptr ? entropy + h * query_rows : nullptr;
     args.batch = B;
     args.heads = 1;
     args.tokens = N;
@@ -182,6 +186,8 @@ void tc_dense_attend_async(const AttentionInput<T>& input, const AttentionOutput
   combine.heads_out = heads_out;
   combine.lse = lse;
   combine.lse_out = output.lse;
+  combine.entropy = entropy;
+  combine.entropy_out = output.entropy;
   combine.heads = H;
   combine.batch = B;
   combine.queries = Nq;

@@ -1,14 +1,15 @@
-// cuda::attend_factored_async for bfloat16 and float16 (emflow/cuda.hpp): the factored layer
-// (emflow/factored.hpp) on the tensor-core attention (tc_attention.cu).
+// cuda::attend_factored_async for bfloat16, float16 and float with TF32 products (emflow/cuda.hpp):
+// the factored layer (emflow/factored.hpp) on the tensor-core attention (tc_attention.cu).
 //
 //   1. project: per head, Q_h = A_h Y^T, K_h = B_h X^T, V_h = V_h X^T, accumulated in float32 and
-//      rounded to T (the kernel's inputs are 16-bit), and the key bias terms u_h^T x_j in float32
-//      (the kernel adds them to <q, k> before the scale, as s_ij = beta (<A x_i, B x_j> + u^T x_j)
-//      asks);
-//   2. the tensor-core attention in rank r with scale beta log2(e) and lse;
+//      stored in T (rounded for the 16-bit types; the TF32 kernel rounds its operands itself),
+//      and the key bias terms u_h^T x_j in float32 (the kernel adds them to <q, k> before the
+//      scale, as s_ij = beta (<A x_i, B x_j> + u^T x_j) asks);
+//   2. the tensor-core attention in rank r with scale beta log2(e), lse and entropy;
 //   3. combine: update_i = sum_h U_h o_h,i + c in float32 over heads in order, rounded once to T,
-//      for a query that sees a key (lse > -inf); 0 for a padding query. lse is transposed from
-//      the kernel's (heads, batch, queries) to the public (batch, heads, queries).
+//      for a query that sees a key (lse > -inf); 0 for a padding query. lse and entropy, per
+//      head, are transposed from the kernel's (heads, batch, queries) to the public (batch,
+//      heads, queries).
 //
 // The projections and the combine are tc_projection.cu's, shared with the dense form (tc_dense.cu).
 #include <cuda_runtime.h>
@@ -36,11 +37,13 @@ namespace {
 
 /// Where each array lives in the workspace (byte offsets, each aligned).
 struct FactoredLayout {
-  std::size_t query = 0, key = 0, value = 0, bias = 0, heads_out = 0, lse = 0, total = 0;
+  std::size_t query = 0, key = 0, value = 0, bias = 0, heads_out = 0, lse = 0, entropy = 0;
+  std::size_t total = 0;
 };
 
 template <class T>
-FactoredLayout factored_layout(const AttentionInput<T>& input, const FactoredLayer<T>& layer) {
+FactoredLayout factored_layout(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                               const AttentionOutput<T>& output) {
   const auto H = static_cast<std::size_t>(layer.heads), r = static_cast<std::size_t>(layer.rank);
   const auto B = static_cast<std::size_t>(input.batch);
   const auto N = static_cast<std::size_t>(input.tokens);
@@ -58,21 +61,51 @@ FactoredLayout factored_layout(const AttentionInput<T>& input, const FactoredLay
   l.bias = take(layer.key_bias != nullptr ? H * B * N * sizeof(float) : 0);
   l.heads_out = take(H * B * Nq * r * sizeof(float));
   l.lse = take(H * B * Nq * sizeof(float));
+  l.entropy = take(output.entropy != nullptr ? H * B * Nq * sizeof(float) : 0);
   l.total = at;
   return l;
 }
 
+/// The kernel's type for storage type T and `precision` (cuda.hpp says which pairs run).
+template <class T>
+TcType tc_type(Precision precision, const char* operation) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (precision == Precision::tf32) return TcType::tf32;
+    if (precision == Precision::fp32) {
+      fail(ErrorCode::unsupported, operation,
+           ": precision fp32 for float input is not implemented on the tensor cores (use "
+           "precision tf32 here, or emflow::attend_factored on device 'cuda' or 'cpu' for "
+           "float32 products)");
+    }
+    fail_argument(operation, "precision", to_string(precision), " needs ",
+                  precision == Precision::bf16 ? "bfloat16" : "float16", " input, got float");
+  } else {
+    constexpr bool bf16 = std::is_same_v<T, bfloat16>;
+    if (precision == storage_precision<T>() || precision == Precision::fp32) {
+      return bf16 ? TcType::bf16 : TcType::f16;
+    }
+    if (precision == Precision::tf32) {
+      fail_argument(operation, "precision", "tf32 needs float input, got ",
+                    bf16 ? "bfloat16" : "float16");
+    }
+    fail_argument(operation, "precision", to_string(precision), " needs ",
+                  bf16 ? "float16" : "bfloat16", " input, got ", bf16 ? "bfloat16" : "float16");
+  }
+}
+
 /// The checks that read no device memory: the factored layer's own (with the lengths, which live
-/// on the device, left out), what this path computes, and the kernels' int limits.
+/// on the device, left out), the precision, what this path computes, and the kernels' int limits.
 template <class T>
 void check_factored_async(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
-                          const AttentionOutput<T>& output, const char* operation,
-                          const void* workspace = nullptr, std::size_t workspace_bytes = 0) {
+                          const AttentionOutput<T>& output, Precision precision,
+                          const char* operation, const void* workspace = nullptr,
+                          std::size_t workspace_bytes = 0) {
   AttentionInput<T> shapes = input;
   shapes.key_lengths = nullptr;
   shapes.query_lengths = nullptr;
   shapes.query_positions = nullptr;
   check_factored(shapes, layer, output, operation, workspace, workspace_bytes);
+  (void)tc_type<T>(precision, operation);
   check_tc_outputs(output, operation);
   if (layer.rank > kTcMaxDim) {
     fail(ErrorCode::unsupported, operation, ": rank ", layer.rank,
@@ -97,29 +130,30 @@ namespace emflow::cuda {
 template <class T>
 std::size_t attend_factored_workspace_size(const AttentionInput<T>& input,
                                            const FactoredLayer<T>& layer,
-                                           const AttentionOutput<T>& output) {
-  emflow::detail::check_factored_async(input, layer, output, "attend_factored_workspace_size");
-  return emflow::detail::factored_layout(input, layer).total;
+                                           const AttentionOutput<T>& output, Precision precision) {
+  emflow::detail::check_factored_async(input, layer, output, precision,
+                                       "attend_factored_workspace_size");
+  return emflow::detail::factored_layout(input, layer, output).total;
 }
 
 template <class T>
 void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
                            const AttentionOutput<T>& output, void* workspace,
-                           std::size_t workspace_bytes, Stream stream) {
+                           std::size_t workspace_bytes, Stream stream, Precision precision) {
   using namespace emflow::detail;
   const char* const operation = "attend_factored_async";
-  const FactoredLayout l = factored_layout(input, layer);
-  check_factored_async(input, layer, output, operation, workspace, l.total);
+  const FactoredLayout l = factored_layout(input, layer, output);
+  check_factored_async(input, layer, output, precision, operation, workspace, l.total);
   const int device = current_device(operation);
   const char* const names[] = {
       "cloud",        "queries",    "key_lengths", "query_lengths", "query_positions",
       "query_factor", "key_factor", "content_up",  "content_down",  "key_bias",
-      "offset",       "update",     "lse"};
+      "offset",       "update",     "lse",         "entropy"};
   const void* const arrays[] = {input.cloud,         input.queries,         input.key_lengths,
                                 input.query_lengths, input.query_positions, layer.query_factor,
                                 layer.key_factor,    layer.content_up,      layer.content_down,
                                 layer.key_bias,      layer.offset,          output.update,
-                                output.lse};
+                                output.lse,          output.entropy};
   for (std::size_t k = 0; k < sizeof arrays / sizeof arrays[0]; ++k) {
     expect_device_pointer(operation, names[k], arrays[k], device);
   }
@@ -135,6 +169,8 @@ void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T
   float* const bias = layer.key_bias != nullptr ? reinterpret_cast<float*>(base + l.bias) : nullptr;
   float* const heads_out = reinterpret_cast<float*>(base + l.heads_out);
   float* const lse = reinterpret_cast<float*>(base + l.lse);
+  float* const entropy =
+      output.entropy != nullptr ? reinterpret_cast<float*>(base + l.entropy) : nullptr;
   const T* const queries = input.queries != nullptr ? input.queries : input.cloud;
 
   launch_tc_project(layer.query_factor, TcWeights::rows, queries, q, H, B * Nq, d, r, stream,
@@ -149,7 +185,7 @@ void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T
   }
 
   TcAttentionArgs args;
-  args.type = std::is_same_v<T, bfloat16> ? TcType::bf16 : TcType::f16;
+  args.type = tc_type<T>(precision, operation);
   args.query = q;
   args.key = k;
   args.value = v;
@@ -157,6 +193,7 @@ void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T
   args.scale = static_cast<float>(input.beta * 1.4426950408889634);
   args.out = heads_out;
   args.lse = lse;
+  args.entropy = entropy;
   args.batch = B;
   args.heads = H;
   args.tokens = N;
@@ -174,6 +211,8 @@ void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T
   combine.heads_out = heads_out;
   combine.lse = lse;
   combine.lse_out = output.lse;
+  combine.entropy = entropy;
+  combine.entropy_out = output.entropy;
   combine.heads = H;
   combine.batch = B;
   combine.queries = Nq;
@@ -182,13 +221,15 @@ void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T
   launch_tc_combine(combine, layer.content_up, layer.offset, output.update, stream, operation);
 }
 
-#define EMFLOW_INSTANTIATE(T)                                                               \
-  template std::size_t attend_factored_workspace_size<T>(                                   \
-      const AttentionInput<T>&, const FactoredLayer<T>&, const AttentionOutput<T>&);        \
-  template void attend_factored_async<T>(const AttentionInput<T>&, const FactoredLayer<T>&, \
-                                         const AttentionOutput<T>&, void*, std::size_t, Stream);
+#define EMFLOW_INSTANTIATE(T)                                                                   \
+  template std::size_t attend_factored_workspace_size<T>(                                       \
+      const AttentionInput<T>&, const FactoredLayer<T>&, const AttentionOutput<T>&, Precision); \
+  template void attend_factored_async<T>(const AttentionInput<T>&, const FactoredLayer<T>&,     \
+                                         const AttentionOutput<T>&, void*, std::size_t, Stream, \
+                                         Precision);
 EMFLOW_INSTANTIATE(bfloat16)
 EMFLOW_INSTANTIATE(float16)
+EMFLOW_INSTANTIATE(float)
 #undef EMFLOW_INSTANTIATE
 
 }  // namespace emflow::cuda

@@ -20,6 +20,9 @@ namespace {
 __device__ __forceinline__ void store(bfloat16* p, float v) { *p = to_bfloat16(v); }
 __device__ __forceinline__ void store(float16* p, float v) { *p = to_float16(v); }
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ float widen(bfloat16 v) { return to_float(v); }
+__device__ __forceinline__ float widen(float16 v) { return to_float(v); }
+__device__ __forceinline__ float widen(float v) { return v; }
 
 template <class T, class Out>
 __global__ void project_kernel(const T* weights, bool transposed, const T* x, Out* out, int heads,
@@ -36,11 +39,11 @@ __global__ void project_kernel(const T* weights, bool transposed, const T* x, Ou
     if (transposed) {
       const T* const w = weights + static_cast<std::size_t>(h) * dim * rank + c;
       for (int k = 0; k < dim; ++k) {
-        sum += to_float(w[static_cast<std::size_t>(k) * rank]) * to_float(xr[k]);
+        sum += widen(w[static_cast<std::size_t>(k) * rank]) * widen(xr[k]);
       }
     } else {
       const T* const w = weights + (static_cast<std::size_t>(h) * rank + c) * dim;
-      for (int k = 0; k < dim; ++k) sum += to_float(w[k]) * to_float(xr[k]);
+      for (int k = 0; k < dim; ++k) sum += widen(w[k]) * widen(xr[k]);
     }
     store(out + index, sum);
   }
@@ -61,16 +64,18 @@ __global__ void combine_kernel(const TcCombineArgs args, const T* up, const T* o
           sum += o[a];
         } else {
           const T* const u = up + (static_cast<std::size_t>(h) * d + a) * r;
-          for (int c = 0; c < r; ++c) sum += to_float(u[c]) * o[c];
+          for (int c = 0; c < r; ++c) sum += widen(u[c]) * o[c];
         }
       }
-      if (offset != nullptr) sum += to_float(offset[a]);
+      if (offset != nullptr) sum += widen(offset[a]);
     }
     store(update + index, sum);
-    if (a == 0 && args.lse_out != nullptr) {
+    if (a == 0) {
       for (int h = 0; h < H; ++h) {
-        args.lse_out[(static_cast<std::size_t>(b) * H + h) * Nq + i] =
-            args.lse[(static_cast<std::size_t>(h) * B + b) * Nq + i];
+        const std::size_t to = (static_cast<std::size_t>(b) * H + h) * Nq + i;
+        const std::size_t from = (static_cast<std::size_t>(h) * B + b) * Nq + i;
+        if (args.lse_out != nullptr) args.lse_out[to] = args.lse[from];
+        if (args.entropy_out != nullptr) args.entropy_out[to] = args.entropy[from];
       }
     }
   });
@@ -100,7 +105,7 @@ std::size_t tc_aligned_bytes(std::size_t bytes) {
 
 template <class T>
 void check_tc_outputs(const AttentionOutput<T>& output, const char* operation) {
-  if (const char* missing = tensor_core_missing_output(output.entropy, output.weights)) {
+  if (const char* missing = tensor_core_missing_output(output.weights)) {
     fail(ErrorCode::unsupported, operation, ": output '", missing,
          "' is not computed by the tensor-core path (leave it null, or use device 'cpu')");
   }
@@ -117,5 +122,11 @@ void check_tc_outputs(const AttentionOutput<T>& output, const char* operation) {
 EMFLOW_INSTANTIATE(bfloat16)
 EMFLOW_INSTANTIATE(float16)
 #undef EMFLOW_INSTANTIATE
+// float storage (TF32): the projections and the key bias terms are both float.
+template void launch_tc_project<float, float>(const float*, TcWeights, const float*, float*, int,
+                                              int, int, int, cudaStream_t, const char*);
+template void launch_tc_combine<float>(const TcCombineArgs&, const float*, const float*, float*,
+                                       cudaStream_t, const char*);
+template void check_tc_outputs<float>(const AttentionOutput<float>&, const char*);
 
 }  // namespace emflow::detail

@@ -2,7 +2,8 @@
 // (tc_factored.cu) and the dense (tc_dense.cu) 16-bit paths share: the per-head projections of
 // the clouds before it, in float32 and rounded once to the storage type, and the float32 sum
 // over heads after it. Each launcher enqueues on `stream`, checks the launch and never
-// synchronises; pointers are device pointers. T is bfloat16 or float16.
+// synchronises; pointers are device pointers. T is bfloat16, float16, or float (TF32: the
+// attention rounds its operands, the projections stay float32).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,14 +31,17 @@ struct TcCombineArgs {
   const float* heads_out = nullptr;  ///< (heads, batch, queries, rank)
   const float* lse = nullptr;        ///< (heads, batch, queries)
   float* lse_out = nullptr;          ///< (batch, heads, queries) or null
+  const float* entropy = nullptr;    ///< (heads, batch, queries) or null
+  float* entropy_out = nullptr;      ///< (batch, heads, queries) or null
   int heads = 1, batch = 1, queries = 1, dim = 1, rank = 1;
 };
 
 /// update[b, i, a] = sum_h (U_h o_h,bi)[a] + offset[a] in float32 over the heads in order,
 /// rounded once to T, for a query that sees a key (head 0's lse > -inf), else 0; `up` is U
 /// (heads, dim, rank), or null for the identity (rank == dim: the dense form's heads output
-/// their contents directly); `offset` may be null. lse is transposed from the kernel's
-/// (heads, batch, queries) to the public (batch, heads, queries) when lse_out is set.
+/// their contents directly); `offset` may be null. lse and entropy are transposed from the
+/// kernel's (heads, batch, queries) to the public (batch, heads, queries) where the outputs are
+/// set (the statistics are per head: attention.hpp).
 template <class T>
 void launch_tc_combine(const TcCombineArgs& args, const T* up, const T* offset, T* update,
                        cudaStream_t stream, const char* operation);

@@ -195,16 +195,21 @@ fi
 
 # 4. Benchmarks, briefly: emflow's kernels and, where cuDNN 9 was found at build time,
 #    BM_CudnnSdpa (cuDNN's fused flash attention in bf16 on the same shapes; bench/cuda_cudnn.cpp),
-#    whose ratio to emflow's fused kernel the summary prints per shape.
+#    whose ratio to emflow's fused kernel the summary prints per shape, beside emflow's own
+#    tensor-core path (BM_TensorCore, bf16 and tf32 on cuDNN's shapes; bench/cuda_tensor_core.cpp)
+#    and its bf16 / cuDNN ratio.
 #    The peer runs as a step of its own (12 shapes, each building its cuDNN plan once, which can
 #    take seconds) so that it cannot push emflow's benchmarks past their time limit.
 BENCH_JSON="$LOG_DIR/device-check-bench.json"
 CUDNN_JSON="$LOG_DIR/device-check-cudnn.json"
 OWN_FILTER=$BENCH_FILTER
-[[ "$OWN_FILTER" == "." ]] && OWN_FILTER=-BM_CudnnSdpa
+TC_JSON="$LOG_DIR/device-check-tensor-core.json"
+[[ "$OWN_FILTER" == "." ]] && OWN_FILTER='-BM_CudnnSdpa|BM_TensorCore'
 run_step "benchmarks" 90 "$BENCH" --benchmark_min_time="$BENCH_MIN_TIME" \
   --benchmark_filter="$OWN_FILTER" --benchmark_out="$BENCH_JSON" --benchmark_out_format=json
 if [[ "$BENCH_FILTER" == "." ]]; then
+  run_step "benchmarks: tensor cores" 60 "$BENCH" --benchmark_min_time="$BENCH_MIN_TIME" \
+    --benchmark_filter=BM_TensorCore --benchmark_out="$TC_JSON" --benchmark_out_format=json
   run_step "benchmarks: cuDNN bf16" 60 "$BENCH" --benchmark_min_time="$BENCH_MIN_TIME" \
     --benchmark_filter=BM_CudnnSdpa --benchmark_out="$CUDNN_JSON" --benchmark_out_format=json
 fi
@@ -216,7 +221,7 @@ echo "== device check summary ($(elapsed) s in all; commit $COMMIT)"
 printf '%s\n' "${TABLE[@]}"
 if [[ -s "$BENCH_JSON" ]] && command -v python3 >/dev/null 2>&1; then
   echo
-  python3 - "$BENCH_JSON" "$CUDNN_JSON" <<'EOF'
+  python3 - "$BENCH_JSON" "$CUDNN_JSON" "$TC_JSON" <<'EOF'
 import json, os, sys
 runs = []
 for path in sys.argv[1:]:
@@ -230,13 +235,18 @@ for b in runs:
     if kind in ("BM_PhaseDefault", "BM_FlowRk4"):
         flow.append((b["name"], b["real_time"], b.get("time_unit", "ms")))
         continue
-    key = tuple(int(p.split(":")[1]) for p in args.split("/")[:3])
+    named = [p.split(":") for p in args.split("/") if ":" in p]
+    key = tuple(int(v) for _, v in named[:3])
+    if kind == "BM_TensorCore":  # one row per precision: BM_TensorCore_bf16, BM_TensorCore_tf32
+        kind += "_tf32" if dict(named).get("tf32") == "1" else "_bf16"
     rows.setdefault(key, {})[kind] = (b["real_time"], b.get("TFLOP/s", 0.0))
 print("attention-equivalent TFLOP/s (fp32; ms per call in brackets)")
 print(f"{'N':>6} {'d':>4} {'causal':>6} {'fused':>16} {'unfused':>16} {'cuBLAS only':>16} {'fused/unfused':>14}")
 def cell(r, k):
     return f"{r[k][1]:7.1f} ({r[k][0]:6.2f})" if k in r else f"{'-':>16}"
 for (n, d, causal), r in sorted(rows.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+    if not any(k in r for k in ("BM_Fused", "BM_Unfused", "BM_CublasProducts")):
+        continue
     speedup = (f"{r['BM_Unfused'][0] / r['BM_Fused'][0]:14.2f}"
                if "BM_Fused" in r and "BM_Unfused" in r else f"{'-':>14}")
     print(f"{n:>6} {d:>4} {causal:>6} {cell(r, 'BM_Fused'):>16} {cell(r, 'BM_Unfused'):>16} "
@@ -250,7 +260,19 @@ if peer:
         ratio = (f"{r['BM_Fused'][1] / r['BM_CudnnSdpa'][1]:13.3f}"
                  if "BM_Fused" in r and r['BM_CudnnSdpa'][1] > 0 else f"{'-':>13}")
         print(f"{n:>6} {d:>4} {causal:>6} {cell(r, 'BM_Fused'):>16} {cell(r, 'BM_CudnnSdpa'):>16} {ratio}")
-skipped = [b for b in runs if b["name"].startswith("BM_CudnnSdpa") and "error_message" in b]
+tc = {k: r for k, r in rows.items() if "BM_TensorCore_bf16" in r or "BM_TensorCore_tf32" in r}
+if tc:
+    print()
+    print("emflow's tensor-core path (cuda::attend_factored_async, rank = head dim, one head) beside cuDNN bf16")
+    print(f"{'N':>6} {'d':>4} {'causal':>6} {'emflow bf16':>16} {'emflow tf32':>16} {'cuDNN bf16':>16} {'bf16/cuDNN':>11}")
+    for (n, d, causal), r in sorted(tc.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+        ratio = (f"{r['BM_TensorCore_bf16'][1] / r['BM_CudnnSdpa'][1]:11.3f}"
+                 if "BM_TensorCore_bf16" in r and "BM_CudnnSdpa" in r and r['BM_CudnnSdpa'][1] > 0
+                 else f"{'-':>11}")
+        print(f"{n:>6} {d:>4} {causal:>6} {cell(r, 'BM_TensorCore_bf16'):>16} "
+              f"{cell(r, 'BM_TensorCore_tf32'):>16} {cell(r, 'BM_CudnnSdpa'):>16} {ratio}")
+skipped = [b for b in runs if b["name"].startswith(("BM_CudnnSdpa", "BM_TensorCore"))
+           and "error_message" in b]
 for b in skipped[:3]:
     print(f"  {b['name']}: {b['error_message']}")
 if flow:

@@ -142,8 +142,11 @@ struct ExecutionOptions {
   /// The products' precision (docs/MATH.md §7). fp32 (the default) means "as the storage type
   /// computes": float32 for float, double for double, float32 accumulation for the 16-bit types.
   /// Otherwise it must name the storage type (bf16 for bfloat16, fp16 for float16), or tf32 for
-  /// float input, which no device implements yet: the CPU and the reference refuse it with
-  /// ErrorCode::unsupported rather than return a result of another precision.
+  /// float input. tf32 is a permission (as PyTorch's allow_tf32): Device::cpu and
+  /// Device::reference compute float products in fp32, which meets the TF32 accuracy rule, and
+  /// return their fp32 result; on Device::cuda attend_factored runs the TF32 tensor-core path
+  /// (operands rounded to TF32, float32 accumulation), and attend refuses tf32
+  /// (ErrorCode::unsupported: it has no TF32 kernel). Other pairs are invalid_argument.
   Precision precision = Precision::fp32;
 };
 

@@ -139,28 +139,38 @@ extern template void attend_async<float16>(const AttentionInput<float16>&,
 template <class T>
 std::size_t attend_factored_workspace_size(const AttentionInput<T>& input,
                                            const FactoredLayer<T>& layer,
-                                           const AttentionOutput<T>& output);
+                                           const AttentionOutput<T>& output,
+                                           Precision precision = storage_precision<T>());
 
-/// Enqueues emflow::attend_factored (factored.hpp) for bfloat16 or float16 on `stream`, on the
-/// tensor cores (kernels/tc_attention.cu): per head, the projections A_h x_i, B_h x_j and V_h x_j
-/// rounded to T and the key bias terms u_h^T x_j in float32, the fused attention in rank r with
-/// lse, then the sum over heads of U_h times the head output plus the offset in float32, rounded
-/// once to T. Device pointers throughout, key lengths as for attend_async. Needs rank <= 256.
-/// Refuses (ErrorCode::unsupported) entropy and weights, which this path does not compute.
+/// Enqueues emflow::attend_factored (factored.hpp) for bfloat16, float16 or float on `stream`, on
+/// the tensor cores (kernels/tc_attention.cu): per head, the projections A_h x_i, B_h x_j and
+/// V_h x_j in float32 stored in T and the key bias terms u_h^T x_j in float32, the fused
+/// attention in rank r with
+/// lse and entropy (per head, in float32), then the sum over heads of U_h times the head output
+/// plus the offset in float32, rounded once to T. Device pointers throughout, key lengths as for
+/// attend_async. Needs rank <= 256. Refuses (ErrorCode::unsupported) weights, which this path
+/// does not compute.
+/// `precision`: bf16 (or fp32, float32 accumulation) for bfloat16, fp16 (or fp32) for float16;
+/// for float it must be tf32 (docs/MATH.md §7: the attention's products take operands rounded to
+/// TF32, the projections and the output sum stay float32), and fp32 is ErrorCode::unsupported
+/// (float32 products: emflow::attend_factored on Device::cuda, or attend_async on dense
+/// operators). Another pair is ErrorCode::invalid_argument.
 /// `workspace` as for attend_async, at least attend_factored_workspace_size bytes.
 template <class T>
 void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
                            const AttentionOutput<T>& output, void* workspace,
-                           std::size_t workspace_bytes, Stream stream);
+                           std::size_t workspace_bytes, Stream stream,
+                           Precision precision = storage_precision<T>());
 
 #define EMFLOW_CUDA_FACTORED_EXTERN(T)                                                             \
   extern template std::size_t attend_factored_workspace_size<T>(                                   \
-      const AttentionInput<T>&, const FactoredLayer<T>&, const AttentionOutput<T>&);               \
+      const AttentionInput<T>&, const FactoredLayer<T>&, const AttentionOutput<T>&, Precision);    \
   extern template void attend_factored_async<T>(const AttentionInput<T>&, const FactoredLayer<T>&, \
                                                 const AttentionOutput<T>&, void*, std::size_t,     \
-                                                Stream);
+                                                Stream, Precision);
 EMFLOW_CUDA_FACTORED_EXTERN(bfloat16)
 EMFLOW_CUDA_FACTORED_EXTERN(float16)
+EMFLOW_CUDA_FACTORED_EXTERN(float)
 #undef EMFLOW_CUDA_FACTORED_EXTERN
 
 /// Bytes of device workspace attend_partial_async needs (as attend_workspace_size).

@@ -42,9 +42,11 @@ struct FactoredLayer {
 /// bfloat16 and float16 (docs/MATH.md §7): the inputs are widened exactly to float and the float
 /// path above runs (Device::cpu), or to double and the reference runs (Device::reference); the
 /// update is rounded to T, lse, entropy and weights are float32. Device::cuda (and automatic when
-/// a device is usable and neither entropy nor weights are asked for, rank <= 256) runs
-/// cuda::attend_factored_async (cuda.hpp) on the tensor cores, which refuses entropy and weights;
-/// without a device Device::cuda is ErrorCode::unsupported.
+/// a device is usable, weights are not asked for and rank <= 256) runs
+/// cuda::attend_factored_async (cuda.hpp) on the tensor cores, which refuses weights; without a
+/// device Device::cuda is ErrorCode::unsupported. float input with ExecutionOptions::precision
+/// tf32 on Device::cuda (or automatic with a device) runs the same path with TF32 products; on
+/// the host devices tf32 computes fp32 (attention.hpp).
 /// Throws emflow::Error (invalid_argument) naming the first offending argument.
 template <class T>
 void attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,

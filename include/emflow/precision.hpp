@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "emflow/types.hpp"
 
@@ -31,6 +32,19 @@ enum class Precision {
   bf16,  ///< bfloat16 storage; float32 accumulation
   fp16,  ///< float16 storage; float32 accumulation
 };
+
+/// The precision a storage type computes in by default: bf16 for bfloat16, fp16 for float16,
+/// fp32 for float and double.
+template <class T>
+constexpr Precision storage_precision() noexcept {
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    return Precision::bf16;
+  } else if constexpr (std::is_same_v<T, float16>) {
+    return Precision::fp16;
+  } else {
+    return Precision::fp32;
+  }
+}
 
 /// "fp32", "tf32", "bf16" or "fp16".
 const char* to_string(Precision precision) noexcept;

@@ -5,7 +5,9 @@
 // float32 inputs to bfloat16 and writes the update as float32 (numpy has no bfloat16; the values
 // are exactly the stored bfloat16 ones); --precision fp16 reads float16 ('<f2') or float32
 // (rounded) files and writes the update as float16. lse, entropy and weights are float32 for
-// both (docs/MATH.md §7). Every input is read and
+// both (docs/MATH.md §7). --precision tf32 reads float32 files and permits TF32 products: the
+// CPU and the reference compute them in fp32, which meets TF32's accuracy (attend's dense form
+// has no TF32 kernel on the GPU; it refuses there). Every input is read and
 // checked, the update is computed, and only then are the outputs written, all or none.
 #include <cmath>
 #include <memory>
@@ -42,7 +44,8 @@ template <class T>
 void run_attend(const AttendArguments& args, Dtype dtype, Precision precision) {
   const Mask mask = parse_mask(args.mask, "--mask");
   if (!std::isfinite(args.beta)) fail_option("--beta", "must be finite, got ", args.beta);
-  const ExecutionOptions options = execution_options(args.device, args.threads);
+  ExecutionOptions options = execution_options(args.device, args.threads);
+  if (precision == Precision::tf32) options.precision = Precision::tf32;
   // Fail before reading anything when the requested device is absent.
   naming_option("--device", [&] { return resolve_device(options.device); });
 
@@ -169,7 +172,9 @@ void add_attend_command(CLI::App& app) {
 Inputs are float32 or float64 (all alike); outputs have the cloud's dtype. --precision bf16
 rounds float32 inputs to bfloat16 and writes the update as float32; --precision fp16 reads
 float16 or float32 inputs and writes the update as float16; lse, entropy and weights are
-float32 for both. Outputs are written only when the whole run succeeds.)");
+float32 for both. --precision tf32 (float32 inputs) permits TF32 products: devices cpu and
+reference compute in fp32, which meets TF32's accuracy; device cuda refuses it for this dense
+form. Outputs are written only when the whole run succeeds.)");
   command->add_option("--x", args->cloud, "cloud X (.npy): (N, d), or a batch (B, N, d)")
       ->required();
   command
@@ -199,7 +204,8 @@ float32 for both. Outputs are written only when the whole run succeeds.)");
   command
       ->add_option("--precision", args->precision,
                    "fp32 (the input's own precision), bf16 or fp16 (16-bit storage, float32 "
-                   "accumulation); tf32 is not implemented yet")
+                   "accumulation), or tf32 (float32 input; permits TF32 products: cpu and "
+                   "reference compute fp32)")
       ->capture_default_str();
   add_threads_option(*command, args->threads);
   command->add_flag("--check-finite", args->check_finite,
@@ -222,12 +228,12 @@ float32 for both. Outputs are written only when the whole run succeeds.)");
                     "rank 0 writes the same files as one process would");
   command->callback([args] {
     const Precision precision = parse_precision(args->precision, "--precision");
-    if (precision == Precision::tf32) {
+    const bool stored_16bit = precision == Precision::bf16 || precision == Precision::fp16;
+    if (args->distributed && precision == Precision::tf32) {
       fail_option("--precision",
-                  "tf32 is not implemented on any device yet (float32 input "
-                  "computes in fp32: use --precision fp32)");
+                  "tf32 is not supported with --distributed (the ring computes "
+                  "in fp32 or fp64: use --precision fp32)");
     }
-    const bool stored_16bit = precision != Precision::fp32;
     if (args->distributed && stored_16bit) {
       fail_option("--precision", to_string(precision),
                   " is not supported with --distributed (the ring computes in fp32 or fp64)");
@@ -244,7 +250,7 @@ float32 for both. Outputs are written only when the whole run succeeds.)");
       return;
     }
     const Dtype dtype = float_dtype("--x", args->cloud, precision == Precision::fp16);
-    if (stored_16bit && dtype == Dtype::float64) {
+    if (precision != Precision::fp32 && dtype == Dtype::float64) {
       fail_option("--precision", to_string(precision), " reads float32",
                   precision == Precision::fp16 ? " or float16" : "", " files; --x '", args->cloud,
                   "' holds float64");

@@ -56,7 +56,7 @@ struct BenchArguments {
   int repeats = 5;
   int threads = 0;
   bool baseline = false, peak = false;
-  std::string precision = "fp32";  // comma-separated: fp32, bf16, fp16
+  std::string precision = "fp32";  // comma-separated: fp32, tf32, bf16, fp16
 };
 
 /// The N x N matrix of the baseline is refused above this size.
@@ -207,15 +207,12 @@ std::vector<double> time_cuda(const Problem& p, int repeats) {
 }
 #endif
 
-/// The precisions of --precision: a comma-separated list of fp32, bf16 and fp16, each once.
+/// The precisions of --precision: a comma-separated list of fp32, tf32, bf16 and fp16, each once.
 std::vector<Precision> bench_precisions(const BenchArguments& args) {
   std::vector<Precision> list;
   std::stringstream text(args.precision);
   for (std::string item; std::getline(text, item, ',');) {
     const Precision p = parse_precision(item, "--precision");
-    if (p == Precision::tf32) {
-      fail_option("--precision", "tf32 is not implemented on any device yet (use fp32)");
-    }
     if (std::find(list.begin(), list.end(), p) != list.end()) {
       fail_option("--precision", "names ", to_string(p), " twice");
     }
@@ -225,7 +222,7 @@ std::vector<Precision> bench_precisions(const BenchArguments& args) {
   const bool only_fp32 = list.size() == 1 && list[0] == Precision::fp32;
   if (!only_fp32 && (args.device != "cpu" || args.query_tokens > 0)) {
     fail_option("--precision",
-                "bf16 and fp16 time self-attention on the CPU alone (--device "
+                "tf32, bf16 and fp16 time self-attention on the CPU alone (--device "
                 "cpu, no --queries-tokens)");
   }
   return list;
@@ -319,6 +316,16 @@ void run_bench(const BenchArguments& args) {
   for (Precision p : precisions) {
     if (p == Precision::bf16) add_stored(bfloat16{}, p);
     if (p == Precision::fp16) add_stored(float16{}, p);
+    if (p == Precision::tf32) {
+      // A permission the CPU takes as fp32 products (docs/MATH.md §7): the line says so.
+      ExecutionOptions o = options;
+      o.precision = p;
+      measurements.emplace_back("attend", true, isa + ", \"computes\": \"fp32\"", [&, o] {
+        attend(problem.input, out, o);
+        return flop;
+      });
+      measurements.back().precision = p;
+    }
   }
   if (args.device == "cpu" && time_fp32) {
     const std::string shape_members =
@@ -425,8 +432,10 @@ to the fused update compare like with like.)");
       ->capture_default_str();
   command
       ->add_option("--precision", args->precision,
-                   "comma-separated storage precisions to time in the same rounds: fp32, bf16, "
-                   "fp16 (16-bit: the problem rounded once, --device cpu, self-attention)")
+                   "comma-separated precisions to time in the same rounds: fp32, tf32 (the "
+                   "CPU computes it in fp32; the line says \"computes\": \"fp32\"), bf16, fp16 "
+                   "(16-bit: the problem rounded once); all but fp32 need --device cpu and "
+                   "self-attention")
       ->capture_default_str();
   add_threads_option(*command, args->threads);
   command->add_flag("--baseline", args->baseline,

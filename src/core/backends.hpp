@@ -60,11 +60,13 @@ void check_factored(const AttentionInput<T>& input, const FactoredLayer<T>& laye
                     const AttentionOutput<T>& output, const char* operation,
                     const void* workspace = nullptr, std::size_t workspace_bytes = 0);
 
-/// Blocking CUDA path of attend_factored on host arrays of 16-bit T (kernels/, or a stub without
-/// CUDA): copies to the device, runs cuda::attend_factored_async, copies back.
+/// Blocking CUDA path of attend_factored on host arrays of 16-bit T, or of float with precision
+/// tf32 (kernels/, or a stub without CUDA): copies to the device, runs
+/// cuda::attend_factored_async, copies back.
 template <class T>
 void cuda_attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
-                          const AttentionOutput<T>& output);
+                          const AttentionOutput<T>& output,
+                          Precision precision = storage_precision<T>());
 
 /// Throws ErrorCode::unsupported unless `input` is self-attention without query lengths or
 /// positions: for a backend that does not implement cross-attention yet.

@@ -22,17 +22,19 @@ void cuda_attend_partial(const AttentionInput<T>&, const PartialOutput<T>&) {
 
 template <class T>
 void cuda_attend_factored(const AttentionInput<T>&, const FactoredLayer<T>&,
-                          const AttentionOutput<T>&) {
+                          const AttentionOutput<T>&, Precision) {
   fail(ErrorCode::unsupported,
        "attend_factored: emflow was built without CUDA (EMFLOW_WITH_CUDA=OFF)");
 }
 
 template void cuda_attend_factored<bfloat16>(const AttentionInput<bfloat16>&,
                                              const FactoredLayer<bfloat16>&,
-                                             const AttentionOutput<bfloat16>&);
+                                             const AttentionOutput<bfloat16>&, Precision);
 template void cuda_attend_factored<float16>(const AttentionInput<float16>&,
                                             const FactoredLayer<float16>&,
-                                            const AttentionOutput<float16>&);
+                                            const AttentionOutput<float16>&, Precision);
+template void cuda_attend_factored<float>(const AttentionInput<float>&, const FactoredLayer<float>&,
+                                          const AttentionOutput<float>&, Precision);
 template void cuda_attend_partial<float>(const AttentionInput<float>&, const PartialOutput<float>&);
 template void cuda_attend_partial<double>(const AttentionInput<double>&,
                                           const PartialOutput<double>&);

@@ -21,11 +21,6 @@ namespace emflow::detail {
 namespace {
 
 template <class T>
-constexpr Precision storage_precision() {
-  return std::is_same_v<T, bfloat16> ? Precision::bf16 : Precision::fp16;
-}
-
-template <class T>
 const char* type_name() {
   if constexpr (std::is_same_v<T, float>) return "float";
   if constexpr (std::is_same_v<T, double>) return "double";
@@ -174,8 +169,11 @@ void check_precision(const ExecutionOptions& options, Device device, const char*
     if (!std::is_same_v<T, float>) {
       fail_argument(op, "precision", "tf32 needs float input, got ", type_name<T>());
     }
-    fail(ErrorCode::unsupported, op, ": option 'precision' tf32 is not implemented on device '",
-         to_string(device), "' (float input computes in fp32 there: use precision fp32)");
+    // A permission, as allow_tf32: the host devices' fp32 products meet the TF32 accuracy bound.
+    if (device != Device::cuda) return;
+    fail(ErrorCode::unsupported, op,
+         ": option 'precision' tf32 has no kernel for the dense form on device 'cuda' "
+         "(attend_factored runs TF32 on the tensor cores there; or use precision fp32)");
   }
   if constexpr (is_16bit_v<T>) {
     if (p == storage_precision<T>()) return;
@@ -184,10 +182,8 @@ void check_precision(const ExecutionOptions& options, Device device, const char*
                 p == Precision::bf16 ? "bfloat16" : "float16", " input, got ", type_name<T>());
 }
 
-const char* tensor_core_missing_output(const void* entropy, const void* weights) {
-  if (entropy != nullptr) return "entropy";
-  if (weights != nullptr) return "weights";
-  return nullptr;
+const char* tensor_core_missing_output(const void* weights) {
+  return weights != nullptr ? "weights" : nullptr;
 }
 
 template <class T>
@@ -202,8 +198,7 @@ Device resolve_16bit_device(Device requested, const AttentionInput<T>& input,
   }
   if (requested == Device::automatic) {
     // The tensor-core path's limits (kernels/tc_dense.cu, kTcMaxDim): elsewhere the CPU computes.
-    const bool fits =
-        tensor_core_missing_output(output.entropy, output.weights) == nullptr && input.dim <= 256;
+    const bool fits = tensor_core_missing_output(output.weights) == nullptr && input.dim <= 256;
     return fits && cuda_device_available(&reason) ? Device::cuda : Device::cpu;
   }
   return requested;
@@ -221,7 +216,7 @@ Device resolve_16bit_factored_device(Device requested, const FactoredLayer<T>& l
   }
   if (requested == Device::automatic) {
     // The tensor-core path's limits (kernels/tc_factored.cu): elsewhere the CPU computes.
-    const bool fits = output.entropy == nullptr && output.weights == nullptr && layer.rank <= 256;
+    const bool fits = tensor_core_missing_output(output.weights) == nullptr && layer.rank <= 256;
     return fits && cuda_device_available(&reason) ? Device::cuda : Device::cpu;
   }
   return requested;

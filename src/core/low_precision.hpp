@@ -8,16 +8,18 @@
 
 namespace emflow::detail {
 
-/// Refuses an ExecutionOptions::precision that the storage type T and `device` cannot honour:
-/// tf32 (unsupported: no device implements it yet), and bf16 or fp16 for another storage type
-/// (invalid_argument), naming the option.
+/// Refuses an ExecutionOptions::precision that the storage type T and `device` cannot honour,
+/// naming the option: tf32 for a type other than float and bf16 or fp16 for another storage
+/// type (invalid_argument), tf32 on Device::cuda (unsupported: attend_factored takes that case
+/// before this check). tf32 for float on the host devices is accepted: they compute in fp32.
 template <class T>
 void check_precision(const ExecutionOptions& options, Device device, const char* operation);
 
-/// The first output that the tensor-core 16-bit paths (kernels/tc_dense.cu, tc_factored.cu) do
-/// not compute, by name ("entropy", "weights"), or null when they compute every one given. The
-/// one place that says so: the kernels' refusals and the choice of Device::automatic read it.
-const char* tensor_core_missing_output(const void* entropy, const void* weights);
+/// The first output that the tensor-core paths (kernels/tc_dense.cu, tc_factored.cu) do not
+/// compute, by name ("weights": the N x N weights are never formed), or null when they compute
+/// every one given (update, lse, entropy). The one place that says so: the kernels' refusals and
+/// the choice of Device::automatic read it.
+const char* tensor_core_missing_output(const void* weights);
 
 /// The device a 16-bit emflow::attend call runs on: cuda when requested (ErrorCode::unsupported
 /// without a usable device) and for automatic when a device exists and the tensor-core path
@@ -28,7 +30,7 @@ Device resolve_16bit_device(Device requested, const AttentionInput<T>& input,
 
 /// The device a 16-bit attend_factored call runs on: cuda when requested (ErrorCode::unsupported
 /// without a usable device) and for automatic when a device exists and the tensor-core path
-/// computes what `output` asks (no entropy, no weights, rank <= 256); else cpu or reference.
+/// computes what `output` asks (no weights, rank <= 256); else cpu or reference.
 template <class T>
 Device resolve_16bit_factored_device(Device requested, const FactoredLayer<T>& layer,
                                      const AttentionOutput<T>& output, const char* operation);

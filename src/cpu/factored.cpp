@@ -163,9 +163,13 @@ void attend_dense(const AttentionInput<T>& input, const FactoredLayer<T>& factor
       input, cloud.data(), input.queries ? queries.data() : nullptr,
       {H, relevance.data(), content.data(), key_bias.empty() ? nullptr : key_bias.data(),
        offset.empty() ? nullptr : offset.data()});
+  // tf32 was checked as a permission for float input (the products here are fp32 or double);
+  // the dense call may run in double, where it would not apply.
+  ExecutionOptions dense_options = options;
+  dense_options.precision = Precision::fp32;
 
   if constexpr (std::is_same_v<U, T>) {
-    emflow::attend(in, output, options);
+    emflow::attend(in, output, dense_options);
   } else {
     std::vector<U> update(static_cast<std::size_t>(B * Nq * d)), lse, entropy, weights;
     if (output.lse) lse.resize(static_cast<std::size_t>(B * H * Nq));
@@ -173,7 +177,7 @@ void attend_dense(const AttentionInput<T>& input, const FactoredLayer<T>& factor
     if (output.weights) weights.resize(static_cast<std::size_t>(B * H * Nq * N));
     AttentionOutput<U> out{update.data(), pointer(lse, output.lse),
                            pointer(entropy, output.entropy), pointer(weights, output.weights)};
-    emflow::attend(in, out, options);
+    emflow::attend(in, out, dense_options);
     std::copy(update.begin(), update.end(), output.update);
     if (output.lse) std::copy(lse.begin(), lse.end(), output.lse);
     if (output.entropy) std::copy(entropy.begin(), entropy.end(), output.entropy);
@@ -282,6 +286,13 @@ void attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& lay
     }
   } else {
     const Device device = resolve_device(options.device);
+    if constexpr (std::is_same_v<T, float>) {
+      // TF32 on the tensor cores (kernels/tc_factored.cu); elsewhere tf32 permits fp32 products.
+      if (device == Device::cuda && options.precision == Precision::tf32) {
+        detail::cuda_attend_factored(input, layer, output, Precision::tf32);
+        return;
+      }
+    }
     detail::check_precision<T>(options, device, kOperation);
     attend_factored_host(input, layer, output, options, device);
   }

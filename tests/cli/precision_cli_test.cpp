@@ -1,12 +1,15 @@
 // `emflow attend --precision bf16|fp16` and `emflow bench --precision`: float32 inputs rounded to
 // the storage type (fp16 also read from '<f2' files), the update written as float32 (bf16) or
 // float16 (fp16), the numbers equal to emflow::attend on the stored inputs in process, and bad
-// combinations refused naming --precision, with no output written.
+// combinations refused naming --precision, with no output written. --precision tf32 is a
+// permission the CPU computes in fp32: the same files as fp32, and bench says so.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -112,8 +115,10 @@ TEST_F(PrecisionCli, BadCombinationsNameTheOptionAndWriteNothing) {
   const struct {
     std::string arguments, message;
   } cases[] = {
-      {inputs() + " --precision tf32", "--precision"},
       {inputs() + " --precision fp8", "--precision"},
+      {"attend --x " + path("x64.npy") + " --m " + path("m.npy") + " --f " + path("f.npy") +
+           " --precision tf32",
+       "--precision"},
       {"attend --x " + path("x64.npy") + " --m " + path("m.npy") + " --f " + path("f.npy") +
            " --precision bf16",
        "--precision"},
@@ -133,10 +138,38 @@ TEST_F(PrecisionCli, BadCombinationsNameTheOptionAndWriteNothing) {
 TEST_F(PrecisionCli, BenchTimesEachPrecisionInOneRun) {
   const CliRun run = emflow("bench --tokens 64 --dim 8 --repeats 1 --precision fp32,bf16,fp16");
   EXPECT_EQ(run.status, 0) << run.err;
-  for (const char* bad : {"fp32,fp32", "tf32"}) {
+  for (const char* bad : {"fp32,fp32", "tf32 --device cuda"}) {
     const CliRun refused = emflow(std::string("bench --tokens 64 --precision ") + bad);
     EXPECT_NE(refused.status, 0) << bad;
     EXPECT_NE(refused.err.find("--precision"), std::string::npos) << refused.err;
+  }
+}
+
+TEST_F(PrecisionCli, Tf32ComputesFp32OnTheCpuAndSaysSo) {
+  CliRun run = emflow(inputs() + " --precision tf32 --out " + path("t.npy") + " --entropy " +
+                      path("th.npy"));
+  ASSERT_EQ(run.status, 0) << run.err;
+  run = emflow(inputs() + " --out " + path("s.npy") + " --entropy " + path("sh.npy"));
+  ASSERT_EQ(run.status, 0) << run.err;
+  const std::vector<float> tf32 = read_npy<float>(path("t.npy")).values();
+  EXPECT_EQ(tf32, read_npy<float>(path("s.npy")).values());
+  EXPECT_EQ(read_npy<float>(path("th.npy")).values(), read_npy<float>(path("sh.npy")).values());
+  EXPECT_GT(std::abs(tf32[0]), 1e-3);
+  // The tool's stdout into a file (run_cli discards it): sh runs the binary as $0.
+  const auto output_of = [&](const std::string& arguments, const std::string& file) {
+    const CliRun r = emflow(arguments, "sh -c '\"$0\" \"$@\" > " + path(file) + "'");
+    EXPECT_EQ(r.status, 0) << arguments << ": " << r.err;
+    std::ifstream in(path(file));
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string bench =
+      output_of("bench --tokens 64 --dim 8 --repeats 1 --precision fp32,tf32", "bench.txt");
+  EXPECT_NE(bench.find("\"precision\": \"tf32\""), std::string::npos) << bench;
+  EXPECT_NE(bench.find("\"computes\": \"fp32\""), std::string::npos) << bench;
+  for (const char* command : {"attend", "bench"}) {
+    const std::string help = output_of(std::string(command) + " --help", "help.txt");
+    EXPECT_NE(help.find("tf32"), std::string::npos) << help;
+    EXPECT_EQ(help.find("not implemented"), std::string::npos) << help;
   }
 }
 

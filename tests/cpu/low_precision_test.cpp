@@ -463,21 +463,49 @@ TYPED_TEST(LowPrecision, CudaNeedsADeviceAndPrecisionsMustMatch) {
   EXPECT_EQ(code({Device::cpu, 0, own}), "accepted");
 }
 
-TEST(Tf32, FloatInputWithTf32IsRefusedByName) {
-  std::vector<float> X(4, 0.5f), M(4, 0.1f), F(4, 0.2f), update(4);
+// tf32 is a permission (as PyTorch's allow_tf32): the host devices compute float products in
+// fp32, which meets the TF32 accuracy rule, so the result is the fp32 one, bit for bit, for the
+// dense and the factored form; it needs float input.
+TEST(Tf32, FloatInputWithTf32ComputesFp32OnTheHostDevices) {
+  std::vector<float> X = {0.5f, -0.25f, 0.75f, 0.125f, -0.5f, 1.f};
+  std::vector<float> M = {0.3f, -0.1f, 0.2f, 0.4f}, F = {0.2f, 0.1f, -0.3f, 0.5f};
   AttentionInput<float> in;
   in.cloud = X.data();
-  in.tokens = 2;
+  in.tokens = 3;
   in.dim = 2;
   in.layer = {1, M.data(), F.data()};
+  std::vector<float> A = {0.5f, -0.5f}, B = {0.25f, 0.75f}, U = {1.f, -0.5f}, V = {0.5f, 0.25f};
+  const FactoredLayer<float> layer{1, 1, A.data(), B.data(), U.data(), V.data()};
+  AttentionInput<float> factored_in = in;
+  factored_in.layer = {};
   for (Device device : {Device::cpu, Device::reference}) {
-    try {
-      attend(in, AttentionOutput<float>{update.data()}, {device, 0, Precision::tf32});
-      ADD_FAILURE() << "tf32 accepted on " << to_string(device);
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::unsupported);
-      EXPECT_NE(std::string(e.what()).find("'precision' tf32"), std::string::npos) << e.what();
-    }
+    SCOPED_TRACE(to_string(device));
+    std::vector<float> fp32(6), tf32(6, std::nanf("")), lse32(3), lse(3, std::nanf(""));
+    attend(in, AttentionOutput<float>{fp32.data(), lse32.data()}, {device, 0});
+    attend(in, AttentionOutput<float>{tf32.data(), lse.data()}, {device, 0, Precision::tf32});
+    EXPECT_EQ(tf32, fp32);
+    EXPECT_EQ(lse, lse32);
+    EXPECT_GT(std::abs(fp32[0]), 1e-3f);
+    std::vector<float> f32(6), ft32(6, std::nanf(""));
+    attend_factored(factored_in, layer, AttentionOutput<float>{f32.data()}, {device, 0});
+    attend_factored(factored_in, layer, AttentionOutput<float>{ft32.data()},
+                    {device, 0, Precision::tf32});
+    EXPECT_EQ(ft32, f32);
+    EXPECT_GT(std::abs(f32[0]), 1e-3f);
+  }
+  std::vector<double> Xd(X.begin(), X.end()), Md(M.begin(), M.end()), Fd(F.begin(), F.end());
+  std::vector<double> update(6);
+  AttentionInput<double> ind;
+  ind.cloud = Xd.data();
+  ind.tokens = 3;
+  ind.dim = 2;
+  ind.layer = {1, Md.data(), Fd.data()};
+  try {
+    attend(ind, AttentionOutput<double>{update.data()}, {Device::cpu, 0, Precision::tf32});
+    ADD_FAILURE() << "tf32 accepted for double input";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("'precision'"), std::string::npos) << e.what();
   }
 }
 

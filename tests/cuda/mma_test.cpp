@@ -3,7 +3,10 @@
 // distinct per element and small dyadic numbers, so every product and sum is exact in float and
 // the instruction must give the product exactly: a fragment layout that differs from the
 // hardware's (on a GPU) or from the PTX ISA's (the emulation's model) changes the result. The
-// first GPU tests of a device check (scripts/device-check.sh); skipped without a device.
+// first GPU tests of a device check (scripts/device-check.sh); skipped without a device. The
+// kind tf32_pairs is the TF32 instruction on the operands of the attention's P V (an accumulator
+// tile as A and row-major values as B, the keys of both permuted): the plain product of a and a
+// row-major b.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -27,7 +30,8 @@ using detail::MmaKind;
 
 constexpr int kM = 16, kN = 8;
 
-int depth(MmaKind kind) { return kind == MmaKind::tf32 ? 8 : 16; }
+bool tf32_kind(MmaKind kind) { return kind == MmaKind::tf32 || kind == MmaKind::tf32_pairs; }
+int depth(MmaKind kind) { return tf32_kind(kind) ? 8 : 16; }
 
 // Distinct values: A[r][k] = (r * K + k - 128) / 64, B[k][n] = (n * K + k - 64) / 32 (as B is
 // stored, column-major), C[r][n] = (r * 8 + n - 64) / 16; exact in bf16, fp16 and TF32.
@@ -43,10 +47,11 @@ Operands operands(MmaKind kind) {
   return o;
 }
 
-// d = a b + c in double, b read column-major (b_row_major: read as a row-major K x 8 instead,
-// the wrong layout).
-std::vector<double> product(MmaKind kind, const Operands& o, bool b_row_major = false) {
+// d = a b + c in double, b read as the kind stores it (column-major; tf32_pairs: row-major), or
+// with `swapped`, the other way (the wrong layout).
+std::vector<double> product(MmaKind kind, const Operands& o, bool swapped = false) {
   const int K = depth(kind);
+  const bool b_row_major = (kind == MmaKind::tf32_pairs) != swapped;
   std::vector<double> d(kM * kN);
   for (int r = 0; r < kM; ++r) {
     for (int n = 0; n < kN; ++n) {
@@ -86,7 +91,7 @@ std::vector<float> run_mma(MmaKind kind, const Operands& o) {
   d.copy_from_host(poison.data(), poison.size(), stream);
   const void* a = a32.data();
   const void* b = b32.data();
-  if (kind == MmaKind::tf32) {
+  if (tf32_kind(kind)) {
     a32.copy_from_host(o.a.data(), a_count, stream);
     b32.copy_from_host(o.b.data(), b_count, stream);
   } else {
@@ -104,9 +109,10 @@ std::vector<float> run_mma(MmaKind kind, const Operands& o) {
 }
 
 const char* name(MmaKind kind) {
-  return kind == MmaKind::bf16  ? "bf16 m16n8k16"
-         : kind == MmaKind::f16 ? "f16 m16n8k16"
-                                : "tf32 m16n8k8";
+  return kind == MmaKind::bf16   ? "bf16 m16n8k16"
+         : kind == MmaKind::f16  ? "f16 m16n8k16"
+         : kind == MmaKind::tf32 ? "tf32 m16n8k8"
+                                 : "tf32 m16n8k8, P V operands with paired keys";
 }
 
 // How many of the 128 outputs equal `expected` exactly.
@@ -148,11 +154,14 @@ TEST_P(Mma, AWrongFragmentLayoutIsCaught) {
   EXPECT_GT(nonzero, kM * kN - 8);
 }
 
-INSTANTIATE_TEST_SUITE_P(Kinds, Mma, ::testing::Values(MmaKind::bf16, MmaKind::f16, MmaKind::tf32),
+INSTANTIATE_TEST_SUITE_P(Kinds, Mma,
+                         ::testing::Values(MmaKind::bf16, MmaKind::f16, MmaKind::tf32,
+                                           MmaKind::tf32_pairs),
                          [](const ::testing::TestParamInfo<MmaKind>& info) {
-                           return std::string(info.param == MmaKind::bf16  ? "bf16"
-                                              : info.param == MmaKind::f16 ? "f16"
-                                                                           : "tf32");
+                           return std::string(info.param == MmaKind::bf16   ? "bf16"
+                                              : info.param == MmaKind::f16  ? "f16"
+                                              : info.param == MmaKind::tf32 ? "tf32"
+                                                                            : "tf32_pairs");
                          });
 
 }  // namespace

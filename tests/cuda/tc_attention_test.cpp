@@ -1,11 +1,14 @@
-// The tensor-core attention kernel (kernels/tc_attention.cu) on bfloat16 and float16 inputs, at
+// The tensor-core attention kernel (kernels/tc_attention.cu) on bfloat16, float16 and float
+// (TF32 products) inputs, at
 // awkward sizes (N = 1, 17, 130; dims that leave part of a 16-wide step or of the tile empty),
-// every mask, key lengths, key bias and lse. The accuracy rule (issue 16): against the double
-// attention of the same rounded inputs, the kernel's error is at most twice the error of a naive
-// implementation in the same precision (float scores, softmax and sums, the probabilities
-// rounded to the 16-bit type before the product with V), plus 1e-6 for cases both compute
-// exactly. Outputs are poisoned (NaN) before each call. Skipped without a device;
-// tests/cuda/emulation runs them on the CPU (the model of mma.sync in kernels/mma.cuh).
+// every mask, key lengths, key bias, lse and entropy. The accuracy rule (issue 16): against the
+// double attention of the same rounded inputs, the kernel's error is at most twice the error of a
+// naive implementation in the same precision (float scores, softmax and sums, the probabilities
+// rounded to the 16-bit type before the product with V; for TF32 the naive kernel's operands
+// and probabilities are rounded to TF32, tc_reference.hpp), plus 1e-6 for cases both compute
+// exactly (entropy: a naive float kernel's -sum p ln p). Outputs are poisoned (NaN) before each
+// call. Skipped without a device; tests/cuda/emulation runs them on the CPU (the model of mma.sync
+// in kernels/mma.cuh).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -51,9 +54,17 @@ TEST_P(TcAttention, MatchesTheDoubleReferenceWithinTwiceTheNaiveError) {
   const Case& c = GetParam();
   std::mt19937 random(1234u + static_cast<unsigned>(c.tokens * 7 + c.dim));
   const std::size_t hb = static_cast<std::size_t>(c.heads) * c.batch;
-  const Rounded q = random_rounded(c.type, hb * c.queries * c.dim, random);
-  const Rounded k = random_rounded(c.type, hb * c.tokens * c.dim, random);
-  const Rounded v = random_rounded(c.type, hb * c.tokens * c.dim, random);
+  const bool tf32_case = c.type == TcType::tf32;
+  // TF32: float storage (the values field alone); 16-bit: the stored bits and their values.
+  const auto make = [&](std::size_t count) {
+    if (!tf32_case) return random_rounded(c.type, count, random);
+    Rounded r;
+    r.values = random_floats(count, random);
+    return r;
+  };
+  const Rounded q = make(hb * c.queries * c.dim);
+  const Rounded k = make(hb * c.tokens * c.dim);
+  const Rounded v = make(hb * c.tokens * c.dim);
   std::vector<float> bias;
   if (c.bias) {
     std::uniform_real_distribution<float> uniform(-0.5f, 0.5f);
@@ -63,13 +74,31 @@ TEST_P(TcAttention, MatchesTheDoubleReferenceWithinTwiceTheNaiveError) {
 
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  cuda::DeviceBuffer<std::uint16_t> dq(q.bits.size()), dk(k.bits.size()), dv(v.bits.size());
+  // Each operand as stored: 16-bit patterns, or floats for TF32.
+  struct Operand {
+    cuda::DeviceBuffer<std::uint16_t> bits;
+    cuda::DeviceBuffer<float> floats;
+    const void* data() const {
+      if (bits.size() > 0) return bits.data();
+      return floats.data();
+    }
+  };
+  auto upload = [&](const Rounded& r) {
+    Operand o;
+    if (tf32_case) {
+      o.floats = cuda::DeviceBuffer<float>(r.values.size());
+      o.floats.copy_from_host(r.values.data(), r.values.size(), stream);
+    } else {
+      o.bits = cuda::DeviceBuffer<std::uint16_t>(r.bits.size());
+      o.bits.copy_from_host(r.bits.data(), r.bits.size(), stream);
+    }
+    return o;
+  };
+  const Operand dq = upload(q), dk = upload(k), dv = upload(v);
   cuda::DeviceBuffer<float> dbias(std::max<std::size_t>(bias.size(), 1));
-  cuda::DeviceBuffer<float> dout(hb * c.queries * c.dim), dlse(hb * c.queries);
+  cuda::DeviceBuffer<float> dout(hb * c.queries * c.dim), dlse(hb * c.queries),
+      dentropy(hb * c.queries);
   cuda::DeviceBuffer<std::int64_t> dlengths(std::max<std::size_t>(c.key_lengths.size(), 1));
-  dq.copy_from_host(q.bits.data(), q.bits.size(), stream);
-  dk.copy_from_host(k.bits.data(), k.bits.size(), stream);
-  dv.copy_from_host(v.bits.data(), v.bits.size(), stream);
   if (c.bias) dbias.copy_from_host(bias.data(), bias.size(), stream);
   if (!c.key_lengths.empty()) {
     dlengths.copy_from_host(c.key_lengths.data(), c.key_lengths.size(), stream);
@@ -78,6 +107,7 @@ TEST_P(TcAttention, MatchesTheDoubleReferenceWithinTwiceTheNaiveError) {
       poison_lse(dlse.size(), std::nanf(""));
   dout.copy_from_host(poison_out.data(), poison_out.size(), stream);
   dlse.copy_from_host(poison_lse.data(), poison_lse.size(), stream);
+  dentropy.copy_from_host(poison_lse.data(), poison_lse.size(), stream);
 
   detail::TcAttentionArgs args;
   args.type = c.type;
@@ -88,6 +118,7 @@ TEST_P(TcAttention, MatchesTheDoubleReferenceWithinTwiceTheNaiveError) {
   args.scale = scale;
   args.out = dout.data();
   args.lse = dlse.data();
+  args.entropy = dentropy.data();
   args.batch = c.batch;
   args.heads = c.heads;
   args.tokens = c.tokens;
@@ -98,17 +129,27 @@ TEST_P(TcAttention, MatchesTheDoubleReferenceWithinTwiceTheNaiveError) {
     args.mask.key_lengths = args.mask.query_lengths = dlengths.data();
   }
   detail::launch_tc_attention(args, stream, "tensor-core attention");
-  std::vector<float> out(dout.size()), lse(dlse.size());
+  std::vector<float> out(dout.size()), lse(dlse.size()), entropy(dentropy.size());
   dout.copy_to_host(out.data(), out.size(), stream);
   dlse.copy_to_host(lse.data(), lse.size(), stream);
+  dentropy.copy_to_host(entropy.data(), entropy.size(), stream);
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   cudaStreamDestroy(stream);
 
+  // The naive kernel's operands: the stored values, rounded to TF32 as its products read them.
+  const std::vector<float> nq = tf32_case ? tf32(q.values) : q.values;
+  const std::vector<float> nk = tf32_case ? tf32(k.values) : k.values;
+  const std::vector<float> nv = tf32_case ? tf32(v.values) : v.values;
   const Result exact = attention(c, q.values, k.values, v.values, bias, scale, false);
-  const Result naive = attention(c, q.values, k.values, v.values, bias, scale, true);
+  const Result naive = attention(c, nq, nk, nv, bias, scale, true);
   const Result got{std::vector<double>(out.begin(), out.end()),
                    std::vector<double>(lse.begin(), lse.end())};
   expect_accuracy_rule(c.name, {got.out, got.lse}, {exact.out, exact.lse}, {naive.out, naive.lse});
+  const std::vector<double> exact_entropy =
+      attention_entropy(c, q.values, k.values, bias, scale, false);
+  const std::vector<double> naive_entropy = attention_entropy(c, nq, nk, bias, scale, true);
+  expect_entropy_rule(c.name, std::vector<double>(entropy.begin(), entropy.end()), exact_entropy,
+                      naive_entropy, exact.lse, c.tokens > 1);
 }
 
 const Mask kNone = Mask::none();
@@ -117,6 +158,7 @@ const Mask kWindow5 = Mask::sliding_window(5);
 const Mask kWindow37 = Mask::sliding_window(37);
 constexpr TcType kBf16 = TcType::bf16;
 constexpr TcType kF16 = TcType::f16;
+constexpr TcType kTf32 = TcType::tf32;
 
 // name, type, batch, heads, tokens, queries, dim, mask, key lengths, key bias
 INSTANTIATE_TEST_SUITE_P(
@@ -130,7 +172,13 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"bf16_N130_d128_len", kBf16, 1, 1, 130, 130, 128, kNone, {97}, true},
         Case{"f16_N130_d64_causal", kF16, 1, 1, 130, 130, 64, kCausal, {}, false},
         Case{"bf16_N130_d72_window37_len", kBf16, 2, 1, 130, 130, 72, kWindow37, {101, 130}, true},
-        Case{"f16_N130_q3_d64_causal", kF16, 1, 2, 130, 3, 64, kCausal, {}, true}),
+        Case{"f16_N130_q3_d64_causal", kF16, 1, 2, 130, 3, 64, kCausal, {}, true},
+        // TF32: dims that leave part of an 8-wide step empty, every block size (D = 64, 128, 256)
+        Case{"tf32_N1_d20_none", kTf32, 1, 1, 1, 1, 20, kNone, {}, false},
+        Case{"tf32_N17_d100_causal_len", kTf32, 2, 2, 17, 17, 100, kCausal, {17, 9}, true},
+        Case{"tf32_N70_d61_window5_len", kTf32, 2, 1, 70, 70, 61, kWindow5, {70, 0}, true},
+        Case{"tf32_N130_d64_none_len", kTf32, 1, 1, 130, 130, 64, kNone, {97}, false},
+        Case{"tf32_N130_q5_d200_causal", kTf32, 1, 1, 130, 5, 200, kCausal, {}, true}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 }  // namespace

@@ -1,10 +1,12 @@
-// cuda::attend_factored_async and the blocking attend_factored on Device::cuda for bfloat16 and
-// float16 (the tensor-core path, kernels/tc_factored.cu), at awkward sizes (N = 1, 17, 130;
+// cuda::attend_factored_async and the blocking attend_factored on Device::cuda for bfloat16,
+// float16 and float with precision tf32 (the tensor-core path, kernels/tc_factored.cu), at
+// awkward sizes (N = 1, 17, 130;
 // ranks and dims that leave part of a 16-wide step empty), masks none, causal and window, key
-// lengths, key bias, offset and lse. The accuracy rule (issue 16): against the double result of
-// the same rounded inputs, the error is at most twice the error of a naive implementation in the
-// same precision (projections in float rounded to the 16-bit type, then the naive attention of
-// tc_reference.hpp, the output projection in float, rounded to the 16-bit type), plus 1e-6; and
+// lengths, key bias, offset, lse and entropy. The accuracy rule (issue 16): against the double
+// result of the same rounded inputs, the error is at most twice the error of a naive implementation
+// in the same precision (projections in float rounded to the 16-bit type, then the naive attention
+// of tc_reference.hpp, the output projection in float, rounded to the 16-bit type; for TF32 the
+// projections stay float and the naive attention takes TF32 operands), plus 1e-6; and
 // the result agrees with the CPU's 16-bit attend_factored within three times that error.
 // Outputs are poisoned (NaN) before each call. Skipped without a device; tests/cuda/emulation
 // runs them on the CPU.
@@ -13,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <ostream>
 #include <random>
@@ -68,6 +71,14 @@ struct Inputs {
 
 Inputs make_inputs(const FactoredCase& c) {
   std::mt19937 random(77u + static_cast<unsigned>(c.tokens * 13 + c.dim + c.rank));
+  // TF32 cases store floats (the values field alone).
+  const auto random_rounded = [&c](TcType type, std::size_t count, std::mt19937& r,
+                                   float range = 1.f) {
+    if (c.type != TcType::tf32) return emflow::testing::random_rounded(type, count, r, range);
+    Rounded floats;
+    floats.values = random_floats(count, r, range);
+    return floats;
+  };
   const auto B = static_cast<std::size_t>(c.batch), N = static_cast<std::size_t>(c.tokens);
   const auto d = static_cast<std::size_t>(c.dim), H = static_cast<std::size_t>(c.heads);
   const auto r = static_cast<std::size_t>(c.rank);
@@ -85,13 +96,14 @@ Inputs make_inputs(const FactoredCase& c) {
 }
 
 struct Expected {
-  std::vector<double> update, lse;  // update (B,N,d), lse (B,H,N)
+  std::vector<double> update, lse, entropy;  // update (B,N,d), lse and entropy (B,H,N)
 };
 
 // naive = false: in double. naive = true: as a straightforward 16-bit kernel would.
 Expected factored_attention(const FactoredCase& c, const Inputs& in, bool naive) {
   const int B = c.batch, N = c.tokens, d = c.dim, H = c.heads, r = c.rank;
   const HeadProblem head{c.type, B, H, N, N, r, c.mask, c.key_lengths};
+  const bool tf32_case = c.type == TcType::tf32;
   // Per head, rows of X projected by W (H, rows_out, d): (H, B, N, rows_out); naive: in float,
   // rounded to the 16-bit type when `round`. The double result is kept as the nearest float,
   // far below the 16-bit errors tested.
@@ -109,27 +121,36 @@ Expected factored_attention(const FactoredCase& c, const Inputs& in, bool naive)
             sum += static_cast<double>(wa) * xa;
           }
           out[(static_cast<std::size_t>(h) * B * N + row) * rows_out + k] =
-              naive ? (round ? round_to(c.type, sum_f) : sum_f) : static_cast<float>(sum);
+              naive ? (round && !tf32_case ? round_to(c.type, sum_f) : sum_f)
+                    : static_cast<float>(sum);
         }
       }
     }
     return out;
   };
-  const std::vector<float> q = project(in.a, r, true), k = project(in.b, r, true),
-                           v = project(in.v, r, true);
+  std::vector<float> q = project(in.a, r, true), k = project(in.b, r, true),
+                     v = project(in.v, r, true);
+  if (naive && tf32_case) {  // the naive TF32 kernel's operands (tc_reference.hpp)
+    q = tf32(q);
+    k = tf32(k);
+    v = tf32(v);
+  }
   std::vector<float> bias;
   if (c.bias) bias = project(in.bias, 1, false);
   const float scale = static_cast<float>(in.beta * 1.4426950408889634);
   const Result heads = attention(head, q, k, v, bias, scale, naive);
+  const std::vector<double> entropy = attention_entropy(head, q, k, bias, scale, naive);
 
   Expected e;
   e.update.assign(static_cast<std::size_t>(B) * N * d, 0.0);
   e.lse.assign(static_cast<std::size_t>(B) * H * N, 0.0);
+  e.entropy.assign(e.lse.size(), 0.0);
   for (int b = 0; b < B; ++b) {
     for (int i = 0; i < N; ++i) {
       for (int h = 0; h < H; ++h) {
-        e.lse[(static_cast<std::size_t>(b) * H + h) * N + i] =
-            heads.lse[(static_cast<std::size_t>(h) * B + b) * N + i];
+        const std::size_t to = (static_cast<std::size_t>(b) * H + h) * N + i;
+        e.lse[to] = heads.lse[(static_cast<std::size_t>(h) * B + b) * N + i];
+        e.entropy[to] = entropy[(static_cast<std::size_t>(h) * B + b) * N + i];
       }
       if (std::isinf(heads.lse[static_cast<std::size_t>(b) * N + i])) continue;  // padding
       for (int a = 0; a < d; ++a) {
@@ -148,7 +169,7 @@ Expected factored_attention(const FactoredCase& c, const Inputs& in, bool naive)
           sum_f += in.offset.values[static_cast<std::size_t>(a)];
         }
         e.update[static_cast<std::size_t>(b) * N * d + static_cast<std::size_t>(i) * d + a] =
-            naive ? round_to(c.type, sum_f) : sum;
+            naive ? (tf32_case ? sum_f : round_to(c.type, sum_f)) : sum;
       }
     }
   }
@@ -157,9 +178,13 @@ Expected factored_attention(const FactoredCase& c, const Inputs& in, bool naive)
 
 template <class T>
 std::vector<T> as_type(const Rounded& r) {
-  std::vector<T> out;
-  for (std::uint16_t bits : r.bits) out.push_back(stored<T>(bits));
-  return out;
+  if constexpr (std::is_same_v<T, float>) {
+    return r.values;
+  } else {
+    std::vector<T> out;
+    for (std::uint16_t bits : r.bits) out.push_back(stored<T>(bits));
+    return out;
+  }
 }
 
 template <class T>
@@ -196,14 +221,28 @@ struct HostProblem {
 
 template <class T>
 T poison() {
-  return stored<T>(std::is_same_v<T, bfloat16> ? 0x7FC0 : 0x7E00);
+  if constexpr (std::is_same_v<T, float>) {
+    return std::nanf("");
+  } else {
+    return stored<T>(std::is_same_v<T, bfloat16> ? 0x7FC0 : 0x7E00);
+  }
 }
+
+float as_float(float value) { return value; }
+float as_float(bfloat16 value) { return to_float(value); }
+float as_float(float16 value) { return to_float(value); }
 
 template <class T>
 std::vector<double> widened(const std::vector<T>& values) {
   std::vector<double> out;
-  for (const T& value : values) out.push_back(to_float(value));
+  for (const T& value : values) out.push_back(as_float(value));
   return out;
+}
+
+// The precision each storage type runs in on the tensor cores: its own, or tf32 for float.
+template <class T>
+constexpr Precision tensor_core_precision() {
+  return std::is_same_v<T, float> ? Precision::tf32 : storage_precision<T>();
 }
 
 template <class T>
@@ -226,7 +265,7 @@ void check_case(const FactoredCase& c) {
   const cudaStream_t stream = owned.stream;
   cuda::DeviceBuffer<T> dx(B * N * d), da(H * r * d), db(H * r * d), du(H * d * r), dv(H * r * d),
       dbias(H * d), doffset(d), dupdate(B * N * d);
-  cuda::DeviceBuffer<float> dlse(B * H * N);
+  cuda::DeviceBuffer<float> dlse(B * H * N), dentropy(B * H * N);
   cuda::DeviceBuffer<std::int64_t> dlengths(B);
   dx.copy_from_host(host.x.data(), host.x.size(), stream);
   da.copy_from_host(host.a.data(), host.a.size(), stream);
@@ -240,6 +279,7 @@ void check_case(const FactoredCase& c) {
   const std::vector<float> poison_lse(dlse.size(), std::nanf(""));
   dupdate.copy_from_host(poison_update.data(), poison_update.size(), stream);
   dlse.copy_from_host(poison_lse.data(), poison_lse.size(), stream);
+  dentropy.copy_from_host(poison_lse.data(), poison_lse.size(), stream);
   AttentionInput<T> input = host.input;
   input.cloud = dx.data();
   input.key_lengths = c.key_lengths.empty() ? nullptr : dlengths.data();
@@ -251,46 +291,63 @@ void check_case(const FactoredCase& c) {
                                dv.data(),
                                c.bias ? dbias.data() : nullptr,
                                c.offset ? doffset.data() : nullptr};
-  const AttentionOutput<T> output{dupdate.data(), dlse.data()};
-  const std::size_t bytes = cuda::attend_factored_workspace_size(input, layer, output);
+  const AttentionOutput<T> output{dupdate.data(), dlse.data(), dentropy.data()};
+  const Precision precision = tensor_core_precision<T>();
+  const std::size_t bytes = cuda::attend_factored_workspace_size(input, layer, output, precision);
   cuda::DeviceBuffer<unsigned char> workspace(bytes);
-  cuda::attend_factored_async(input, layer, output, workspace.data(), bytes, stream);
+  cuda::attend_factored_async(input, layer, output, workspace.data(), bytes, stream, precision);
   std::vector<T> update(dupdate.size());
-  std::vector<float> lse(dlse.size());
+  std::vector<float> lse(dlse.size()), entropy(dentropy.size());
   dupdate.copy_to_host(update.data(), update.size(), stream);
   dlse.copy_to_host(lse.data(), lse.size(), stream);
+  dentropy.copy_to_host(entropy.data(), entropy.size(), stream);
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
 
   // The blocking form on the host arrays: the same kernels, so the same bits.
   std::vector<T> blocking_update(update.size(), poison<T>());
-  std::vector<float> blocking_lse(lse.size(), std::nanf(""));
-  attend_factored(host.input, host.layer,
-                  AttentionOutput<T>{blocking_update.data(), blocking_lse.data()}, {Device::cuda});
+  std::vector<float> blocking_lse(lse.size(), std::nanf("")),
+      blocking_entropy(lse.size(), std::nanf(""));
+  attend_factored(
+      host.input, host.layer,
+      AttentionOutput<T>{blocking_update.data(), blocking_lse.data(), blocking_entropy.data()},
+      {Device::cuda, 0, precision});
   for (std::size_t i = 0; i < update.size(); ++i) {
-    ASSERT_EQ(blocking_update[i].bits, update[i].bits) << c.name << ": update " << i;
+    ASSERT_EQ(std::memcmp(&blocking_update[i], &update[i], sizeof(T)), 0)
+        << c.name << ": update " << i;
   }
   for (std::size_t i = 0; i < lse.size(); ++i) {
     ASSERT_EQ(std::isnan(blocking_lse[i]), std::isnan(lse[i])) << c.name << ": lse " << i;
     if (!std::isnan(lse[i])) {
       ASSERT_EQ(blocking_lse[i], lse[i]) << c.name << ": lse " << i;
     }
+    ASSERT_EQ(std::isnan(blocking_entropy[i]), std::isnan(entropy[i])) << c.name << ": H " << i;
+    if (!std::isnan(entropy[i])) {
+      ASSERT_EQ(blocking_entropy[i], entropy[i]) << c.name << ": entropy " << i;
+    }
   }
 
   // The CPU's 16-bit path on the same arrays.
   std::vector<T> cpu_update(update.size(), poison<T>());
-  std::vector<float> cpu_lse(lse.size(), std::nanf(""));
-  attend_factored(host.input, host.layer, AttentionOutput<T>{cpu_update.data(), cpu_lse.data()},
+  std::vector<float> cpu_lse(lse.size(), std::nanf("")), cpu_entropy(lse.size(), std::nanf(""));
+  attend_factored(host.input, host.layer,
+                  AttentionOutput<T>{cpu_update.data(), cpu_lse.data(), cpu_entropy.data()},
                   {Device::cpu});
 
   const Expected exact = factored_attention(c, in, false);
   const Expected naive = factored_attention(c, in, true);
-  const std::vector<double> got = widened(update), got_lse(lse.begin(), lse.end());
+  const std::vector<double> got = widened(update), got_lse(lse.begin(), lse.end()),
+                            got_entropy(entropy.begin(), entropy.end());
   const auto [naive_error, naive_lse_error] = expect_accuracy_rule(
       c.name, {got, got_lse}, {exact.update, exact.lse}, {naive.update, naive.lse});
   const std::vector<double> cpu = widened(cpu_update), cpu_lse_d(cpu_lse.begin(), cpu_lse.end());
   EXPECT_LE(max_difference(got, cpu), 3.0 * naive_error + 1e-6) << c.name << ": against the CPU";
   EXPECT_LE(max_difference(got_lse, cpu_lse_d), 3.0 * naive_lse_error + 1e-6)
       << c.name << ": lse against the CPU";
+  const double naive_entropy_error = expect_entropy_rule(
+      c.name, got_entropy, exact.entropy, naive.entropy, exact.lse, c.tokens > 1);
+  const std::vector<double> cpu_entropy_d(cpu_entropy.begin(), cpu_entropy.end());
+  EXPECT_LE(max_difference(got_entropy, cpu_entropy_d), 3.0 * naive_entropy_error + 1e-6)
+      << c.name << ": entropy against the CPU";
 }
 
 class TcFactored : public ::testing::TestWithParam<FactoredCase> {};
@@ -300,8 +357,10 @@ TEST_P(TcFactored, MatchesTheDoubleResultWithinTwiceTheNaiveErrorAndTheCpu) {
   const FactoredCase& c = GetParam();
   if (c.type == TcType::bf16) {
     check_case<bfloat16>(c);
-  } else {
+  } else if (c.type == TcType::f16) {
     check_case<float16>(c);
+  } else {
+    check_case<float>(c);
   }
 }
 
@@ -310,6 +369,7 @@ const Mask kCausal = Mask::causal();
 const Mask kWindow5 = Mask::sliding_window(5);
 constexpr TcType kBf16 = TcType::bf16;
 constexpr TcType kF16 = TcType::f16;
+constexpr TcType kTf32 = TcType::tf32;
 
 // name, type, batch, heads, tokens, dim, rank, mask, key lengths, key bias, offset
 INSTANTIATE_TEST_SUITE_P(
@@ -321,20 +381,25 @@ INSTANTIATE_TEST_SUITE_P(
         FactoredCase{
             "bf16_N17_d32_r40_window5_len", kBf16, 2, 1, 17, 32, 40, kWindow5, {5, 0}, true, false},
         FactoredCase{"f16_N130_d48_r32_none_len", kF16, 1, 2, 130, 48, 32, kNone, {97}, true, true},
+        FactoredCase{"bf16_N130_d20_r8_causal", kBf16, 1, 1, 130, 20, 8, kCausal, {}, false, false},
+        FactoredCase{"tf32_N1_d12_r4_none", kTf32, 1, 1, 1, 12, 4, kNone, {}, false, true},
         FactoredCase{
-            "bf16_N130_d20_r8_causal", kBf16, 1, 1, 130, 20, 8, kCausal, {}, false, false}),
+            "tf32_N17_d40_r20_causal_len", kTf32, 2, 2, 17, 40, 20, kCausal, {17, 0}, true, true},
+        FactoredCase{
+            "tf32_N130_d24_r36_window5_len", kTf32, 1, 1, 130, 24, 36, kWindow5, {97}, true, false},
+        FactoredCase{"tf32_N70_d16_r130_none", kTf32, 1, 1, 70, 16, 130, kNone, {}, false, true}),
     [](const ::testing::TestParamInfo<FactoredCase>& info) {
       return std::string(info.param.name);
     });
 
-// The tensor-core path computes neither entropy nor weights: refused by name before any device
-// work (these checks run without a device).
-TEST(TcFactoredRefusals, EntropyAndWeightsAreUnsupportedByName) {
+// The tensor-core path does not compute the weights: refused by name before any device work
+// (these checks run without a device).
+TEST(TcFactoredRefusals, WeightsAreUnsupportedByName) {
   const FactoredCase c{"refusal", kBf16, 1, 1, 3, 4, 2, kNone, {}, false, false};
   const Inputs in = make_inputs(c);
   const HostProblem<bfloat16> host(c, in);
   std::vector<bfloat16> update(12);
-  std::vector<float> stats(3), weights(9);
+  std::vector<float> weights(9);
   const auto refusal = [&](const AttentionOutput<bfloat16>& output) {
     try {
       unsigned char workspace[256];
@@ -346,9 +411,75 @@ TEST(TcFactoredRefusals, EntropyAndWeightsAreUnsupportedByName) {
     }
     return std::string("accepted");
   };
-  EXPECT_NE(refusal({update.data(), nullptr, stats.data()}).find("'entropy'"), std::string::npos);
   EXPECT_NE(refusal({update.data(), nullptr, nullptr, weights.data()}).find("'weights'"),
             std::string::npos);
+}
+
+// The precision must suit the storage type: float runs tf32 only here (fp32 is unsupported and
+// names the alternatives), tf32 needs float, bf16 and fp16 their own type; refused by name before
+// any device work.
+TEST(TcFactoredRefusals, PrecisionsThatDoNotSuitTheTypeAreRefusedByName) {
+  const FactoredCase c{"refusal", kTf32, 1, 1, 3, 4, 2, kNone, {}, false, false};
+  const Inputs in = make_inputs(c);
+  const HostProblem<float> host(c, in);
+  std::vector<float> update(12);
+  const auto code_and_message = [](auto call) {
+    try {
+      call();
+    } catch (const Error& e) {
+      return std::string(to_string(e.code())) + ": " + e.what();
+    }
+    return std::string("accepted");
+  };
+  unsigned char workspace[256];
+  const AttentionOutput<float> output{update.data()};
+  const auto with = [&](Precision p) {
+    return code_and_message([&] {
+      cuda::attend_factored_async(host.input, host.layer, output, workspace, sizeof workspace,
+                                  nullptr, p);
+    });
+  };
+  const std::string fp32 = with(Precision::fp32);
+  EXPECT_EQ(fp32.rfind("unsupported", 0), 0u) << fp32;
+  EXPECT_NE(fp32.find("tf32"), std::string::npos) << fp32;
+  const std::string bf16 = with(Precision::bf16);
+  EXPECT_EQ(bf16.rfind("invalid_argument", 0), 0u) << bf16;
+  EXPECT_NE(bf16.find("'precision'"), std::string::npos) << bf16;
+  const std::string size = code_and_message(
+      [&] { cuda::attend_factored_workspace_size(host.input, host.layer, output); });
+  EXPECT_EQ(size.rfind("unsupported", 0), 0u) << size;
+
+  const FactoredCase c16{"refusal", kBf16, 1, 1, 3, 4, 2, kNone, {}, false, false};
+  const HostProblem<bfloat16> host16(c16, make_inputs(c16));
+  std::vector<bfloat16> update16(12);
+  for (Precision p : {Precision::tf32, Precision::fp16}) {
+    const std::string refused = code_and_message([&] {
+      cuda::attend_factored_async(host16.input, host16.layer,
+                                  AttentionOutput<bfloat16>{update16.data()}, workspace,
+                                  sizeof workspace, nullptr, p);
+    });
+    EXPECT_EQ(refused.rfind("invalid_argument", 0), 0u) << refused;
+    EXPECT_NE(refused.find("'precision'"), std::string::npos) << refused;
+  }
+}
+
+// The dense form has no TF32 kernel on the device: attend refuses tf32 there, naming what works.
+TEST(TcFactoredRefusals, DenseAttendRefusesTf32OnTheDeviceNamingWhatWorks) {
+  EMFLOW_REQUIRE_CUDA();
+  std::vector<float> X(6, 0.5f), M(4, 0.1f), F(4, 0.2f), update(6);
+  AttentionInput<float> in;
+  in.cloud = X.data();
+  in.tokens = 3;
+  in.dim = 2;
+  in.layer = {1, M.data(), F.data()};
+  try {
+    attend(in, AttentionOutput<float>{update.data()}, {Device::cuda, 0, Precision::tf32});
+    ADD_FAILURE() << "tf32 accepted by the dense form on device 'cuda'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unsupported) << e.what();
+    EXPECT_NE(std::string(e.what()).find("attend_factored"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("fp32"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

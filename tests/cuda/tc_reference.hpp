@@ -48,6 +48,7 @@ inline Rounded random_rounded(TcType type, std::size_t count, std::mt19937& rand
 }
 
 inline float round_to(TcType type, float v) {
+  if (type == TcType::tf32) return round_to_tf32(v);
   return type == TcType::bf16 ? to_float(to_bfloat16(v)) : to_float(to_float16(v));
 }
 
@@ -179,6 +180,113 @@ inline std::pair<double, double> expect_accuracy_rule(const char* name, const Ru
   EXPECT_LE(max_difference(got.lse, exact.lse), 2.0 * naive_lse + 1e-6)
       << name << ": naive lse error " << naive_lse;
   return {naive_out, naive_lse};
+}
+
+// The entropy of a tensor-core result against the double entropy and a naive float one: 0
+// exactly for the padding queries (exact lse -inf), finite elsewhere, not all near zero when
+// `spread` (more than one key), and at most twice the naive error plus 1e-6. Returns the naive
+// error.
+inline double expect_entropy_rule(const char* name, const std::vector<double>& got,
+                                  const std::vector<double>& exact,
+                                  const std::vector<double>& naive,
+                                  const std::vector<double>& exact_lse, bool spread) {
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (std::isinf(exact_lse[i])) {
+      EXPECT_EQ(got[i], 0.0) << name << ": entropy of padding query " << i;
+    } else {
+      EXPECT_TRUE(std::isfinite(got[i])) << name << ": entropy " << i << " is " << got[i];
+    }
+  }
+  if (spread) {
+    double largest = 0.0;
+    for (double x : exact) largest = std::max(largest, x);
+    EXPECT_GT(largest, 0.1) << name << ": the entropies must not vanish";
+  }
+  const double naive_error = max_difference(naive, exact);
+  EXPECT_LE(max_difference(got, exact), 2.0 * naive_error + 1e-6)
+      << name << ": naive entropy error " << naive_error;
+  return naive_error;
+}
+
+// ---- Entropy, and the TF32 model (tc_attention_test.cpp, tc_factored_test.cpp) ----
+
+// `count` float values uniform in [-range, range], as float storage holds them (TF32 rounds them
+// only where the products read them).
+inline std::vector<float> random_floats(std::size_t count, std::mt19937& random,
+                                        float range = 1.f) {
+  std::uniform_real_distribution<float> uniform(-range, range);
+  std::vector<float> values(count);
+  for (float& v : values) v = uniform(random);
+  return values;
+}
+
+// The operands of a naive TF32 kernel: each value rounded to TF32 (round_to_tf32, as cvt.rna).
+// attention(c, tf32(q), tf32(k), tf32(v), ..., true) with c.type = TcType::tf32 is then the
+// naive TF32 attention: TF32 operands, float scores, softmax and sums, the probabilities rounded
+// to TF32 before the product with TF32 values.
+inline std::vector<float> tf32(std::vector<float> values) {
+  for (float& v : values) v = round_to_tf32(v);
+  return values;
+}
+
+// The entropy of each query's weights, (heads, batch, queries), 0 for a query that sees no key.
+// naive = false: in double. naive = true: as a straightforward float kernel would, from float
+// scores and exponentials, H = -sum_j p_j ln p_j with p_j = w_j / sum in float.
+template <class Case>
+std::vector<double> attention_entropy(const Case& c, const std::vector<float>& q,
+                                      const std::vector<float>& k, const std::vector<float>& bias,
+                                      float scale, bool naive) {
+  const int d = c.dim, N = c.tokens, Nq = c.queries;
+  std::vector<double> entropy(static_cast<std::size_t>(c.heads) * c.batch * Nq, 0.0);
+  for (int h = 0; h < c.heads; ++h) {
+    for (int b = 0; b < c.batch; ++b) {
+      const std::size_t hb = static_cast<std::size_t>(h) * c.batch + b;
+      for (int i = 0; i < Nq; ++i) {
+        const KeyRange keys = visible(c, b, i);
+        if (keys.empty()) continue;
+        std::vector<double> s;
+        for (std::int64_t j = keys.first; j < keys.last; ++j) {
+          const float* qi = &q[(hb * Nq + i) * d];
+          const float* kj = &k[(hb * N + j) * d];
+          const double beta = bias.empty() ? 0.0 : bias[hb * N + j];
+          if (naive) {
+            float dot = 0.f;
+            for (int a = 0; a < d; ++a) dot += qi[a] * kj[a];
+            s.push_back(scale * (dot + static_cast<float>(beta)));
+          } else {
+            double dot = 0.0;
+            for (int a = 0; a < d; ++a) dot += static_cast<double>(qi[a]) * kj[a];
+            s.push_back(static_cast<double>(scale) * (dot + beta));
+          }
+        }
+        const double m = *std::max_element(s.begin(), s.end());
+        double value = 0.0;
+        if (naive) {
+          std::vector<float> w;
+          float sum = 0.f;
+          for (double x : s) {
+            w.push_back(std::exp2(static_cast<float>(x) - static_cast<float>(m)));
+            sum += w.back();
+          }
+          float h_f = 0.f;
+          for (float x : w) {
+            const float p = x / sum;
+            if (p > 0.f) h_f -= p * std::log(p);
+          }
+          value = h_f;
+        } else {
+          double sum = 0.0, moment = 0.0;  // moment: sum_j w_j (t_j - m), in base 2
+          for (double x : s) {
+            sum += std::exp2(x - m);
+            moment += std::exp2(x - m) * (x - m);
+          }
+          value = std::log(2.0) * (std::log2(sum) - moment / sum);
+        }
+        entropy[hb * Nq + i] = value;
+      }
+    }
+  }
+  return entropy;
 }
 
 }  // namespace emflow::testing
