@@ -5,13 +5,16 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "attend_plan.hpp"
 #include "attention_kernels.hpp"
 #include "core/backends.hpp"
 #include "core/check.hpp"
+#include "core/low_precision.hpp"
 #include "cuda_support.hpp"
 #include "emflow/cuda.hpp"
+#include "tc_attention.hpp"
 #include "tc_dense.hpp"
 
 namespace emflow::cuda {
@@ -72,14 +75,35 @@ emflow::detail::MemoryRange range(const char* name, const T* pointer, std::int64
   return {name, pointer, static_cast<std::size_t>(count) * sizeof(T), written};
 }
 
+// Whether attend_async runs the dense form on the tensor cores (tc_dense.cu) for storage type T
+// and `precision`: always for 16-bit T (their own precision or fp32, the same computation), for
+// float with tf32 where that path computes what is asked (a permission, not a demand: elsewhere
+// float32 products meet the TF32 bound), never for fp32. Other pairs are named as invalid.
+template <class T>
+bool on_tensor_cores(const AttentionInput<T>& input, const AttentionOutput<T>& output,
+                     Algorithm algorithm, Precision precision, const char* operation) {
+  ExecutionOptions options;
+  options.precision = precision;
+  emflow::detail::check_precision<T>(options, operation);
+  if constexpr (is_16bit_v<T>) {
+    return true;
+  } else {
+    return std::is_same_v<T, float> && precision == Precision::tf32 && output.weights == nullptr &&
+           input.dim <= emflow::detail::kTcMaxDim && algorithm != Algorithm::unfused;
+  }
+}
+
 }  // namespace
 
 template <class T>
 std::size_t attend_workspace_size(const AttentionInput<T>& input, const AttentionOutput<T>& output,
-                                  Algorithm algorithm) {
-  if constexpr (is_16bit_v<T>) {
+                                  Algorithm algorithm, Precision precision) {
+  if (on_tensor_cores(input, output, algorithm, precision, "attend_workspace_size")) {
     return emflow::detail::tc_dense_workspace_size(input, output, algorithm,
                                                    "attend_workspace_size");
+  }
+  if constexpr (is_16bit_v<T>) {
+    return 0;  // not reached: 16-bit input always runs on the tensor cores
   } else {
     return emflow::detail::AttentionPlan<T>(input, output, algorithm, "attend_workspace_size",
                                             /*query_device=*/false)
@@ -89,12 +113,15 @@ std::size_t attend_workspace_size(const AttentionInput<T>& input, const Attentio
 
 template <class T>
 void attend_async(const AttentionInput<T>& input, const AttentionOutput<T>& output, void* workspace,
-                  std::size_t workspace_bytes, Stream stream, Algorithm algorithm) {
+                  std::size_t workspace_bytes, Stream stream, Algorithm algorithm,
+                  Precision precision) {
   using namespace emflow::detail;
   const char* const operation = "attend_async";
-  if constexpr (is_16bit_v<T>) {
+  if (on_tensor_cores(input, output, algorithm, precision, operation)) {
     tc_dense_attend_async(input, output, workspace, workspace_bytes, stream, algorithm, operation);
-  } else {
+    return;
+  }
+  if constexpr (!is_16bit_v<T>) {
     check_input(input, output, operation);
     // Shapes, algorithm, device (unsupported without one), a pending error, shared memory. The
     // plan reads a pending error before any query of its own, so launch failures read back later
@@ -227,9 +254,9 @@ void finish_partial_async(const PartialShape& shape, const PartialInput<T>& stat
 
 #define EMFLOW_INSTANTIATE_ASYNC(T)                                                               \
   template std::size_t attend_workspace_size<T>(const AttentionInput<T>&,                         \
-                                                const AttentionOutput<T>&, Algorithm);            \
+                                                const AttentionOutput<T>&, Algorithm, Precision); \
   template void attend_async<T>(const AttentionInput<T>&, const AttentionOutput<T>&, void*,       \
-                                std::size_t, Stream, Algorithm);                                  \
+                                std::size_t, Stream, Algorithm, Precision);                       \
   template std::size_t attend_partial_workspace_size<T>(const AttentionInput<T>&, Algorithm);     \
   template void attend_partial_async<T>(const AttentionInput<T>&, const PartialOutput<T>&, void*, \
                                         std::size_t, Stream, Algorithm);                          \
@@ -241,14 +268,13 @@ EMFLOW_INSTANTIATE_ASYNC(float)
 EMFLOW_INSTANTIATE_ASYNC(double)
 #undef EMFLOW_INSTANTIATE_ASYNC
 // 16-bit storage: the dense form on the tensor cores (tc_dense.cu).
-template std::size_t attend_workspace_size<bfloat16>(const AttentionInput<bfloat16>&,
-                                                     const AttentionOutput<bfloat16>&, Algorithm);
-template std::size_t attend_workspace_size<float16>(const AttentionInput<float16>&,
-                                                    const AttentionOutput<float16>&, Algorithm);
-template void attend_async<bfloat16>(const AttentionInput<bfloat16>&,
-                                     const AttentionOutput<bfloat16>&, void*, std::size_t, Stream,
-                                     Algorithm);
-template void attend_async<float16>(const AttentionInput<float16>&, const AttentionOutput<float16>&,
-                                    void*, std::size_t, Stream, Algorithm);
+#define EMFLOW_INSTANTIATE_16BIT(T)                                                               \
+  template std::size_t attend_workspace_size<T>(const AttentionInput<T>&,                         \
+                                                const AttentionOutput<T>&, Algorithm, Precision); \
+  template void attend_async<T>(const AttentionInput<T>&, const AttentionOutput<T>&, void*,       \
+                                std::size_t, Stream, Algorithm, Precision);
+EMFLOW_INSTANTIATE_16BIT(bfloat16)
+EMFLOW_INSTANTIATE_16BIT(float16)
+#undef EMFLOW_INSTANTIATE_16BIT
 
 }  // namespace emflow::cuda

@@ -69,7 +69,8 @@ std::size_t query_count(const AttentionInput<T>& input) {
 }  // namespace
 
 template <class T>
-void cuda_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output) {
+void cuda_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output,
+                 Precision precision) {
   const char* const operation = "attend";
   // The stream is declared first so it outlives every buffer: on an error path the buffers are
   // freed (cudaFree waits for the device) before the stream is destroyed.
@@ -92,9 +93,11 @@ void cuda_attend(const AttentionInput<T>& input, const AttentionOutput<T>& outpu
   to_device.entropy = output.entropy ? entropy.data() : nullptr;
   to_device.weights = output.weights ? weights.data() : nullptr;
 
-  const std::size_t bytes = cuda::attend_workspace_size(inputs.on_device, to_device);
+  const cuda::Algorithm automatic = cuda::Algorithm::automatic;
+  const std::size_t bytes =
+      cuda::attend_workspace_size(inputs.on_device, to_device, automatic, precision);
   cuda::DeviceBuffer<unsigned char> workspace(bytes);
-  cuda::attend_async(inputs.on_device, to_device, workspace.data(), bytes, s);
+  cuda::attend_async(inputs.on_device, to_device, workspace.data(), bytes, s, automatic, precision);
 
   update.copy_to_host(output.update, update_size, s);
   if (output.lse) lse.copy_to_host(output.lse, rows, s);
@@ -186,11 +189,14 @@ template void cuda_attend_factored<float16>(const AttentionInput<float16>&,
                                             const AttentionOutput<float16>&, Precision);
 template void cuda_attend_factored<float>(const AttentionInput<float>&, const FactoredLayer<float>&,
                                           const AttentionOutput<float>&, Precision);
-template void cuda_attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&);
-template void cuda_attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&);
+template void cuda_attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&,
+                                 Precision);
+template void cuda_attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&,
+                                  Precision);
 template void cuda_attend<bfloat16>(const AttentionInput<bfloat16>&,
-                                    const AttentionOutput<bfloat16>&);
-template void cuda_attend<float16>(const AttentionInput<float16>&, const AttentionOutput<float16>&);
+                                    const AttentionOutput<bfloat16>&, Precision);
+template void cuda_attend<float16>(const AttentionInput<float16>&, const AttentionOutput<float16>&,
+                                   Precision);
 template void cuda_attend_partial<float>(const AttentionInput<float>&, const PartialOutput<float>&);
 template void cuda_attend_partial<double>(const AttentionInput<double>&,
                                           const PartialOutput<double>&);

@@ -1,20 +1,23 @@
-// cuda::attend_workspace_size and cuda::attend_async for bfloat16 and float16 (emflow/cuda.hpp):
-// the dense EMF form (emflow/attention.hpp) on the tensor-core attention (tc_attention.cu).
+// cuda::attend_workspace_size and cuda::attend_async for bfloat16 and float16, and for float with
+// precision tf32 (emflow/cuda.hpp): the dense EMF form (emflow/attention.hpp) on the tensor-core
+// attention (tc_attention.cu).
 //
 // s_ij = beta (x_i^T M_h x_j + u_h^T x_j) = beta (<M_h^T x_i, x_j> + u_h^T x_j), so per head h:
 //   1. project (tc_projection.cu): the queries' relevance gradients R_h = Q M_h (row i is
 //      (M_h^T q_i)^T, Q = X for self-attention) and the contents C_h = X F_h^T (row j is
 //      (F_h x_j)^T), accumulated in float32 and rounded once to T (the kernel's inputs are
-//      16-bit), and the key bias terms u_h^T x_j in float32 (the kernel adds them to <r_i, x_j>
+//      16-bit; float storage keeps them in float32 and the kernel rounds its operands to TF32),
+//      and the key bias terms u_h^T x_j in float32 (the kernel adds them to <r_i, x_j>
 //      before the scale);
 //   2. the tensor-core attention in dim d with queries R_h, keys X itself and values C_h, scale
-//      beta log2(e), and lse;
+//      beta log2(e), lse and entropy;
 //   3. combine: update_i = sum_h o_h,i + c in float32 over heads in order, rounded once to T,
 //      for a query that sees a key; 0 for a padding query (the factored path's combine with the
-//      identity for its output projection). lse is transposed to (batch, heads, queries).
+//      identity for its output projection). lse and entropy are transposed to (batch, heads,
+//      queries).
 // The keys are the same cloud for every head: one attention launch per head reads X in place
 // (a head stride of 0 for the keys in the kernel would make it one launch), so the workspace
-// holds R, C, the bias terms and the float32 head outputs and lse, never H copies of X.
+// holds R, C, the bias terms and the float32 head outputs, lse and entropy, never H copies of X.
 // Algorithm::automatic and fused take this path; unfused (cuBLAS, float and double) is refused.
 #include <cuda_runtime.h>
 
@@ -82,8 +85,8 @@ void check_dense_async(const AttentionInput<T>& input, const AttentionOutput<T>&
       break;
     case cuda::Algorithm::unfused:
       fail(ErrorCode::unsupported, operation,
-           ": Algorithm::unfused computes float and double only; bfloat16 and float16 input runs "
-           "on the tensor cores (Algorithm::automatic or fused)");
+           ": Algorithm::unfused computes float32 and double products only; bfloat16 and "
+           "float16 input runs on the tensor cores (Algorithm::automatic or fused)");
     default:
       fail(ErrorCode::invalid_argument, operation, ": argument 'algorithm' is not an Algorithm");
   }
@@ -91,7 +94,7 @@ void check_dense_async(const AttentionInput<T>& input, const AttentionOutput<T>&
   if (input.dim > kTcMaxDim) {
     fail(ErrorCode::unsupported, operation, ": dim ", input.dim,
          " exceeds the tensor-core attention's limit of ", kTcMaxDim,
-         " for bfloat16 and float16 input (use device 'cpu')");
+         " for 16-bit input (use device 'cpu')");
   }
   const std::int64_t longest = std::max(input.tokens, query_count(input));
   // Sizes fit in int64 (check_shapes); the kernels index rows and tiles in int.
@@ -163,7 +166,9 @@ void tc_dense_attend_async(const AttentionInput<T>& input, const AttentionOutput
   const std::size_t key_rows = static_cast<std::size_t>(B) * N;
   for (int h = 0; h < H; ++h) {
     TcAttentionArgs args;
-    args.type = std::is_same_v<T, bfloat16> ? TcType::bf16 : TcType::f16;
+    args.type = std::is_same_v<T, float>      ? TcType::tf32
+                : std::is_same_v<T, bfloat16> ? TcType::bf16
+                                              : TcType::f16;
     args.query = r + h * query_rows * d;
     args.key = input.cloud;
     args.value = c + h * key_rows * d;
@@ -204,6 +209,7 @@ void tc_dense_attend_async(const AttentionInput<T>& input, const AttentionOutput
                                          const char*);
 EMFLOW_INSTANTIATE(bfloat16)
 EMFLOW_INSTANTIATE(float16)
+EMFLOW_INSTANTIATE(float)
 #undef EMFLOW_INSTANTIATE
 
 }  // namespace emflow::detail

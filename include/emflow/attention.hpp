@@ -144,9 +144,10 @@ struct ExecutionOptions {
   /// Otherwise it must name the storage type (bf16 for bfloat16, fp16 for float16), or tf32 for
   /// float input. tf32 is a permission (as PyTorch's allow_tf32): Device::cpu and
   /// Device::reference compute float products in fp32, which meets the TF32 accuracy rule, and
-  /// return their fp32 result; on Device::cuda attend_factored runs the TF32 tensor-core path
-  /// (operands rounded to TF32, float32 accumulation), and attend refuses tf32
-  /// (ErrorCode::unsupported: it has no TF32 kernel). Other pairs are invalid_argument.
+  /// return their fp32 result; on Device::cuda attend and attend_factored run the TF32
+  /// tensor-core paths (operands rounded to TF32, float32 accumulation) where those compute what
+  /// is asked (no weights, dim or rank <= 256), and float32 products elsewhere. Other pairs are
+  /// invalid_argument.
   Precision precision = Precision::fp32;
 };
 
@@ -164,7 +165,7 @@ void validate(const AttentionInput<T>& input, const AttentionOutput<T>& output,
 /// except bfloat16 self-attention without weights on a processor with AVX512-BF16, whose products
 /// take bfloat16 operands with float32 accumulation (docs/MATH.md §7); Device::reference widens
 /// them to double; both round the update to T. Device::cuda runs them on the tensor cores
-/// (cuda::attend_async, cuda.hpp; dim <= 256, no entropy or weights); Device::automatic picks it
+/// (cuda::attend_async, cuda.hpp; dim <= 256, no weights); Device::automatic picks it
 /// when a device exists and the call fits it, else the CPU.
 /// Throws emflow::Error on invalid input or backend failure; outputs are then unspecified.
 template <class T>

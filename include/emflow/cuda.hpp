@@ -28,10 +28,12 @@
 // automatic and fused; unfused is refused (ErrorCode::unsupported). Per head, R_h = Q M_h and
 // C_h = X F_h^T are computed in float32 from the stored values and rounded once to T, the key
 // bias terms u_h^T x_j stay in float32, the fused attention of R_h against the keys X with values
-// C_h runs on mma.sync (float32 accumulation, lse in float32), and the heads' outputs plus the
-// offset are summed in float32 and rounded once to T (docs/MATH.md §7). Needs dim <= 256; every
-// mask, key and query lengths and cross-attention as for float. Refuses entropy and weights
-// (ErrorCode::unsupported, naming the output), which it does not compute.
+// C_h runs on mma.sync (float32 accumulation, lse and entropy in float32), and the heads'
+// outputs plus the offset are summed in float32 and rounded once to T (docs/MATH.md §7). Needs
+// dim <= 256; every mask, key and query lengths and cross-attention as for float. Refuses
+// weights (ErrorCode::unsupported, naming the output), which it never forms.
+// float with Precision::tf32: the same path on float storage, the products on TF32 operands
+// (mma.sync m16n8k8), where it computes what is asked; see attend_workspace_size.
 //
 // Cross-attention (queries given) projects the queries by M and the keys by F. When the fused
 // grid of a cross-attention would be small (few queries: decoding), the keys are split into
@@ -88,50 +90,47 @@ bool device_available(std::string* reason = nullptr) noexcept;
 /// Which GPU algorithm computes the update (see the header comment).
 enum class Algorithm { automatic, fused, unfused };
 
-/// Bytes of device workspace attend_async needs for these shapes, outputs and algorithm.
-/// Reads only the shapes, `mask`, and which output pointers are non-null (no memory is touched,
-/// no device is needed). Throws emflow::Error for invalid shapes or an algorithm that cannot run
-/// this configuration.
+/// Bytes of device workspace attend_async needs for these shapes, outputs, algorithm and
+/// precision. Reads only the shapes, `mask`, and which output pointers are non-null (no memory is
+/// touched, no device is needed). Throws emflow::Error for invalid shapes or an algorithm that
+/// cannot run this configuration.
+///
+/// `precision` (precision.hpp): for float, fp32 (float32 products: the fused or unfused path) or
+/// tf32, which permits TF32 products: the dense form then runs on the tensor cores
+/// (kernels/tc_dense.cu, the projections R_h and C_h in float32, their products on TF32
+/// operands) where that path computes what is asked (no weights, dim <= 256, Algorithm automatic
+/// or fused), and elsewhere in float32, which meets the TF32 accuracy bound (docs/MATH.md §7).
+/// For double: fp32 only. For bfloat16 and float16: their own precision, or fp32 (the same:
+/// 16-bit operands, float32 accumulation). Other pairs are ErrorCode::invalid_argument.
 template <class T>
 std::size_t attend_workspace_size(const AttentionInput<T>& input, const AttentionOutput<T>& output,
-                                  Algorithm algorithm = Algorithm::automatic);
+                                  Algorithm algorithm = Algorithm::automatic,
+                                  Precision precision = storage_precision<T>());
 
 /// Enqueues the contextual update on `stream`. Every pointer in `input` and `output` is a device
 /// pointer (or null where optional), including `input.key_lengths`: `batch` int64 entries on the
 /// device that the caller guarantees are in [0, tokens]. Their values are not checked here (that
 /// would need a synchronisation); the kernels clamp each to [0, tokens]. The blocking form
 /// emflow::attend(..., {Device::cuda}) checks them on the host.
-/// `workspace` must be at least attend_workspace_size(input, output, algorithm) bytes, aligned
-/// to 256 bytes (cudaMalloc's alignment), and must not be used by other work until this call's
-/// work on `stream` is complete. Outputs are written only by the enqueued work.
+/// `workspace` must be at least attend_workspace_size(input, output, algorithm, precision) bytes,
+/// aligned to 256 bytes (cudaMalloc's alignment), and must not be used by other work until this
+/// call's work on `stream` is complete. Outputs are written only by the enqueued work.
 template <class T>
 void attend_async(const AttentionInput<T>& input, const AttentionOutput<T>& output, void* workspace,
                   std::size_t workspace_bytes, Stream stream,
-                  Algorithm algorithm = Algorithm::automatic);
+                  Algorithm algorithm = Algorithm::automatic,
+                  Precision precision = storage_precision<T>());
 
-extern template std::size_t attend_workspace_size<float>(const AttentionInput<float>&,
-                                                         const AttentionOutput<float>&, Algorithm);
-extern template std::size_t attend_workspace_size<double>(const AttentionInput<double>&,
-                                                          const AttentionOutput<double>&,
-                                                          Algorithm);
-extern template void attend_async<float>(const AttentionInput<float>&,
-                                         const AttentionOutput<float>&, void*, std::size_t, Stream,
-                                         Algorithm);
-extern template void attend_async<double>(const AttentionInput<double>&,
-                                          const AttentionOutput<double>&, void*, std::size_t,
-                                          Stream, Algorithm);
-extern template std::size_t attend_workspace_size<bfloat16>(const AttentionInput<bfloat16>&,
-                                                            const AttentionOutput<bfloat16>&,
-                                                            Algorithm);
-extern template std::size_t attend_workspace_size<float16>(const AttentionInput<float16>&,
-                                                           const AttentionOutput<float16>&,
-                                                           Algorithm);
-extern template void attend_async<bfloat16>(const AttentionInput<bfloat16>&,
-                                            const AttentionOutput<bfloat16>&, void*, std::size_t,
-                                            Stream, Algorithm);
-extern template void attend_async<float16>(const AttentionInput<float16>&,
-                                           const AttentionOutput<float16>&, void*, std::size_t,
-                                           Stream, Algorithm);
+#define EMFLOW_CUDA_ATTEND_EXTERN(T)                                                               \
+  extern template std::size_t attend_workspace_size<T>(                                            \
+      const AttentionInput<T>&, const AttentionOutput<T>&, Algorithm, Precision);                  \
+  extern template void attend_async<T>(const AttentionInput<T>&, const AttentionOutput<T>&, void*, \
+                                       std::size_t, Stream, Algorithm, Precision);
+EMFLOW_CUDA_ATTEND_EXTERN(float)
+EMFLOW_CUDA_ATTEND_EXTERN(double)
+EMFLOW_CUDA_ATTEND_EXTERN(bfloat16)
+EMFLOW_CUDA_ATTEND_EXTERN(float16)
+#undef EMFLOW_CUDA_ATTEND_EXTERN
 
 /// Bytes of device workspace attend_factored_async needs for these shapes, this layer and these
 /// outputs (reads no memory, needs no device). Throws emflow::Error as attend_factored_async's

@@ -45,8 +45,9 @@ struct FactoredLayer {
 /// a device is usable, weights are not asked for and rank <= 256) runs
 /// cuda::attend_factored_async (cuda.hpp) on the tensor cores, which refuses weights; without a
 /// device Device::cuda is ErrorCode::unsupported. float input with ExecutionOptions::precision
-/// tf32 on Device::cuda (or automatic with a device) runs the same path with TF32 products; on
-/// the host devices tf32 computes fp32 (attention.hpp).
+/// tf32 on Device::cuda (or automatic with a device) runs the same path with TF32 products
+/// where it computes what is asked (no weights, rank <= 256), float32 products elsewhere; on the
+/// host devices tf32 computes fp32 (attention.hpp).
 /// Throws emflow::Error (invalid_argument) naming the first offending argument.
 template <class T>
 void attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,

@@ -6,8 +6,9 @@
 // are exactly the stored bfloat16 ones); --precision fp16 reads float16 ('<f2') or float32
 // (rounded) files and writes the update as float16. lse, entropy and weights are float32 for
 // both (docs/MATH.md §7). --precision tf32 reads float32 files and permits TF32 products: the
-// CPU and the reference compute them in fp32, which meets TF32's accuracy (attend's dense form
-// has no TF32 kernel on the GPU; it refuses there). Every input is read and
+// CPU and the reference compute them in fp32, which meets TF32's accuracy; the GPU runs the dense
+// form on the tensor cores with TF32 operands (float32 products where weights are asked). Every
+// input is read and
 // checked, the update is computed, and only then are the outputs written, all or none.
 #include <cmath>
 #include <memory>
@@ -173,8 +174,9 @@ Inputs are float32 or float64 (all alike); outputs have the cloud's dtype. --pre
 rounds float32 inputs to bfloat16 and writes the update as float32; --precision fp16 reads
 float16 or float32 inputs and writes the update as float16; lse, entropy and weights are
 float32 for both. --precision tf32 (float32 inputs) permits TF32 products: devices cpu and
-reference compute in fp32, which meets TF32's accuracy; device cuda refuses it for this dense
-form. Outputs are written only when the whole run succeeds.)");
+reference compute in fp32, which meets TF32's accuracy; device cuda runs the tensor cores
+with TF32 operands (float32 products when --weights is asked). Outputs are written only when
+the whole run succeeds.)");
   command->add_option("--x", args->cloud, "cloud X (.npy): (N, d), or a batch (B, N, d)")
       ->required();
   command
@@ -204,8 +206,8 @@ form. Outputs are written only when the whole run succeeds.)");
   command
       ->add_option("--precision", args->precision,
                    "fp32 (the input's own precision), bf16 or fp16 (16-bit storage, float32 "
-                   "accumulation), or tf32 (float32 input; permits TF32 products: cpu and "
-                   "reference compute fp32)")
+                   "accumulation), or tf32 (float32 input; permits TF32 products on the GPU's "
+                   "tensor cores: cpu and reference compute fp32)")
       ->capture_default_str();
   add_threads_option(*command, args->threads);
   command->add_flag("--check-finite", args->check_finite,

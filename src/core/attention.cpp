@@ -235,22 +235,22 @@ void attend(const AttentionInput<T>& input, const AttentionOutput<T>& output,
     }
     if constexpr (is_16bit_v<T>) {
       const Device device = detail::resolve_16bit_device(options.device, input, output, "attend");
-      detail::check_precision<T>(options, device, "attend");
+      detail::check_precision<T>(options, "attend");
       if (device == Device::cuda) {
-        detail::cuda_attend(input, output);
+        detail::cuda_attend(input, output, options.precision);
       } else {
         detail::attend_16bit(input, output, device, options.threads);
       }
       return;
     }
     const Device device = resolve_device(options.device);
-    detail::check_precision<T>(options, device, "attend");
+    detail::check_precision<T>(options, "attend");
     switch (device) {
       case Device::reference:
         detail::reference_attend(input, output);
         return;
       case Device::cuda:
-        detail::cuda_attend(input, output);
+        detail::cuda_attend(input, output, options.precision);
         return;
       case Device::cpu:
       case Device::automatic:

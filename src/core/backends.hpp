@@ -29,9 +29,11 @@ bool cpu_bf16_available();
 void cpu_attend_bf16(const AttentionInput<float>& input, const AttentionOutput<bfloat16>& output,
                      int threads);
 
-/// Blocking CUDA path on host arrays (kernels/, or a stub without CUDA).
+/// Blocking CUDA path on host arrays (kernels/, or a stub without CUDA); `precision` as
+/// cuda::attend_async takes it (checked before).
 template <class T>
-void cuda_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output);
+void cuda_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output,
+                 Precision precision = storage_precision<T>());
 
 /// Blocking CUDA path of attend_partial on host arrays (kernels/, or a stub without CUDA).
 template <class T>

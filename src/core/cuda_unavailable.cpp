@@ -10,7 +10,7 @@ bool cuda_device_available(std::string* reason) {
 }
 
 template <class T>
-void cuda_attend(const AttentionInput<T>&, const AttentionOutput<T>&) {
+void cuda_attend(const AttentionInput<T>&, const AttentionOutput<T>&, Precision) {
   fail(ErrorCode::unsupported, "attend: emflow was built without CUDA (EMFLOW_WITH_CUDA=OFF)");
 }
 
@@ -38,10 +38,13 @@ template void cuda_attend_factored<float>(const AttentionInput<float>&, const Fa
 template void cuda_attend_partial<float>(const AttentionInput<float>&, const PartialOutput<float>&);
 template void cuda_attend_partial<double>(const AttentionInput<double>&,
                                           const PartialOutput<double>&);
-template void cuda_attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&);
-template void cuda_attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&);
+template void cuda_attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&,
+                                 Precision);
+template void cuda_attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&,
+                                  Precision);
 template void cuda_attend<bfloat16>(const AttentionInput<bfloat16>&,
-                                    const AttentionOutput<bfloat16>&);
-template void cuda_attend<float16>(const AttentionInput<float16>&, const AttentionOutput<float16>&);
+                                    const AttentionOutput<bfloat16>&, Precision);
+template void cuda_attend<float16>(const AttentionInput<float16>&, const AttentionOutput<float16>&,
+                                   Precision);
 
 }  // namespace emflow::detail

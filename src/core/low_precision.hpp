@@ -8,12 +8,12 @@
 
 namespace emflow::detail {
 
-/// Refuses an ExecutionOptions::precision that the storage type T and `device` cannot honour,
-/// naming the option: tf32 for a type other than float and bf16 or fp16 for another storage
-/// type (invalid_argument), tf32 on Device::cuda (unsupported: attend_factored takes that case
-/// before this check). tf32 for float on the host devices is accepted: they compute in fp32.
+/// Refuses an ExecutionOptions::precision that the storage type T cannot honour, naming the
+/// option (invalid_argument): tf32 for a type other than float, bf16 or fp16 for another storage
+/// type. tf32 for float is a permission on every device (docs/MATH.md §7.2): the host devices
+/// compute in fp32, the CUDA paths on the tensor cores where those compute what is asked.
 template <class T>
-void check_precision(const ExecutionOptions& options, Device device, const char* operation);
+void check_precision(const ExecutionOptions& options, const char* operation);
 
 /// The first output that the tensor-core paths (kernels/tc_dense.cu, tc_factored.cu) do not
 /// compute, by name ("weights": the N x N weights are never formed), or null when they compute

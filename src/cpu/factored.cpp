@@ -278,7 +278,7 @@ void attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& lay
   if constexpr (is_16bit_v<T>) {
     const Device device =
         detail::resolve_16bit_factored_device(options.device, layer, output, kOperation);
-    detail::check_precision<T>(options, device, kOperation);
+    detail::check_precision<T>(options, kOperation);
     if (device == Device::cuda) {
       detail::cuda_attend_factored(input, layer, output);
     } else {
@@ -288,12 +288,13 @@ void attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& lay
     const Device device = resolve_device(options.device);
     if constexpr (std::is_same_v<T, float>) {
       // TF32 on the tensor cores (kernels/tc_factored.cu); elsewhere tf32 permits fp32 products.
-      if (device == Device::cuda && options.precision == Precision::tf32) {
+      if (device == Device::cuda && options.precision == Precision::tf32 &&
+          detail::tensor_core_missing_output(output.weights) == nullptr && layer.rank <= 256) {
         detail::cuda_attend_factored(input, layer, output, Precision::tf32);
         return;
       }
     }
-    detail::check_precision<T>(options, device, kOperation);
+    detail::check_precision<T>(options, kOperation);
     attend_factored_host(input, layer, output, options, device);
   }
 }

@@ -1,18 +1,20 @@
-// cuda::attend_async and the blocking attend on Device::cuda for bfloat16 and float16: the dense
-// EMF form on the tensor cores (kernels/tc_dense.cu), at awkward sizes (N = 1, 7, 33, 130;
-// d = 1, 5, 64, 130), masks none, causal and window, key lengths, cross-attention, key bias,
-// offset, with and without lse. The accuracy rule (issue 16, tc_reference.hpp): against the
-// double result of the same rounded inputs, the error is at most twice the error of a naive
-// implementation in the same precision (R_h = Q M_h and C_h = X F_h^T in float rounded to the
-// 16-bit type, the naive attention of tc_reference.hpp against the keys X, the sum over heads and
-// the offset in float rounded to the 16-bit type). Outputs are poisoned (NaN) before each call;
-// the blocking call gives the stream-ordered one's bits. Skipped without a device;
-// tests/cuda/emulation runs them on the CPU.
+// cuda::attend_async and the blocking attend on Device::cuda for bfloat16 and float16, and for
+// float with precision tf32: the dense EMF form on the tensor cores (kernels/tc_dense.cu), at
+// awkward sizes (N = 1, 7, 33, 130; d = 1, 5, 64, 130), masks none, causal and window, key lengths,
+// cross-attention, key bias, offset, with and without lse and entropy. The accuracy rule (issue 16,
+// tc_reference.hpp): against the double result of the same rounded inputs, the error is at most
+// twice the error of a naive implementation in the same precision (R_h = Q M_h and C_h = X F_h^T in
+// float rounded to the 16-bit type, the naive attention of tc_reference.hpp against the keys X, the
+// sum over heads and the offset in float rounded to the 16-bit type; for TF32 the projections stay
+// float and the attention reads them rounded to TF32, tc_reference.hpp's naive TF32 model). Outputs
+// are poisoned (NaN) before each call; the blocking call gives the stream-ordered one's bits.
+// Skipped without a device; tests/cuda/emulation runs them on the CPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <ostream>
 #include <random>
 #include <string>
@@ -60,26 +62,33 @@ struct Inputs {
   double beta = 1.0;
 };
 
+// Stored values: rounded to the 16-bit type, or float as float storage holds them (TF32 rounds
+// only where the products read them).
+Rounded random_values(TcType type, std::size_t count, std::mt19937& random, float range = 1.f) {
+  if (type != TcType::tf32) return random_rounded(type, count, random, range);
+  return Rounded{{}, random_floats(count, random, range)};
+}
+
 Inputs make_inputs(const DenseCase& c) {
   std::mt19937 random(91u + static_cast<unsigned>(c.tokens * 31 + c.dim * 7 + c.heads));
   const auto B = static_cast<std::size_t>(c.batch), N = static_cast<std::size_t>(c.tokens);
   const auto d = static_cast<std::size_t>(c.dim), H = static_cast<std::size_t>(c.heads);
   const float range = 1.7f / std::sqrt(static_cast<float>(d));  // projections of order one
   Inputs in;
-  in.x = random_rounded(c.type, B * N * d, random);
+  in.x = random_values(c.type, B * N * d, random);
   if (c.cross_queries > 0) {
-    in.q = random_rounded(c.type, B * static_cast<std::size_t>(c.cross_queries) * d, random);
+    in.q = random_values(c.type, B * static_cast<std::size_t>(c.cross_queries) * d, random);
   }
-  in.m = random_rounded(c.type, H * d * d, random, range);
-  in.f = random_rounded(c.type, H * d * d, random, range);
-  if (c.bias) in.u = random_rounded(c.type, H * d, random, range);
-  if (c.offset) in.offset = random_rounded(c.type, d, random, 0.5f);
+  in.m = random_values(c.type, H * d * d, random, range);
+  in.f = random_values(c.type, H * d * d, random, range);
+  if (c.bias) in.u = random_values(c.type, H * d, random, range);
+  if (c.offset) in.offset = random_values(c.type, d, random, 0.5f);
   in.beta = 2.0 / std::sqrt(static_cast<double>(d));
   return in;
 }
 
 struct Expected {
-  std::vector<double> update, lse;  // update (B,Nq,d), lse (B,H,Nq)
+  std::vector<double> update, lse, entropy;  // update (B,Nq,d), lse and entropy (B,H,Nq)
 };
 
 // naive = false: in double. naive = true: as a straightforward 16-bit kernel would.
@@ -87,6 +96,7 @@ Expected dense_attention(const DenseCase& c, const Inputs& in, bool naive) {
   const int B = c.batch, N = c.tokens, Nq = query_rows(c), d = c.dim, H = c.heads;
   const HeadProblem head{c.type, B, H, N, Nq, d, c.mask, c.key_lengths};
   const Rounded& queries = c.cross_queries > 0 ? in.q : in.x;
+  const bool tf32_case = c.type == TcType::tf32;
   // Per head, the rows of `x` mapped by W (H, outputs, d) (entry (h, o, k) at `at(h, o, k)`):
   // (H, rows, outputs); naive: in float, rounded to the 16-bit type when `round`. The double
   // result is kept as the nearest float, far below the 16-bit errors tested.
@@ -105,7 +115,8 @@ Expected dense_attention(const DenseCase& c, const Inputs& in, bool naive) {
             sum += static_cast<double>(wk) * xk;
           }
           out[(static_cast<std::size_t>(h) * rows + row) * outputs + o] =
-              naive ? (round ? round_to(c.type, sum_f) : sum_f) : static_cast<float>(sum);
+              naive ? (round && !tf32_case ? round_to(c.type, sum_f) : sum_f)
+                    : static_cast<float>(sum);
         }
       }
     }
@@ -116,23 +127,33 @@ Expected dense_attention(const DenseCase& c, const Inputs& in, bool naive) {
   const auto transposed = [dd](int h, int o, int k) { return (h * dd + k) * dd + o; };
   const auto rows_of = [dd](int h, int o, int k) { return (h * dd + o) * dd + k; };
   const auto bias_of = [dd](int h, int, int k) { return h * dd + k; };
-  const std::vector<float> r = project(queries, B * Nq, in.m, d, transposed, true);
-  const std::vector<float> v = project(in.x, B * N, in.f, d, rows_of, true);
+  std::vector<float> r = project(queries, B * Nq, in.m, d, transposed, true);
+  std::vector<float> v = project(in.x, B * N, in.f, d, rows_of, true);
   std::vector<float> bias;
   if (c.bias) bias = project(in.x, B * N, in.u, 1, bias_of, false);
   std::vector<float> keys;  // X for every head
   for (int h = 0; h < H; ++h) keys.insert(keys.end(), in.x.values.begin(), in.x.values.end());
+  if (naive && tf32_case) {  // the naive TF32 kernel's operands (tc_reference.hpp)
+    r = tf32(r);
+    keys = tf32(keys);
+    v = tf32(v);
+  }
   const float scale = static_cast<float>(in.beta * 1.4426950408889634);
   const Result heads = attention(head, r, keys, v, bias, scale, naive);
+  const std::vector<double> entropy =
+      c.lse ? attention_entropy(head, r, keys, bias, scale, naive) : std::vector<double>{};
 
   Expected e;
   e.update.assign(static_cast<std::size_t>(B) * Nq * d, 0.0);
   if (c.lse) e.lse.assign(static_cast<std::size_t>(B) * H * Nq, 0.0);
+  e.entropy.assign(e.lse.size(), 0.0);
   for (int b = 0; b < B; ++b) {
     for (int i = 0; i < Nq; ++i) {
       for (int h = 0; c.lse && h < H; ++h) {
-        e.lse[(static_cast<std::size_t>(b) * H + h) * Nq + i] =
-            heads.lse[(static_cast<std::size_t>(h) * B + b) * Nq + i];
+        const std::size_t to = (static_cast<std::size_t>(b) * H + h) * Nq + i;
+        const std::size_t from = (static_cast<std::size_t>(h) * B + b) * Nq + i;
+        e.lse[to] = heads.lse[from];
+        e.entropy[to] = entropy[from];
       }
       if (std::isinf(heads.lse[static_cast<std::size_t>(b) * Nq + i])) continue;  // no key
       for (int a = 0; a < d; ++a) {
@@ -148,7 +169,7 @@ Expected dense_attention(const DenseCase& c, const Inputs& in, bool naive) {
           sum_f += in.offset.values[static_cast<std::size_t>(a)];
         }
         e.update[(static_cast<std::size_t>(b) * Nq + i) * d + a] =
-            naive ? round_to(c.type, sum_f) : sum;
+            naive ? (tf32_case ? sum_f : round_to(c.type, sum_f)) : sum;
       }
     }
   }
@@ -164,18 +185,48 @@ T stored(std::uint16_t bits) {
 
 template <class T>
 std::vector<T> as_type(const Rounded& r) {
-  std::vector<T> out;
-  for (std::uint16_t bits : r.bits) out.push_back(stored<T>(bits));
-  return out;
+  if constexpr (std::is_same_v<T, float>) {
+    return r.values;
+  } else {
+    std::vector<T> out;
+    for (std::uint16_t bits : r.bits) out.push_back(stored<T>(bits));
+    return out;
+  }
 }
 
-// The exponent of half a unit in the last place relative to |x|: 2^-8 (bf16), 2^-11 (fp16).
+float as_float(float value) { return value; }
+float as_float(bfloat16 value) { return to_float(value); }
+float as_float(float16 value) { return to_float(value); }
+
+// The stored bits, to compare two results exactly (NaN included).
+std::uint32_t bits_of(float value) {
+  std::uint32_t bits = 0;
+  std::memcpy(&bits, &value, sizeof bits);
+  return bits;
+}
+std::uint32_t bits_of(bfloat16 value) { return value.bits; }
+std::uint32_t bits_of(float16 value) { return value.bits; }
+
+// The exponent of half a unit in the last place relative to |x|: 2^-8 (bf16), 2^-11 (fp16),
+// 2^-24 (float).
 template <class T>
-constexpr int kHalfUlpExponent = std::is_same_v<T, bfloat16> ? -8 : -11;
+constexpr int kHalfUlpExponent = std::is_same_v<T, bfloat16>  ? -8
+                                 : std::is_same_v<T, float16> ? -11
+                                                              : -24;
 
 template <class T>
 T poison() {
-  return stored<T>(std::is_same_v<T, bfloat16> ? 0x7FC0 : 0x7E00);
+  if constexpr (std::is_same_v<T, float>) {
+    return std::nanf("");
+  } else {
+    return stored<T>(std::is_same_v<T, bfloat16> ? 0x7FC0 : 0x7E00);
+  }
+}
+
+// The precision each storage type runs in on the tensor cores: its own, or tf32 for float.
+template <class T>
+constexpr Precision tensor_core_precision() {
+  return std::is_same_v<T, float> ? Precision::tf32 : storage_precision<T>();
 }
 
 template <class T>
@@ -227,7 +278,7 @@ void check_case(const DenseCase& c) {
   const cudaStream_t stream = owned.stream;
   cuda::DeviceBuffer<T> dx(B * N * d), dq(host.q.size()), dm(H * d * d), df(H * d * d), du(H * d),
       doffset(d), dupdate(B * Nq * d);
-  cuda::DeviceBuffer<float> dlse(B * H * Nq);
+  cuda::DeviceBuffer<float> dlse(B * H * Nq), dentropy(B * H * Nq);
   cuda::DeviceBuffer<std::int64_t> dlengths(B);
   dx.copy_from_host(host.x.data(), host.x.size(), stream);
   if (!host.q.empty()) dq.copy_from_host(host.q.data(), host.q.size(), stream);
@@ -240,35 +291,47 @@ void check_case(const DenseCase& c) {
   const std::vector<float> poison_lse(dlse.size(), std::nanf(""));
   dupdate.copy_from_host(poison_update.data(), poison_update.size(), stream);
   dlse.copy_from_host(poison_lse.data(), poison_lse.size(), stream);
+  dentropy.copy_from_host(poison_lse.data(), poison_lse.size(), stream);
   AttentionInput<T> input = host.input;
   input.cloud = dx.data();
   input.queries = host.q.empty() ? nullptr : dq.data();
   input.layer = {c.heads, dm.data(), df.data(), c.bias ? du.data() : nullptr,
                  c.offset ? doffset.data() : nullptr};
   input.key_lengths = c.key_lengths.empty() ? nullptr : dlengths.data();
-  const AttentionOutput<T> output{dupdate.data(), c.lse ? dlse.data() : nullptr};
-  const std::size_t bytes = cuda::attend_workspace_size(input, output);
+  // lse and entropy are asked together (a case without them checks the update alone).
+  const AttentionOutput<T> output{dupdate.data(), c.lse ? dlse.data() : nullptr,
+                                  c.lse ? dentropy.data() : nullptr};
+  constexpr Precision precision = tensor_core_precision<T>();
+  constexpr cuda::Algorithm automatic = cuda::Algorithm::automatic;
+  const std::size_t bytes = cuda::attend_workspace_size(input, output, automatic, precision);
   cuda::DeviceBuffer<unsigned char> workspace(bytes);
-  cuda::attend_async(input, output, workspace.data(), bytes, stream);
+  cuda::attend_async(input, output, workspace.data(), bytes, stream, automatic, precision);
   std::vector<T> update(dupdate.size());
-  std::vector<float> lse(c.lse ? dlse.size() : 0);
+  std::vector<float> lse(c.lse ? dlse.size() : 0), entropy(lse.size());
   dupdate.copy_to_host(update.data(), update.size(), stream);
   if (c.lse) dlse.copy_to_host(lse.data(), lse.size(), stream);
+  if (c.lse) dentropy.copy_to_host(entropy.data(), entropy.size(), stream);
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
 
   // The blocking form on the host arrays: the same kernels, so the same bits.
   std::vector<T> blocking_update(update.size(), poison<T>());
-  std::vector<float> blocking_lse(lse.size(), std::nanf(""));
+  std::vector<float> blocking_lse(lse.size(), std::nanf("")),
+      blocking_entropy(lse.size(), std::nanf(""));
   attend(host.input,
-         AttentionOutput<T>{blocking_update.data(), c.lse ? blocking_lse.data() : nullptr},
-         {Device::cuda});
+         AttentionOutput<T>{blocking_update.data(), c.lse ? blocking_lse.data() : nullptr,
+                            c.lse ? blocking_entropy.data() : nullptr},
+         {Device::cuda, 0, precision});
   for (std::size_t i = 0; i < update.size(); ++i) {
-    ASSERT_EQ(blocking_update[i].bits, update[i].bits) << c.name << ": update " << i;
+    ASSERT_EQ(bits_of(blocking_update[i]), bits_of(update[i])) << c.name << ": update " << i;
   }
   for (std::size_t i = 0; i < lse.size(); ++i) {
     ASSERT_EQ(std::isnan(blocking_lse[i]), std::isnan(lse[i])) << c.name << ": lse " << i;
     if (!std::isnan(lse[i])) {
       ASSERT_EQ(blocking_lse[i], lse[i]) << c.name << ": lse " << i;
+    }
+    ASSERT_EQ(std::isnan(blocking_entropy[i]), std::isnan(entropy[i])) << c.name << ": H " << i;
+    if (!std::isnan(entropy[i])) {
+      ASSERT_EQ(blocking_entropy[i], entropy[i]) << c.name << ": entropy " << i;
     }
   }
 
@@ -283,7 +346,7 @@ void check_case(const DenseCase& c) {
          {Device::reference});
   for (std::size_t i = 0; i < update.size(); ++i) {
     const double half_ulp = std::ldexp(std::abs(exact.update[i]), kHalfUlpExponent<T>) + 1e-6;
-    ASSERT_LE(std::abs(to_float(reference_update[i]) - exact.update[i]), half_ulp)
+    ASSERT_LE(std::abs(as_float(reference_update[i]) - exact.update[i]), half_ulp)
         << c.name << ": the test's double model against Device::reference, update " << i;
   }
   for (std::size_t i = 0; i < lse.size(); ++i) {
@@ -294,9 +357,25 @@ void check_case(const DenseCase& c) {
     }
   }
   std::vector<double> got, got_lse(lse.begin(), lse.end());
-  for (const T& value : update) got.push_back(to_float(value));
+  for (const T& value : update) got.push_back(as_float(value));
   expect_accuracy_rule(c.name, {got, got_lse}, {exact.update, exact.lse},
                        {naive.update, naive.lse});
+  if (c.lse) {
+    expect_entropy_rule(c.name, std::vector<double>(entropy.begin(), entropy.end()), exact.entropy,
+                        naive.entropy, exact.lse, c.tokens > 1);
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    // The rule alone would also pass the float32 products: TF32 must show (its operands carry 10
+    // mantissa bits, so the update differs from the fp32 path's somewhere).
+    std::vector<float> fp32_update(update.size(), std::nanf(""));
+    attend(host.input, AttentionOutput<float>{fp32_update.data()},
+           {Device::cuda, 0, Precision::fp32});
+    if (c.tokens > 1) {
+      EXPECT_NE(max_difference(got, std::vector<double>(fp32_update.begin(), fp32_update.end())),
+                0.0)
+          << c.name << ": the TF32 update equals the float32 one";
+    }
+  }
 }
 
 class TcDense : public ::testing::TestWithParam<DenseCase> {};
@@ -306,8 +385,10 @@ TEST_P(TcDense, MatchesTheDoubleResultWithinTwiceTheNaiveError) {
   const DenseCase& c = GetParam();
   if (c.type == TcType::bf16) {
     check_case<bfloat16>(c);
-  } else {
+  } else if (c.type == TcType::f16) {
     check_case<float16>(c);
+  } else {
+    check_case<float>(c);
   }
 }
 
@@ -317,6 +398,7 @@ const Mask kWindow5 = Mask::sliding_window(5);
 const Mask kWindow37 = Mask::sliding_window(37);
 constexpr TcType kBf16 = TcType::bf16;
 constexpr TcType kF16 = TcType::f16;
+constexpr TcType kTf32 = TcType::tf32;
 
 // name, type, batch, heads, tokens, cross queries, dim, mask, key lengths, bias, offset, lse
 INSTANTIATE_TEST_SUITE_P(
@@ -341,7 +423,13 @@ INSTANTIATE_TEST_SUITE_P(
         DenseCase{
             "bf16_N130_d130_none_len", kBf16, 1, 1, 130, 0, 130, kNone, {97}, true, true, true},
         DenseCase{
-            "f16_N130_d5_window37", kF16, 1, 2, 130, 0, 5, kWindow37, {}, false, false, false}),
+            "f16_N130_d5_window37", kF16, 1, 2, 130, 0, 5, kWindow37, {}, false, false, false},
+        DenseCase{"tf32_N1_d5_none", kTf32, 1, 1, 1, 0, 5, kNone, {}, true, true, true},
+        DenseCase{
+            "tf32_N33_d64_causal_len", kTf32, 2, 2, 33, 0, 64, kCausal, {33, 0}, true, true, true},
+        DenseCase{"tf32_N7_q33_d5_window5", kTf32, 1, 1, 7, 33, 5, kWindow5, {}, false, true, true},
+        DenseCase{
+            "tf32_N130_d130_none_len", kTf32, 1, 1, 130, 0, 130, kNone, {97}, true, false, true}),
     [](const ::testing::TestParamInfo<DenseCase>& info) { return std::string(info.param.name); });
 
 // What the tensor-core path does not compute or cannot run is refused by name, before any
@@ -351,7 +439,7 @@ TEST(TcDenseRefusals, UnsupportedOutputsAlgorithmsAndShapesAreNamed) {
   const Inputs in = make_inputs(c);
   const HostProblem<bfloat16> host(c, in);
   std::vector<bfloat16> update(12);
-  std::vector<float> stats(3), weights(9);
+  std::vector<float> weights(9);
   const auto refusal = [&](const AttentionInput<bfloat16>& input,
                            const AttentionOutput<bfloat16>& output,
                            cuda::Algorithm algorithm = cuda::Algorithm::automatic) {
@@ -378,9 +466,7 @@ TEST(TcDenseRefusals, UnsupportedOutputsAlgorithmsAndShapesAreNamed) {
   const auto has = [](const std::string& message, const char* part) {
     return message.find(part) != std::string::npos;
   };
-  std::string m = refusal(host.input, {update.data(), nullptr, stats.data()});
-  EXPECT_TRUE(has(m, "unsupported") && has(m, "'entropy'")) << m;
-  m = refusal(host.input, {update.data(), nullptr, nullptr, weights.data()});
+  std::string m = refusal(host.input, {update.data(), nullptr, nullptr, weights.data()});
   EXPECT_TRUE(has(m, "unsupported") && has(m, "'weights'")) << m;
   m = refusal(host.input, {update.data()}, cuda::Algorithm::unfused);
   EXPECT_TRUE(has(m, "unsupported") && has(m, "Algorithm::unfused")) << m;
@@ -398,19 +484,63 @@ TEST(TcDenseRefusals, UnsupportedOutputsAlgorithmsAndShapesAreNamed) {
   no_content.layer.content = nullptr;
   m = refusal(no_content, {update.data()});
   EXPECT_TRUE(has(m, "invalid_argument") && has(m, "'content'")) << m;
-  // The blocking form refuses entropy on device 'cuda'; Device::automatic computes it on the
-  // CPU, as the tensor-core path does not.
+  // The blocking form refuses weights on device 'cuda'; Device::automatic computes them on the
+  // CPU, as the tensor-core path does not form them.
   try {
-    attend(host.input, AttentionOutput<bfloat16>{update.data(), nullptr, stats.data()},
+    attend(host.input, AttentionOutput<bfloat16>{update.data(), nullptr, nullptr, weights.data()},
            {Device::cuda});
-    ADD_FAILURE() << "entropy on device 'cuda' was accepted";
+    ADD_FAILURE() << "weights on device 'cuda' were accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::unsupported) << e.what();
   }
-  std::fill(stats.begin(), stats.end(), std::nanf(""));
-  attend(host.input, AttentionOutput<bfloat16>{update.data(), nullptr, stats.data()},
+  std::fill(weights.begin(), weights.end(), std::nanf(""));
+  attend(host.input, AttentionOutput<bfloat16>{update.data(), nullptr, nullptr, weights.data()},
          {Device::automatic});
-  for (float h : stats) EXPECT_TRUE(std::isfinite(h) && h >= 0.f) << "entropy " << h;
+  for (float w : weights) EXPECT_TRUE(std::isfinite(w) && w >= 0.f && w <= 1.f) << "weight " << w;
+}
+
+// TF32 is a permission (docs/MATH.md §7.2): where the tensor-core path does not compute what is
+// asked (weights here, or Algorithm::unfused), float input runs the float32 products, so the result
+// is the fp32 one to the bit; double and 16-bit input refuse tf32 by name.
+TEST(TcDenseRefusals, Tf32FallsBackToFloat32ProductsWhereTheTensorCoresDoNotApply) {
+  EMFLOW_REQUIRE_CUDA();
+  const DenseCase c{"permission", kTf32, 1, 2, 9, 0, 6, kCausal, {}, true, true, true};
+  const Inputs in = make_inputs(c);
+  const HostProblem<float> host(c, in);
+  const std::size_t rows = 2 * 9;
+  std::vector<float> tf32_update(9 * 6, std::nanf("")), tf32_weights(rows * 9, std::nanf(""));
+  std::vector<float> fp32_update(tf32_update.size()), fp32_weights(tf32_weights.size());
+  attend(host.input,
+         AttentionOutput<float>{tf32_update.data(), nullptr, nullptr, tf32_weights.data()},
+         {Device::cuda, 0, Precision::tf32});
+  attend(host.input,
+         AttentionOutput<float>{fp32_update.data(), nullptr, nullptr, fp32_weights.data()},
+         {Device::cuda, 0, Precision::fp32});
+  for (std::size_t i = 0; i < tf32_update.size(); ++i) {
+    ASSERT_EQ(bits_of(tf32_update[i]), bits_of(fp32_update[i])) << "update " << i;
+  }
+  double largest = 0.0;
+  for (std::size_t i = 0; i < tf32_weights.size(); ++i) {
+    ASSERT_EQ(bits_of(tf32_weights[i]), bits_of(fp32_weights[i])) << "weight " << i;
+    largest = std::max(largest, static_cast<double>(tf32_weights[i]));
+  }
+  EXPECT_GT(largest, 0.1) << "the weights must not vanish";
+
+  std::vector<double> x(in.x.values.begin(), in.x.values.end()),
+      m(in.m.values.begin(), in.m.values.end()), f(in.f.values.begin(), in.f.values.end()),
+      update(9 * 6);
+  AttentionInput<double> wide;
+  wide.cloud = x.data();
+  wide.tokens = 9;
+  wide.dim = 6;
+  wide.layer = {2, m.data(), f.data()};
+  try {
+    attend(wide, AttentionOutput<double>{update.data()}, {Device::cuda, 0, Precision::tf32});
+    ADD_FAILURE() << "tf32 accepted for double input";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'precision'"), std::string::npos) << e.what();
+  }
 }
 
 // The workspace is checked on the device: too small and misaligned are named.

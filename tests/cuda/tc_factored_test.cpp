@@ -343,8 +343,8 @@ void check_case(const FactoredCase& c) {
   EXPECT_LE(max_difference(got, cpu), 3.0 * naive_error + 1e-6) << c.name << ": against the CPU";
   EXPECT_LE(max_difference(got_lse, cpu_lse_d), 3.0 * naive_lse_error + 1e-6)
       << c.name << ": lse against the CPU";
-  const double naive_entropy_error = expect_entropy_rule(
-      c.name, got_entropy, exact.entropy, naive.entropy, exact.lse, c.tokens > 1);
+  const double naive_entropy_error = expect_entropy_rule(c.name, got_entropy, exact.entropy,
+                                                         naive.entropy, exact.lse, c.tokens > 1);
   const std::vector<double> cpu_entropy_d(cpu_entropy.begin(), cpu_entropy.end());
   EXPECT_LE(max_difference(got_entropy, cpu_entropy_d), 3.0 * naive_entropy_error + 1e-6)
       << c.name << ": entropy against the CPU";
@@ -460,25 +460,6 @@ TEST(TcFactoredRefusals, PrecisionsThatDoNotSuitTheTypeAreRefusedByName) {
     });
     EXPECT_EQ(refused.rfind("invalid_argument", 0), 0u) << refused;
     EXPECT_NE(refused.find("'precision'"), std::string::npos) << refused;
-  }
-}
-
-// The dense form has no TF32 kernel on the device: attend refuses tf32 there, naming what works.
-TEST(TcFactoredRefusals, DenseAttendRefusesTf32OnTheDeviceNamingWhatWorks) {
-  EMFLOW_REQUIRE_CUDA();
-  std::vector<float> X(6, 0.5f), M(4, 0.1f), F(4, 0.2f), update(6);
-  AttentionInput<float> in;
-  in.cloud = X.data();
-  in.tokens = 3;
-  in.dim = 2;
-  in.layer = {1, M.data(), F.data()};
-  try {
-    attend(in, AttentionOutput<float>{update.data()}, {Device::cuda, 0, Precision::tf32});
-    ADD_FAILURE() << "tf32 accepted by the dense form on device 'cuda'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::unsupported) << e.what();
-    EXPECT_NE(std::string(e.what()).find("attend_factored"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("fp32"), std::string::npos) << e.what();
   }
 }
 
