@@ -158,10 +158,7 @@ void tc_dense_attend_async(const AttentionInput<T>& input, const AttentionOutput
                       stream, operation);
   }
 
-  // Self-attention's queries are its keys: without query lengths they have the key lengths.
-  const std::int64_t* const query_lengths =
-      input.query_lengths != nullptr || input.queries != nullptr ? input.query_lengths
-                                                                 : input.key_lengths;
+  const KernelMask mask = tc_kernel_mask(input);
   const std::size_t query_rows = static_cast<std::size_t>(B) * Nq;
   const std::size_t key_rows = static_cast<std::size_t>(B) * N;
   for (int h = 0; h < H; ++h) {
@@ -182,23 +179,12 @@ void tc_dense_attend_async(const AttentionInput<T>& input, const AttentionOutput
     args.tokens = N;
     args.queries = Nq;
     args.dim = d;
-    args.mask = KernelMask{input.mask,         input.key_lengths,    query_lengths,
-                           input.key_position, input.query_position, input.query_positions};
+    args.mask = mask;
     launch_tc_attention(args, stream, operation);
   }
 
-  TcCombineArgs combine;
-  combine.heads_out = heads_out;
-  combine.lse = lse;
-  combine.lse_out = output.lse;
-  combine.entropy = entropy;
-  combine.entropy_out = output.entropy;
-  combine.heads = H;
-  combine.batch = B;
-  combine.queries = Nq;
-  combine.dim = d;
-  combine.rank = d;
-  launch_tc_combine<T>(combine, nullptr, input.layer.offset, output.update, stream, operation);
+  launch_tc_combine<T>(tc_combine_args(heads_out, lse, entropy, output, H, B, Nq, d, d), nullptr,
+                       input.layer.offset, output.update, stream, operation);
 }
 
 #define EMFLOW_INSTANTIATE(T)                                                                 \

@@ -199,26 +199,11 @@ void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T
   args.tokens = N;
   args.queries = Nq;
   args.dim = r;
-  // Self-attention's queries are its keys: without query lengths they have the key lengths.
-  const std::int64_t* const query_lengths =
-      input.query_lengths != nullptr || input.queries != nullptr ? input.query_lengths
-                                                                 : input.key_lengths;
-  args.mask = KernelMask{input.mask,         input.key_lengths,    query_lengths,
-                         input.key_position, input.query_position, input.query_positions};
+  args.mask = tc_kernel_mask(input);
   launch_tc_attention(args, stream, operation);
 
-  TcCombineArgs combine;
-  combine.heads_out = heads_out;
-  combine.lse = lse;
-  combine.lse_out = output.lse;
-  combine.entropy = entropy;
-  combine.entropy_out = output.entropy;
-  combine.heads = H;
-  combine.batch = B;
-  combine.queries = Nq;
-  combine.dim = d;
-  combine.rank = r;
-  launch_tc_combine(combine, layer.content_up, layer.offset, output.update, stream, operation);
+  launch_tc_combine(tc_combine_args(heads_out, lse, entropy, output, H, B, Nq, d, r),
+                    layer.content_up, layer.offset, output.update, stream, operation);
 }
 
 #define EMFLOW_INSTANTIATE(T)                                                                   \

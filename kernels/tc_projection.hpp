@@ -9,7 +9,9 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 
+#include "attention_kernels.hpp"
 #include "emflow/attention.hpp"
 
 namespace emflow::detail {
@@ -45,6 +47,37 @@ struct TcCombineArgs {
 template <class T>
 void launch_tc_combine(const TcCombineArgs& args, const T* up, const T* offset, T* update,
                        cudaStream_t stream, const char* operation);
+
+/// The sum over heads of `heads` head outputs (H, batch, queries, rank) with their lse and
+/// entropy (entropy may be null), into `output`'s lse and entropy where those are set.
+template <class T>
+TcCombineArgs tc_combine_args(const float* heads_out, const float* lse, const float* entropy,
+                              const AttentionOutput<T>& output, int heads, int batch, int queries,
+                              int dim, int rank) {
+  TcCombineArgs args;
+  args.heads_out = heads_out;
+  args.lse = lse;
+  args.lse_out = output.lse;
+  args.entropy = entropy;
+  args.entropy_out = output.entropy;
+  args.heads = heads;
+  args.batch = batch;
+  args.queries = queries;
+  args.dim = dim;
+  args.rank = rank;
+  return args;
+}
+
+/// The kernels' mask of `input`. Self-attention's queries are its keys: without query lengths
+/// they have the key lengths.
+template <class T>
+KernelMask tc_kernel_mask(const AttentionInput<T>& input) {
+  const std::int64_t* const query_lengths =
+      input.query_lengths != nullptr || input.queries != nullptr ? input.query_lengths
+                                                                 : input.key_lengths;
+  return KernelMask{input.mask,         input.key_lengths,    query_lengths,
+                    input.key_position, input.query_position, input.query_positions};
+}
 
 /// Bytes rounded up to the workspace alignment (kWorkspaceAlignment).
 std::size_t tc_aligned_bytes(std::size_t bytes);

@@ -184,9 +184,13 @@ const char* tensor_core_missing_output(const void* weights) {
   return weights != nullptr ? "weights" : nullptr;
 }
 
-template <class T>
-Device resolve_16bit_device(Device requested, const AttentionInput<T>& input,
-                            const AttentionOutput<T>& output, const char* op) {
+namespace {
+
+/// The device of a 16-bit call: cuda when requested (unsupported without a usable device); for
+/// automatic, cuda when a device exists and the tensor-core path computes what is asked (no
+/// weights, `size` (dim or rank) within kTcMaxDim of kernels/tc_attention.hpp), else cpu.
+Device resolve_tensor_core_device(Device requested, const void* weights, std::int64_t size,
+                                  const char* op) {
   std::string reason;
   if (requested == Device::cuda) {
     if (!cuda_device_available(&reason)) {
@@ -195,29 +199,24 @@ Device resolve_16bit_device(Device requested, const AttentionInput<T>& input,
     return Device::cuda;
   }
   if (requested == Device::automatic) {
-    // The tensor-core path's limits (kernels/tc_dense.cu, kTcMaxDim): elsewhere the CPU computes.
-    const bool fits = tensor_core_missing_output(output.weights) == nullptr && input.dim <= 256;
+    const bool fits = tensor_core_missing_output(weights) == nullptr && size <= 256;
     return fits && cuda_device_available(&reason) ? Device::cuda : Device::cpu;
   }
   return requested;
 }
 
+}  // namespace
+
+template <class T>
+Device resolve_16bit_device(Device requested, const AttentionInput<T>& input,
+                            const AttentionOutput<T>& output, const char* op) {
+  return resolve_tensor_core_device(requested, output.weights, input.dim, op);
+}
+
 template <class T>
 Device resolve_16bit_factored_device(Device requested, const FactoredLayer<T>& layer,
                                      const AttentionOutput<T>& output, const char* op) {
-  std::string reason;
-  if (requested == Device::cuda) {
-    if (!cuda_device_available(&reason)) {
-      fail(ErrorCode::unsupported, op, ": device 'cuda' requested but unavailable: ", reason);
-    }
-    return Device::cuda;
-  }
-  if (requested == Device::automatic) {
-    // The tensor-core path's limits (kernels/tc_factored.cu): elsewhere the CPU computes.
-    const bool fits = tensor_core_missing_output(output.weights) == nullptr && layer.rank <= 256;
-    return fits && cuda_device_available(&reason) ? Device::cuda : Device::cpu;
-  }
-  return requested;
+  return resolve_tensor_core_device(requested, output.weights, layer.rank, op);
 }
 
 template <class T>

@@ -152,14 +152,6 @@ TEST_P(TcAttention, MatchesTheDoubleReferenceWithinTwiceTheNaiveError) {
                       naive_entropy, exact.lse, c.tokens > 1);
 }
 
-const Mask kNone = Mask::none();
-const Mask kCausal = Mask::causal();
-const Mask kWindow5 = Mask::sliding_window(5);
-const Mask kWindow37 = Mask::sliding_window(37);
-constexpr TcType kBf16 = TcType::bf16;
-constexpr TcType kF16 = TcType::f16;
-constexpr TcType kTf32 = TcType::tf32;
-
 // name, type, batch, heads, tokens, queries, dim, mask, key lengths, key bias
 INSTANTIATE_TEST_SUITE_P(
     Cases, TcAttention,

@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <ostream>
 #include <random>
 #include <string>
@@ -177,13 +176,6 @@ Expected dense_attention(const DenseCase& c, const Inputs& in, bool naive) {
 }
 
 template <class T>
-T stored(std::uint16_t bits) {
-  T t;
-  t.bits = bits;
-  return t;
-}
-
-template <class T>
 std::vector<T> as_type(const Rounded& r) {
   if constexpr (std::is_same_v<T, float>) {
     return r.values;
@@ -194,40 +186,12 @@ std::vector<T> as_type(const Rounded& r) {
   }
 }
 
-float as_float(float value) { return value; }
-float as_float(bfloat16 value) { return to_float(value); }
-float as_float(float16 value) { return to_float(value); }
-
-// The stored bits, to compare two results exactly (NaN included).
-std::uint32_t bits_of(float value) {
-  std::uint32_t bits = 0;
-  std::memcpy(&bits, &value, sizeof bits);
-  return bits;
-}
-std::uint32_t bits_of(bfloat16 value) { return value.bits; }
-std::uint32_t bits_of(float16 value) { return value.bits; }
-
 // The exponent of half a unit in the last place relative to |x|: 2^-8 (bf16), 2^-11 (fp16),
 // 2^-24 (float).
 template <class T>
 constexpr int kHalfUlpExponent = std::is_same_v<T, bfloat16>  ? -8
                                  : std::is_same_v<T, float16> ? -11
                                                               : -24;
-
-template <class T>
-T poison() {
-  if constexpr (std::is_same_v<T, float>) {
-    return std::nanf("");
-  } else {
-    return stored<T>(std::is_same_v<T, bfloat16> ? 0x7FC0 : 0x7E00);
-  }
-}
-
-// The precision each storage type runs in on the tensor cores: its own, or tf32 for float.
-template <class T>
-constexpr Precision tensor_core_precision() {
-  return std::is_same_v<T, float> ? Precision::tf32 : storage_precision<T>();
-}
 
 template <class T>
 struct HostProblem {
@@ -321,19 +285,9 @@ void check_case(const DenseCase& c) {
          AttentionOutput<T>{blocking_update.data(), c.lse ? blocking_lse.data() : nullptr,
                             c.lse ? blocking_entropy.data() : nullptr},
          {Device::cuda, 0, precision});
-  for (std::size_t i = 0; i < update.size(); ++i) {
-    ASSERT_EQ(bits_of(blocking_update[i]), bits_of(update[i])) << c.name << ": update " << i;
-  }
-  for (std::size_t i = 0; i < lse.size(); ++i) {
-    ASSERT_EQ(std::isnan(blocking_lse[i]), std::isnan(lse[i])) << c.name << ": lse " << i;
-    if (!std::isnan(lse[i])) {
-      ASSERT_EQ(blocking_lse[i], lse[i]) << c.name << ": lse " << i;
-    }
-    ASSERT_EQ(std::isnan(blocking_entropy[i]), std::isnan(entropy[i])) << c.name << ": H " << i;
-    if (!std::isnan(entropy[i])) {
-      ASSERT_EQ(blocking_entropy[i], entropy[i]) << c.name << ": entropy " << i;
-    }
-  }
+  expect_same_bits(c.name, "update", blocking_update, update);
+  expect_same_bits(c.name, "lse", blocking_lse, lse);
+  expect_same_bits(c.name, "entropy", blocking_entropy, entropy);
 
   const Expected exact = dense_attention(c, in, false);
   const Expected naive = dense_attention(c, in, true);
@@ -383,22 +337,8 @@ class TcDense : public ::testing::TestWithParam<DenseCase> {};
 TEST_P(TcDense, MatchesTheDoubleResultWithinTwiceTheNaiveError) {
   EMFLOW_REQUIRE_CUDA();
   const DenseCase& c = GetParam();
-  if (c.type == TcType::bf16) {
-    check_case<bfloat16>(c);
-  } else if (c.type == TcType::f16) {
-    check_case<float16>(c);
-  } else {
-    check_case<float>(c);
-  }
+  with_storage_type(c.type, [&](auto stored_type) { check_case<decltype(stored_type)>(c); });
 }
-
-const Mask kNone = Mask::none();
-const Mask kCausal = Mask::causal();
-const Mask kWindow5 = Mask::sliding_window(5);
-const Mask kWindow37 = Mask::sliding_window(37);
-constexpr TcType kBf16 = TcType::bf16;
-constexpr TcType kF16 = TcType::f16;
-constexpr TcType kTf32 = TcType::tf32;
 
 // name, type, batch, heads, tokens, cross queries, dim, mask, key lengths, bias, offset, lse
 INSTANTIATE_TEST_SUITE_P(
@@ -516,14 +456,10 @@ TEST(TcDenseRefusals, Tf32FallsBackToFloat32ProductsWhereTheTensorCoresDoNotAppl
   attend(host.input,
          AttentionOutput<float>{fp32_update.data(), nullptr, nullptr, fp32_weights.data()},
          {Device::cuda, 0, Precision::fp32});
-  for (std::size_t i = 0; i < tf32_update.size(); ++i) {
-    ASSERT_EQ(bits_of(tf32_update[i]), bits_of(fp32_update[i])) << "update " << i;
-  }
+  expect_same_bits("permission", "update", tf32_update, fp32_update);
+  expect_same_bits("permission", "weights", tf32_weights, fp32_weights);
   double largest = 0.0;
-  for (std::size_t i = 0; i < tf32_weights.size(); ++i) {
-    ASSERT_EQ(bits_of(tf32_weights[i]), bits_of(fp32_weights[i])) << "weight " << i;
-    largest = std::max(largest, static_cast<double>(tf32_weights[i]));
-  }
+  for (float w : tf32_weights) largest = std::max(largest, static_cast<double>(w));
   EXPECT_GT(largest, 0.1) << "the weights must not vanish";
 
   std::vector<double> x(in.x.values.begin(), in.x.values.end()),

@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <ostream>
 #include <random>
@@ -56,13 +55,6 @@ struct HeadProblem {
   Mask mask;
   std::vector<std::int64_t> key_lengths;
 };
-
-template <class T>
-T stored(std::uint16_t bits) {
-  T t;
-  t.bits = bits;
-  return t;
-}
 
 struct Inputs {
   Rounded x, a, b, v, u, bias, offset;  // X (B,N,d); A, B, V (H,r,d); U (H,d,r); u (H,d); c (d)
@@ -220,29 +212,10 @@ struct HostProblem {
 };
 
 template <class T>
-T poison() {
-  if constexpr (std::is_same_v<T, float>) {
-    return std::nanf("");
-  } else {
-    return stored<T>(std::is_same_v<T, bfloat16> ? 0x7FC0 : 0x7E00);
-  }
-}
-
-float as_float(float value) { return value; }
-float as_float(bfloat16 value) { return to_float(value); }
-float as_float(float16 value) { return to_float(value); }
-
-template <class T>
 std::vector<double> widened(const std::vector<T>& values) {
   std::vector<double> out;
   for (const T& value : values) out.push_back(as_float(value));
   return out;
-}
-
-// The precision each storage type runs in on the tensor cores: its own, or tf32 for float.
-template <class T>
-constexpr Precision tensor_core_precision() {
-  return std::is_same_v<T, float> ? Precision::tf32 : storage_precision<T>();
 }
 
 template <class T>
@@ -311,20 +284,9 @@ void check_case(const FactoredCase& c) {
       host.input, host.layer,
       AttentionOutput<T>{blocking_update.data(), blocking_lse.data(), blocking_entropy.data()},
       {Device::cuda, 0, precision});
-  for (std::size_t i = 0; i < update.size(); ++i) {
-    ASSERT_EQ(std::memcmp(&blocking_update[i], &update[i], sizeof(T)), 0)
-        << c.name << ": update " << i;
-  }
-  for (std::size_t i = 0; i < lse.size(); ++i) {
-    ASSERT_EQ(std::isnan(blocking_lse[i]), std::isnan(lse[i])) << c.name << ": lse " << i;
-    if (!std::isnan(lse[i])) {
-      ASSERT_EQ(blocking_lse[i], lse[i]) << c.name << ": lse " << i;
-    }
-    ASSERT_EQ(std::isnan(blocking_entropy[i]), std::isnan(entropy[i])) << c.name << ": H " << i;
-    if (!std::isnan(entropy[i])) {
-      ASSERT_EQ(blocking_entropy[i], entropy[i]) << c.name << ": entropy " << i;
-    }
-  }
+  expect_same_bits(c.name, "update", blocking_update, update);
+  expect_same_bits(c.name, "lse", blocking_lse, lse);
+  expect_same_bits(c.name, "entropy", blocking_entropy, entropy);
 
   // The CPU's 16-bit path on the same arrays.
   std::vector<T> cpu_update(update.size(), poison<T>());
@@ -355,21 +317,8 @@ class TcFactored : public ::testing::TestWithParam<FactoredCase> {};
 TEST_P(TcFactored, MatchesTheDoubleResultWithinTwiceTheNaiveErrorAndTheCpu) {
   EMFLOW_REQUIRE_CUDA();
   const FactoredCase& c = GetParam();
-  if (c.type == TcType::bf16) {
-    check_case<bfloat16>(c);
-  } else if (c.type == TcType::f16) {
-    check_case<float16>(c);
-  } else {
-    check_case<float>(c);
-  }
+  with_storage_type(c.type, [&](auto stored_type) { check_case<decltype(stored_type)>(c); });
 }
-
-const Mask kNone = Mask::none();
-const Mask kCausal = Mask::causal();
-const Mask kWindow5 = Mask::sliding_window(5);
-constexpr TcType kBf16 = TcType::bf16;
-constexpr TcType kF16 = TcType::f16;
-constexpr TcType kTf32 = TcType::tf32;
 
 // name, type, batch, heads, tokens, dim, rank, mask, key lengths, key bias, offset
 INSTANTIATE_TEST_SUITE_P(

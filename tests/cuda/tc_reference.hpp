@@ -11,8 +11,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -23,6 +25,70 @@
 namespace emflow::testing {
 
 using detail::TcType;
+
+// ---- Shared by the tensor-core tests: storage types, poison, masks ----
+
+// The value of stored bits.
+template <class T>
+T stored(std::uint16_t bits) {
+  T t;
+  t.bits = bits;
+  return t;
+}
+
+// A NaN of the storage type, written to outputs before each call.
+template <class T>
+T poison() {
+  if constexpr (std::is_same_v<T, float>) {
+    return std::numeric_limits<float>::quiet_NaN();
+  } else {
+    return stored<T>(std::is_same_v<T, bfloat16> ? 0x7FC0 : 0x7E00);
+  }
+}
+
+inline float as_float(float value) { return value; }
+inline float as_float(bfloat16 value) { return to_float(value); }
+inline float as_float(float16 value) { return to_float(value); }
+
+// The precision each storage type runs in on the tensor cores: its own, or tf32 for float.
+template <class T>
+constexpr Precision tensor_core_precision() {
+  return std::is_same_v<T, float> ? Precision::tf32 : storage_precision<T>();
+}
+
+// Calls f with a value of the storage type of `type` (bfloat16, float16, or float for TF32).
+template <class F>
+void with_storage_type(TcType type, F&& f) {
+  if (type == TcType::bf16) {
+    f(bfloat16{});
+  } else if (type == TcType::f16) {
+    f(float16{});
+  } else {
+    f(0.f);
+  }
+}
+
+// Two runs of the same kernels (the blocking form against the stream-ordered one) hold the same
+// bits: element by element, NaN patterns included; `what` names the array.
+template <class T>
+void expect_same_bits(const char* name, const char* what, const std::vector<T>& got,
+                      const std::vector<T>& want) {
+  ASSERT_EQ(got.size(), want.size()) << name << ": " << what;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0) {
+      ADD_FAILURE() << name << ": " << what << " " << i << " differs";
+      return;
+    }
+  }
+}
+
+inline const Mask kNone = Mask::none();
+inline const Mask kCausal = Mask::causal();
+inline const Mask kWindow5 = Mask::sliding_window(5);
+inline const Mask kWindow37 = Mask::sliding_window(37);
+inline constexpr TcType kBf16 = TcType::bf16;
+inline constexpr TcType kF16 = TcType::f16;
+inline constexpr TcType kTf32 = TcType::tf32;
 
 struct Rounded {
   std::vector<std::uint16_t> bits;  // as stored
@@ -66,6 +132,31 @@ KeyRange visible(const Case& c, int b, int i) {
   return c.mask.visible_keys_at(keys - queries + i, 0, keys);
 }
 
+// The base-2 scores of query i of head-cloud hb against its visible keys: in double, or as a
+// naive float kernel computes them (float dot products, the bias and the scale in float).
+template <class Case>
+std::vector<double> scores(const Case& c, const std::vector<float>& q, const std::vector<float>& k,
+                           const std::vector<float>& bias, float scale, bool naive, std::size_t hb,
+                           int i, const KeyRange& keys) {
+  const int d = c.dim, N = c.tokens, Nq = c.queries;
+  std::vector<double> s;
+  for (std::int64_t j = keys.first; j < keys.last; ++j) {
+    const float* qi = &q[(hb * Nq + i) * d];
+    const float* kj = &k[(hb * N + j) * d];
+    const double beta = bias.empty() ? 0.0 : bias[hb * N + j];
+    if (naive) {
+      float dot = 0.f;
+      for (int a = 0; a < d; ++a) dot += qi[a] * kj[a];
+      s.push_back(scale * (dot + static_cast<float>(beta)));
+    } else {
+      double dot = 0.0;
+      for (int a = 0; a < d; ++a) dot += static_cast<double>(qi[a]) * kj[a];
+      s.push_back(static_cast<double>(scale) * (dot + beta));
+    }
+  }
+  return s;
+}
+
 // naive = false: in double. naive = true: float scores, exponentials and sums; the normalised
 // probabilities rounded to the storage type; float products with V.
 template <class Case>
@@ -83,21 +174,7 @@ Result attention(const Case& c, const std::vector<float>& q, const std::vector<f
       for (int i = 0; i < Nq; ++i) {
         const KeyRange keys = visible(c, b, i);
         if (keys.empty()) continue;
-        std::vector<double> s;
-        for (std::int64_t j = keys.first; j < keys.last; ++j) {
-          const float* qi = &q[(hb * Nq + i) * d];
-          const float* kj = &k[(hb * N + j) * d];
-          const double beta = bias.empty() ? 0.0 : bias[hb * N + j];
-          if (naive) {
-            float dot = 0.f;
-            for (int a = 0; a < d; ++a) dot += qi[a] * kj[a];
-            s.push_back(scale * (dot + static_cast<float>(beta)));
-          } else {
-            double dot = 0.0;
-            for (int a = 0; a < d; ++a) dot += static_cast<double>(qi[a]) * kj[a];
-            s.push_back(static_cast<double>(scale) * (dot + beta));
-          }
-        }
+        const std::vector<double> s = scores(c, q, k, bias, scale, naive, hb, i, keys);
         const double m = *std::max_element(s.begin(), s.end());
         std::vector<double> w;
         double sum = 0.0;
@@ -236,7 +313,7 @@ template <class Case>
 std::vector<double> attention_entropy(const Case& c, const std::vector<float>& q,
                                       const std::vector<float>& k, const std::vector<float>& bias,
                                       float scale, bool naive) {
-  const int d = c.dim, N = c.tokens, Nq = c.queries;
+  const int Nq = c.queries;
   std::vector<double> entropy(static_cast<std::size_t>(c.heads) * c.batch * Nq, 0.0);
   for (int h = 0; h < c.heads; ++h) {
     for (int b = 0; b < c.batch; ++b) {
@@ -244,21 +321,7 @@ std::vector<double> attention_entropy(const Case& c, const std::vector<float>& q
       for (int i = 0; i < Nq; ++i) {
         const KeyRange keys = visible(c, b, i);
         if (keys.empty()) continue;
-        std::vector<double> s;
-        for (std::int64_t j = keys.first; j < keys.last; ++j) {
-          const float* qi = &q[(hb * Nq + i) * d];
-          const float* kj = &k[(hb * N + j) * d];
-          const double beta = bias.empty() ? 0.0 : bias[hb * N + j];
-          if (naive) {
-            float dot = 0.f;
-            for (int a = 0; a < d; ++a) dot += qi[a] * kj[a];
-            s.push_back(scale * (dot + static_cast<float>(beta)));
-          } else {
-            double dot = 0.0;
-            for (int a = 0; a < d; ++a) dot += static_cast<double>(qi[a]) * kj[a];
-            s.push_back(static_cast<double>(scale) * (dot + beta));
-          }
-        }
+        const std::vector<double> s = scores(c, q, k, bias, scale, naive, hb, i, keys);
         const double m = *std::max_element(s.begin(), s.end());
         double value = 0.0;
         if (naive) {
