@@ -61,27 +61,20 @@ struct Inputs {
   double beta = 1.0;
 };
 
-// Stored values: rounded to the 16-bit type, or float as float storage holds them (TF32 rounds
-// only where the products read them).
-Rounded random_values(TcType type, std::size_t count, std::mt19937& random, float range = 1.f) {
-  if (type != TcType::tf32) return random_rounded(type, count, random, range);
-  return Rounded{{}, random_floats(count, random, range)};
-}
-
 Inputs make_inputs(const DenseCase& c) {
   std::mt19937 random(91u + static_cast<unsigned>(c.tokens * 31 + c.dim * 7 + c.heads));
   const auto B = static_cast<std::size_t>(c.batch), N = static_cast<std::size_t>(c.tokens);
   const auto d = static_cast<std::size_t>(c.dim), H = static_cast<std::size_t>(c.heads);
   const float range = 1.7f / std::sqrt(static_cast<float>(d));  // projections of order one
   Inputs in;
-  in.x = random_values(c.type, B * N * d, random);
+  in.x = random_rounded(c.type, B * N * d, random);
   if (c.cross_queries > 0) {
-    in.q = random_values(c.type, B * static_cast<std::size_t>(c.cross_queries) * d, random);
+    in.q = random_rounded(c.type, B * static_cast<std::size_t>(c.cross_queries) * d, random);
   }
-  in.m = random_values(c.type, H * d * d, random, range);
-  in.f = random_values(c.type, H * d * d, random, range);
-  if (c.bias) in.u = random_values(c.type, H * d, random, range);
-  if (c.offset) in.offset = random_values(c.type, d, random, 0.5f);
+  in.m = random_rounded(c.type, H * d * d, random, range);
+  in.f = random_rounded(c.type, H * d * d, random, range);
+  if (c.bias) in.u = random_rounded(c.type, H * d, random, range);
+  if (c.offset) in.offset = random_rounded(c.type, d, random, 0.5f);
   in.beta = 2.0 / std::sqrt(static_cast<double>(d));
   return in;
 }
@@ -139,8 +132,6 @@ Expected dense_attention(const DenseCase& c, const Inputs& in, bool naive) {
   }
   const float scale = static_cast<float>(in.beta * 1.4426950408889634);
   const Result heads = attention(head, r, keys, v, bias, scale, naive);
-  const std::vector<double> entropy =
-      c.lse ? attention_entropy(head, r, keys, bias, scale, naive) : std::vector<double>{};
 
   Expected e;
   e.update.assign(static_cast<std::size_t>(B) * Nq * d, 0.0);
@@ -152,7 +143,7 @@ Expected dense_attention(const DenseCase& c, const Inputs& in, bool naive) {
         const std::size_t to = (static_cast<std::size_t>(b) * H + h) * Nq + i;
         const std::size_t from = (static_cast<std::size_t>(h) * B + b) * Nq + i;
         e.lse[to] = heads.lse[from];
-        e.entropy[to] = entropy[from];
+        e.entropy[to] = heads.entropy[from];
       }
       if (std::isinf(heads.lse[static_cast<std::size_t>(b) * Nq + i])) continue;  // no key
       for (int a = 0; a < d; ++a) {
@@ -173,17 +164,6 @@ Expected dense_attention(const DenseCase& c, const Inputs& in, bool naive) {
     }
   }
   return e;
-}
-
-template <class T>
-std::vector<T> as_type(const Rounded& r) {
-  if constexpr (std::is_same_v<T, float>) {
-    return r.values;
-  } else {
-    std::vector<T> out;
-    for (std::uint16_t bits : r.bits) out.push_back(stored<T>(bits));
-    return out;
-  }
 }
 
 // The exponent of half a unit in the last place relative to |x|: 2^-8 (bf16), 2^-11 (fp16),

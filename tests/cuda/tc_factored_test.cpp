@@ -63,14 +63,6 @@ struct Inputs {
 
 Inputs make_inputs(const FactoredCase& c) {
   std::mt19937 random(77u + static_cast<unsigned>(c.tokens * 13 + c.dim + c.rank));
-  // TF32 cases store floats (the values field alone).
-  const auto random_rounded = [&c](TcType type, std::size_t count, std::mt19937& r,
-                                   float range = 1.f) {
-    if (c.type != TcType::tf32) return emflow::testing::random_rounded(type, count, r, range);
-    Rounded floats;
-    floats.values = random_floats(count, r, range);
-    return floats;
-  };
   const auto B = static_cast<std::size_t>(c.batch), N = static_cast<std::size_t>(c.tokens);
   const auto d = static_cast<std::size_t>(c.dim), H = static_cast<std::size_t>(c.heads);
   const auto r = static_cast<std::size_t>(c.rank);
@@ -131,7 +123,6 @@ Expected factored_attention(const FactoredCase& c, const Inputs& in, bool naive)
   if (c.bias) bias = project(in.bias, 1, false);
   const float scale = static_cast<float>(in.beta * 1.4426950408889634);
   const Result heads = attention(head, q, k, v, bias, scale, naive);
-  const std::vector<double> entropy = attention_entropy(head, q, k, bias, scale, naive);
 
   Expected e;
   e.update.assign(static_cast<std::size_t>(B) * N * d, 0.0);
@@ -142,7 +133,7 @@ Expected factored_attention(const FactoredCase& c, const Inputs& in, bool naive)
       for (int h = 0; h < H; ++h) {
         const std::size_t to = (static_cast<std::size_t>(b) * H + h) * N + i;
         e.lse[to] = heads.lse[(static_cast<std::size_t>(h) * B + b) * N + i];
-        e.entropy[to] = entropy[(static_cast<std::size_t>(h) * B + b) * N + i];
+        e.entropy[to] = heads.entropy[(static_cast<std::size_t>(h) * B + b) * N + i];
       }
       if (std::isinf(heads.lse[static_cast<std::size_t>(b) * N + i])) continue;  // padding
       for (int a = 0; a < d; ++a) {
@@ -166,17 +157,6 @@ Expected factored_attention(const FactoredCase& c, const Inputs& in, bool naive)
     }
   }
   return e;
-}
-
-template <class T>
-std::vector<T> as_type(const Rounded& r) {
-  if constexpr (std::is_same_v<T, float>) {
-    return r.values;
-  } else {
-    std::vector<T> out;
-    for (std::uint16_t bits : r.bits) out.push_back(stored<T>(bits));
-    return out;
-  }
 }
 
 template <class T>

@@ -91,18 +91,21 @@ inline constexpr TcType kF16 = TcType::f16;
 inline constexpr TcType kTf32 = TcType::tf32;
 
 struct Rounded {
-  std::vector<std::uint16_t> bits;  // as stored
+  std::vector<std::uint16_t> bits;  // as stored (16-bit types; empty for float storage)
   std::vector<float> values;        // the same values in float
 };
 
-// `count` values uniform in [-range, range], rounded to `type`.
+// `count` values uniform in [-range, range], rounded to `type`; for tf32 the floats as float
+// storage holds them (TF32 rounds them only where the products read them).
 inline Rounded random_rounded(TcType type, std::size_t count, std::mt19937& random,
                               float range = 1.f) {
   std::uniform_real_distribution<float> uniform(-range, range);
   Rounded r;
   for (std::size_t i = 0; i < count; ++i) {
     const float v = uniform(random);
-    if (type == TcType::bf16) {
+    if (type == TcType::tf32) {
+      r.values.push_back(v);
+    } else if (type == TcType::bf16) {
       r.bits.push_back(to_bfloat16(v).bits);
       r.values.push_back(to_float(bfloat16{r.bits.back()}));
     } else {
@@ -113,13 +116,25 @@ inline Rounded random_rounded(TcType type, std::size_t count, std::mt19937& rand
   return r;
 }
 
+// The stored values of `r` as T: its bits for the 16-bit types, its floats for float storage.
+template <class T>
+std::vector<T> as_type(const Rounded& r) {
+  if constexpr (std::is_same_v<T, float>) {
+    return r.values;
+  } else {
+    std::vector<T> out;
+    for (std::uint16_t bits : r.bits) out.push_back(stored<T>(bits));
+    return out;
+  }
+}
+
 inline float round_to(TcType type, float v) {
   if (type == TcType::tf32) return round_to_tf32(v);
   return type == TcType::bf16 ? to_float(to_bfloat16(v)) : to_float(to_float16(v));
 }
 
 struct Result {
-  std::vector<double> out, lse;
+  std::vector<double> out, lse, entropy;  // entropy: 0 for a query that sees no key
 };
 
 // The visible keys of query i of cloud b, as the kernel's mask (self-attention with query
@@ -158,7 +173,8 @@ std::vector<double> scores(const Case& c, const std::vector<float>& q, const std
 }
 
 // naive = false: in double. naive = true: float scores, exponentials and sums; the normalised
-// probabilities rounded to the storage type; float products with V.
+// probabilities rounded to the storage type; float products with V; the entropy in float from
+// the float weights.
 template <class Case>
 Result attention(const Case& c, const std::vector<float>& q, const std::vector<float>& k,
                  const std::vector<float>& v, const std::vector<float>& bias, float scale,
@@ -168,6 +184,7 @@ Result attention(const Case& c, const std::vector<float>& q, const std::vector<f
   r.out.assign(static_cast<std::size_t>(c.heads) * c.batch * Nq * d, 0.0);
   r.lse.assign(static_cast<std::size_t>(c.heads) * c.batch * Nq,
                -std::numeric_limits<double>::infinity());
+  r.entropy.assign(r.lse.size(), 0.0);
   for (int h = 0; h < c.heads; ++h) {
     for (int b = 0; b < c.batch; ++b) {
       const std::size_t hb = static_cast<std::size_t>(h) * c.batch + b;
@@ -204,6 +221,20 @@ Result attention(const Case& c, const std::vector<float>& q, const std::vector<f
         }
         r.lse[hb * Nq + i] = naive ? (static_cast<float>(m) + std::log2(sum_f)) * 0.6931472f
                                    : (m + std::log2(sum)) * std::log(2.0);
+        // The entropy -sum_j p_j ln p_j: naive, from the float weights in float; else from the
+        // moment sum_j w_j (t_j - m) in base 2, in double.
+        if (naive) {
+          float h_f = 0.f;
+          for (double x : w) {
+            const float p = static_cast<float>(x) / sum_f;
+            if (p > 0.f) h_f -= p * std::log(p);
+          }
+          r.entropy[hb * Nq + i] = h_f;
+        } else {
+          double moment = 0.0;
+          for (std::size_t t = 0; t < w.size(); ++t) moment += w[t] * (s[t] - m);
+          r.entropy[hb * Nq + i] = std::log(2.0) * (std::log2(sum) - moment / sum);
+        }
       }
     }
   }
@@ -287,16 +318,6 @@ inline double expect_entropy_rule(const char* name, const std::vector<double>& g
 
 // ---- Entropy, and the TF32 model (tc_attention_test.cpp, tc_factored_test.cpp) ----
 
-// `count` float values uniform in [-range, range], as float storage holds them (TF32 rounds them
-// only where the products read them).
-inline std::vector<float> random_floats(std::size_t count, std::mt19937& random,
-                                        float range = 1.f) {
-  std::uniform_real_distribution<float> uniform(-range, range);
-  std::vector<float> values(count);
-  for (float& v : values) v = uniform(random);
-  return values;
-}
-
 // The operands of a naive TF32 kernel: each value rounded to TF32 (round_to_tf32, as cvt.rna).
 // attention(c, tf32(q), tf32(k), tf32(v), ..., true) with c.type = TcType::tf32 is then the
 // naive TF32 attention: TF32 operands, float scores, softmax and sums, the probabilities rounded
@@ -304,52 +325,6 @@ inline std::vector<float> random_floats(std::size_t count, std::mt19937& random,
 inline std::vector<float> tf32(std::vector<float> values) {
   for (float& v : values) v = round_to_tf32(v);
   return values;
-}
-
-// The entropy of each query's weights, (heads, batch, queries), 0 for a query that sees no key.
-// naive = false: in double. naive = true: as a straightforward float kernel would, from float
-// scores and exponentials, H = -sum_j p_j ln p_j with p_j = w_j / sum in float.
-template <class Case>
-std::vector<double> attention_entropy(const Case& c, const std::vector<float>& q,
-                                      const std::vector<float>& k, const std::vector<float>& bias,
-                                      float scale, bool naive) {
-  const int Nq = c.queries;
-  std::vector<double> entropy(static_cast<std::size_t>(c.heads) * c.batch * Nq, 0.0);
-  for (int h = 0; h < c.heads; ++h) {
-    for (int b = 0; b < c.batch; ++b) {
-      const std::size_t hb = static_cast<std::size_t>(h) * c.batch + b;
-      for (int i = 0; i < Nq; ++i) {
-        const KeyRange keys = visible(c, b, i);
-        if (keys.empty()) continue;
-        const std::vector<double> s = scores(c, q, k, bias, scale, naive, hb, i, keys);
-        const double m = *std::max_element(s.begin(), s.end());
-        double value = 0.0;
-        if (naive) {
-          std::vector<float> w;
-          float sum = 0.f;
-          for (double x : s) {
-            w.push_back(std::exp2(static_cast<float>(x) - static_cast<float>(m)));
-            sum += w.back();
-          }
-          float h_f = 0.f;
-          for (float x : w) {
-            const float p = x / sum;
-            if (p > 0.f) h_f -= p * std::log(p);
-          }
-          value = h_f;
-        } else {
-          double sum = 0.0, moment = 0.0;  // moment: sum_j w_j (t_j - m), in base 2
-          for (double x : s) {
-            sum += std::exp2(x - m);
-            moment += std::exp2(x - m) * (x - m);
-          }
-          value = std::log(2.0) * (std::log2(sum) - moment / sum);
-        }
-        entropy[hb * Nq + i] = value;
-      }
-    }
-  }
-  return entropy;
 }
 
 }  // namespace emflow::testing
