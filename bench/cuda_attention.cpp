@@ -44,6 +44,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cuda_timing.hpp"
 #include "emflow/cuda.hpp"
 #include "emflow/error.hpp"
 #include "emflow/precision.hpp"
@@ -51,77 +52,24 @@
 
 namespace {
 
+using emflow::bench::Event;
+using emflow::bench::Stream;
+using emflow::bench::timed;
+using emflow::bench::warmed_up;
 using emflow::cuda::Algorithm;
 using emflow::cuda::DeviceBuffer;
 
 constexpr std::int64_t kTokensPerCase = 16384;
 constexpr std::size_t kRotationBytes = std::size_t{256} << 20;
 
-struct Stream {
-  cudaStream_t handle = nullptr;
-  Stream() { cudaStreamCreateWithFlags(&handle, cudaStreamNonBlocking); }
-  ~Stream() { cudaStreamDestroy(handle); }
-};
-
-struct Event {
-  cudaEvent_t handle = nullptr;
-  Event() { cudaEventCreate(&handle); }
-  ~Event() { cudaEventDestroy(handle); }
-};
-
-// Times one enqueued call with CUDA events; returns seconds.
-template <class Enqueue>
-double timed(cudaStream_t stream, const Event& start, const Event& stop, Enqueue&& enqueue) {
-  cudaEventRecord(start.handle, stream);
-  enqueue();
-  cudaEventRecord(stop.handle, stream);
-  cudaEventSynchronize(stop.handle);
-  float milliseconds = 0.f;
-  cudaEventElapsedTime(&milliseconds, start.handle, stop.handle);
-  return static_cast<double>(milliseconds) * 1e-3;
-}
-
-// Two untimed calls; false, with the benchmark marked as failed, when the device reports an
-// error.
-template <class Enqueue>
-bool warmed_up(benchmark::State& state, cudaStream_t stream, Enqueue&& enqueue) {
-  for (int warm = 0; warm < 2; ++warm) enqueue();
-  if (cudaStreamSynchronize(stream) == cudaSuccess) return true;
-  state.SkipWithError("the warm-up run failed on the device");
-  return false;
-}
-
-// Uniform values in [-scale, scale) from a xorshift generator: fast enough for 10^8 values.
-std::vector<float> random_values(std::size_t count, std::uint64_t seed, float scale) {
-  std::vector<float> values(count);
-  std::uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (float& v : values) {
-    state ^= state << 13;
-    state ^= state >> 7;
-    state ^= state << 17;
-    v = scale * (static_cast<float>(state >> 40) / static_cast<float>(1 << 24) * 2.f - 1.f);
-  }
-  return values;
-}
-
-// The values of random_values rounded to T (float, or a 16-bit storage type).
+// The values of random_values rounded to T (float, or a 16-bit storage type), on the device.
 template <class T = float>
 DeviceBuffer<T> random_buffer(std::size_t count, std::uint64_t seed, float scale,
                               cudaStream_t stream) {
   DeviceBuffer<T> buffer(count);
-  const std::vector<float> values = random_values(count, seed, scale);
-  std::vector<T> host(count);
-  for (std::size_t i = 0; i < count; ++i) {
-    if constexpr (std::is_same_v<T, emflow::bfloat16>) {
-      host[i] = emflow::to_bfloat16(values[i]);
-    } else if constexpr (std::is_same_v<T, emflow::float16>) {
-      host[i] = emflow::to_float16(values[i]);
-    } else {
-      host[i] = values[i];
-    }
-  }
+  const std::vector<T> host = emflow::bench::random_stored<T>(count, seed, scale);
   buffer.copy_from_host(host.data(), count, stream);
-  cudaStreamSynchronize(stream);
+  cudaStreamSynchronize(stream);  // `host` must outlive the copy
   return buffer;
 }
 

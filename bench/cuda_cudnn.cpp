@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_timing.hpp"
 #include "emflow/precision.hpp"
 
 namespace {
@@ -293,17 +294,10 @@ struct DeviceMemory {
   ~DeviceMemory() { cudaFree(data); }
 };
 
-// bf16 values uniform in [-1, 1) from a xorshift generator, copied to the device.
+// bf16 values uniform in [-1, 1) (cuda_timing.hpp), copied to the device.
 void fill_random(void* device, std::size_t count, std::uint64_t seed) {
-  std::vector<emflow::bfloat16> host(count);
-  std::uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (emflow::bfloat16& value : host) {
-    state ^= state << 13;
-    state ^= state >> 7;
-    state ^= state << 17;
-    value = emflow::to_bfloat16(
-        static_cast<float>(state >> 40) / static_cast<float>(1 << 24) * 2.f - 1.f);
-  }
+  const std::vector<emflow::bfloat16> host =
+      emflow::bench::random_stored<emflow::bfloat16>(count, seed, 1.f);
   if (cudaMemcpy(device, host.data(), count * sizeof(emflow::bfloat16), cudaMemcpyHostToDevice) !=
       cudaSuccess) {
     throw CudnnFailure{"cudaMemcpy to the device failed"};
@@ -319,14 +313,12 @@ void BM_CudnnSdpa(benchmark::State& state) {
     state.SkipWithError("no CUDA device");
     return;
   }
+  const emflow::bench::Stream owned_stream;
+  const emflow::bench::Event start, stop;
+  const cudaStream_t stream = owned_stream.handle;
   cudnnHandle_t handle = nullptr;
-  cudaStream_t stream = nullptr;
-  cudaEvent_t start = nullptr, stop = nullptr;
   try {
     check(cudnnCreate(&handle), "cudnnCreate");
-    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-    cudaEventCreate(&start);
-    cudaEventCreate(&stop);
     check(cudnnSetStream(handle, stream), "cudnnSetStream");
     Plan plan;
     build_plan(plan, handle, batch, heads, n, d, causal);
@@ -362,15 +354,7 @@ void BM_CudnnSdpa(benchmark::State& state) {
     if (cudaStreamSynchronize(stream) != cudaSuccess) {
       throw CudnnFailure{"the warm-up run failed on the device"};
     }
-    for (auto _ : state) {
-      cudaEventRecord(start, stream);
-      execute();
-      cudaEventRecord(stop, stream);
-      cudaEventSynchronize(stop);
-      float milliseconds = 0.f;
-      cudaEventElapsedTime(&milliseconds, start, stop);
-      state.SetIterationTime(static_cast<double>(milliseconds) * 1e-3);
-    }
+    for (auto _ : state) state.SetIterationTime(emflow::bench::timed(stream, start, stop, execute));
     const double full = 4.0 * static_cast<double>(batch * heads) * static_cast<double>(n * n * d);
     state.counters["TFLOP/s"] = benchmark::Counter((causal ? full / 2 : full) * 1e-12,
                                                    benchmark::Counter::kIsIterationInvariantRate);
@@ -379,10 +363,7 @@ void BM_CudnnSdpa(benchmark::State& state) {
   } catch (const CudnnFailure& failure) {
     state.SkipWithError(("cuDNN: " + failure.what).c_str());
   }
-  if (start != nullptr) cudaEventDestroy(start);
-  if (stop != nullptr) cudaEventDestroy(stop);
   if (handle != nullptr) cudnnDestroy(handle);
-  if (stream != nullptr) cudaStreamDestroy(stream);
 }
 
 void cudnn_sizes(benchmark::internal::Benchmark* b) {

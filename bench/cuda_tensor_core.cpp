@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cuda_timing.hpp"
 #include "emflow/cuda.hpp"
 #include "emflow/error.hpp"
 #include "emflow/precision.hpp"
@@ -34,26 +35,14 @@ using emflow::cuda::DeviceBuffer;
 
 constexpr std::int64_t kTokensPerCase = 16384;
 
-// `count` values uniform in [-scale, scale) (xorshift), stored as T, on the device.
+// `count` values uniform in [-scale, scale) (cuda_timing.hpp), stored as T, on the device.
 template <class T>
-DeviceBuffer<T> random_device(std::size_t count, std::uint64_t seed, float scale) {
-  std::vector<T> host(count);
-  std::uint64_t state = 0x9E3779B97F4A7C15ull * (seed + 1);
-  for (T& value : host) {
-    state ^= state << 13;
-    state ^= state >> 7;
-    state ^= state << 17;
-    const float v =
-        (static_cast<float>(state >> 40) / static_cast<float>(1 << 24) * 2.f - 1.f) * scale;
-    if constexpr (std::is_same_v<T, float>) {
-      value = v;
-    } else {
-      value = emflow::to_bfloat16(v);
-    }
-  }
+DeviceBuffer<T> random_device(std::size_t count, std::uint64_t seed, float scale,
+                              cudaStream_t stream) {
+  const std::vector<T> host = emflow::bench::random_stored<T>(count, seed, scale);
   DeviceBuffer<T> device(count);
-  device.copy_from_host(host.data(), count, nullptr);
-  cudaStreamSynchronize(nullptr);  // `host` must outlive the copy
+  device.copy_from_host(host.data(), count, stream);
+  cudaStreamSynchronize(stream);  // `host` must outlive the copy
   return device;
 }
 
@@ -63,19 +52,17 @@ void run_tensor_core(benchmark::State& state, emflow::Precision precision) {
   const bool causal = state.range(2) != 0;
   const std::int64_t batch = std::max<std::int64_t>(1, kTokensPerCase / n);
   const auto size = [](std::int64_t v) { return static_cast<std::size_t>(v); };
-  cudaStream_t stream = nullptr;
-  cudaEvent_t start = nullptr, stop = nullptr;
-  cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
+  const emflow::bench::Stream owned_stream;
+  const emflow::bench::Event start, stop;
+  const cudaStream_t stream = owned_stream.handle;
   try {
     // Factors of order 1 / sqrt(d): projections of order one, scores of moderate spread.
     const float factor = 1.f / std::sqrt(static_cast<float>(d));
-    DeviceBuffer<T> cloud = random_device<T>(size(batch * n * d), 1, 1.f);
-    DeviceBuffer<T> a = random_device<T>(size(d * d), 2, factor);
-    DeviceBuffer<T> b = random_device<T>(size(d * d), 3, factor);
-    DeviceBuffer<T> up = random_device<T>(size(d * d), 4, factor);
-    DeviceBuffer<T> down = random_device<T>(size(d * d), 5, factor);
+    DeviceBuffer<T> cloud = random_device<T>(size(batch * n * d), 1, 1.f, stream);
+    DeviceBuffer<T> a = random_device<T>(size(d * d), 2, factor, stream);
+    DeviceBuffer<T> b = random_device<T>(size(d * d), 3, factor, stream);
+    DeviceBuffer<T> up = random_device<T>(size(d * d), 4, factor, stream);
+    DeviceBuffer<T> down = random_device<T>(size(d * d), 5, factor, stream);
     DeviceBuffer<T> update(size(batch * n * d));
     DeviceBuffer<float> lse(size(batch * n));
 
@@ -97,18 +84,9 @@ void run_tensor_core(benchmark::State& state, emflow::Precision precision) {
       emflow::cuda::attend_factored_async(input, layer, output, workspace.data(), bytes, stream,
                                           precision);
     };
-    for (int warm = 0; warm < 2; ++warm) enqueue();
-    if (cudaStreamSynchronize(stream) != cudaSuccess) {
-      state.SkipWithError("the warm-up run failed on the device");
-    } else {
+    if (emflow::bench::warmed_up(state, stream, enqueue)) {
       for (auto _ : state) {
-        cudaEventRecord(start, stream);
-        enqueue();
-        cudaEventRecord(stop, stream);
-        cudaEventSynchronize(stop);
-        float milliseconds = 0.f;
-        cudaEventElapsedTime(&milliseconds, start, stop);
-        state.SetIterationTime(static_cast<double>(milliseconds) * 1e-3);
+        state.SetIterationTime(emflow::bench::timed(stream, start, stop, enqueue));
       }
       const double full = 4.0 * static_cast<double>(batch) * static_cast<double>(n * n * d);
       state.counters["TFLOP/s"] = benchmark::Counter((causal ? full / 2 : full) * 1e-12,
@@ -118,9 +96,6 @@ void run_tensor_core(benchmark::State& state, emflow::Precision precision) {
   } catch (const emflow::Error& e) {
     state.SkipWithError(e.what());
   }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  cudaStreamDestroy(stream);
 }
 
 // range(3): 0 = bf16 (bfloat16 storage), 1 = tf32 (float storage).
