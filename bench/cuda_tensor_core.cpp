@@ -2,7 +2,7 @@
 //
 //   emflow_bench_cuda --benchmark_filter=TensorCore
 //
-// BM_TensorCore times cuda::attend_factored_async (kernels/tc_factored.cu: the projections, the
+// BM_TensorCore times cuda::attend_factored_async (src/cuda/tc_factored.cpp: the projections, the
 // tensor-core attention of kernels/tc_attention.cu and the output projection) in bf16 (bfloat16
 // storage, m16n8k16) or tf32 (float storage, operands rounded to TF32, m16n8k8) on the shapes of
 // BM_CudnnSdpa (bench/cuda_cudnn.cpp): N = 4k to 16k, head dim 64 and 128, B = max(1, 16384 / N)

@@ -1,4 +1,4 @@
-// The projection kernel of the device decode cache (src/decode/device.hpp).
+// The projection kernel of the device decode cache (src/cuda/decode_cache.hpp).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -28,7 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cuda_support.hpp"
+#include "cuda/cuda_support.hpp"
 #include "flow_kernels.hpp"
 #include "launch.cuh"
 

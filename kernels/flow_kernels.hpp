@@ -1,7 +1,7 @@
 // The flow's own kernels on the GPU (flow_kernels.cu): the element-wise parts of a step, the
 // normalisations, the USA rescaling, the mean entropy and the observables of recorded clouds.
 // The device-resident run that enqueues them, with emflow::cuda::attend_async for the attention,
-// is src/flow/device_ops_cuda.cpp.
+// is src/cuda/flow_ops.cpp.
 //
 // Every launcher enqueues on `stream`, checks the launch and never synchronises. Pointers are
 // device pointers; the caller has checked that the sizes fit in int.

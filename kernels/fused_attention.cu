@@ -52,7 +52,7 @@
 #include <vector>
 
 #include "attention_kernels.hpp"
-#include "cuda_support.hpp"
+#include "cuda/cuda_support.hpp"
 #include "launch.cuh"
 #include "mask.cuh"
 

@@ -23,7 +23,7 @@
 #include <cstdint>
 
 #include "attention_kernels.hpp"
-#include "cuda_support.hpp"
+#include "cuda/cuda_support.hpp"
 #include "launch.cuh"
 
 namespace emflow::detail {

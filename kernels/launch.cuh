@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <utility>
 
-#include "cuda_support.hpp"
+#include "cuda/cuda_support.hpp"
 
 namespace emflow::detail {
 

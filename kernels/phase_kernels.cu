@@ -57,7 +57,7 @@
 #include <vector>
 
 #include "core/check.hpp"
-#include "cuda_support.hpp"
+#include "cuda/cuda_support.hpp"
 #include "emflow/cuda.hpp"
 #include "launch.cuh"
 #include "phase_kernels.hpp"

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "attend_plan.hpp"
+#include "cuda/attend_plan.hpp"
 #include "core/check.hpp"
 #include "core/low_precision.hpp"
 #include "emflow/precision.hpp"

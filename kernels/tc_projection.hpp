@@ -1,5 +1,5 @@
 // The element-wise stages around the tensor-core attention (tc_attention.hpp) that the factored
-// (tc_factored.cu) and the dense (tc_dense.cu) 16-bit paths share: the per-head projections of
+// (tc_factored.cpp) and the dense (tc_dense.cpp) 16-bit paths share: the per-head projections of
 // the clouds before it, in float32 and rounded once to the storage type, and the float32 sum
 // over heads after it. Each launcher enqueues on `stream`, checks the launch and never
 // synchronises; pointers are device pointers. T is bfloat16, float16, or float (TF32: the

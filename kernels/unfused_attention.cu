@@ -22,7 +22,7 @@
 #include <cstdint>
 
 #include "attention_kernels.hpp"
-#include "cuda_support.hpp"
+#include "cuda/cuda_support.hpp"
 #include "launch.cuh"
 #include "mask.cuh"
 

@@ -24,7 +24,7 @@
 //            cloud and head (in `weights` when requested, else in the workspace).
 //   automatic: fused for float when no weights are requested and dim <= 256, else unfused.
 //
-// bfloat16 and float16 (precision.hpp): the tensor-core path (kernels/tc_dense.cu), taken by
+// bfloat16 and float16 (precision.hpp): the tensor-core path (src/cuda/tc_dense.cpp), taken by
 // automatic and fused; unfused is refused (ErrorCode::unsupported). Per head, R_h = Q M_h and
 // C_h = X F_h^T are computed in float32 from the stored values and rounded once to T, the key
 // bias terms u_h^T x_j stay in float32, the fused attention of R_h against the keys X with values
@@ -97,7 +97,7 @@ enum class Algorithm { automatic, fused, unfused };
 ///
 /// `precision` (precision.hpp): for float, fp32 (float32 products: the fused or unfused path) or
 /// tf32, which permits TF32 products: the dense form then runs on the tensor cores
-/// (kernels/tc_dense.cu, the projections R_h and C_h in float32, their products on TF32
+/// (src/cuda/tc_dense.cpp, the projections R_h and C_h in float32, their products on TF32
 /// operands) where that path computes what is asked (no weights, dim <= 256, Algorithm automatic
 /// or fused), and elsewhere in float32, which meets the TF32 accuracy bound (docs/MATH.md §7).
 /// For double: fp32 only. For bfloat16 and float16: their own precision, or fp32 (the same:

@@ -15,7 +15,7 @@ namespace emflow::detail {
 template <class T>
 void check_precision(const ExecutionOptions& options, const char* operation);
 
-/// The first output that the tensor-core paths (kernels/tc_dense.cu, tc_factored.cu) do not
+/// The first output that the tensor-core paths (src/cuda/tc_dense.cpp, tc_factored.cpp) do not
 /// compute, by name ("weights": the N x N weights are never formed), or null when they compute
 /// every one given (update, lse, entropy). The one place that says so: the kernels' refusals and
 /// the choice of Device::automatic read it.

@@ -287,7 +287,7 @@ void attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& lay
   } else {
     const Device device = resolve_device(options.device);
     if constexpr (std::is_same_v<T, float>) {
-      // TF32 on the tensor cores (kernels/tc_factored.cu); elsewhere tf32 permits fp32 products.
+      // TF32 on the tensor cores (src/cuda/tc_factored.cpp); elsewhere tf32 permits fp32 products.
       if (device == Device::cuda && options.precision == Precision::tf32 &&
           detail::tensor_core_missing_output(output.weights) == nullptr && layer.rank <= 256) {
         detail::cuda_attend_factored(input, layer, output, Precision::tf32);

@@ -18,7 +18,7 @@
 #include "core/check.hpp"
 #include "core/queries.hpp"
 #include "cpu/engine.hpp"
-#include "decode/device.hpp"
+#include "cuda/decode_cache.hpp"
 #include "decode/keys.hpp"
 #include "emflow/decode.hpp"
 #include "emflow/error.hpp"

@@ -1,6 +1,6 @@
 // Compiled only when emflow is built without CUDA: a decode cache on Device::cuda is refused.
 #include "core/check.hpp"
-#include "decode/device.hpp"
+#include "cuda/decode_cache.hpp"
 
 namespace emflow::detail::decode {
 

@@ -108,13 +108,13 @@ std::vector<double> phase_generic_host(const PhaseProblem& problem, const Execut
                                        const Progress& progress);
 
 #if EMFLOW_WITH_CUDA
-/// The device-resident run of run_flow (device_ops_cuda.cpp), on validated arguments.
+/// The device-resident run of run_flow (src/cuda/flow_ops.cpp), on validated arguments.
 template <class T>
 FlowResult<T> run_flow_device(const Tensor<T>& initial, const std::vector<double>& betas,
                               const std::vector<FlowLayer<T>>& layers, const FlowSettings& settings,
                               const Progress& progress);
 
-/// The generic sweep on the CUDA device (device_ops_cuda.cpp): the state stays in device memory,
+/// The generic sweep on the CUDA device (src/cuda/flow_ops.cpp): the state stays in device memory,
 /// each step's clouds come back once for the count.
 std::vector<double> phase_generic_device(const PhaseProblem& problem, const Progress& progress);
 #endif

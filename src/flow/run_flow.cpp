@@ -1,6 +1,6 @@
 // run_flow: the validation of its arguments, the shape of its result, and where it runs: on the
 // host (host_ops.cpp) or, when the options resolve to a CUDA device, in device memory
-// (device_ops_cuda.cpp), both the recorded run of stepper.hpp.
+// (src/cuda/flow_ops.cpp), both the recorded run of stepper.hpp.
 #include <algorithm>
 #include <cmath>
 

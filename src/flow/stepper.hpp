@@ -4,9 +4,9 @@
 // and the generic phase sweep. All are templates over an operations type `Ops` that owns the
 // memory and does the work:
 //   HostOps   (host_ops.hpp): std::vector buffers, emflow::attend, OpenMP loops, observe();
-//   DeviceOps (device_ops_cuda.cpp): cuda::DeviceBuffer, one owned stream, the kernels of
+//   DeviceOps (src/cuda/flow_ops.cpp): cuda::DeviceBuffer, one owned stream, the kernels of
 //             kernels/flow_kernels.hpp, attention plans made once per configuration
-//             (kernels/attend_plan.hpp) sharing one workspace sized once.
+//             (src/cuda/attend_plan.hpp) sharing one workspace sized once.
 // Both make the same calls in the same order, so the two runs differ by rounding only.
 //
 // What Ops provides (T = Ops::Value; every pointer is memory of Ops' kind; counts in elements):

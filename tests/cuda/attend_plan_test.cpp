@@ -1,4 +1,4 @@
-// The CUDA attention plan (kernels/attend_plan.hpp): made once, enqueued many times. Its size is
+// The CUDA attention plan (src/cuda/attend_plan.hpp): made once, enqueued many times. Its size is
 // attend_workspace_size's; two enqueues with different beta and pointers give what two
 // attend_async calls give (bitwise: both run the same kernels) and what the reference gives; a
 // call that does not match the plan is refused, naming what differs. The sizing tests run
@@ -18,7 +18,7 @@
 #include <cuda_runtime.h>
 
 #include "emflow/cuda.hpp"
-#include "kernels/attend_plan.hpp"
+#include "cuda/attend_plan.hpp"
 
 namespace emflow::testing {
 namespace {

@@ -32,7 +32,7 @@
 #include <cuda_runtime.h>
 
 #include "emflow/cuda.hpp"
-#include "kernels/attend_plan.hpp"
+#include "cuda/attend_plan.hpp"
 
 namespace emflow::testing {
 namespace {

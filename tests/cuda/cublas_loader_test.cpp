@@ -1,4 +1,4 @@
-// cuBLAS is loaded on first use (kernels/cublas_loader.hpp), not linked: a process maps it only
+// cuBLAS is loaded on first use (src/cuda/cublas_loader.hpp), not linked: a process maps it only
 // once a call needs it. Under ctest every test runs in a process of its own, so the library is
 // not mapped before this test asks for it; run in one process after GPU tests, it may be, and
 // then only the loaded functions are checked. Needs no device.
@@ -8,7 +8,7 @@
 #include <string>
 
 #if defined(EMFLOW_WITH_CUDA) && !defined(EMFLOW_CUDA_EMULATION)
-#include "kernels/cublas_loader.hpp"
+#include "cuda/cublas_loader.hpp"
 
 namespace emflow::testing {
 namespace {

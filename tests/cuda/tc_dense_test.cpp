@@ -1,5 +1,5 @@
 // cuda::attend_async and the blocking attend on Device::cuda for bfloat16 and float16, and for
-// float with precision tf32: the dense EMF form on the tensor cores (kernels/tc_dense.cu), at
+// float with precision tf32: the dense EMF form on the tensor cores (src/cuda/tc_dense.cpp), at
 // awkward sizes (N = 1, 7, 33, 130; d = 1, 5, 64, 130), masks none, causal and window, key lengths,
 // cross-attention, key bias, offset, with and without lse and entropy. The accuracy rule (issue 16,
 // tc_reference.hpp): against the double result of the same rounded inputs, the error is at most

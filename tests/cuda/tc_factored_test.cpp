@@ -1,5 +1,5 @@
 // cuda::attend_factored_async and the blocking attend_factored on Device::cuda for bfloat16,
-// float16 and float with precision tf32 (the tensor-core path, kernels/tc_factored.cu), at
+// float16 and float with precision tf32 (the tensor-core path, src/cuda/tc_factored.cpp), at
 // awkward sizes (N = 1, 17, 130;
 // ranks and dims that leave part of a 16-wide step empty), masks none, causal and window, key
 // lengths, key bias, offset, lse and entropy. The accuracy rule (issue 16): against the double

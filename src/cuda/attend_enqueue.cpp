@@ -8,7 +8,7 @@
 #include <type_traits>
 
 #include "attend_plan.hpp"
-#include "attention_kernels.hpp"
+#include "kernels/attention_kernels.hpp"
 #include "cublas_handles.hpp"
 #include "cublas_loader.hpp"
 

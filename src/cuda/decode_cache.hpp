@@ -4,7 +4,7 @@
 // them; attend() copies the queries in, projects them, runs the fused kernel per head with its
 // keys split into blocks (flash-decoding, kernels/key_splits.cu) so that few queries against
 // many keys fill the device, merges the splits and the heads, and copies the outputs back,
-// synchronising the stream before it returns. Defined in kernels/decode_cache.cpp; without CUDA
+// synchronising the stream before it returns. Defined in src/cuda/decode_cache.cpp; without CUDA
 // the constructor throws ErrorCode::unsupported (cuda_unavailable.cpp).
 #pragma once
 

@@ -11,7 +11,7 @@
 //      head, are transposed from the kernel's (heads, batch, queries) to the public (batch,
 //      heads, queries).
 //
-// The projections and the combine are tc_projection.cu's, shared with the dense form (tc_dense.cu).
+// The projections and the combine are tc_projection.cu's, shared with the dense form (tc_dense.cpp).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -28,8 +28,8 @@
 #include "cuda_support.hpp"
 #include "emflow/cuda.hpp"
 #include "emflow/precision.hpp"
-#include "tc_attention.hpp"
-#include "tc_projection.hpp"
+#include "kernels/tc_attention.hpp"
+#include "kernels/tc_projection.hpp"
 
 namespace emflow::detail {
 

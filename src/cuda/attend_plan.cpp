@@ -9,7 +9,7 @@
 #include <string>
 #include <type_traits>
 
-#include "attention_kernels.hpp"
+#include "kernels/attention_kernels.hpp"
 #include "core/backends.hpp"
 #include "core/check.hpp"
 #include "cublas_loader.hpp"

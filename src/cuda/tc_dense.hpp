@@ -1,4 +1,4 @@
-// The dense EMF form on the tensor cores (tc_dense.cu): what cuda::attend_workspace_size and
+// The dense EMF form on the tensor cores (tc_dense.cpp): what cuda::attend_workspace_size and
 // cuda::attend_async (emflow/cuda.hpp, attend_async.cpp) run for 16-bit T, and for float with
 // precision tf32. T is bfloat16, float16 or float (TF32 operands).
 #pragma once

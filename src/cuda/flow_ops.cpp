@@ -1,6 +1,6 @@
 // The flow in device memory: the operations of stepper.hpp on cuda::DeviceBuffer. Every
 // attention evaluation enqueues an attention plan made once per configuration before the run
-// (kernels/attend_plan.hpp), on one owned stream, with one workspace sized for the largest; the
+// (src/cuda/attend_plan.hpp), on one owned stream, with one workspace sized for the largest; the
 // element-wise parts and the observables are the kernels of kernels/flow_kernels.hpp. The host
 // only enqueues, and waits where it needs data: for the copy of the record before last at each
 // record (page-locked staging, so the stream keeps its work) and for the stream at the end (the
@@ -17,12 +17,12 @@
 
 #include "core/check.hpp"
 #include "emflow/cuda.hpp"
-#include "internal.hpp"
-#include "kernels/attend_plan.hpp"
+#include "flow/internal.hpp"
+#include "attend_plan.hpp"
 #include "kernels/attention_kernels.hpp"
-#include "kernels/cuda_support.hpp"
+#include "cuda_support.hpp"
 #include "kernels/flow_kernels.hpp"
-#include "stepper.hpp"
+#include "flow/stepper.hpp"
 
 namespace emflow::flow::detail {
 

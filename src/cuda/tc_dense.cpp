@@ -32,9 +32,9 @@
 #include "core/queries.hpp"
 #include "cuda_support.hpp"
 #include "emflow/precision.hpp"
-#include "tc_attention.hpp"
+#include "kernels/tc_attention.hpp"
 #include "tc_dense.hpp"
-#include "tc_projection.hpp"
+#include "kernels/tc_projection.hpp"
 
 namespace emflow::detail {
 

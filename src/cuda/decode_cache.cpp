@@ -1,4 +1,4 @@
-// detail::decode::DeviceCache (src/decode/device.hpp): the device form of the float decode cache.
+// detail::decode::DeviceCache (src/cuda/decode_cache.hpp): the device form of the float decode cache.
 //
 // Layout: keys (capacity, dim); contents (heads, capacity, dim), head h's rows at h capacity dim,
 // so an append writes each head's new rows in place. attend() runs the fused kernel once per head
@@ -12,11 +12,11 @@
 #include <string>
 
 #include "attend_plan.hpp"
-#include "attention_kernels.hpp"
+#include "kernels/attention_kernels.hpp"
 #include "core/check.hpp"
 #include "cuda_support.hpp"
-#include "decode/device.hpp"
-#include "decode_kernels.hpp"
+#include "decode_cache.hpp"
+#include "kernels/decode_kernels.hpp"
 #include "emflow/cuda.hpp"
 
 namespace emflow::detail::decode {

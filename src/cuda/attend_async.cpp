@@ -8,13 +8,13 @@
 #include <type_traits>
 
 #include "attend_plan.hpp"
-#include "attention_kernels.hpp"
+#include "kernels/attention_kernels.hpp"
 #include "core/backends.hpp"
 #include "core/check.hpp"
 #include "core/low_precision.hpp"
 #include "cuda_support.hpp"
 #include "emflow/cuda.hpp"
-#include "tc_attention.hpp"
+#include "kernels/tc_attention.hpp"
 #include "tc_dense.hpp"
 
 namespace emflow::cuda {
@@ -75,7 +75,7 @@ emflow::detail::MemoryRange range(const char* name, const T* pointer, std::int64
   return {name, pointer, static_cast<std::size_t>(count) * sizeof(T), written};
 }
 
-// Whether attend_async runs the dense form on the tensor cores (tc_dense.cu) for storage type T
+// Whether attend_async runs the dense form on the tensor cores (tc_dense.cpp) for storage type T
 // and `precision`: always for 16-bit T (their own precision or fp32, the same computation), for
 // float with tf32 where that path computes what is asked (a permission, not a demand: elsewhere
 // float32 products meet the TF32 bound), never for fp32. Other pairs are named as invalid.
@@ -267,7 +267,7 @@ void finish_partial_async(const PartialShape& shape, const PartialInput<T>& stat
 EMFLOW_INSTANTIATE_ASYNC(float)
 EMFLOW_INSTANTIATE_ASYNC(double)
 #undef EMFLOW_INSTANTIATE_ASYNC
-// 16-bit storage: the dense form on the tensor cores (tc_dense.cu).
+// 16-bit storage: the dense form on the tensor cores (tc_dense.cpp).
 #define EMFLOW_INSTANTIATE_16BIT(T)                                                               \
   template std::size_t attend_workspace_size<T>(const AttentionInput<T>&,                         \
                                                 const AttentionOutput<T>&, Algorithm, Precision); \
