@@ -84,13 +84,16 @@ void check_shapes(const AttentionInput<T>& in, const AttentionOutput<T>& out, co
 }
 
 template <class T>
-void check_arguments(const AttentionInput<T>& in, const AttentionOutput<T>& out, const char* op) {
+void check_arguments(const AttentionInput<T>& in, const AttentionOutput<T>& out, const char* op,
+                     Lengths lengths) {
   check_shapes(in, out, op);
   expect_not_null(op, "cloud", in.cloud);
   expect_not_null(op, "relevance", in.layer.relevance);
   expect_not_null(op, "content", in.layer.content);
   expect_not_null(op, "update", out.update);
-  if (in.key_lengths != nullptr) {
+  // Values in device memory (Lengths::device) are not read here: the kernels clamp them.
+  const bool read = lengths == Lengths::host;
+  if (read && in.key_lengths != nullptr) {
     for (std::int64_t b = 0; b < in.batch; ++b) {
       const std::int64_t length = in.key_lengths[b];
       if (length < 0 || length > in.tokens) {
@@ -99,7 +102,7 @@ void check_arguments(const AttentionInput<T>& in, const AttentionOutput<T>& out,
       }
     }
   }
-  if (in.query_lengths != nullptr) {
+  if (read && in.query_lengths != nullptr) {
     const std::int64_t Nq = query_count(in);
     for (std::int64_t b = 0; b < in.batch; ++b) {
       const std::int64_t length = in.query_lengths[b];
@@ -108,7 +111,7 @@ void check_arguments(const AttentionInput<T>& in, const AttentionOutput<T>& out,
       }
     }
   }
-  if (in.query_positions != nullptr) {
+  if (read && in.query_positions != nullptr) {
     for (std::int64_t b = 0; b < in.batch; ++b) {
       if (in.query_positions[b] == kAlignToEnd) {
         fail_argument(op, "query_positions", "entry ", b, " must be a position, not kAlignToEnd");
@@ -183,10 +186,10 @@ template void check_shapes<float>(const AttentionInput<float>&, const AttentionO
                                   const char*);
 template void check_shapes<double>(const AttentionInput<double>&, const AttentionOutput<double>&,
                                    const char*);
-template void check_arguments<float>(const AttentionInput<float>&, const AttentionOutput<float>&,
-                                     const char*);
-template void check_arguments<double>(const AttentionInput<double>&, const AttentionOutput<double>&,
-                                      const char*);
+template void check_arguments<float>(const AttentionInput<float>&,
+                                   const AttentionOutput<float>&, const char*, Lengths);
+template void check_arguments<double>(const AttentionInput<double>&,
+                                   const AttentionOutput<double>&, const char*, Lengths);
 template void expect_self_attention<float>(const AttentionInput<float>&, const char*);
 template void expect_self_attention<double>(const AttentionInput<double>&, const char*);
 template void check_no_overlap<float>(const AttentionInput<float>&, const AttentionOutput<float>&,
@@ -195,9 +198,9 @@ template void check_no_overlap<double>(const AttentionInput<double>&,
                                        const AttentionOutput<double>&, const char*, const void*,
                                        std::size_t);
 template void check_arguments<bfloat16>(const AttentionInput<bfloat16>&,
-                                        const AttentionOutput<bfloat16>&, const char*);
+                                   const AttentionOutput<bfloat16>&, const char*, Lengths);
 template void check_arguments<float16>(const AttentionInput<float16>&,
-                                       const AttentionOutput<float16>&, const char*);
+                                   const AttentionOutput<float16>&, const char*, Lengths);
 template void check_no_overlap<bfloat16>(const AttentionInput<bfloat16>&,
                                          const AttentionOutput<bfloat16>&, const char*, const void*,
                                          std::size_t);

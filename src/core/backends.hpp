@@ -46,21 +46,27 @@ template <class T>
 void check_shapes(const AttentionInput<T>& input, const AttentionOutput<T>& output,
                   const char* operation);
 
+/// Where the length and position arrays of a call live: host memory, whose values the checks
+/// read, or device memory (the stream-ordered calls), whose values they cannot read without a
+/// synchronisation: only their presence is checked, and the kernels clamp the values.
+enum class Lengths { host, device };
+
 /// validate() without the overlap check: shapes, sizes, pointers, beta, the mask and the key
-/// lengths. For callers whose operators are not the dense ones (attend_factored), which then
-/// check their own memory ranges with check_disjoint.
+/// lengths (their values only for Lengths::host). For callers whose operators are not the dense
+/// ones (attend_factored), which then check their own memory ranges with check_disjoint.
 template <class T>
 void check_arguments(const AttentionInput<T>& input, const AttentionOutput<T>& output,
-                     const char* operation);
+                     const char* operation, Lengths lengths = Lengths::host);
 
 /// attend_factored's checks of its arguments under the name `operation`: the layer (heads, rank,
 /// the four factors), then check_arguments on the shapes, then no output sharing memory with an
-/// input, another output or the workspace (when given). Reads the key lengths when they are
-/// given (a device caller passes them as null).
+/// input, another output or the workspace (when given). Reads the length and position values
+/// for Lengths::host only.
 template <class T>
 void check_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
                     const AttentionOutput<T>& output, const char* operation,
-                    const void* workspace = nullptr, std::size_t workspace_bytes = 0);
+                    const void* workspace = nullptr, std::size_t workspace_bytes = 0,
+                    Lengths lengths = Lengths::host);
 
 /// Blocking CUDA path of attend_factored on host arrays of 16-bit T, or of float with precision
 /// tf32 (kernels/, or a stub without CUDA): copies to the device, runs

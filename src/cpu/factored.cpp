@@ -30,7 +30,7 @@ namespace detail {
 template <class T>
 void check_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
                     const AttentionOutput<T>& output, const char* operation, const void* workspace,
-                    std::size_t workspace_bytes) {
+                    std::size_t workspace_bytes, Lengths lengths) {
   using detail::checked_multiply;
   using detail::expect_not_null;
   using detail::fail_argument;
@@ -56,7 +56,7 @@ void check_factored(const AttentionInput<T>& input, const FactoredLayer<T>& laye
   shape.layer.heads = layer.heads;
   shape.layer.relevance = layer.query_factor;
   shape.layer.content = layer.content_down;
-  detail::check_arguments(shape, output, operation);
+  detail::check_arguments(shape, output, operation, lengths);
   // No output may share memory with the factors (sizes fit: checked above).
   const auto B = static_cast<std::size_t>(input.batch);
   const auto N = static_cast<std::size_t>(input.tokens);
@@ -88,7 +88,7 @@ void check_factored(const AttentionInput<T>& input, const FactoredLayer<T>& laye
 #define EMFLOW_CHECK_FACTORED(T)                                                       \
   template void check_factored<T>(const AttentionInput<T>&, const FactoredLayer<T>&,   \
                                   const AttentionOutput<T>&, const char*, const void*, \
-                                  std::size_t);
+                                  std::size_t, Lengths);
 EMFLOW_CHECK_FACTORED(float)
 EMFLOW_CHECK_FACTORED(double)
 EMFLOW_CHECK_FACTORED(bfloat16)

@@ -31,11 +31,7 @@ using emflow::detail::fail_argument;
 template <class T>
 void check_input(const AttentionInput<T>& input, const AttentionOutput<T>& output,
                  const char* operation) {
-  AttentionInput<T> shapes = input;
-  shapes.key_lengths = nullptr;
-  shapes.query_lengths = nullptr;
-  shapes.query_positions = nullptr;
-  emflow::detail::check_arguments(shapes, output, operation);
+  emflow::detail::check_arguments(input, output, operation, emflow::detail::Lengths::device);
 }
 
 template <class T>

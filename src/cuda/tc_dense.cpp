@@ -74,11 +74,7 @@ DenseLayout dense_layout(const AttentionInput<T>& input, const AttentionOutput<T
 template <class T>
 void check_dense_async(const AttentionInput<T>& input, const AttentionOutput<T>& output,
                        cuda::Algorithm algorithm, const char* operation) {
-  AttentionInput<T> shapes = input;
-  shapes.key_lengths = nullptr;
-  shapes.query_lengths = nullptr;
-  shapes.query_positions = nullptr;
-  check_arguments(shapes, output, operation);
+  check_arguments(input, output, operation, Lengths::device);
   switch (algorithm) {
     case cuda::Algorithm::automatic:
     case cuda::Algorithm::fused:

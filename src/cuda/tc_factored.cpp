@@ -100,11 +100,7 @@ void check_factored_async(const AttentionInput<T>& input, const FactoredLayer<T>
                           const AttentionOutput<T>& output, Precision precision,
                           const char* operation, const void* workspace = nullptr,
                           std::size_t workspace_bytes = 0) {
-  AttentionInput<T> shapes = input;
-  shapes.key_lengths = nullptr;
-  shapes.query_lengths = nullptr;
-  shapes.query_positions = nullptr;
-  check_factored(shapes, layer, output, operation, workspace, workspace_bytes);
+  check_factored(input, layer, output, operation, workspace, workspace_bytes, Lengths::device);
   (void)tc_type<T>(precision, operation);
   check_tc_outputs(output, operation);
   if (layer.rank > kTcMaxDim) {
