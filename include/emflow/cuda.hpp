@@ -74,6 +74,7 @@
 #include <utility>
 
 #include "emflow/attention.hpp"
+#include "emflow/capability.hpp"
 #include "emflow/factored.hpp"
 #include "emflow/partial.hpp"
 
@@ -87,8 +88,8 @@ using Stream = CUstream_st*;
 /// True when a CUDA device can be used; otherwise `reason` (if given) says why.
 bool device_available(std::string* reason = nullptr) noexcept;
 
-/// Which GPU algorithm computes the update (see the header comment).
-enum class Algorithm { automatic, fused, unfused };
+/// Which GPU algorithm computes the update (see the header comment; capability.hpp).
+using Algorithm = emflow::Algorithm;
 
 /// Bytes of device workspace attend_async needs for these shapes, outputs, algorithm and
 /// precision. Reads only the shapes, `mask`, and which output pointers are non-null (no memory is

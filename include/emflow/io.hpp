@@ -13,9 +13,6 @@
 
 namespace emflow {
 
-/// Element type of an array file.
-enum class Dtype { float32, float64, int64, int32, float16 };
-const char* to_string(Dtype dtype) noexcept;
 
 /// What a .npy header declares.
 struct NpyHeader {

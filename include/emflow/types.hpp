@@ -105,6 +105,12 @@ enum class Device {
 Device parse_device(const std::string& text, const char* argument = "device");
 const char* to_string(Device device) noexcept;
 
+/// The element type of an array: attention storage (float64, float32, bfloat16, float16) and the
+/// other types the files hold (.npy, safetensors).
+enum class Dtype { float32, float64, int64, int32, float16, bfloat16 };
+/// "float32", "float64", "int64", "int32", "float16", "bfloat16".
+const char* to_string(Dtype dtype) noexcept;
+
 /// A dense row-major shape, e.g. {B, N, d}.
 using Shape = std::vector<std::int64_t>;
 /// "(2, 64, 32)"

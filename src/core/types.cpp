@@ -72,6 +72,24 @@ const char* to_string(Device device) noexcept {
   return "unknown";
 }
 
+const char* to_string(Dtype dtype) noexcept {
+  switch (dtype) {
+    case Dtype::float32:
+      return "float32";
+    case Dtype::float64:
+      return "float64";
+    case Dtype::int64:
+      return "int64";
+    case Dtype::int32:
+      return "int32";
+    case Dtype::float16:
+      return "float16";
+    case Dtype::bfloat16:
+      return "bfloat16";
+  }
+  return "unknown";
+}
+
 std::string to_string(const Shape& shape) {
   std::string out = "(";
   for (std::size_t i = 0; i < shape.size(); ++i) {

@@ -349,16 +349,13 @@ Tensor<T> read_npy_payload(const std::string& path) {
     case Dtype::float16:
       convert_payload<float16>(file, path, count, array.data());
       break;
+    case Dtype::bfloat16:  // not a NumPy dtype: read_header never gives it
+      fail_file("read_npy", path, "holds bfloat16 data, which .npy files cannot");
   }
   return array;
 }
 
 }  // namespace
-
-const char* to_string(Dtype dtype) noexcept {
-  const DtypeInfo* info = info_of(dtype);
-  return info ? info->name : "unknown";
-}
 
 NpyHeader read_npy_header(const std::string& path) {
   return detail::reporting_out_of_memory("read_npy", path, [&] {

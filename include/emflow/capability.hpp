@@ -1,0 +1,190 @@
+// emflow: which backend and kernel compute a problem, or why none can.
+//
+// Every entry point (attend, attend_factored, attend_partial, the decode cache, the distributed
+// ring, the CUDA plan, the Python package) describes its call as a Problem, a description without
+// arrays, and asks route() where it runs. The eligibility rules (the tensor cores' largest
+// dimension, which outputs a kernel forms, which storage types a device holds) are written once,
+// in route(); a caller that wants to know in advance whether a call will run, and how, asks the
+// same question (as cuDNN's check_support or CUTLASS's can_implement):
+//
+//   emflow::Problem problem = emflow::describe(input, output);
+//   const emflow::Route route = emflow::route(problem, emflow::Device::automatic);
+//   if (!route.supported) std::cerr << route.reason << "\n";
+//   else std::cout << emflow::to_string(route) << "\n";   // "cuda tensor_cores bf16"
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "emflow/attention.hpp"
+#include "emflow/factored.hpp"
+#include "emflow/partial.hpp"
+#include "emflow/precision.hpp"
+#include "emflow/types.hpp"
+
+namespace emflow {
+
+/// The two ways a layer's operators are given (docs/MATH.md §1, §2).
+enum class Form {
+  dense,     ///< M_h, F_h (d x d each): LayerOperators
+  factored,  ///< M_h = A_h^T B_h, F_h = U_h V_h of rank r: FactoredLayer
+};
+
+/// What a call computes.
+enum class Operation {
+  update,   ///< the contextual update (attend, attend_factored)
+  partial,  ///< the partial state over a block of keys (attend_partial, partial.hpp)
+  decode,   ///< queries against a decode cache's keys (decode.hpp)
+};
+
+/// The algorithm a caller asks of the GPU (cuda.hpp): automatic, or one of the two float32
+/// product paths. Host devices ignore it.
+enum class Algorithm { automatic, fused, unfused };
+
+/// The code that computes a routed problem.
+enum class Kernel {
+  reference,     ///< the double-precision reference, written as the formulas read (src/reference)
+  cpu_fused,     ///< the fused multi-threaded CPU engine: float32 products, online softmax
+  cpu_bf16,      ///< the fused CPU engine with AVX512-BF16 products (float32 accumulation)
+  cuda_fused,    ///< the fused float32 GPU kernel (online softmax, never N x N)
+  cuda_unfused,  ///< cuBLAS products and a row-softmax kernel (the N x N scores stored)
+  cuda_tensor_cores,  ///< the mma.sync kernel: bf16, fp16 or TF32 operands, float32 accumulation
+};
+
+/// A call described by its shapes and options, without its arrays.
+struct Problem {
+  Operation operation = Operation::update;
+  Form form = Form::dense;
+  Dtype storage = Dtype::float32;         ///< float64, float32, bfloat16 or float16
+  Precision precision = Precision::fp32;  ///< as ExecutionOptions::precision
+  Algorithm algorithm = Algorithm::automatic;
+  std::int64_t batch = 1;
+  std::int64_t tokens = 0;        ///< N, the keys
+  std::int64_t query_tokens = 0;  ///< Nq; equal to tokens for self-attention
+  std::int64_t dim = 0;
+  std::int64_t heads = 1;
+  std::int64_t rank = 0;  ///< r, the factored form only
+  Mask mask;
+  bool cross = false;            ///< queries of their own (AttentionInput::queries)
+  bool query_lengths = false;    ///< per-cloud query lengths
+  bool positions = false;        ///< key_position, query_position or query_positions set
+  bool key_lengths = false;      ///< per-cloud key lengths
+  bool key_bias = false;         ///< u_h
+  bool offset = false;           ///< c
+  bool lse = false;              ///< outputs asked for
+  bool entropy = false;
+  bool weights = false;
+  bool finite = true;            ///< every stored input value finite (host calls check it)
+
+  /// Self-attention as it was before queries existed: no queries, query lengths or positions.
+  /// Some kernels (cpu_bf16) keep a fast path for it alone.
+  constexpr bool plain_self_attention() const noexcept {
+    return !cross && !query_lengths && !positions;
+  }
+  /// dim for the dense form, rank for the factored one: the width of the scores' products.
+  constexpr std::int64_t score_width() const noexcept {
+    return form == Form::factored ? rank : dim;
+  }
+};
+
+/// The answer to a Problem on a device.
+struct Route {
+  bool supported = false;
+  /// Why not, when !supported: names the device, the limit and the value, e.g. "attend: cuda
+  /// tensor_cores: weights are not computed on the tensor cores (ask for lse and the update)".
+  std::string reason;
+  /// True when !supported only because the device is absent (no CUDA build or no GPU): the one
+  /// refusal a test may turn into a skip.
+  bool device_missing = false;
+  Device device = Device::cpu;  ///< cpu, cuda or reference (never automatic)
+  Kernel kernel = Kernel::reference;
+  /// The factored layer is first expanded to dense M_h = A_h^T B_h, F_h = U_h V_h (in double for
+  /// the reference, in the storage type on the GPU), then computed by `kernel`.
+  bool expanded = false;
+  /// What the arithmetic runs in: float64 or float32 (16-bit storage accumulates in float32).
+  Dtype computes = Dtype::float32;
+  /// The operands of the products: fp32 (float32, or float64 when computes is float64), tf32,
+  /// bf16 or fp16. tf32 is a permission: a host device computes fp32 for it.
+  Precision products = Precision::fp32;
+};
+
+/// What this process can use: asked once (the first call) and kept.
+struct Machine {
+  bool cuda_built = false;   ///< emflow was built with the CUDA backend
+  bool cuda_device = false;  ///< and a device is usable
+  std::string cuda_reason;   ///< why not, when !cuda_device
+  bool avx512_bf16 = false;  ///< the processor has AVX512-BF16 (cpu_bf16)
+};
+
+/// This process's machine.
+const Machine& this_machine();
+
+/// The largest dim (dense) or rank (factored) of the GPU's fused float32 kernel and of its
+/// tensor-core kernel.
+inline constexpr std::int64_t kCudaFusedMaxDim = 256;
+inline constexpr std::int64_t kTensorCoreMaxDim = 256;
+
+/// The storage type of T.
+template <class T>
+constexpr Dtype dtype_of() noexcept {
+  if constexpr (std::is_same_v<T, double>) {
+    return Dtype::float64;
+  } else if constexpr (std::is_same_v<T, float>) {
+    return Dtype::float32;
+  } else if constexpr (std::is_same_v<T, bfloat16>) {
+    return Dtype::bfloat16;
+  } else {
+    static_assert(std::is_same_v<T, float16>, "storage is double, float, bfloat16 or float16");
+    return Dtype::float16;
+  }
+}
+
+/// The Problem of an attend call: shapes, options and which optional arrays are given. Reads no
+/// array: `finite` is left true (a host entry point that routes on it sets it).
+template <class T>
+Problem describe(const AttentionInput<T>& input, const AttentionOutput<T>& output,
+                 const ExecutionOptions& options = {});
+/// The Problem of an attend_factored call (input.layer unused).
+template <class T>
+Problem describe(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                 const AttentionOutput<T>& output, const ExecutionOptions& options = {});
+/// The Problem of an attend_partial call.
+template <class T>
+Problem describe(const AttentionInput<T>& input, const PartialOutput<T>& output,
+                 const ExecutionOptions& options = {});
+
+/// Where `problem` runs when `requested` is asked for on `machine`: for Device::automatic the
+/// GPU when it is usable and computes the problem (the CPU otherwise); for a named device that
+/// device or the reason it cannot. Never throws; reads no array. `operation` prefixes reasons.
+Route route(const Problem& problem, Device requested, const Machine& machine,
+            const char* operation = "attend");
+/// route() on this process's machine.
+Route route(const Problem& problem, Device requested = Device::automatic,
+            const char* operation = "attend");
+
+/// route(), throwing emflow::Error (ErrorCode::unsupported, the route's reason) when the problem
+/// cannot run there: what the entry points call.
+Route require_route(const Problem& problem, Device requested, const char* operation);
+
+/// "reference", "cpu_fused", ..., "cuda_tensor_cores".
+const char* to_string(Kernel kernel) noexcept;
+const char* to_string(Form form) noexcept;
+const char* to_string(Operation operation) noexcept;
+const char* to_string(Algorithm algorithm) noexcept;
+/// "cuda cuda_tensor_cores bf16", "cpu cpu_fused fp32 (expanded)", or "unsupported: <reason>".
+std::string to_string(const Route& route);
+
+#define EMFLOW_CAPABILITY_EXTERN(T)                                                              \
+  extern template Problem describe<T>(const AttentionInput<T>&, const AttentionOutput<T>&,       \
+                                      const ExecutionOptions&);                                  \
+  extern template Problem describe<T>(const AttentionInput<T>&, const FactoredLayer<T>&,         \
+                                      const AttentionOutput<T>&, const ExecutionOptions&);       \
+  extern template Problem describe<T>(const AttentionInput<T>&, const PartialOutput<T>&,         \
+                                      const ExecutionOptions&);
+EMFLOW_CAPABILITY_EXTERN(float)
+EMFLOW_CAPABILITY_EXTERN(double)
+EMFLOW_CAPABILITY_EXTERN(bfloat16)
+EMFLOW_CAPABILITY_EXTERN(float16)
+#undef EMFLOW_CAPABILITY_EXTERN
+
+}  // namespace emflow

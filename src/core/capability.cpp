@@ -1,0 +1,442 @@
+// The capability function (include/emflow/capability.hpp): every rule that decides which device
+// and kernel compute a problem, or why none can, in one place.
+//
+// The rules, by device:
+//   reference  every storage type, the update and the partial state; the factored form expanded
+//              to dense operators in double. No decode cache (its keys live on cpu or cuda).
+//   cpu        the update: float in the fused engine (dense and factored), double in the
+//              reference; bfloat16 and float16 widened exactly to float and computed there, except
+//              bfloat16 self-attention without weights on a processor with AVX512-BF16, whose
+//              products take bf16 operands. Input with a non-finite value goes to the reference
+//              (expanded for the factored form), which puts NaN exactly where docs/MATH.md §6.6
+//              says. The partial state: float in the engine, double in the reference. The decode
+//              cache: float dense in the engine, the factored form and double in double.
+//   cuda       dense float: the tensor cores for tf32 where they compute what is asked (no
+//              weights, dim <= kTensorCoreMaxDim, not Algorithm::unfused), else fused (no
+//              weights, dim <= kCudaFusedMaxDim) or unfused (cuBLAS); double: unfused; bfloat16
+//              and float16: the tensor cores (no weights, dim <= kTensorCoreMaxDim). Factored:
+//              16-bit, and float with tf32, on the tensor cores (rank <= kTensorCoreMaxDim, no
+//              weights); otherwise expanded to dense operators in the storage type and routed as
+//              the dense form. The partial state: float and double as the dense update without
+//              weights. The decode cache: float, dense, dim <= kCudaFusedMaxDim, with a capacity.
+//              Index arithmetic is 32-bit: larger problems are refused.
+//   automatic  cuda when a device is usable and computes the problem, else cpu.
+#include "emflow/capability.hpp"
+
+#include <climits>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "backends.hpp"
+#include "check.hpp"
+#include "queries.hpp"
+
+namespace emflow {
+
+namespace {
+
+bool is_16bit(Dtype storage) { return storage == Dtype::bfloat16 || storage == Dtype::float16; }
+
+bool is_storage(Dtype storage) {
+  return storage == Dtype::float64 || storage == Dtype::float32 || is_16bit(storage);
+}
+
+/// A route that runs.
+Route runs(Device device, Kernel kernel, Dtype computes, Precision products,
+           bool expanded = false) {
+  Route r;
+  r.supported = true;
+  r.device = device;
+  r.kernel = kernel;
+  r.computes = computes;
+  r.products = products;
+  r.expanded = expanded;
+  return r;
+}
+
+/// A refusal on `device`: "<operation>: <device>: <why...>".
+template <class... Parts>
+Route refused(Device device, const char* operation, Parts&&... parts) {
+  std::ostringstream out;
+  out << operation << ": " << to_string(device) << ": ";
+  (out << ... << std::forward<Parts>(parts));
+  Route r;
+  r.device = device;
+  r.reason = out.str();
+  return r;
+}
+
+/// The precision a storage type may be asked for (as ExecutionOptions::precision documents);
+/// empty when the pair is valid, else why not.
+std::string precision_mismatch(const Problem& p) {
+  switch (p.precision) {
+    case Precision::fp32:
+      return {};
+    case Precision::tf32:
+      if (p.storage == Dtype::float32) return {};
+      return std::string("precision tf32 needs float32 storage, got ") + to_string(p.storage);
+    case Precision::bf16:
+      if (p.storage == Dtype::bfloat16) return {};
+      return std::string("precision bf16 needs bfloat16 storage, got ") + to_string(p.storage);
+    case Precision::fp16:
+      if (p.storage == Dtype::float16) return {};
+      return std::string("precision fp16 needs float16 storage, got ") + to_string(p.storage);
+  }
+  return "unknown precision";
+}
+
+/// The products' precision of a 16-bit storage type on the tensor cores.
+Precision tensor_core_products(const Problem& p) {
+  if (p.storage == Dtype::bfloat16) return Precision::bf16;
+  if (p.storage == Dtype::float16) return Precision::fp16;
+  return Precision::tf32;
+}
+
+Route on_reference(const Problem& p, const char* op) {
+  if (p.operation == Operation::decode) {
+    return refused(Device::reference, op,
+                   "a decode cache lives on cpu or cuda (the reference holds no cache)");
+  }
+  if (p.operation == Operation::partial && p.form == Form::factored) {
+    return refused(Device::reference, op, "partial states take the dense form");
+  }
+  if (p.operation == Operation::partial && is_16bit(p.storage)) {
+    return refused(Device::reference, op, "partial states are float or double, got ",
+                   to_string(p.storage));
+  }
+  return runs(Device::reference, Kernel::reference, Dtype::float64, Precision::fp32,
+              p.form == Form::factored);
+}
+
+Route on_cpu(const Problem& p, const Machine& machine, const char* op) {
+  const bool factored = p.form == Form::factored;
+  switch (p.operation) {
+    case Operation::partial:
+      if (factored) return refused(Device::cpu, op, "partial states take the dense form");
+      if (p.storage == Dtype::float32) {
+        return runs(Device::cpu, Kernel::cpu_fused, Dtype::float32, Precision::fp32);
+      }
+      if (p.storage == Dtype::float64) {
+        return runs(Device::cpu, Kernel::reference, Dtype::float64, Precision::fp32);
+      }
+      return refused(Device::cpu, op, "partial states are float or double, got ",
+                     to_string(p.storage));
+    case Operation::decode:
+      if (p.storage == Dtype::float32 && !factored) {
+        return runs(Device::cpu, Kernel::cpu_fused, Dtype::float32, Precision::fp32);
+      }
+      if (p.storage == Dtype::float32 || p.storage == Dtype::float64) {
+        return runs(Device::cpu, Kernel::reference, Dtype::float64, Precision::fp32);
+      }
+      return refused(Device::cpu, op, "decode caches are float or double, got ",
+                     to_string(p.storage));
+    case Operation::update:
+      break;
+  }
+  if (p.storage == Dtype::float64 || !p.finite) {
+    return runs(Device::cpu, Kernel::reference, Dtype::float64, Precision::fp32, factored);
+  }
+  if (p.storage == Dtype::bfloat16 && !factored && machine.avx512_bf16 &&
+      p.plain_self_attention() && !p.weights) {
+    return runs(Device::cpu, Kernel::cpu_bf16, Dtype::float32, Precision::bf16);
+  }
+  return runs(Device::cpu, Kernel::cpu_fused, Dtype::float32, Precision::fp32);
+}
+
+/// The 32-bit index limit of the CUDA kernels: rows of every head and cloud times the width.
+std::string cuda_size_limit(const Problem& p) {
+  const std::int64_t longest = p.tokens > p.query_tokens ? p.tokens : p.query_tokens;
+  const std::int64_t width = p.dim > p.rank ? p.dim : p.rank;
+  // Shapes were validated: each product below fits in int64 unless its factors are absurd, so
+  // compare by division.
+  const std::int64_t rows_limit = INT_MAX / (width > 0 ? width : 1);
+  if (longest > INT_MAX - 256 || p.batch > rows_limit || p.heads > rows_limit / p.batch ||
+      longest > rows_limit / (p.batch * p.heads)) {
+    std::ostringstream out;
+    out << p.batch << " x " << p.heads << " x " << longest << " rows of " << width
+        << " values exceed the CUDA backend's 32-bit index limit of " << INT_MAX;
+    return out.str();
+  }
+  return {};
+}
+
+/// The dense float32 / float64 rule on the GPU (fused, unfused, or TF32 tensor cores).
+Route cuda_dense_products(const Problem& p, const char* op, bool expanded) {
+  const bool tf32 = p.storage == Dtype::float32 && p.precision == Precision::tf32;
+  if (tf32 && !p.weights && p.dim <= kTensorCoreMaxDim && p.algorithm != Algorithm::unfused &&
+      p.operation == Operation::update) {
+    return runs(Device::cuda, Kernel::cuda_tensor_cores, Dtype::float32, Precision::tf32,
+                expanded);
+  }
+  const Dtype computes = p.storage == Dtype::float64 ? Dtype::float64 : Dtype::float32;
+  const bool fused_fits = p.storage == Dtype::float32 && !p.weights && p.dim <= kCudaFusedMaxDim;
+  switch (p.algorithm) {
+    case Algorithm::fused:
+      if (p.storage != Dtype::float32) {
+        return refused(Device::cuda, op, "the fused algorithm runs float32 only, got ",
+                       to_string(p.storage));
+      }
+      if (p.weights) {
+        return refused(Device::cuda, op,
+                       "the fused algorithm does not form the weights (use unfused)");
+      }
+      if (p.dim > kCudaFusedMaxDim) {
+        return refused(Device::cuda, op, "the fused algorithm needs dim <= ", kCudaFusedMaxDim,
+                       ", got ", p.dim);
+      }
+      return runs(Device::cuda, Kernel::cuda_fused, computes, Precision::fp32, expanded);
+    case Algorithm::unfused:
+      return runs(Device::cuda, Kernel::cuda_unfused, computes, Precision::fp32, expanded);
+    case Algorithm::automatic:
+      return runs(Device::cuda, fused_fits ? Kernel::cuda_fused : Kernel::cuda_unfused, computes,
+                  Precision::fp32, expanded);
+  }
+  return refused(Device::cuda, op, "unknown algorithm");
+}
+
+Route on_cuda(const Problem& p, const Machine& machine, const char* op) {
+  if (!machine.cuda_built || !machine.cuda_device) {
+    Route r = refused(Device::cuda, op, "device 'cuda' requested but unavailable: ",
+                      machine.cuda_built ? machine.cuda_reason
+                                         : std::string("emflow was built without CUDA"));
+    r.device_missing = true;
+    return r;
+  }
+  const std::string limit = cuda_size_limit(p);
+  if (!limit.empty()) return refused(Device::cuda, op, limit);
+  const bool factored = p.form == Form::factored;
+  switch (p.operation) {
+    case Operation::partial:
+      if (factored) return refused(Device::cuda, op, "partial states take the dense form");
+      if (is_16bit(p.storage)) {
+        return refused(Device::cuda, op, "partial states are float or double, got ",
+                       to_string(p.storage));
+      }
+      return cuda_dense_products(p, op, false);
+    case Operation::decode:
+      if (p.storage != Dtype::float32 || factored) {
+        return refused(Device::cuda, op,
+                       "the GPU decode cache holds float32 caches of the dense form, got ",
+                       to_string(p.storage), factored ? " factored" : "");
+      }
+      if (p.dim > kCudaFusedMaxDim) {
+        return refused(Device::cuda, op, "the GPU decode cache needs dim <= ", kCudaFusedMaxDim,
+                       ", got ", p.dim);
+      }
+      if (p.tokens < 1) {
+        return refused(Device::cuda, op,
+                       "the GPU decode cache needs a capacity (DecodeOptions::capacity >= 1)");
+      }
+      return runs(Device::cuda, Kernel::cuda_fused, Dtype::float32, Precision::fp32);
+    case Operation::update:
+      break;
+  }
+  const bool tensor_cores =
+      is_16bit(p.storage) || (factored && p.storage == Dtype::float32 &&
+                              p.precision == Precision::tf32 && !p.weights &&
+                              p.rank <= kTensorCoreMaxDim);
+  if (factored && !tensor_cores) return cuda_dense_products(p, op, true);
+  if (!factored && !is_16bit(p.storage)) return cuda_dense_products(p, op, false);
+  // The tensor cores: 16-bit storage (either form), or the factored form in TF32.
+  if (p.algorithm == Algorithm::unfused) {
+    return refused(Device::cuda, op, "the unfused algorithm (cuBLAS) runs float32 and float64, got ",
+                   to_string(p.storage));
+  }
+  if (p.weights) {
+    return refused(Device::cuda, op,
+                   "the tensor cores do not form the weights (ask for the update, lse and "
+                   "entropy, or compute in float32 or on the cpu)");
+  }
+  if (p.score_width() > kTensorCoreMaxDim) {
+    return refused(Device::cuda, op, "the tensor cores need ", factored ? "rank" : "dim",
+                   " <= ", kTensorCoreMaxDim, ", got ", p.score_width());
+  }
+  return runs(Device::cuda, Kernel::cuda_tensor_cores, Dtype::float32, tensor_core_products(p));
+}
+
+Machine probe_machine() {
+  Machine m;
+#if defined(EMFLOW_WITH_CUDA)
+  m.cuda_built = true;
+#endif
+  std::string reason;
+  m.cuda_device = m.cuda_built && detail::cuda_device_available(&reason);
+  m.cuda_reason = reason;
+  m.avx512_bf16 = detail::cpu_bf16_available();
+  return m;
+}
+
+}  // namespace
+
+const Machine& this_machine() {
+  static const Machine machine = probe_machine();
+  return machine;
+}
+
+Route route(const Problem& p, Device requested, const Machine& machine, const char* op) {
+  const Device named = requested == Device::automatic ? Device::cpu : requested;
+  if (!is_storage(p.storage)) {
+    return refused(named, op, "storage must be float64, float32, bfloat16 or float16, got ",
+                   to_string(p.storage));
+  }
+  const std::string mismatch = precision_mismatch(p);
+  if (!mismatch.empty()) return refused(named, op, mismatch);
+  if (p.form == Form::factored && p.rank < 1) {
+    return refused(named, op, "the factored form needs rank >= 1, got ", p.rank);
+  }
+  switch (requested) {
+    case Device::reference:
+      return on_reference(p, op);
+    case Device::cpu:
+      return on_cpu(p, machine, op);
+    case Device::cuda:
+      return on_cuda(p, machine, op);
+    case Device::automatic:
+      if (machine.cuda_device) {
+        Route gpu = on_cuda(p, machine, op);
+        if (gpu.supported) return gpu;
+      }
+      return on_cpu(p, machine, op);
+  }
+  return refused(named, op, "unknown device");
+}
+
+Route route(const Problem& problem, Device requested, const char* operation) {
+  return route(problem, requested, this_machine(), operation);
+}
+
+Route require_route(const Problem& problem, Device requested, const char* operation) {
+  Route r = route(problem, requested, operation);
+  if (!r.supported) detail::fail(ErrorCode::unsupported, r.reason);
+  return r;
+}
+
+namespace {
+
+template <class T>
+Problem describe_input(const AttentionInput<T>& in, const ExecutionOptions& options) {
+  Problem p;
+  p.storage = dtype_of<T>();
+  p.precision = options.precision;
+  p.batch = in.batch;
+  p.tokens = in.tokens;
+  p.query_tokens = detail::query_count(in);
+  p.dim = in.dim;
+  p.heads = in.layer.heads;
+  p.mask = in.mask;
+  p.cross = in.queries != nullptr;
+  p.query_lengths = in.query_lengths != nullptr;
+  p.positions = in.key_position != 0 || in.query_position != kAlignToEnd ||
+                in.query_positions != nullptr;
+  p.key_lengths = in.key_lengths != nullptr;
+  p.key_bias = in.layer.key_bias != nullptr;
+  p.offset = in.layer.offset != nullptr;
+  return p;
+}
+
+}  // namespace
+
+template <class T>
+Problem describe(const AttentionInput<T>& input, const AttentionOutput<T>& output,
+                 const ExecutionOptions& options) {
+  Problem p = describe_input(input, options);
+  p.lse = output.lse != nullptr;
+  p.entropy = output.entropy != nullptr;
+  p.weights = output.weights != nullptr;
+  return p;
+}
+
+template <class T>
+Problem describe(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                 const AttentionOutput<T>& output, const ExecutionOptions& options) {
+  Problem p = describe(input, output, options);
+  p.form = Form::factored;
+  p.heads = layer.heads;
+  p.rank = layer.rank;
+  p.key_bias = layer.key_bias != nullptr;
+  p.offset = layer.offset != nullptr;
+  return p;
+}
+
+template <class T>
+Problem describe(const AttentionInput<T>& input, const PartialOutput<T>& output,
+                 const ExecutionOptions& options) {
+  Problem p = describe_input(input, options);
+  p.operation = Operation::partial;
+  p.offset = false;  // belongs to finish_partial
+  p.lse = output.lse != nullptr;
+  p.entropy = output.entropy != nullptr;
+  return p;
+}
+
+const char* to_string(Kernel kernel) noexcept {
+  switch (kernel) {
+    case Kernel::reference:
+      return "reference";
+    case Kernel::cpu_fused:
+      return "cpu_fused";
+    case Kernel::cpu_bf16:
+      return "cpu_bf16";
+    case Kernel::cuda_fused:
+      return "cuda_fused";
+    case Kernel::cuda_unfused:
+      return "cuda_unfused";
+    case Kernel::cuda_tensor_cores:
+      return "cuda_tensor_cores";
+  }
+  return "unknown";
+}
+
+const char* to_string(Form form) noexcept {
+  return form == Form::factored ? "factored" : "dense";
+}
+
+const char* to_string(Operation operation) noexcept {
+  switch (operation) {
+    case Operation::update:
+      return "update";
+    case Operation::partial:
+      return "partial";
+    case Operation::decode:
+      return "decode";
+  }
+  return "unknown";
+}
+
+const char* to_string(Algorithm algorithm) noexcept {
+  switch (algorithm) {
+    case Algorithm::automatic:
+      return "automatic";
+    case Algorithm::fused:
+      return "fused";
+    case Algorithm::unfused:
+      return "unfused";
+  }
+  return "unknown";
+}
+
+std::string to_string(const Route& r) {
+  if (!r.supported) return "unsupported: " + r.reason;
+  std::string out = std::string(to_string(r.device)) + " " + to_string(r.kernel) + " " +
+                    (r.computes == Dtype::float64 ? "fp64" : to_string(r.products));
+  if (r.expanded) out += " (expanded)";
+  return out;
+}
+
+#define EMFLOW_CAPABILITY(T)                                                                   \
+  template Problem describe<T>(const AttentionInput<T>&, const AttentionOutput<T>&,            \
+                               const ExecutionOptions&);                                       \
+  template Problem describe<T>(const AttentionInput<T>&, const FactoredLayer<T>&,              \
+                               const AttentionOutput<T>&, const ExecutionOptions&);            \
+  template Problem describe<T>(const AttentionInput<T>&, const PartialOutput<T>&,              \
+                               const ExecutionOptions&);
+EMFLOW_CAPABILITY(float)
+EMFLOW_CAPABILITY(double)
+EMFLOW_CAPABILITY(bfloat16)
+EMFLOW_CAPABILITY(float16)
+#undef EMFLOW_CAPABILITY
+
+}  // namespace emflow

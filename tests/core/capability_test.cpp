@@ -1,0 +1,296 @@
+// The capability function (emflow/capability.hpp) on machines described by hand: every rule of
+// src/core/capability.cpp, whatever this machine has.
+#include "emflow/capability.hpp"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+namespace emflow {
+namespace {
+
+Machine cpu_only() {
+  Machine m;
+  m.cuda_reason = "no CUDA device is present";
+  return m;
+}
+
+Machine with_gpu() {
+  Machine m;
+  m.cuda_built = true;
+  m.cuda_device = true;
+  return m;
+}
+
+Machine with_bf16_cpu() {
+  Machine m = cpu_only();
+  m.avx512_bf16 = true;
+  return m;
+}
+
+Problem dense(Dtype storage, std::int64_t dim = 64) {
+  Problem p;
+  p.storage = storage;
+  p.batch = 2;
+  p.tokens = p.query_tokens = 100;
+  p.dim = dim;
+  p.heads = 2;
+  return p;
+}
+
+Problem factored(Dtype storage, std::int64_t rank = 16) {
+  Problem p = dense(storage);
+  p.form = Form::factored;
+  p.rank = rank;
+  return p;
+}
+
+void expect_route(const Route& r, Device device, Kernel kernel, Precision products,
+                  bool expanded = false) {
+  ASSERT_TRUE(r.supported) << r.reason;
+  EXPECT_EQ(r.device, device);
+  EXPECT_EQ(r.kernel, kernel) << to_string(r);
+  EXPECT_EQ(r.products, products) << to_string(r);
+  EXPECT_EQ(r.expanded, expanded) << to_string(r);
+  EXPECT_TRUE(r.reason.empty());
+}
+
+void expect_refusal(const Route& r, const std::string& part) {
+  EXPECT_FALSE(r.supported) << to_string(r);
+  EXPECT_NE(r.reason.find(part), std::string::npos) << r.reason;
+}
+
+TEST(Capability, TheReferenceComputesEveryStorageTypeInDouble) {
+  for (Dtype s : {Dtype::float64, Dtype::float32, Dtype::bfloat16, Dtype::float16}) {
+    const Route r = route(dense(s), Device::reference, cpu_only());
+    expect_route(r, Device::reference, Kernel::reference, Precision::fp32);
+    EXPECT_EQ(r.computes, Dtype::float64);
+    expect_route(route(factored(s), Device::reference, cpu_only()), Device::reference,
+                 Kernel::reference, Precision::fp32, /*expanded=*/true);
+  }
+}
+
+TEST(Capability, TheCpuRunsFloatInTheEngineAndDoubleInTheReference) {
+  expect_route(route(dense(Dtype::float32), Device::cpu, cpu_only()), Device::cpu,
+               Kernel::cpu_fused, Precision::fp32);
+  expect_route(route(dense(Dtype::float64), Device::cpu, cpu_only()), Device::cpu,
+               Kernel::reference, Precision::fp32);
+  expect_route(route(factored(Dtype::float32), Device::cpu, cpu_only()), Device::cpu,
+               Kernel::cpu_fused, Precision::fp32);
+  expect_route(route(factored(Dtype::float64), Device::cpu, cpu_only()), Device::cpu,
+               Kernel::reference, Precision::fp32, /*expanded=*/true);
+  // Automatic without a GPU is the CPU.
+  expect_route(route(dense(Dtype::float32), Device::automatic, cpu_only()), Device::cpu,
+               Kernel::cpu_fused, Precision::fp32);
+}
+
+TEST(Capability, NonFiniteInputGoesToTheReferenceOnTheCpu) {
+  Problem p = factored(Dtype::float32);
+  p.finite = false;
+  expect_route(route(p, Device::cpu, cpu_only()), Device::cpu, Kernel::reference,
+               Precision::fp32, /*expanded=*/true);
+  Problem b = dense(Dtype::bfloat16);
+  b.finite = false;
+  expect_route(route(b, Device::cpu, with_bf16_cpu()), Device::cpu, Kernel::reference,
+               Precision::fp32);
+}
+
+TEST(Capability, Bf16ProductsOnTheCpuNeedTheInstructionsAndPlainSelfAttention) {
+  expect_route(route(dense(Dtype::bfloat16), Device::cpu, with_bf16_cpu()), Device::cpu,
+               Kernel::cpu_bf16, Precision::bf16);
+  // Without AVX512-BF16, with weights, or with queries: widened to float32.
+  expect_route(route(dense(Dtype::bfloat16), Device::cpu, cpu_only()), Device::cpu,
+               Kernel::cpu_fused, Precision::fp32);
+  Problem weights = dense(Dtype::bfloat16);
+  weights.weights = true;
+  expect_route(route(weights, Device::cpu, with_bf16_cpu()), Device::cpu, Kernel::cpu_fused,
+               Precision::fp32);
+  Problem cross = dense(Dtype::bfloat16);
+  cross.cross = true;
+  expect_route(route(cross, Device::cpu, with_bf16_cpu()), Device::cpu, Kernel::cpu_fused,
+               Precision::fp32);
+  expect_route(route(dense(Dtype::float16), Device::cpu, with_bf16_cpu()), Device::cpu,
+               Kernel::cpu_fused, Precision::fp32);
+}
+
+TEST(Capability, Tf32IsAPermissionThatTheCpuComputesInFp32) {
+  Problem p = dense(Dtype::float32);
+  p.precision = Precision::tf32;
+  expect_route(route(p, Device::cpu, cpu_only()), Device::cpu, Kernel::cpu_fused,
+               Precision::fp32);
+  expect_route(route(p, Device::cuda, with_gpu()), Device::cuda, Kernel::cuda_tensor_cores,
+               Precision::tf32);
+  p.weights = true;  // the tensor cores do not form weights: float32 products instead
+  expect_route(route(p, Device::cuda, with_gpu()), Device::cuda, Kernel::cuda_unfused,
+               Precision::fp32);
+}
+
+TEST(Capability, PrecisionMustMatchTheStorage) {
+  Problem p = dense(Dtype::float64);
+  p.precision = Precision::tf32;
+  expect_refusal(route(p, Device::cpu, cpu_only()), "tf32 needs float32 storage, got float64");
+  Problem q = dense(Dtype::float32);
+  q.precision = Precision::bf16;
+  expect_refusal(route(q, Device::cpu, cpu_only()), "bf16 needs bfloat16 storage");
+  Problem h = dense(Dtype::bfloat16);
+  h.precision = Precision::fp16;
+  expect_refusal(route(h, Device::reference, cpu_only()), "fp16 needs float16 storage");
+}
+
+TEST(Capability, TheGpuChoosesFusedUnfusedOrTheTensorCores) {
+  expect_route(route(dense(Dtype::float32), Device::cuda, with_gpu()), Device::cuda,
+               Kernel::cuda_fused, Precision::fp32);
+  expect_route(route(dense(Dtype::float32, 257), Device::cuda, with_gpu()), Device::cuda,
+               Kernel::cuda_unfused, Precision::fp32);
+  Problem w = dense(Dtype::float32);
+  w.weights = true;
+  expect_route(route(w, Device::cuda, with_gpu()), Device::cuda, Kernel::cuda_unfused,
+               Precision::fp32);
+  expect_route(route(dense(Dtype::float64), Device::cuda, with_gpu()), Device::cuda,
+               Kernel::cuda_unfused, Precision::fp32);
+  expect_route(route(dense(Dtype::bfloat16), Device::cuda, with_gpu()), Device::cuda,
+               Kernel::cuda_tensor_cores, Precision::bf16);
+  expect_route(route(factored(Dtype::float16), Device::cuda, with_gpu()), Device::cuda,
+               Kernel::cuda_tensor_cores, Precision::fp16);
+  // The factored form in float32 or float64 without tf32: expanded, then the dense rule.
+  expect_route(route(factored(Dtype::float32), Device::cuda, with_gpu()), Device::cuda,
+               Kernel::cuda_fused, Precision::fp32, /*expanded=*/true);
+  // Automatic with a GPU takes it.
+  expect_route(route(dense(Dtype::float32), Device::automatic, with_gpu()), Device::cuda,
+               Kernel::cuda_fused, Precision::fp32);
+}
+
+TEST(Capability, TheGpuRefusesWhatItsKernelsCannotCompute) {
+  Problem w = dense(Dtype::bfloat16);
+  w.weights = true;
+  expect_refusal(route(w, Device::cuda, with_gpu()), "tensor cores do not form the weights");
+  // ... and automatic then takes the CPU.
+  expect_route(route(w, Device::automatic, with_gpu()), Device::cpu, Kernel::cpu_fused,
+               Precision::fp32);
+  expect_refusal(route(dense(Dtype::float16, 300), Device::cuda, with_gpu()),
+                 "dim <= 256, got 300");
+  expect_refusal(route(factored(Dtype::bfloat16, 257), Device::cuda, with_gpu()),
+                 "rank <= 256, got 257");
+  Problem unfused = dense(Dtype::bfloat16);
+  unfused.algorithm = Algorithm::unfused;
+  expect_refusal(route(unfused, Device::cuda, with_gpu()), "unfused algorithm (cuBLAS)");
+  Problem fused = dense(Dtype::float64);
+  fused.algorithm = Algorithm::fused;
+  expect_refusal(route(fused, Device::cuda, with_gpu()), "fused algorithm runs float32 only");
+  Problem big = dense(Dtype::float32);
+  big.tokens = big.query_tokens = std::int64_t{1} << 31;
+  expect_refusal(route(big, Device::cuda, with_gpu()), "32-bit index limit");
+}
+
+TEST(Capability, AMissingDeviceIsSaidAsSuch) {
+  const Route r = route(dense(Dtype::float32), Device::cuda, cpu_only());
+  EXPECT_FALSE(r.supported);
+  EXPECT_TRUE(r.device_missing);
+  EXPECT_NE(r.reason.find("emflow was built without CUDA"), std::string::npos) << r.reason;
+  Machine absent;
+  absent.cuda_built = true;
+  absent.cuda_reason = "no CUDA device is present";
+  const Route s = route(dense(Dtype::float32), Device::cuda, absent, "attend_partial");
+  EXPECT_TRUE(s.device_missing);
+  EXPECT_EQ(s.reason.rfind("attend_partial: cuda: device 'cuda' requested but unavailable: "
+                           "no CUDA device is present",
+                           0),
+            0u)
+      << s.reason;
+  // A refusal for another reason is not a missing device.
+  Problem w = dense(Dtype::bfloat16);
+  w.weights = true;
+  EXPECT_FALSE(route(w, Device::cuda, with_gpu()).device_missing);
+}
+
+TEST(Capability, PartialStatesAndDecodeCaches) {
+  Problem partial = dense(Dtype::float32);
+  partial.operation = Operation::partial;
+  expect_route(route(partial, Device::cpu, cpu_only()), Device::cpu, Kernel::cpu_fused,
+               Precision::fp32);
+  expect_route(route(partial, Device::cuda, with_gpu()), Device::cuda, Kernel::cuda_fused,
+               Precision::fp32);
+  partial.storage = Dtype::bfloat16;
+  expect_refusal(route(partial, Device::cpu, cpu_only()), "partial states are float or double");
+  Problem decode = dense(Dtype::float32);
+  decode.operation = Operation::decode;
+  expect_route(route(decode, Device::cpu, cpu_only()), Device::cpu, Kernel::cpu_fused,
+               Precision::fp32);
+  expect_route(route(decode, Device::cuda, with_gpu()), Device::cuda, Kernel::cuda_fused,
+               Precision::fp32);
+  expect_refusal(route(decode, Device::reference, cpu_only()), "lives on cpu or cuda");
+  decode.tokens = 0;  // no capacity
+  expect_refusal(route(decode, Device::cuda, with_gpu()), "needs a capacity");
+  decode.tokens = 10;
+  decode.form = Form::factored;
+  decode.rank = 4;
+  expect_route(route(decode, Device::cpu, cpu_only()), Device::cpu, Kernel::reference,
+               Precision::fp32);
+  expect_refusal(route(decode, Device::cuda, with_gpu()), "float32 caches of the dense form");
+}
+
+TEST(Capability, DescribeReadsShapesOptionsAndWhichArraysAreGiven) {
+  float x[8] = {}, m[4] = {}, q[4] = {}, update[8] = {}, lse[4] = {};
+  std::int64_t lengths[1] = {4};
+  AttentionInput<float> in;
+  in.cloud = x;
+  in.tokens = 4;
+  in.dim = 2;
+  in.layer.relevance = m;
+  in.layer.content = m;
+  in.key_lengths = lengths;
+  in.queries = q;
+  in.query_tokens = 2;
+  AttentionOutput<float> out;
+  out.update = update;
+  out.lse = lse;
+  ExecutionOptions options;
+  options.precision = Precision::tf32;
+  const Problem p = describe(in, out, options);
+  EXPECT_EQ(p.storage, Dtype::float32);
+  EXPECT_EQ(p.precision, Precision::tf32);
+  EXPECT_EQ(p.tokens, 4);
+  EXPECT_EQ(p.query_tokens, 2);
+  EXPECT_TRUE(p.cross);
+  EXPECT_TRUE(p.key_lengths);
+  EXPECT_TRUE(p.lse);
+  EXPECT_FALSE(p.entropy);
+  EXPECT_FALSE(p.weights);
+  EXPECT_FALSE(p.plain_self_attention());
+  EXPECT_EQ(p.form, Form::dense);
+  FactoredLayer<float> f;
+  f.heads = 3;
+  f.rank = 5;
+  const Problem pf = describe(in, f, out);
+  EXPECT_EQ(pf.form, Form::factored);
+  EXPECT_EQ(pf.heads, 3);
+  EXPECT_EQ(pf.rank, 5);
+  EXPECT_EQ(pf.score_width(), 5);
+}
+
+TEST(Capability, RoutesReadAsText) {
+  EXPECT_EQ(to_string(route(dense(Dtype::bfloat16), Device::cuda, with_gpu())),
+            "cuda cuda_tensor_cores bf16");
+  EXPECT_EQ(to_string(route(factored(Dtype::float64), Device::cpu, cpu_only())),
+            "cpu reference fp64 (expanded)");
+  EXPECT_EQ(to_string(route(dense(Dtype::float32), Device::cuda, cpu_only())).rfind(
+                "unsupported: attend: cuda: ", 0),
+            0u);
+}
+
+TEST(Capability, ThisMachineAgreesWithTheBuild) {
+  const Machine& m = this_machine();
+#if defined(EMFLOW_WITH_CUDA)
+  EXPECT_TRUE(m.cuda_built);
+#else
+  EXPECT_FALSE(m.cuda_built);
+  EXPECT_FALSE(m.cuda_device);
+#endif
+  if (!m.cuda_device) {
+    EXPECT_FALSE(m.cuda_reason.empty() && m.cuda_built);
+  }
+  EXPECT_EQ(&m, &this_machine());
+}
+
+}  // namespace
+}  // namespace emflow
