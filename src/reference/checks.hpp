@@ -75,19 +75,36 @@ inline void expect_valid_mask(const char* op, const Mask& mask) {
   }
 }
 
+/// Empty, or one length in [0, limit] per cloud (`batch` entries).
+inline void expect_lengths(const char* op, const char* argument,
+                           const std::vector<std::int64_t>& lengths, std::int64_t batch,
+                           std::int64_t limit) {
+  if (lengths.empty()) return;
+  if (static_cast<std::int64_t>(lengths.size()) != batch) {
+    fail_argument(op, argument, "has ", lengths.size(), " entries, expected ", batch,
+                  " (one per cloud)");
+  }
+  for (std::size_t b = 0; b < lengths.size(); ++b) {
+    if (lengths[b] < 0 || lengths[b] > limit) {
+      fail_argument(op, argument, "entry ", b, " must be in [0, ", limit, "], got ", lengths[b]);
+    }
+  }
+}
+
 /// Empty (no key lengths), or one length in [0, N] per cloud.
 inline void expect_key_lengths(const char* op, const std::vector<std::int64_t>& key_lengths,
                                const CloudShape& cloud) {
-  if (key_lengths.empty()) return;
-  if (static_cast<std::int64_t>(key_lengths.size()) != cloud.batch) {
-    fail_argument(op, "key_lengths", "has ", key_lengths.size(), " entries, expected ", cloud.batch,
-                  " (one per cloud)");
-  }
-  for (std::size_t b = 0; b < key_lengths.size(); ++b) {
-    if (key_lengths[b] < 0 || key_lengths[b] > cloud.tokens) {
-      fail_argument(op, "key_lengths", "entry ", b, " must be in [0, ", cloud.tokens, "], got ",
-                    key_lengths[b]);
-    }
+  expect_lengths(op, "key_lengths", key_lengths, cloud.batch, cloud.tokens);
+}
+
+/// Positions first .. first + count stay within +-2^60, as emflow::attend requires, so every
+/// difference of two positions that a mask forms fits in int64.
+inline void expect_positions(const char* op, const char* argument, std::int64_t first,
+                             std::int64_t count) {
+  constexpr std::int64_t limit = std::int64_t{1} << 60;
+  if (first < -limit || first > limit || count > limit || first + count > limit) {
+    fail_argument(op, argument, "must keep its positions within +-2^60 (", limit, "), got ", first,
+                  " for ", count, " rows");
   }
 }
 
