@@ -24,8 +24,8 @@ int main() {
   const emflow::ExecutionOptions cpu{emflow::Device::cpu};
 
   const flow::FlowResult<double> one = flow::run_flow(initial, betas, layers, settings, cpu);
-  const flow::FlowResult<double> ranks = emflow::distributed::run_flow(
-      comm, initial.data(), 2, 16, 3, betas, layers, settings, cpu);
+  const flow::FlowResult<double> ranks =
+      emflow::distributed::run_flow(comm, initial.data(), 2, 16, 3, betas, layers, settings, cpu);
 
   double worst = 0.0;
   for (std::int64_t e = 0; e < one.trajectory.size(); ++e) {
@@ -36,8 +36,9 @@ int main() {
     wrong += ranks.observables[r].clusters != one.observables[r].clusters;
   }
   const auto& last = ranks.observables.back();
-  std::printf("distributed run_flow: %zu records, largest difference %.3g, cloud 1 at t = 2: "
-              "%lld clusters\n",
-              ranks.times.size(), worst, static_cast<long long>(last.clusters));
+  std::printf(
+      "distributed run_flow: %zu records, largest difference %.3g, cloud 1 at t = 2: "
+      "%lld clusters\n",
+      ranks.times.size(), worst, static_cast<long long>(last.clusters));
   return wrong == 0 && ranks.times.size() == 21 ? 0 : 1;
 }
