@@ -60,7 +60,8 @@ struct DecodingTrace {
 };
 
 /// A stack of L layers decoding one cloud causally, with one DecodeCache per layer. Movable,
-/// not copyable. Not safe to call from several threads at once.
+/// not copyable (a moved-from stack may only be destroyed or assigned to). Not safe to call
+/// from several threads at once.
 class DecodingStack {
  public:
   /// `layers`: the L >= 1 layers of the stack in R^dim, one per layer (e.g. flow::layer_stack;
