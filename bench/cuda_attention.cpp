@@ -52,9 +52,7 @@
 
 namespace {
 
-using emflow::bench::Event;
-using emflow::bench::Stream;
-using emflow::bench::timed;
+using emflow::bench::CudaTiming;
 using emflow::bench::warmed_up;
 using emflow::cuda::Algorithm;
 using emflow::cuda::DeviceBuffer;
@@ -102,18 +100,18 @@ template <class T = float>
 void run_attention(benchmark::State& state, Algorithm algorithm) {
   const Shape shape(state);
   try {
-    Stream stream;
-    const Event start, stop;
+    CudaTiming timing;
+    const cudaStream_t stream = timing.stream();
     const std::size_t cloud_bytes = shape.cloud_size() * sizeof(T);
     const std::size_t copies = std::clamp<std::size_t>(kRotationBytes / cloud_bytes, 2, 8);
     std::vector<DeviceBuffer<T>> clouds;
     for (std::size_t c = 0; c < copies; ++c) {
-      clouds.push_back(random_buffer<T>(shape.cloud_size(), 1 + c, 1.f, stream.handle));
+      clouds.push_back(random_buffer<T>(shape.cloud_size(), 1 + c, 1.f, stream));
     }
     const auto operator_size = static_cast<std::size_t>(shape.heads * shape.dim * shape.dim);
     const float operator_scale = 2.f / std::sqrt(static_cast<float>(shape.dim));
-    DeviceBuffer<T> relevance = random_buffer<T>(operator_size, 101, operator_scale, stream.handle);
-    DeviceBuffer<T> content = random_buffer<T>(operator_size, 102, operator_scale, stream.handle);
+    DeviceBuffer<T> relevance = random_buffer<T>(operator_size, 101, operator_scale, stream);
+    DeviceBuffer<T> content = random_buffer<T>(operator_size, 102, operator_scale, stream);
     DeviceBuffer<T> update(shape.cloud_size());
 
     emflow::AttentionInput<T> input;
@@ -129,13 +127,13 @@ void run_attention(benchmark::State& state, Algorithm algorithm) {
     const std::size_t bytes = emflow::cuda::attend_workspace_size(input, output, algorithm);
     DeviceBuffer<unsigned char> workspace(bytes);
     auto enqueue = [&] {
-      emflow::cuda::attend_async(input, output, workspace.data(), bytes, stream.handle, algorithm);
+      emflow::cuda::attend_async(input, output, workspace.data(), bytes, stream, algorithm);
     };
-    if (!warmed_up(state, stream.handle, enqueue)) return;
+    if (!warmed_up(state, stream, enqueue)) return;
     std::size_t turn = 0;
     for (auto _ : state) {
       input.cloud = clouds[++turn % copies].data();
-      state.SetIterationTime(timed(stream.handle, start, stop, enqueue));
+      state.SetIterationTime(timing.seconds(enqueue));
     }
     const double per_head = static_cast<double>(shape.cloud_size()) * sizeof(T);
     double traffic = per_head * (2 + 2 * shape.heads);  // clouds + update, projections
@@ -159,8 +157,8 @@ void BM_FusedBf16(benchmark::State& state) {
 void BM_CublasProducts(benchmark::State& state) {
   const Shape shape(state);
   try {
-    Stream stream;
-    const Event start, stop;
+    CudaTiming timing;
+    const cudaStream_t stream = timing.stream();
     const int N = static_cast<int>(shape.tokens), d = static_cast<int>(shape.dim);
     const int B = static_cast<int>(shape.batch);
     const long long square = static_cast<long long>(N) * N, stride = static_cast<long long>(N) * d;
@@ -168,10 +166,10 @@ void BM_CublasProducts(benchmark::State& state) {
         std::clamp<std::size_t>(kRotationBytes / (shape.cloud_size() * sizeof(float)), 2, 8);
     std::vector<DeviceBuffer<float>> clouds;
     for (std::size_t c = 0; c < copies; ++c) {
-      clouds.push_back(random_buffer(shape.cloud_size(), 1 + c, 1.f, stream.handle));
+      clouds.push_back(random_buffer(shape.cloud_size(), 1 + c, 1.f, stream));
     }
-    DeviceBuffer<float> relevance = random_buffer(shape.cloud_size(), 201, 1.f, stream.handle);
-    DeviceBuffer<float> content = random_buffer(shape.cloud_size(), 202, 1.f, stream.handle);
+    DeviceBuffer<float> relevance = random_buffer(shape.cloud_size(), 201, 1.f, stream);
+    DeviceBuffer<float> content = random_buffer(shape.cloud_size(), 202, 1.f, stream);
     DeviceBuffer<float> scores(static_cast<std::size_t>(square) * B);
     DeviceBuffer<float> update(shape.cloud_size());
     cublasHandle_t handle = nullptr;
@@ -179,7 +177,7 @@ void BM_CublasProducts(benchmark::State& state) {
       state.SkipWithError("cublasCreate failed");
       return;
     }
-    cublasSetStream(handle, stream.handle);
+    cublasSetStream(handle, stream);
     const float one = 1.f, zero = 0.f;
     std::size_t turn = 0;
     auto enqueue = [&] {
@@ -191,10 +189,10 @@ void BM_CublasProducts(benchmark::State& state) {
                                 B);
     };
     for (int warm = 0; warm < 2; ++warm) enqueue();
-    cudaStreamSynchronize(stream.handle);
+    cudaStreamSynchronize(stream);
     for (auto _ : state) {
       ++turn;
-      state.SetIterationTime(timed(stream.handle, start, stop, enqueue));
+      state.SetIterationTime(timing.seconds(enqueue));
     }
     cublasDestroy(handle);
     set_counters(state, shape,
@@ -209,19 +207,16 @@ void BM_CublasProducts(benchmark::State& state) {
 void BM_Decode(benchmark::State& state) {
   const std::int64_t tokens = state.range(0), dim = state.range(1);
   try {
-    Stream stream;
-    const Event start, stop;
+    CudaTiming timing;
+    const cudaStream_t stream = timing.stream();
     const auto keys = static_cast<std::size_t>(tokens * dim);
     std::vector<DeviceBuffer<float>> clouds;  // two copies: L2 never holds the last call's keys
-    for (std::uint64_t c = 0; c < 2; ++c)
-      clouds.push_back(random_buffer(keys, 1 + c, 1.f, stream.handle));
+    for (std::uint64_t c = 0; c < 2; ++c) clouds.push_back(random_buffer(keys, 1 + c, 1.f, stream));
     const auto operator_size = static_cast<std::size_t>(dim * dim);
     const float operator_scale = 2.f / std::sqrt(static_cast<float>(dim));
-    DeviceBuffer<float> relevance =
-        random_buffer(operator_size, 101, operator_scale, stream.handle);
-    DeviceBuffer<float> content = random_buffer(operator_size, 102, operator_scale, stream.handle);
-    DeviceBuffer<float> query =
-        random_buffer(static_cast<std::size_t>(dim), 103, 1.f, stream.handle);
+    DeviceBuffer<float> relevance = random_buffer(operator_size, 101, operator_scale, stream);
+    DeviceBuffer<float> content = random_buffer(operator_size, 102, operator_scale, stream);
+    DeviceBuffer<float> query = random_buffer(static_cast<std::size_t>(dim), 103, 1.f, stream);
     DeviceBuffer<float> update(static_cast<std::size_t>(dim));
 
     emflow::AttentionInput<float> input = emflow::tools::layer_input(
@@ -235,13 +230,13 @@ void BM_Decode(benchmark::State& state) {
     const std::size_t bytes = emflow::cuda::attend_workspace_size(input, output);
     DeviceBuffer<unsigned char> workspace(bytes);
     auto enqueue = [&] {
-      emflow::cuda::attend_async(input, output, workspace.data(), bytes, stream.handle);
+      emflow::cuda::attend_async(input, output, workspace.data(), bytes, stream);
     };
-    if (!warmed_up(state, stream.handle, enqueue)) return;
+    if (!warmed_up(state, stream, enqueue)) return;
     std::size_t turn = 0;
     for (auto _ : state) {
       input.cloud = clouds[++turn % 2].data();
-      state.SetIterationTime(timed(stream.handle, start, stop, enqueue));
+      state.SetIterationTime(timing.seconds(enqueue));
     }
     const double kv_bytes = 2.0 * static_cast<double>(keys) * sizeof(float);
     state.counters["kv_bytes_per_second"] =

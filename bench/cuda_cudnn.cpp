@@ -313,11 +313,10 @@ void BM_CudnnSdpa(benchmark::State& state) {
     state.SkipWithError("no CUDA device");
     return;
   }
-  const emflow::bench::Stream owned_stream;
-  const emflow::bench::Event start, stop;
-  const cudaStream_t stream = owned_stream.handle;
+  std::optional<emflow::bench::CudaTiming> timing;  // outlives the handle bound to its stream
   cudnnHandle_t handle = nullptr;
   try {
+    const cudaStream_t stream = timing.emplace().stream();
     check(cudnnCreate(&handle), "cudnnCreate");
     check(cudnnSetStream(handle, stream), "cudnnSetStream");
     Plan plan;
@@ -354,7 +353,7 @@ void BM_CudnnSdpa(benchmark::State& state) {
     if (cudaStreamSynchronize(stream) != cudaSuccess) {
       throw CudnnFailure{"the warm-up run failed on the device"};
     }
-    for (auto _ : state) state.SetIterationTime(emflow::bench::timed(stream, start, stop, execute));
+    for (auto _ : state) state.SetIterationTime(timing->seconds(execute));
     const double full = 4.0 * static_cast<double>(batch * heads) * static_cast<double>(n * n * d);
     state.counters["TFLOP/s"] = benchmark::Counter((causal ? full / 2 : full) * 1e-12,
                                                    benchmark::Counter::kIsIterationInvariantRate);
@@ -362,6 +361,8 @@ void BM_CudnnSdpa(benchmark::State& state) {
     state.SetBytesProcessed(static_cast<std::int64_t>(4 * elements * 2) * state.iterations());
   } catch (const CudnnFailure& failure) {
     state.SkipWithError(("cuDNN: " + failure.what).c_str());
+  } catch (const emflow::Error& e) {
+    state.SkipWithError(e.what());
   }
   if (handle != nullptr) cudnnDestroy(handle);
 }

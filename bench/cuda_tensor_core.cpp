@@ -52,10 +52,9 @@ void run_tensor_core(benchmark::State& state, emflow::Precision precision) {
   const bool causal = state.range(2) != 0;
   const std::int64_t batch = std::max<std::int64_t>(1, kTokensPerCase / n);
   const auto size = [](std::int64_t v) { return static_cast<std::size_t>(v); };
-  const emflow::bench::Stream owned_stream;
-  const emflow::bench::Event start, stop;
-  const cudaStream_t stream = owned_stream.handle;
   try {
+    emflow::bench::CudaTiming timing;
+    const cudaStream_t stream = timing.stream();
     // Factors of order 1 / sqrt(d): projections of order one, scores of moderate spread.
     const float factor = 1.f / std::sqrt(static_cast<float>(d));
     DeviceBuffer<T> cloud = random_device<T>(size(batch * n * d), 1, 1.f, stream);
@@ -86,7 +85,7 @@ void run_tensor_core(benchmark::State& state, emflow::Precision precision) {
     };
     if (emflow::bench::warmed_up(state, stream, enqueue)) {
       for (auto _ : state) {
-        state.SetIterationTime(emflow::bench::timed(stream, start, stop, enqueue));
+        state.SetIterationTime(timing.seconds(enqueue));
       }
       const double full = 4.0 * static_cast<double>(batch) * static_cast<double>(n * n * d);
       state.counters["TFLOP/s"] = benchmark::Counter((causal ? full / 2 : full) * 1e-12,

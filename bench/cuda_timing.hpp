@@ -1,5 +1,6 @@
-// What the GPU benchmarks (bench/cuda_*.cpp) share: an owned stream and events, the CUDA-event
-// timing of one enqueued call, the untimed warm-up, and the random inputs.
+// What the GPU benchmarks (bench/cuda_*.cpp) share: the owned stream and events with the
+// CUDA-event timing of one enqueued call (tools::CudaTiming, the timing `emflow bench` uses too),
+// the untimed warm-up, and the random inputs.
 #pragma once
 
 #include <benchmark/benchmark.h>
@@ -11,36 +12,13 @@
 #include <vector>
 
 #include "emflow/precision.hpp"
+#include "tools/cuda_timing.hpp"
 
 namespace emflow::bench {
 
-struct Stream {
-  cudaStream_t handle = nullptr;
-  Stream() { cudaStreamCreateWithFlags(&handle, cudaStreamNonBlocking); }
-  ~Stream() { cudaStreamDestroy(handle); }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-};
-
-struct Event {
-  cudaEvent_t handle = nullptr;
-  Event() { cudaEventCreate(&handle); }
-  ~Event() { cudaEventDestroy(handle); }
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
-};
-
-// Times one enqueued call with CUDA events; returns seconds.
-template <class Enqueue>
-double timed(cudaStream_t stream, const Event& start, const Event& stop, Enqueue&& enqueue) {
-  cudaEventRecord(start.handle, stream);
-  enqueue();
-  cudaEventRecord(stop.handle, stream);
-  cudaEventSynchronize(stop.handle);
-  float milliseconds = 0.f;
-  cudaEventElapsedTime(&milliseconds, start.handle, stop.handle);
-  return static_cast<double>(milliseconds) * 1e-3;
-}
+// The stream and events of a timed benchmark, and the event timing of one enqueued call:
+// timing.seconds(enqueue), device seconds (tools/cuda_timing.hpp, shared with `emflow bench`).
+using tools::CudaTiming;
 
 // Two untimed calls; false, with the benchmark marked as failed, when the device reports an
 // error.

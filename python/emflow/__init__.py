@@ -32,9 +32,9 @@ __version__ = _emflow.__version__
 with_cuda: bool = _emflow.built_with_cuda()
 
 __all__ = [
-    "Attention", "FlowResult", "PhaseDiagram", "attend", "attend_factored", "cuda_available",
-    "flow", "initial_clouds", "mha_reference", "mha_to_emf", "phase", "resolve_device",
-    "with_cuda",
+    "Attention", "Decoded", "DecodingStack", "FlowResult", "Generation", "PhaseDiagram", "attend",
+    "attend_factored", "cuda_available", "flow", "generate", "initial_clouds", "mha_reference",
+    "mha_to_emf", "phase", "resolve_device", "with_cuda",
 ]
 
 Mask = Union[None, str, tuple]
@@ -269,4 +269,5 @@ def mha_reference(cloud: Any, query: Any, key: Any, value: Any, output: Any, *, 
 
 
 from ._flow import FlowResult, PhaseDiagram, flow, initial_clouds, phase  # noqa: E402
+from ._generate import Decoded, DecodingStack, Generation, generate  # noqa: E402
 from . import io, reference  # noqa: E402

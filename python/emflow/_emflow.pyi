@@ -75,3 +75,31 @@ def write_npy(path: str, array: Annotated[NDArray, dict(writable=False)]) -> Non
     """
     emflow::write_npy: writes a float32, float64 or int64 array (rank 1 to 4) as .npy, atomically (a temporary file beside the target, renamed into place).
     """
+
+class DecodingStack:
+    """
+    emflow::DecodingStack: L layers, one decode cache each. Use emflow.DecodingStack.
+    """
+
+    def __init__(self, dim: int, relevance: object, content: object, layers: int, seed: int, beta: float, norm: str, pre_norm: bool, norm_eps: float, threads: int) -> None: ...
+
+    def forward(self, tokens: NDArray, paths: NDArray | None, entropy: NDArray | None) -> None:
+        """
+        Moves the float32 tokens (n, dim) through the stack in place; paths (n, L + 1, dim) float32 and entropy (n, L) float64 are written when given.
+        """
+
+    def clear(self) -> None:
+        """Drops every token of every cache."""
+
+    @property
+    def size(self) -> int:
+        """Tokens moved so far: the next position."""
+
+    @property
+    def layers(self) -> int: ...
+
+    @property
+    def dim(self) -> int: ...
+
+def generate(prompts: Annotated[NDArray, dict(writable=False)], betas: Sequence[float], relevance: object, content: object, layers: int, seed: int, norm: str, pre_norm: bool, norm_eps: float, steps: int, threads: int) -> tuple:
+    """emflow::generate: (paths, entropy, seconds). Use emflow.generate."""

@@ -11,6 +11,7 @@
 #include "arrays.hpp"
 #include "bindings.hpp"
 #include "emflow/io.hpp"
+#include "operators.hpp"
 
 namespace emflow::python {
 namespace {
@@ -22,26 +23,6 @@ flow::Progress progress_of(const nb::object& callback) {
     nb::gil_scoped_acquire acquire;
     callback(done, total);
   };
-}
-
-template <class T>
-Tensor<T> host_copy(const Placement& place, const char* name, const InArray& array) {
-  const Shape shape = shape_of(array);
-  const T* data = input<T>(place, name, array, shape);
-  return Tensor<T>(shape, std::vector<T>(data, data + array.size()));
-}
-
-template <class T>
-flow::OperatorSource<T> source_of(const Placement& place, const char* name,
-                                  const nb::handle& value) {
-  flow::OperatorSource<T> source;
-  source.name = name;
-  if (nb::isinstance<nb::str>(value)) {
-    source.kind = flow::parse_operator_kind(nb::cast<std::string>(value), name);
-  } else {
-    source.array = host_copy<T>(place, name, nb::cast<InArray>(value));
-  }
-  return source;
 }
 
 nb::dict observables_of(const std::vector<flow::Observables>& list, std::int64_t records,

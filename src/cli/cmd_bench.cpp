@@ -39,9 +39,8 @@
 #include "tools/problem.hpp"
 
 #if defined(EMFLOW_WITH_CUDA)
-#include <cuda_runtime.h>
-
 #include "emflow/cuda.hpp"
+#include "tools/cuda_timing.hpp"
 #endif
 
 namespace emflow::cli {
@@ -163,19 +162,15 @@ void print_line(const std::string& op, const std::string& device, const BenchArg
 }
 
 #if defined(EMFLOW_WITH_CUDA)
-void cuda_check(cudaError_t status, const char* call) {
-  if (status != cudaSuccess) {
-    fail(ErrorCode::device, "bench: ", call, " failed: ", cudaGetErrorString(status));
-  }
-}
-
-/// Device time of emflow::cuda::attend_async (CUDA events on one stream), inputs resident.
+/// Device time of emflow::cuda::attend_async (CUDA events on one stream, tools/cuda_timing.hpp),
+/// inputs resident, in milliseconds.
 std::vector<double> time_cuda(const Problem& p, int repeats) {
+  // First, so that it is released last: after the buffers, whatever throws.
+  tools::CudaTiming timing;
+  const cudaStream_t stream = timing.stream();
   const AttentionInput<float>& host = p.input;
   cuda::DeviceBuffer<float> cloud(p.cloud.size()), relevance(p.relevance.size()),
       content(p.content.size()), update(p.update.size());
-  cudaStream_t stream = nullptr;
-  cuda_check(cudaStreamCreate(&stream), "cudaStreamCreate");
   cloud.copy_from_host(p.cloud.data(), p.cloud.size(), stream);
   relevance.copy_from_host(p.relevance.data(), p.relevance.size(), stream);
   content.copy_from_host(p.content.data(), p.content.size(), stream);
@@ -186,23 +181,10 @@ std::vector<double> time_cuda(const Problem& p, int repeats) {
   const AttentionOutput<float> out{update.data(), nullptr, nullptr, nullptr};
   const std::size_t bytes = cuda::attend_workspace_size(in, out);
   cuda::DeviceBuffer<unsigned char> workspace(bytes);
-  cudaEvent_t start = nullptr, stop = nullptr;
-  cuda_check(cudaEventCreate(&start), "cudaEventCreate");
-  cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
-  cuda::attend_async(in, out, workspace.data(), bytes, stream);  // warm-up
+  const auto enqueue = [&] { cuda::attend_async(in, out, workspace.data(), bytes, stream); };
+  timing.seconds(enqueue);  // warm-up
   std::vector<double> ms;
-  for (int r = 0; r < repeats; ++r) {
-    cuda_check(cudaEventRecord(start, stream), "cudaEventRecord");
-    cuda::attend_async(in, out, workspace.data(), bytes, stream);
-    cuda_check(cudaEventRecord(stop, stream), "cudaEventRecord");
-    cuda_check(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float elapsed = 0.0f;
-    cuda_check(cudaEventElapsedTime(&elapsed, start, stop), "cudaEventElapsedTime");
-    ms.push_back(elapsed);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  cudaStreamDestroy(stream);
+  for (int r = 0; r < repeats; ++r) ms.push_back(1e3 * timing.seconds(enqueue));
   return ms;
 }
 #endif

@@ -32,15 +32,82 @@
 namespace emflow::cli {
 namespace {
 
+// `--generate K` runs a stack of SA layers in float32 on the CPU and records each new token's
+// path: what it does not run is refused by name before anything is read.
+void check_generation(const FlowArguments& args, const ExecutionOptions& options, bool float32) {
+  if (args.generate < 1) fail_option("--generate", "must be >= 1, got ", args.generate);
+  if (args.layers_option->count() == 0) {
+    fail_option("--generate", "needs a stack of layers (--layers L)");
+  }
+  if (args.unnormalized) fail_option("--generate", "runs SA layers only (no --unnormalized)");
+  if (args.record_every_option->count() > 0) {
+    fail_option("--record-every", "does not apply to --generate (--out holds every new token)");
+  }
+  if (options.device == Device::cuda) {
+    fail_option("--device", "cuda: --generate runs on the CPU (--device cpu or auto)");
+  }
+  if (!float32) {
+    fail_option("--generate", "computes in float32 (--precision float32 or a float32 --x)");
+  }
+}
+
+// The generation itself (emflow::generate) and its files: --out every new token at the input of
+// each layer and after the last, (K, L + 1, d) or (B, K, L + 1, d); --metrics how far each layer
+// moved it, and the time per token; --plot the paths.
+void run_generation(const FlowArguments& args, OutputFiles& outputs, const Tensor<float>& prompts,
+                    const std::vector<flow::FlowLayer<float>>& read,
+                    const std::vector<double>& betas, const flow::FlowSettings& settings) {
+  const std::int64_t B = prompts.extent(0), N = prompts.extent(1), d = prompts.extent(2);
+  const std::int64_t K = args.generate, L = args.layers;
+  const bool from_file = !args.cloud.empty();
+  const auto from_x = [](const char* what, std::int64_t v) {
+    return std::string(what) + " " + std::to_string(v) + " (--x)";
+  };
+  expect_product_at_most({{"--generate", K},
+                          {"--layers", L + 1, "--layers " + std::to_string(L) + " + 1"},
+                          {from_file && args.batch_option->count() == 0 ? "--x" : "--batch", B,
+                           from_file && args.batch_option->count() == 0 ? from_x("B", B) : ""},
+                          {from_file ? "--x" : "--dim", d, from_file ? from_x("d", d) : ""}},
+                         std::int64_t{1} << 31, "values of the generated paths (--out)");
+  // One layer shared by the whole stack is each of its L layers.
+  const std::vector<flow::FlowLayer<float>> layers =
+      read.size() == 1 ? std::vector<flow::FlowLayer<float>>(static_cast<std::size_t>(L), read[0])
+                       : read;
+  DecodingSettings decoding;
+  decoding.norm = settings.norm;
+  decoding.pre_norm = settings.pre_norm;
+  decoding.norm_eps = settings.norm_eps;
+  decoding.threads = args.threads;
+  const Generation g =
+      naming_option("--generate", [&] { return generate(prompts, layers, betas, K, decoding); });
+  if (!args.out.empty()) {
+    outputs.stage_npy(args.out, B == 1 ? g.paths.reshaped(Shape{K, L + 1, d}) : g.paths);
+  }
+  if (!args.metrics.empty()) outputs.stage_bytes(args.metrics, generation_metrics(g));
+  if (!args.plot.empty()) {
+    std::ostringstream title;
+    title << "generation: " << K << " tokens after N = " << N << ", d = " << d << ", L = " << L
+          << (args.pre_norm ? " pre-norm" : " post-norm") << ", norm " << args.norm
+          << ", \xCE\xB2 = " << args.beta;
+    if (B > 1) title << "  (paths: cloud 0)";
+    outputs.stage_bytes(args.plot, generation_picture(g, title.str()));
+  }
+  outputs.commit();
+  std::cout << "generated " << K << " tokens after " << N << " through " << L
+            << " layers (d = " << d << (B > 1 ? ", " + std::to_string(B) + " clouds" : "") << ")"
+            << std::endl;
+}
+
 template <class T>
 void run_flow_command(const FlowArguments& args, Dtype dtype) {
   const bool from_file = !args.cloud.empty();
   const bool continuous = args.layers_option->count() == 0;
   const flow::FlowSettings settings = flow_settings(args);
-  const flow::Normalization norm = settings.norm;
   const ExecutionOptions options = execution_options(args.device, args.threads);
   naming_option("--device", [&] { return resolve_device(options.device); });
 
+  const bool generating = args.generate_option->count() > 0;
+  if (generating) check_generation(args, options, std::is_same_v<T, float>);
   OutputFiles outputs;
   declare_flow_files(outputs, args);
 
@@ -73,47 +140,16 @@ void run_flow_command(const FlowArguments& args, Dtype dtype) {
   }
   const std::int64_t B = initial.extent(0), N = initial.extent(1), d = initial.extent(2);
   const std::vector<double> betas = parse_betas(args.beta, B);
-  std::int64_t records = 0;
-  const std::int64_t values = trajectory_values(args, settings, B, N, d, from_file, &records);
-  const auto layers = read_layers<T>(args, d, continuous ? 1 : args.layers, dtype);
-  if (args.generate != 0) {
-    if (args.generate < 0) fail_option("--generate", "must be >= 1, got ", args.generate);
-    if (continuous) fail_option("--generate", "needs a stack of layers (--layers L)");
-    if (args.unnormalized) fail_option("--generate", "runs SA layers only (no --unnormalized)");
-    if (options.device == Device::cuda) {
-      fail_option("--device", "cuda: --generate runs on the CPU (--device cpu or auto)");
-    }
+  if (generating) {
     if constexpr (std::is_same_v<T, float>) {
-      GenerationSettings g_settings;
-      g_settings.norm = norm;
-      g_settings.pre_norm = args.pre_norm;
-      g_settings.norm_eps = args.norm_eps;
-      g_settings.betas = betas;
-      g_settings.layers = args.layers;
-      g_settings.count = args.generate;
-      g_settings.threads = args.threads;
-      const Generation g = generate_tokens(initial, layers, g_settings);
-      // --out: every new token at the input of each layer and after the last, (K, L + 1, d)
-      // or (B, K, L + 1, d); --metrics: how far each layer moved it, and the time per token.
-      if (!args.out.empty()) outputs.stage_npy(args.out, g.paths);
-      if (!args.metrics.empty()) outputs.stage_bytes(args.metrics, generation_metrics(g));
-      if (!args.plot.empty()) {
-        std::ostringstream title;
-        title << "generation: " << args.generate << " tokens after N = " << N << ", d = " << d
-              << ", L = " << args.layers << (args.pre_norm ? " pre-norm" : " post-norm")
-              << ", norm " << args.norm << ", \xCE\xB2 = " << args.beta;
-        if (B > 1) title << "  (paths: cloud 0)";
-        outputs.stage_bytes(args.plot, generation_picture(g, title.str()));
-      }
-      outputs.commit();
-      std::cout << "generated " << args.generate << " tokens after " << N << " through "
-                << args.layers << " layers (d = " << d << (B > 1 ? ", " : "")
-                << (B > 1 ? std::to_string(B) + " clouds" : "") << ")" << std::endl;
-    } else {
-      fail_option("--generate", "computes in float32 (--precision float32 or a float32 --x)");
+      run_generation(args, outputs, initial, read_layers<T>(args, d, args.layers, dtype), betas,
+                     settings);
     }
     return;
   }
+  std::int64_t records = 0;
+  const std::int64_t values = trajectory_values(args, settings, B, N, d, from_file, &records);
+  const auto layers = read_layers<T>(args, d, continuous ? 1 : args.layers, dtype);
 
   tools::ProgressBar bar("emflow flow");
   const auto start = std::chrono::steady_clock::now();
@@ -212,8 +248,10 @@ their observables; outputs are written only when the whole run succeeds.)");
   command->add_flag("--check-finite", args->check_finite,
                     "refuse --x, --m and --f files holding NaN or infinity, naming the file and "
                     "the first such element");
-  command->add_option("--record-every", args->record_every, "record every k steps (and the last)")
-      ->capture_default_str();
+  args->record_every_option =
+      command
+          ->add_option("--record-every", args->record_every, "record every k steps (and the last)")
+          ->capture_default_str();
   add_device_option(*command, args->device);
   add_threads_option(*command, args->threads);
   args->precision_option =
@@ -222,14 +260,15 @@ their observables; outputs are written only when the whole run succeeds.)");
                        "generated clouds: float32 or float64 (a --x file sets its own)")
           ->capture_default_str();
   x->excludes(args->precision_option);
-  command
-      ->add_option("--generate", args->generate,
-                   "layers: grow the cloud by K tokens causally, each the last token's output "
-                   "fed back, through one decode cache per layer and cloud (post- or pre-norm, "
-                   "any --norm, float32, on the CPU); --out then holds each new token's path "
-                   "(K, L + 1, d), or (B, K, L + 1, d) for B clouds, --metrics how far each "
-                   "layer moved it, --plot draws the paths")
-      ->capture_default_str();
+  args->generate_option =
+      command
+          ->add_option("--generate", args->generate,
+                       "layers: grow the cloud by K tokens causally, each the last token's output "
+                       "fed back, through one decode cache per layer and cloud (post- or pre-norm, "
+                       "any --norm, float32, on the CPU); --out then holds each new token's path "
+                       "(K, L + 1, d), or (B, K, L + 1, d) for B clouds, --metrics how far each "
+                       "layer moved it, --plot draws the paths")
+          ->capture_default_str();
   command->add_option("--out", args->out,
                       "output: the recorded clouds (.npy), (records, B, N, d), the initial first");
   command->add_option("--metrics", args->metrics,
@@ -256,10 +295,26 @@ their observables; outputs are written only when the whole run succeeds.)");
                           "--model output: each layer's attention output (.npy), (L, B, N, d)")};
   model_only[2]->excludes(model_only[3]);
   for (CLI::Option* option : model_only) option->needs(model);
-  for (const char* name :
-       {"--tokens", "--dim", "--init", "--seed", "--batch", "--layers", "--time", "--dt",
-        "--integrator", "--m", "--f", "--beta", "--norm", "--pre-norm", "--norm-eps",
-        "--unnormalized", "--record-every", "--precision", "--check-finite"}) {
+  for (const char* name : {"--tokens",
+                           "--dim",
+                           "--init",
+                           "--seed",
+                           "--batch",
+                           "--layers",
+                           "--time",
+                           "--dt",
+                           "--integrator",
+                           "--m",
+                           "--f",
+                           "--beta",
+                           "--norm",
+                           "--pre-norm",
+                           "--norm-eps",
+                           "--unnormalized",
+                           "--record-every",
+                           "--precision",
+                           "--check-finite",
+                           "--generate"}) {
     model->excludes(command->get_option(name));
   }
   command->add_flag("--distributed", args->distributed,

@@ -39,7 +39,9 @@ void run(const FlowArguments& args, Dtype dtype, distributed::Communicator& comm
   std::vector<flow::FlowLayer<T>> layers;
 
   distributed::agreed(comm, [&] {
-    if (args.generate != 0) fail_option("--generate", "is not available with --distributed");
+    if (args.generate_option->count() > 0) {
+      fail_option("--generate", "is not available with --distributed");
+    }
     settings = flow_settings(args);
     options = execution_options(args.device, args.threads);
     if (options.device == Device::automatic) options.device = Device::cpu;

@@ -30,7 +30,7 @@ struct FlowArguments {
   bool pre_norm = false, unnormalized = false;
   bool check_finite = false;
   std::int64_t record_every = 1;
-  std::int64_t generate = 0;  // > 0: causal generation of this many tokens (generate.hpp)
+  std::int64_t generate = 0;  // given: causal generation of this many tokens (emflow::generate)
   std::string device = "auto";
   int threads = 0;
   std::string precision = "float32";
@@ -41,7 +41,8 @@ struct FlowArguments {
   // Which of the mutually dependent options the user gave.
   CLI::Option *tokens_option = nullptr, *dim_option = nullptr, *init_option = nullptr,
               *batch_option = nullptr, *layers_option = nullptr, *time_option = nullptr,
-              *dt_option = nullptr, *integrator_option = nullptr, *precision_option = nullptr;
+              *dt_option = nullptr, *integrator_option = nullptr, *precision_option = nullptr,
+              *record_every_option = nullptr, *generate_option = nullptr;
 };
 
 /// Is `text` the name of a generated operator (identity, minus-identity, random)?

@@ -7,8 +7,9 @@
 // with a baseline target) keeps the 4-lane generic vector, which the compiler lowers to whatever
 // the target has, down to scalar code: that is the portable fallback.
 //
-// Only src/cpu/*.cpp and src/tools/measure.cpp (the FMA peak of `emflow bench`) include this
-// header; they are all compiled with the same flags.
+// Only src/cpu/*.cpp include this header; they are all compiled with the same flags.
+// (src/tools/measure.cpp, the FMA peak of `emflow bench`, keeps a vector of its own that this
+// header's choice of width rules.)
 #pragma once
 
 #include <cstdint>

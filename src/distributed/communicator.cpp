@@ -5,7 +5,7 @@
 #include <new>
 #include <string>
 
-#include "core/check.hpp"
+#include "check.hpp"
 #include "emflow/distributed.hpp"
 #include "emflow/error.hpp"
 

@@ -1,21 +1,24 @@
-// The flow across ranks (emflow/distributed_flow.hpp): the recorded run of src/flow/stepper.hpp
-// with the host operations of src/flow/host_ops.hpp, except three that need the other ranks.
+// The flow across ranks (emflow/distributed_flow.hpp): the run of a part of every cloud
+// (flow::PartRun, emflow/flow_parts.hpp), this rank's tokens, with the three operations that
+// need the other ranks.
 //
 // * attend: the ring of sequence_parallel.hpp on this rank's tokens (contiguous shards).
-// * mean_entropy: each rank sums its tokens' entropies (heads, then tokens, in order), and one
-//   allreduce_sum of B doubles per evaluated record adds the sums in rank order.
-// * record: every observable is a sum, minimum or count over the pairs (i, j) of a cloud, so a
+// * sum_over_parts: the mean entropies, one allreduce_sum of B doubles per evaluated record,
+//   which adds the ranks' sums in rank order.
+// * observe: every observable is a sum, minimum or count over the pairs (i, j) of a cloud, so a
 //   rank needs every token. Per record, for B clouds of N tokens in R^d on P ranks:
 //   - the clouds meet on every rank: a gather of each rank's B N d / P values to rank 0 (which
 //     puts them in place and keeps them for the trajectory) and a broadcast of the B N d values
 //     back: (P - 1) / P * B N d values into rank 0, B N d out to every other rank, B N d memory
 //     on every rank (as the single-process run, which holds the whole state);
 //   - each rank sums the pairs (i, j > i) of the rows i of its two runs of a zigzag split (runs r
-//     and 2P - 1 - r of 2P), about N^2 / (2P) pairs per cloud on every rank: O(B N^2 d / P);
+//     and 2P - 1 - r of 2P), about N^2 / (2P) pairs per cloud on every rank: O(B N^2 d / P)
+//     (flow::pair_sums);
 //   - the partial sums (4 doubles and 1 count per cloud) and the cluster forests (N integers
 //     per cloud) are gathered on rank 0, B (5 + N) 8-byte values from each rank, which adds the
 //     sums in rank order (a fixed order: the same bits in every run) and merges the forests
-//     (exact, O(P B N) near-constant-time joins), then broadcasts the B finished observables.
+//     (exact, O(P B N) near-constant-time joins; flow::observables_from_parts), then
+//     broadcasts the B finished observables.
 //   Which rows a rank sums decides only the order of additions; integer counts are exact.
 #include <algorithm>
 #include <cstring>
@@ -23,21 +26,14 @@
 #include <type_traits>
 #include <vector>
 
-#include "core/check.hpp"
-#include "core/parallel.hpp"
+#include "check.hpp"
 #include "emflow/distributed_flow.hpp"
+#include "emflow/flow_parts.hpp"
 #include "emflow/sequence_parallel.hpp"
-#include "flow/host_ops.hpp"
-#include "flow/internal.hpp"
-#include "flow/stepper.hpp"
 
 namespace emflow::distributed {
 
 namespace {
-
-using flow::detail::EntropySink;
-using flow::detail::PairPart;
-using flow::detail::RowRun;
 
 static_assert(std::is_trivially_copyable_v<flow::Observables>);
 
@@ -46,15 +42,18 @@ static_assert(std::is_trivially_copyable_v<flow::Observables>);
 constexpr std::int64_t kSums = 4;
 
 template <class T>
-class ShardOps : public flow::detail::HostOps<T> {
+class ShardOps final : public flow::PartOperations<T> {
  public:
-  ShardOps(Communicator& comm, const ExecutionOptions& options, double norm_eps, std::int64_t batch,
-           std::int64_t tokens, std::int64_t dim, Tensor<T>* whole)
-      : flow::detail::HostOps<T>(options, norm_eps),
-        comm_(comm),
+  ShardOps(Communicator& comm, const ExecutionOptions& options, std::int64_t batch,
+           std::int64_t tokens, std::int64_t dim, const std::vector<double>& betas,
+           double cluster_eps, Tensor<T>* whole)
+      : comm_(comm),
+        options_(options),
         batch_(batch),
         tokens_(tokens),
         dim_(dim),
+        betas_(betas),
+        cluster_eps_(cluster_eps),
         whole_(whole) {
     const int P = comm.size();
     for (int o = 0; o < P; ++o) {
@@ -71,7 +70,7 @@ class ShardOps : public flow::detail::HostOps<T> {
     parts_.resize(part_values_ * (comm.rank() == 0 ? static_cast<std::size_t>(P) + 1 : 1));
   }
 
-  void attend(const AttentionInput<T>& in, const AttentionOutput<T>& out) {
+  void attend(const AttentionInput<T>& in, const AttentionOutput<T>& out) override {
     ShardInput<T> s;
     s.cloud = in.cloud;
     s.batch = in.batch;
@@ -80,61 +79,36 @@ class ShardOps : public flow::detail::HostOps<T> {
     s.layer = in.layer;
     s.beta = in.beta;
     s.layout = Layout::contiguous;
-    distributed::attend(comm_, s, {out.update, out.lse, out.entropy}, this->options_);
+    distributed::attend(comm_, s, {out.update, out.lse, out.entropy}, options_);
   }
 
-  // The single-process order within the rank (heads, then tokens), then the ranks in order.
-  void mean_entropy(const T* entropy, std::int64_t batch, std::int64_t heads, std::int64_t tokens,
-                    std::int64_t cloud_stride, std::int64_t head_stride, EntropySink sink) {
-    std::vector<double> sums(static_cast<std::size_t>(batch), 0.0);
-    for (std::int64_t b = 0; b < batch; ++b) {
-      for (std::int64_t h = 0; h < heads; ++h) {
-        const T* e = entropy + h * head_stride + b * cloud_stride;
-        for (std::int64_t i = 0; i < tokens; ++i) sums[b] += static_cast<double>(e[i]);
-      }
-    }
-    comm_.allreduce_sum(sums.data(), batch);
-    for (std::int64_t b = 0; b < batch; ++b) {
-      sink.at[b * sink.stride] = sums[b] / static_cast<double>(heads * tokens_);
-    }
+  void sum_over_parts(double* values, std::int64_t count) override {
+    comm_.allreduce_sum(values, count);
   }
 
-  EntropySink record(const T* x, std::int64_t r, flow::FlowResult<T>& result) {
-    const std::int64_t B = batch_, N = tokens_, d = dim_;
-    const std::int64_t local = B * shard_tokens(shards_[comm_.rank()]) * d;
-    std::copy(x, x + local, result.trajectory.data() + r * local);
+  void observe(const T* x, std::int64_t r, flow::Observables* out) override {
+    const std::int64_t B = batch_, N = tokens_;
     gather_clouds(x, r);
 
     // This rank's part of every cloud: [sums (kSums doubles), clustered, forest (N)] per cloud,
     // as 8-byte values (the doubles' bits kept).
-    ::emflow::detail::ParallelErrors errors;
-    const auto& betas = *this->betas_;
-#pragma omp parallel for schedule(dynamic) if (B > 1 && B * N * N * d > (1 << 16))
+    const std::vector<flow::PairSums> sums =
+        flow::pair_sums(clouds_.data(), B, N, dim_, betas_, cluster_eps_, rows_);
     for (std::int64_t b = 0; b < B; ++b) {
-      errors.run([&] {
-        const std::vector<double> cloud(clouds_.begin() + b * N * d,
-                                        clouds_.begin() + (b + 1) * N * d);
-        const std::vector<double> norms = flow::detail::token_norms(cloud.data(), N, d);
-        const PairPart part =
-            flow::detail::pair_part(cloud.data(), norms.data(), N, d,
-                                    betas[static_cast<std::size_t>(b)], this->cluster_eps_, rows_);
-        std::int64_t* to = parts_.data() + b * (kSums + 1 + N);
-        const double sums[kSums] = {part.min_inner, part.sum_inner, part.energy, part.diameter_sq};
-        std::memcpy(to, sums, sizeof sums);
-        to[kSums] = part.clustered;
-        std::copy(part.parent.begin(), part.parent.end(), to + kSums + 1);
-      });
+      const flow::PairSums& part = sums[static_cast<std::size_t>(b)];
+      std::int64_t* to = parts_.data() + b * (kSums + 1 + N);
+      const double values[kSums] = {part.min_inner, part.sum_inner, part.energy, part.diameter_sq};
+      std::memcpy(to, values, sizeof values);
+      to[kSums] = part.clustered;
+      std::copy(part.forest.begin(), part.forest.end(), to + kSums + 1);
     }
-    errors.rethrow();
     const std::size_t bytes = part_values_ * sizeof(std::int64_t);
     comm_.gather(parts_.data(), parts_.data() + part_values_,
                  std::vector<std::size_t>(static_cast<std::size_t>(comm_.size()), bytes), 0);
-    flow::Observables* const out = result.observables.data() + r * B;
     if (comm_.rank() == 0) {
-      for (std::int64_t b = 0; b < B; ++b) out[b] = combine(b, betas[static_cast<std::size_t>(b)]);
+      for (std::int64_t b = 0; b < B; ++b) out[b] = combine(b);
     }
     comm_.broadcast(out, static_cast<std::size_t>(B) * sizeof(flow::Observables), 0);
-    return {this->entropies_.data() + r * B, 1};
   }
 
  private:
@@ -161,32 +135,36 @@ class ShardOps : public flow::detail::HostOps<T> {
   }
 
   // Cloud b's observables from every rank's part, added in rank order.
-  flow::Observables combine(std::int64_t b, double beta) const {
+  flow::Observables combine(std::int64_t b) const {
     const std::int64_t N = tokens_;
-    PairPart sums;
-    std::vector<const std::int64_t*> forests;
+    std::vector<flow::PairSums> parts(static_cast<std::size_t>(comm_.size()));
+    std::vector<const flow::PairSums*> order;
     for (int o = 0; o < comm_.size(); ++o) {
       const std::int64_t* from =
           parts_.data() + part_values_ * (static_cast<std::size_t>(o) + 1) + b * (kSums + 1 + N);
-      double part[kSums];
-      std::memcpy(part, from, sizeof part);
-      sums.min_inner = std::min(sums.min_inner, part[0]);
-      sums.sum_inner += part[1];
-      sums.energy += part[2];
-      sums.diameter_sq = std::max(sums.diameter_sq, part[3]);
-      sums.clustered += from[kSums];
-      forests.push_back(from + kSums + 1);
+      double values[kSums];
+      std::memcpy(values, from, sizeof values);
+      flow::PairSums& part = parts[static_cast<std::size_t>(o)];
+      part.min_inner = values[0];
+      part.sum_inner = values[1];
+      part.energy = values[2];
+      part.diameter_sq = values[3];
+      part.clustered = from[kSums];
+      part.forest.assign(from + kSums + 1, from + kSums + 1 + N);
+      order.push_back(&part);
     }
-    sums.joins = flow::detail::merged_joins(N, forests);
-    return flow::detail::finish_observables(sums, N, beta);
+    return flow::observables_from_parts(order, N, betas_[static_cast<std::size_t>(b)]);
   }
 
   Communicator& comm_;
+  ExecutionOptions options_;
   std::int64_t batch_, tokens_, dim_;
+  const std::vector<double>& betas_;  // one per cloud
+  double cluster_eps_;
   Tensor<T>* whole_;  // rank 0: the whole trajectory
   std::vector<std::vector<Segment>> shards_;
   std::vector<std::size_t> counts_;
-  std::vector<RowRun> rows_;
+  std::vector<flow::RowRun> rows_;
   std::vector<double> clouds_;
   std::vector<T> received_;
   std::size_t part_values_ = 0;
@@ -247,12 +225,10 @@ flow::FlowResult<T> run_flow(Communicator& comm, const T* shard_rows, std::int64
                              const flow::Progress& progress) {
   const char* op = "distributed run_flow";
   const int P = comm.size();
-  std::vector<double> betas;
   ExecutionOptions host = options;
-  flow::FlowResult<T> result;
+  std::optional<flow::PartRun<T>> run;
   Tensor<T> whole;
   std::optional<ShardOps<T>> ops;
-  std::vector<T> state;
   const std::int64_t local =
       shard_tokens(shard(Layout::contiguous, std::max<std::int64_t>(tokens, 0), P, comm.rank()));
   // Every rank's part must fit the same run: a rank with other sizes or settings would wait for
@@ -262,41 +238,33 @@ flow::FlowResult<T> run_flow(Communicator& comm, const T* shard_rows, std::int64
   comm.allreduce_min(mark, 2);
   agreed(comm, [&] {
     if (comm.memory() != Memory::host) {
-      ::emflow::detail::fail(ErrorCode::unsupported, op,
-                             ": needs a host communicator (the ring runs on the host)");
+      detail::fail(ErrorCode::unsupported, op,
+                   ": needs a host communicator (the ring runs on the host)");
     }
     if (mark[0] != -mark[1]) {
-      ::emflow::detail::fail_argument(op, "settings",
-                                      "differ between the ranks (sizes, betas, layers or settings "
-                                      "must be the same on every rank)");
+      detail::fail_argument(op, "settings",
+                            "differ between the ranks (sizes, betas, layers or settings must be "
+                            "the same on every rank)");
     }
-    betas = flow::detail::validate_flow(Shape{batch, tokens, dim}, betas_in, layers, settings);
     if (options.threads < 0) {
-      ::emflow::detail::fail_argument(op, "threads", "must be >= 0, got ", options.threads);
+      detail::fail_argument(op, "threads", "must be >= 0, got ", options.threads);
     }
     if (host.device == Device::automatic) host.device = Device::cpu;
     if (host.device != Device::cpu && host.device != Device::reference) {
-      ::emflow::detail::fail(ErrorCode::unsupported, op,
-                             ": runs on the host (device cpu or reference), got ",
-                             to_string(options.device));
+      detail::fail(ErrorCode::unsupported, op, ": runs on the host (device cpu or reference), got ",
+                   to_string(options.device));
     }
     if (tokens < P) {
-      ::emflow::detail::fail_argument(op, "tokens", "must be at least the number of ranks (", P,
-                                      "), got ", tokens);
+      detail::fail_argument(op, "tokens", "must be at least the number of ranks (", P, "), got ",
+                            tokens);
     }
-    if (shard_rows == nullptr) ::emflow::detail::fail_argument(op, "shard", "is null");
-    result = flow::detail::allocate_result<T>(batch, local, dim, settings);
-    if (comm.rank() == 0) {
-      whole = flow::detail::allocate_result<T>(batch, tokens, dim, settings).trajectory;
-    }
-    ops.emplace(comm, host, settings.norm_eps, batch, tokens, dim, &whole);
-    state.assign(shard_rows, shard_rows + batch * local * dim);
+    if (shard_rows == nullptr) detail::fail_argument(op, "shard", "is null");
+    // The arguments of the run (as run_flow checks them), the result of this rank's tokens.
+    run.emplace(Shape{batch, tokens, dim}, local, betas_in, layers, settings);
+    if (comm.rank() == 0) whole = Tensor<T>(Shape{run->records(), batch, tokens, dim});
+    ops.emplace(comm, host, batch, tokens, dim, run->betas(), settings.cluster_eps, &whole);
   });
-  std::vector<flow::detail::LayerView<T>> views;
-  for (const flow::FlowLayer<T>& layer : layers) views.push_back(flow::detail::host_view(layer));
-  ops->record_into(betas, settings.cluster_eps, result.times.size());
-  flow::detail::run_recorded(*ops, state.data(), views, betas, settings, result, progress, tokens);
-  ops->finish(result);
+  flow::FlowResult<T> result = run->run(*ops, shard_rows, progress);
   if (comm.rank() == 0) result.trajectory = std::move(whole);
   return result;
 }

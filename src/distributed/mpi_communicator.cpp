@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "core/check.hpp"
+#include "check.hpp"
 #include "emflow/distributed.hpp"
 #include "emflow/distributed_mpi.hpp"
 

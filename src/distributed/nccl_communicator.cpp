@@ -3,7 +3,7 @@
 #include <string>
 #include <vector>
 
-#include "core/check.hpp"
+#include "check.hpp"
 #include "emflow/distributed.hpp"
 #include "emflow/distributed_nccl.hpp"
 

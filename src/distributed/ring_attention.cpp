@@ -13,7 +13,7 @@
 #include <limits>
 #include <vector>
 
-#include "core/check.hpp"
+#include "check.hpp"
 #include "emflow/partial.hpp"
 #include "emflow/sequence_parallel.hpp"
 

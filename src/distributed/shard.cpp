@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "core/check.hpp"
+#include "check.hpp"
 #include "emflow/io.hpp"
 #include "emflow/sequence_parallel.hpp"
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "emflow/flow.hpp"
+#include "emflow/flow_parts.hpp"
 
 namespace emflow::flow::detail {
 
@@ -55,11 +56,8 @@ FlowResult<T> run_flow_host(const Tensor<T>& initial, const std::vector<double>&
                             const std::vector<FlowLayer<T>>& layers, const FlowSettings& settings,
                             const ExecutionOptions& options, const Progress& progress);
 
-/// Rows [first, first + count) of a cloud.
-struct RowRun {
-  std::int64_t first = 0;
-  std::int64_t count = 0;
-};
+/// Rows [first, first + count) of a cloud (emflow/flow_parts.hpp).
+using RowRun = ::emflow::flow::RowRun;
 
 /// What the pairs (i, j > i) with i in some rows of a cloud contribute to its observables
 /// (observe() is one part over every row; a cloud split among processes adds the parts of

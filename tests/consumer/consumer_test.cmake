@@ -26,3 +26,12 @@ add_test(NAME consumer.readme_example
                  -DEMFLOW_EXAMPLE=${CMAKE_CURRENT_LIST_DIR}/example.cpp
                  -P ${CMAKE_CURRENT_LIST_DIR}/check_readme.cmake)
 set_tests_properties(consumer.readme_example PROPERTIES LABELS consumer)
+
+# consumer.distributed (tests/consumer/distributed): the same install, then a program against the
+# installed emflow::distributed, and src/distributed built from its sources against the installed
+# emflow alone. After install_and_build, which builds and installs from the same tree.
+add_test(NAME consumer.distributed
+         COMMAND ${CMAKE_COMMAND} ${_emflow_consumer_args}
+                 -P ${CMAKE_CURRENT_LIST_DIR}/distributed/run.cmake)
+set_tests_properties(consumer.distributed PROPERTIES LABELS consumer TIMEOUT 900
+                     DEPENDS consumer.install_and_build)

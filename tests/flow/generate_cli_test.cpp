@@ -2,11 +2,14 @@
 // causal one-pass flow of the grown cloud (prompt and generated tokens as entered), computed here
 // in process with emflow::attend layer by layer, and each token enters as the previous one's
 // output; pre-norm layers, the other norms and several clouds
-// likewise; --plot draws the paths. Bad combinations fail naming the option.
+// likewise; --plot draws the paths. Bad combinations fail naming the option, what --generate does
+// not run (--model, --record-every, an explicit count below 1) is refused by name, and sizes that
+// cannot fit are refused before any work, with the bytes.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -164,7 +167,9 @@ TEST_F(Generate, RefusesWhatItDoesNotRun) {
   };
   for (const Case& c :
        {Case{"--time 1", "--generate"}, Case{"--layers 2 --generate -1", "--generate"},
+        Case{"--layers 2 --generate 0", "--generate"},
         Case{"--layers 2 --unnormalized", "--generate"},
+        Case{"--layers 2 --record-every 2", "--record-every"},
         Case{"--layers 2 --precision float64", "--generate"},
         Case{"--layers 2 --device cuda", "--device"}}) {
     const CliRun run =
@@ -174,6 +179,47 @@ TEST_F(Generate, RefusesWhatItDoesNotRun) {
     EXPECT_NE(run.status, 0) << c.extra;
     EXPECT_NE(run.err.find(c.option), std::string::npos) << c.extra << ": " << run.err;
   }
+}
+
+// A model's layers are not a decoding stack: --model with --generate (whatever the count) is
+// refused, naming --generate, and writes nothing.
+TEST_F(Generate, RefusesAModel) {
+  for (const char* count : {"3", "-5"}) {
+    const CliRun run = emflow("flow --model " + path("") + " --x " + path("x.npy") +
+                              " --generate " + count + " --out " + path("p.npy"));
+    EXPECT_NE(run.status, 0) << count;
+    EXPECT_NE(run.err.find("--generate"), std::string::npos) << count << ": " << run.err;
+    EXPECT_FALSE(std::filesystem::exists(path("p.npy"))) << count;
+  }
+}
+
+// Sizes are refused before anything is allocated, naming --generate: paths beyond the 2^31 values
+// of an output, and caches that cannot fit in memory (the bytes). The address space is capped,
+// so a regression ends in a quick failure to allocate rather than a machine out of memory.
+TEST_F(Generate, RefusesSizesBeforeAnyWork) {
+  const std::string cap = "ulimit -v 4194304;";
+  CliRun run =
+      emflow("flow --tokens 8 --dim 3 --layers 1 --generate 1000000000 --device cpu --out " +
+                 path("p.npy"),
+             cap);
+  EXPECT_EQ(run.status, 1) << run.err;
+  EXPECT_NE(run.err.find("--generate is too large: --generate 1000000000 x --layers 1 + 1"),
+            std::string::npos)
+      << run.err;
+  EXPECT_NE(run.err.find("values of the generated paths (--out)"), std::string::npos) << run.err;
+
+  // 255 heads in d = 1: the paths fit (2 10^9 values), the caches may grow to 32 TB.
+  write_npy(path("x.npy"), Tensor<float>({8, 1}, std::vector<float>(8, 0.5f)));
+  write_npy(path("m.npy"), Tensor<float>({255, 1, 1}, std::vector<float>(255, 0.1f)));
+  run = emflow("flow --x " + path("x.npy") + " --m " + path("m.npy") + " --f " + path("m.npy") +
+                   " --layers 1 --generate 1000000000 --device cpu --out " + path("p.npy"),
+               cap);
+  EXPECT_EQ(run.status, 1) << run.err;
+  EXPECT_NE(run.err.find("--generate: generate: the generation (paths"), std::string::npos)
+      << run.err;
+  EXPECT_NE(run.err.find("decode caches"), std::string::npos) << run.err;
+  EXPECT_NE(run.err.find(" bytes of memory available"), std::string::npos) << run.err;
+  EXPECT_FALSE(std::filesystem::exists(path("p.npy")));
 }
 
 }  // namespace
