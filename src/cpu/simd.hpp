@@ -1,6 +1,7 @@
 // The vector layer of the fast CPU backend: one float vector type whose width is chosen for the
 // build host at compile time (AVX-512: 16 lanes, AVX: 8, otherwise 4), the register-blocked
-// GEMM micro-kernel the fused attention is built from, and a vectorised exp.
+// GEMM micro-kernel the fused attention and its backward pass are built from, and a vectorised
+// exp.
 //
 // Vec is a GCC/Clang vector type, so +, *, comparisons and ?: work on it directly; on x86 it is
 // the intrinsic type itself. A build without SSE/AVX (another architecture, or EMFLOW_NATIVE=OFF
@@ -173,7 +174,9 @@ inline Vec exp_nonpositive(Vec x) {
 /// Register-blocked micro-kernel: C[MR x NV*kLanes] (+)= A[MR x K] B[K x NV*kLanes].
 /// A is read one scalar at a time (broadcast), B one row of NV vectors at a time; the MR x NV
 /// accumulators stay in registers for the whole K loop, as in a GEMM micro-kernel.
-template <int MR, int NV>
+/// A's element (r, k) is A[r * lda + k], or A[k * lda + r] with kTransposedA (A stored as its
+/// transpose: the columns of a row-major tile serve as the rows, as in P^T dO).
+template <int MR, int NV, bool kTransposedA = false>
 inline void micro_kernel(std::int64_t K, const float* A, std::int64_t lda, const float* B,
                          std::int64_t ldb, float* C, std::int64_t ldc, bool accumulate) {
   Vec acc[MR][NV];
@@ -189,7 +192,7 @@ inline void micro_kernel(std::int64_t K, const float* A, std::int64_t lda, const
     for (int v = 0; v < NV; ++v) bk[v] = load(b + v * kLanes);
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      const Vec a = splat(A[r * lda + k]);
+      const Vec a = splat(kTransposedA ? A[k * lda + r] : A[r * lda + k]);
 #pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) acc[r][v] = fma(a, bk[v], acc[r][v]);
     }
@@ -206,24 +209,25 @@ inline constexpr int max_vectors(int rows) {
   return kAccumulators / rows > 0 ? kAccumulators / rows : 1;
 }
 
-template <int MR, int NV>
+template <int MR, int NV, bool kTransposedA = false>
 inline void micro_kernel_remainder(std::int64_t vectors, std::int64_t K, const float* A,
                                    std::int64_t lda, const float* B, std::int64_t ldb, float* C,
                                    std::int64_t ldc, bool accumulate) {
   if constexpr (NV >= 1) {
     if (vectors == NV) {
-      micro_kernel<MR, NV>(K, A, lda, B, ldb, C, ldc, accumulate);
+      micro_kernel<MR, NV, kTransposedA>(K, A, lda, B, ldb, C, ldc, accumulate);
     } else {
-      micro_kernel_remainder<MR, NV - 1>(vectors, K, A, lda, B, ldb, C, ldc, accumulate);
+      micro_kernel_remainder<MR, NV - 1, kTransposedA>(vectors, K, A, lda, B, ldb, C, ldc,
+                                                       accumulate);
     }
   }
 }
 
 /// C[MR x columns] (+)= A[MR x K] B[K x columns] for `columns` a multiple of kLanes, as strips
-/// of the widest micro-kernel and one narrower strip for the remainder.
+/// of the widest micro-kernel and one narrower strip for the remainder; A as for micro_kernel.
 /// Not inlined: inside a large caller GCC runs short of general registers and spills the
 /// micro-kernel's operands; a call costs nothing next to the K x MR x columns FMAs.
-template <int MR>
+template <int MR, bool kTransposedA = false>
 __attribute__((noinline)) void row_block_gemm(std::int64_t K, const float* A, std::int64_t lda,
                                               const float* B, std::int64_t ldb,
                                               std::int64_t columns, float* C, std::int64_t ldc,
@@ -232,11 +236,12 @@ __attribute__((noinline)) void row_block_gemm(std::int64_t K, const float* A, st
   const std::int64_t vectors = columns / kLanes;
   std::int64_t v = 0;
   for (; v + kWidest <= vectors; v += kWidest) {
-    micro_kernel<MR, kWidest>(K, A, lda, B + v * kLanes, ldb, C + v * kLanes, ldc, accumulate);
+    micro_kernel<MR, kWidest, kTransposedA>(K, A, lda, B + v * kLanes, ldb, C + v * kLanes, ldc,
+                                            accumulate);
   }
   if (v < vectors) {
-    micro_kernel_remainder<MR, kWidest - 1>(vectors - v, K, A, lda, B + v * kLanes, ldb,
-                                            C + v * kLanes, ldc, accumulate);
+    micro_kernel_remainder<MR, kWidest - 1, kTransposedA>(vectors - v, K, A, lda, B + v * kLanes,
+                                                          ldb, C + v * kLanes, ldc, accumulate);
   }
 }
 
