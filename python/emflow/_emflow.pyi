@@ -75,3 +75,44 @@ def write_npy(path: str, array: Annotated[NDArray, dict(writable=False)]) -> Non
     """
     emflow::write_npy: writes a float32, float64 or int64 array (rank 1 to 4) as .npy, atomically (a temporary file beside the target, renamed into place).
     """
+
+class GgufFile:
+    """
+    emflow::gguf::File: a GGUF file, its metadata and tensor infos read and checked once. Use emflow.gguf.File.
+    """
+
+    def __init__(self, path: str) -> None: ...
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def alignment(self) -> int: ...
+
+    @property
+    def data_offset(self) -> int: ...
+
+    @property
+    def file_size(self) -> int: ...
+
+    def metadata(self) -> list:
+        """[(key, type, element type or None, value)] in file order."""
+
+    def tensors(self) -> list:
+        """[(name, type, shape, offset, nbytes)] in file order; shape row-major."""
+
+    def read(self, name: str) -> object:
+        """emflow::gguf::File::read: the tensor dequantized to float32."""
+
+def gguf_dequantize(type: str, blocks: Annotated[NDArray[numpy.uint8], dict(order='C', device='cpu', writable=False)], count: int) -> object:
+    """
+    emflow::gguf::dequantize: `count` elements of the type named `type` ("Q4_1", ...) from their bytes, as float32.
+    """
+
+def gguf_types() -> list:
+    """
+    [(code, name, block size, block bytes, dequantized)] for every tensor type emflow knows.
+    """
