@@ -18,13 +18,13 @@
 // (each is checked against the bytes left before anything is allocated), an unknown value type
 // or tensor type, a bool other than 0 or 1, arrays nested deeper than 64, keys or tensor names
 // given twice, an empty key or one longer than 65535 bytes, a tensor name longer than 64 bytes
-// (the format's limit), more than 4 dimensions, extents whose product or byte size overflows 64
-// bits, a block-quantized tensor whose innermost extent is not a multiple of its block, a
-// general.alignment that is not a uint32 power of two, an offset that is not a multiple of the
-// alignment, data that runs past the end of the file, and tensors whose data overlap. Metadata
-// and tensors larger than the memory of the process are refused with ErrorCode::out_of_memory
-// before they are allocated. Gaps between tensors and bytes after the last one are allowed, as
-// the format allows them.
+// (the format's limit), more than 4 dimensions, extents whose product (of the non-zero ones, so
+// also beside a 0) or byte size overflows 64 bits, a block-quantized tensor whose innermost
+// extent is not a multiple of its block, a general.alignment that is not a uint32 power of two,
+// an offset that is not a multiple of the alignment, data that runs past the end of the file,
+// and tensors whose data overlap. Metadata and tensors larger than the memory of the process are
+// refused with ErrorCode::out_of_memory before they are allocated. Gaps between tensors and bytes
+// after the last one are allowed, as the format allows them.
 //
 // Tensors are read as float32 in row-major order: TensorInfo::shape is the file's extents
 // reversed (token_embd.weight of SmolLM2, extents 576 x 49152 in the file, is shape
@@ -217,7 +217,7 @@ class File {
   /// Reads and checks everything but the tensor data. Throws ErrorCode::io (the file cannot be
   /// read or is malformed: the message names the file and the key or tensor) or
   /// ErrorCode::out_of_memory.
-  explicit File(std::string path);
+  explicit File(const std::string& path);
 
   const std::string& path() const noexcept { return path_; }
   /// 2 or 3.

@@ -309,8 +309,11 @@ class HeaderReader {
       return text;
     }
     if (!elements_.empty()) {
+      // The element of nested arrays, its first indices when it is deep.
       text += " element ";
-      for (const std::int64_t i : elements_) text += detail::concat("[", i, "]");
+      const std::size_t shown = std::min<std::size_t>(elements_.size(), 8);
+      for (std::size_t k = 0; k < shown; ++k) text += detail::concat("[", elements_[k], "]");
+      if (shown < elements_.size()) text += detail::concat("... (", elements_.size(), " deep)");
     }
     return text + ": ";
   }
@@ -536,18 +539,20 @@ class HeaderReader {
         fail("has ", dimensions, " dimensions; at most ", kMaxDimensions, " are allowed");
       }
       std::vector<std::int64_t> extents;  // innermost first, as stored
-      bool overflow = false;
-      t.elements = 1;
+      // The product of the non-zero extents must fit in 64 bits even when another extent is 0
+      // (then the tensor is empty), so that any product of the extents does.
+      bool overflow = false, empty = false;
+      std::int64_t product = 1;
       for (std::uint32_t k = 0; k < dimensions; ++k) {
         const std::uint64_t extent = u64("its extent");
         if (extent > static_cast<std::uint64_t>(INT64_MAX)) {
           fail("has the extent ", extent, " (dimension ", k, "), beyond the int64 range");
         }
         extents.push_back(static_cast<std::int64_t>(extent));
-        if (extent != 0 && t.elements > INT64_MAX / static_cast<std::int64_t>(extent)) {
+        if (extent == 0) {
+          empty = true;
+        } else if (__builtin_mul_overflow(product, static_cast<std::int64_t>(extent), &product)) {
           overflow = true;
-        } else {
-          t.elements *= static_cast<std::int64_t>(extent);
         }
       }
       t.shape.assign(extents.rbegin(), extents.rend());
@@ -556,11 +561,10 @@ class HeaderReader {
       const TypeInfo* type = info_of(t.type);
       if (type == nullptr) fail("has the unknown tensor type ", raw_type);
       const std::uint64_t offset = u64("its offset");
-      if (std::find(extents.begin(), extents.end(), 0) != extents.end()) {
-        t.elements = 0;
-      } else if (overflow) {
-        fail("has the shape ", to_string(t.shape), ", whose element count overflows 64 bits");
+      if (overflow) {
+        fail("has the shape ", to_string(t.shape), ", whose extents multiply past 64 bits");
       }
+      t.elements = empty ? 0 : product;
       // Blocks run along the innermost extent (ggml's ne[0]; 1 without extents).
       const std::int64_t innermost = extents.empty() ? 1 : extents.front();
       if (innermost % type->block != 0) {
@@ -847,9 +851,12 @@ Value Value::from_arrays(std::vector<Value> arrays) {
 
 // --- File ------------------------------------------------------------------------------------
 
-File::File(std::string path) : path_(std::move(path)) {
-  Header header = detail::reporting_out_of_memory("read_gguf", path_,
-                                                  [&] { return HeaderReader(path_).read(); });
+File::File(const std::string& path) {
+  // The path is copied inside, so that a failed copy is reported like any other allocation.
+  Header header = detail::reporting_out_of_memory("read_gguf", path, [&] {
+    path_ = path;
+    return HeaderReader(path_).read();
+  });
   version_ = header.version;
   alignment_ = header.alignment;
   data_offset_ = header.data_offset;

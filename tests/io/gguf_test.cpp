@@ -750,8 +750,17 @@ TEST_F(Gguf, MalformedTensorInfosAreRefusedNamingTheTensor) {
           {"tensor 'w': has the extent 9223372036854775808 (dimension 0), beyond the int64"});
   refused("product.gguf",
           one("w", {uint64_t{1} << 32, uint64_t{1} << 32, uint64_t{1} << 32}, f32, 0, eight),
-          {"tensor 'w': has the shape (4294967296, 4294967296, 4294967296), whose element count "
-           "overflows 64 bits"});
+          {"tensor 'w': has the shape (4294967296, 4294967296, 4294967296), whose extents "
+           "multiply past 64 bits"});
+  // Also beside an extent of 0 (no element, but no product of the extents may overflow).
+  refused("zeroproduct.gguf", one("w", {0, uint64_t{1} << 62, uint64_t{1} << 2}, f32, 0, eight),
+          {"tensor 'w': has the shape (4, 4611686018427387904, 0), whose extents multiply past 64 "
+           "bits"});
+  {
+    const gguf::File f(file("zero.gguf", one("w", {0, uint64_t{1} << 62, 1}, f32, 0, eight)));
+    EXPECT_EQ(f.tensor("w").elements, 0);
+    EXPECT_EQ(f.read("w").shape(), (Shape{1, std::int64_t{1} << 62, 0}));
+  }
   refused("bytes.gguf", one("w", {32, 280000000000000000}, q8_0, 0, eight),
           {"tensor 'w': of type Q8_0 and shape (280000000000000000, 32) needs more bytes than 64 "
            "bits count"});
