@@ -255,6 +255,8 @@ def gguf_corpus():
     write(t, "big_endian", b"GGUF" + struct.pack(">IQQ", 3, 0, 0))
     write(t, "huge_counts", gguf(counts=(2 ** 63, 2 ** 62)))
     write(t, "duplicate_key", gguf([("k", 4, struct.pack("<I", 1))] * 2))
+    write(t, "control_bytes_in_names", gguf([("a\0\\b", 4, struct.pack("<I", 1))] * 2,
+                                            [("w\n\0", [256], 14, b"\0" * 210)]))
     write(t, "duplicate_tensor", gguf([], [("w", [1], 0, f32[:4]), ("w", [1], 0, f32[:4])]))
     write(t, "unknown_value_type", gguf([("k", 13, b"\0" * 8)]))
     write(t, "unknown_tensor_type", gguf([], [("w", [1], 99, b"\0" * 8)]))

@@ -24,7 +24,8 @@
 // an offset that is not a multiple of the alignment, data that runs past the end of the file,
 // and tensors whose data overlap. Metadata and tensors larger than the memory of the process are
 // refused with ErrorCode::out_of_memory before they are allocated. Gaps between tensors and bytes
-// after the last one are allowed, as the format allows them.
+// after the last one are allowed, as the format allows them. Messages write the control bytes
+// and backslashes of keys and names as \xNN (a NUL would cut what() short).
 //
 // Tensors are read as float32 in row-major order: TensorInfo::shape is the file's extents
 // reversed (token_embd.weight of SmolLM2, extents 576 x 49152 in the file, is shape

@@ -134,6 +134,25 @@ std::string describe(const Value& value) {
   return detail::concat(name[0] == 'i' ? "an " : "a ", name);
 }
 
+// A key or tensor name as messages show it: control bytes (a NUL among them, which would end the
+// message for every reader of what()) and backslashes written as \xNN, the rest as stored.
+std::string printable(const std::string& name) {
+  std::string text;
+  text.reserve(name.size());
+  for (const char c : name) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte < 0x20 || byte == 0x7f || byte == '\\') {
+      constexpr char kHex[] = "0123456789abcdef";
+      text += "\\x";
+      text += kHex[byte >> 4];
+      text += kHex[byte & 0xf];
+    } else {
+      text += c;
+    }
+  }
+  return text;
+}
+
 // An integer's value, sign-extended from its stored bits.
 std::int64_t signed_value(ValueType type, std::uint64_t bits) noexcept {
   switch (type) {
@@ -302,7 +321,7 @@ class HeaderReader {
   std::string where() const {
     std::string text;
     if (name_ != nullptr) {
-      text = detail::concat(kind_, " '", *name_, "'");
+      text = detail::concat(kind_, " '", printable(*name_), "'");
     } else if (kind_ != nullptr) {
       text = detail::concat(kind_, " ", index_, " of ", count_);
     } else {
@@ -596,7 +615,7 @@ class HeaderReader {
     const std::int64_t data_size = std::max<std::int64_t>(0, size_ - header.data_offset);
     for (const TensorInfo& t : header.tensors) {
       if (t.offset > data_size || t.bytes > data_size - t.offset) {
-        fail_file(path_, "tensor '", t.name, "' (", to_string(t.type), ", shape ",
+        fail_file(path_, "tensor '", printable(t.name), "' (", to_string(t.type), ", shape ",
                   to_string(t.shape), ") has its ", t.bytes, " bytes at offset ", t.offset,
                   " of the data section, past the end of the file: the data section has ",
                   data_size, " bytes (from byte ", header.data_offset, ")");
@@ -612,9 +631,10 @@ class HeaderReader {
       const TensorInfo& t = header.tensors[i];
       if (t.bytes == 0) continue;
       if (last != nullptr && t.offset < last->offset + last->bytes) {
-        fail_file(path_, "tensor '", t.name, "' has its data at [", t.offset, ", ",
+        fail_file(path_, "tensor '", printable(t.name), "' has its data at [", t.offset, ", ",
                   t.offset + t.bytes, ") of the data section, which overlaps that of tensor '",
-                  last->name, "' at [", last->offset, ", ", last->offset + last->bytes, ")");
+                  printable(last->name), "' at [", last->offset, ", ", last->offset + last->bytes,
+                  ")");
       }
       if (last == nullptr || t.offset + t.bytes > last->offset + last->bytes) last = &t;
     }
@@ -871,7 +891,7 @@ bool File::contains(const std::string& key) const { return keys_.count(key) != 0
 
 const Value& File::value(const std::string& key) const {
   const auto found = keys_.find(key);
-  if (found == keys_.end()) fail_file(path_, "has no metadata key '", key, "'");
+  if (found == keys_.end()) fail_file(path_, "has no metadata key '", printable(key), "'");
   return metadata_[found->second].value;
 }
 
@@ -879,7 +899,7 @@ namespace {
 
 template <class... Parts>
 [[noreturn]] void fail_key(const std::string& path, const std::string& key, Parts&&... parts) {
-  fail_file(path, "key '", key, "' ", std::forward<Parts>(parts)...);
+  fail_file(path, "key '", printable(key), "' ", std::forward<Parts>(parts)...);
 }
 
 // Element i of an integer array as int64 (a uint64 above INT64_MAX refused).
@@ -992,25 +1012,28 @@ bool File::has_tensor(const std::string& name) const { return names_.count(name)
 
 const TensorInfo& File::tensor(const std::string& name) const {
   const auto found = names_.find(name);
-  if (found == names_.end()) fail_file(path_, "has no tensor '", name, "'");
+  if (found == names_.end()) fail_file(path_, "has no tensor '", printable(name), "'");
   return tensors_[found->second];
 }
 
 Tensor<float> File::read(const std::string& name) const {
   const TensorInfo& t = tensor(name);
   if (!dequantizes(t.type)) {
-    fail_file(path_, "tensor '", name, "' has type ", to_string(t.type),
+    fail_file(path_, "tensor '", printable(name), "' has type ", to_string(t.type),
               ", which emflow does not dequantize (it reads ", kDequantized, ")");
   }
   return detail::reporting_out_of_memory("read_gguf", path_, [&] {
-    detail::expect_fits_in_memory("read_gguf", "tensor '" + name + "' of '" + path_ + "'",
-                                  t.elements, static_cast<std::int64_t>(sizeof(float)));
+    detail::expect_fits_in_memory("read_gguf",
+                                  "tensor '" + printable(name) + "' of '" + path_ + "'", t.elements,
+                                  static_cast<std::int64_t>(sizeof(float)));
     std::ifstream in(path_, std::ios::binary);
-    if (!in) fail_file(path_, "tensor '", name, "' cannot be read: ", std::strerror(errno));
+    if (!in) {
+      fail_file(path_, "tensor '", printable(name), "' cannot be read: ", std::strerror(errno));
+    }
     // The file may have changed since its header was read: check its size again.
     in.seekg(0, std::ios::end);
     if (static_cast<std::int64_t>(in.tellg()) != file_size_) {
-      fail_file(path_, "tensor '", name,
+      fail_file(path_, "tensor '", printable(name),
                 "' cannot be read: the file changed size since it was opened");
     }
     Tensor<float> out(t.shape);
@@ -1024,7 +1047,7 @@ Tensor<float> File::read(const std::string& name) const {
       const std::int64_t n = std::min(chunk, t.bytes - done);
       in.read(reinterpret_cast<char*>(buffer.data()), static_cast<std::streamsize>(n));
       if (in.gcount() != static_cast<std::streamsize>(n)) {
-        fail_file(path_, "tensor '", name, "' could not be read in full");
+        fail_file(path_, "tensor '", printable(name), "' could not be read in full");
       }
       dequantize_blocks(t.type, buffer.data(), n / bytes_per_block,
                         out.data() + done / bytes_per_block * block);

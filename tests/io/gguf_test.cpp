@@ -666,6 +666,16 @@ TEST_F(Gguf, MalformedMetadataIsRefusedNamingTheKey) {
     b.entry("k", ValueType::uint8, "\2");
     refused("dup.gguf", b.build(), {"key 'k': is given twice (metadata entries 0 and 2)"});
   }
+  {
+    // Control bytes and backslashes in names are escaped: a NUL would end what() for its readers.
+    Builder b;
+    const std::string key("a\0b\n\\c", 6);
+    b.entry(key, ValueType::uint8, "\1").entry(key, ValueType::uint8, "\1");
+    const std::string message = refused("nul.gguf", b.build(), {});
+    EXPECT_NE(message.find("key 'a\\x00b\\x0a\\x5cc': is given twice (metadata entries 0 and 1)"),
+              std::string::npos)
+        << message;
+  }
   refused("type.gguf", one("k", static_cast<ValueType>(13), "\1"),
           {"key 'k': has the unknown value type 13 (the types are 0 to 12)"});
   refused("short.gguf", one("k", ValueType::uint32, "\1\2"),
