@@ -252,6 +252,14 @@ class File {
   /// an empty list when the file has none. Throws ErrorCode::io when the key is there but is not
   /// an array of strings.
   const std::vector<std::string>& tokens() const;
+  /// The text of token ids (UTF-8 bytes; a token may hold part of a character), as the
+  /// vocabulary's tokenizer (tokenizer.ggml.model) spells its tokens: "gpt2" (byte-level BPE)
+  /// maps each character of a token back to the byte it stands for (GPT-2's bytes_to_unicode:
+  /// "Ġ" is a space, "Ċ" a newline); "llama" (SentencePiece) writes "▁" as a space and a token
+  /// "<0xNN>" as the byte NN; any other model, or none, joins the tokens as stored. Special
+  /// tokens ("<|im_end|>") come out as they are spelled. Throws ErrorCode::invalid_argument
+  /// naming an id outside [0, tokens().size()), and what tokens() throws.
+  std::string detokenize(const std::vector<std::int64_t>& ids) const;
 
   /// The tensors, in file order.
   const std::vector<TensorInfo>& tensors() const noexcept { return tensors_; }

@@ -104,6 +104,9 @@ class GgufFile:
     def tensors(self) -> list:
         """[(name, type, shape, offset, nbytes)] in file order; shape row-major."""
 
+    def detokenize(self, ids: Sequence[int]) -> bytes:
+        """emflow::gguf::File::detokenize: the text of token ids, as UTF-8 bytes."""
+
     def read(self, name: str) -> object:
         """emflow::gguf::File::read: the tensor dequantized to float32."""
 

@@ -7,7 +7,8 @@ them, bit for bit; reading a tensor of another type is refused naming it.
 
     model = emflow.gguf.File("SmolLM2-135M-Instruct.Q4_1.gguf")
     model.metadata["llama.block_count"]         # 30
-    model.tokens[504]                            # a token string as stored, e.g. "Ġthe"
+    model.tokens[504]                            # a token string as stored, e.g. "The"
+    model.detokenize([504, 3575])                # "The capital"
     embedding = model.read("token_embd.weight")  # float32, shape (49152, 576)
 
 Metadata values: integers int, float32 and float64 float, bools bool, strings str (bytes that
@@ -79,6 +80,13 @@ class File:
         """The vocabulary (tokenizer.ggml.tokens: token id i is element i), the token strings as
         stored; an empty list when the file has none."""
         return list(self.metadata.get("tokenizer.ggml.tokens", []))
+
+    def detokenize(self, ids: Any) -> str:
+        """The text of token ids as the vocabulary's tokenizer spells its tokens (GPT-2's
+        byte-level "Ġ" a space, SentencePiece's "▁" a space and "<0xNN>" a byte); bytes that do
+        not form UTF-8 (a token may hold part of a character) become U+FFFD."""
+        ids = [int(i) for i in np.asarray(ids, dtype=np.int64).reshape(-1)]
+        return self._file.detokenize(ids).decode("utf-8", errors="replace")
 
     def tensor(self, name: str) -> TensorInfo:
         """The info of tensor `name` (KeyError when absent)."""

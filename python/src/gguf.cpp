@@ -8,6 +8,7 @@
 #include "emflow/gguf.hpp"
 
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <string>
 
@@ -131,6 +132,13 @@ void bind_gguf(nb::module_& m) {
             return infos;
           },
           "[(name, type, shape, offset, nbytes)] in file order; shape row-major.")
+      .def(
+          "detokenize",
+          [](const File& file, const std::vector<std::int64_t>& ids) {
+            const std::string text = file.detokenize(ids);
+            return nb::bytes(text.data(), text.size());
+          },
+          nb::arg("ids"), "emflow::gguf::File::detokenize: the text of token ids, as UTF-8 bytes.")
       .def(
           "read",
           [](const File& file, const std::string& name) {

@@ -35,6 +35,7 @@ def test_values_tensors_and_tokens(tmp_path):
         ("eps", 6, struct.pack("<f", 1e-5)),
         ("flag", 7, b"\1"),
         ("raw", 8, string(b"\xff\xfe")),
+        ("tokenizer.ggml.model", 8, string("gpt2")),
         ("tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, 2) + string("\u0120the") + string(".")),
         ("ids", 9, struct.pack("<IQ", 5, 3) + struct.pack("<3i", -1, 0, 7)),
         ("nested", 9, struct.pack("<IQ", 9, 1) + struct.pack("<IQ", 0, 2) + b"\1\2"),
@@ -55,6 +56,8 @@ def test_values_tensors_and_tokens(tmp_path):
     assert m["flag"] is True
     assert m["raw"].encode("utf-8", "surrogateescape") == b"\xff\xfe"
     assert f.tokens == ["\u0120the", "."]
+    assert f.detokenize([0, 1, 0]) == " the. the"  # GPT-2's byte-level "Ġ" is a space
+
     assert m["ids"].dtype == np.int32 and m["ids"].tolist() == [-1, 0, 7]
     assert [a.tolist() for a in m["nested"]] == [[1, 2]]
     assert f.types["ids"] == ("array", "int32")

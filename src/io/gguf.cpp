@@ -1008,6 +1008,108 @@ const std::vector<std::string>& File::tokens() const {
   return contains("tokenizer.ggml.tokens") ? get_strings("tokenizer.ggml.tokens") : kNone;
 }
 
+namespace {
+
+// GPT-2's bytes_to_unicode, inverted: the printable bytes ('!' to '~', U+00A1 to U+00AC, U+00AE
+// to U+00FF) stand for themselves, the other 68 for U+0100 + n, n counting them in byte order.
+// The byte of code point c, or -1.
+int gpt2_byte(std::uint32_t c) {
+  static const std::vector<int> bytes = [] {
+    std::vector<int> table(256 + 68, -1);
+    int n = 0;
+    for (int b = 0; b < 256; ++b) {
+      const bool printable = (b >= '!' && b <= '~') || (b >= 0xa1 && b <= 0xac) || b >= 0xae;
+      table[static_cast<std::size_t>(printable ? b : 256 + n++)] = b;
+    }
+    return table;
+  }();
+  return c < bytes.size() ? bytes[c] : -1;
+}
+
+// The code point at text[at] (UTF-8) and its length in bytes; a byte that does not start a valid
+// sequence is taken alone, as code point 0xFFFFFFFF.
+std::pair<std::uint32_t, std::size_t> code_point(const std::string& text, std::size_t at) {
+  const auto lead = static_cast<unsigned char>(text[at]);
+  const std::size_t length = lead < 0x80         ? 1
+                             : lead >> 5 == 0x6  ? 2
+                             : lead >> 4 == 0xe  ? 3
+                             : lead >> 3 == 0x1e ? 4
+                                                 : 0;
+  if (length == 0 || at + length > text.size()) return {0xffffffffu, 1};
+  std::uint32_t c = length == 1 ? lead : lead & (0x7fu >> length);
+  for (std::size_t k = 1; k < length; ++k) {
+    const auto next = static_cast<unsigned char>(text[at + k]);
+    if (next >> 6 != 0x2) return {0xffffffffu, 1};
+    c = c << 6 | (next & 0x3fu);
+  }
+  return {c, length};
+}
+
+// A SentencePiece byte token "<0xNN>": its byte, or -1.
+int byte_token(const std::string& token) {
+  if (token.size() != 6 || token.compare(0, 3, "<0x") != 0 || token[5] != '>') return -1;
+  int value = 0;
+  for (std::size_t k = 3; k < 5; ++k) {
+    const char c = token[k];
+    const int digit = c >= '0' && c <= '9'   ? c - '0'
+                      : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                      : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                                             : -1;
+    if (digit < 0) return -1;
+    value = value * 16 + digit;
+  }
+  return value;
+}
+
+}  // namespace
+
+std::string File::detokenize(const std::vector<std::int64_t>& ids) const {
+  const std::vector<std::string>& vocabulary = tokens();
+  const std::string model =
+      contains("tokenizer.ggml.model") && value("tokenizer.ggml.model").type() == ValueType::string
+          ? value("tokenizer.ggml.model").as_string()
+          : std::string();
+  return detail::reporting_out_of_memory("detokenize", path_, [&] {
+    std::string text;
+    for (const std::int64_t id : ids) {
+      if (id < 0 || id >= static_cast<std::int64_t>(vocabulary.size())) {
+        detail::fail_argument("detokenize", "ids", "holds the id ", id, "; the vocabulary of '",
+                              path_, "' has ", vocabulary.size(), " tokens");
+      }
+      const std::string& token = vocabulary[static_cast<std::size_t>(id)];
+      if (model == "gpt2") {
+        for (std::size_t at = 0; at < token.size();) {
+          const auto [c, length] = code_point(token, at);
+          const int byte = gpt2_byte(c);
+          if (byte >= 0) {
+            text.push_back(static_cast<char>(byte));
+          } else {
+            text.append(token, at, length);  // not a byte's character: kept as stored
+          }
+          at += length;
+        }
+      } else if (model == "llama") {
+        const int byte = byte_token(token);
+        if (byte >= 0) {
+          text.push_back(static_cast<char>(byte));
+          continue;
+        }
+        for (std::size_t at = 0; at < token.size(); ++at) {
+          if (token.compare(at, 3, "\xe2\x96\x81") == 0) {  // U+2581, the word boundary
+            text.push_back(' ');
+            at += 2;
+          } else {
+            text.push_back(token[at]);
+          }
+        }
+      } else {
+        text += token;
+      }
+    }
+    return text;
+  });
+}
+
 bool File::has_tensor(const std::string& name) const { return names_.count(name) != 0; }
 
 const TensorInfo& File::tensor(const std::string& name) const {

@@ -317,6 +317,42 @@ TEST_F(Gguf, TheVocabularyIsKept) {
   const gguf::File f(file("vocab.gguf", b.build()));
   EXPECT_EQ(f.tokens(),
             (std::vector<std::string>{"<|endoftext|>", "\xc4\xa0Paris", ".", "\xc4\x8a"}));
+  // GPT-2's byte-level spelling: "Ġ" is a space, "Ċ" a newline.
+  EXPECT_EQ(f.detokenize({1, 2, 3, 0}), " Paris.\n<|endoftext|>");
+  EXPECT_EQ(f.detokenize({}), "");
+  const std::string bad_id = error_of(ErrorCode::invalid_argument, [&] { f.detokenize({4}); });
+  EXPECT_NE(bad_id.find("argument 'ids' holds the id 4; the vocabulary of '" + path("vocab.gguf") +
+                        "' has 4 tokens"),
+            std::string::npos)
+      << bad_id;
+  error_of(ErrorCode::invalid_argument, [&] { f.detokenize({-1}); });
+  {
+    Builder bytes;
+    bytes.entry("tokenizer.ggml.model", ValueType::string, str("gpt2"))
+        .entry("tokenizer.ggml.tokens", ValueType::array,
+               array(ValueType::string, 3,
+                     str("caf\xc3\x83\xc2\xa9") + str("\xc4\xa0\xc4\x80") + str("\xe6\x97\xa5")));
+    const gguf::File g(file("bytes.gguf", bytes.build()));
+    // "Ã©" gives the bytes C3 A9 of "é"; "Ġ" (U+0120) the byte 0x20 and "Ā" (U+0100) 0x00; "日"
+    // stands for no byte and is kept as stored.
+    EXPECT_EQ(g.detokenize({0, 1, 2}), std::string("caf\xc3\xa9 \0\xe6\x97\xa5", 10));
+  }
+  {
+    Builder sp;
+    sp.entry("tokenizer.ggml.model", ValueType::string, str("llama"))
+        .entry(
+            "tokenizer.ggml.tokens", ValueType::array,
+            array(ValueType::string, 4,
+                  str("\xe2\x96\x81Paris") + str("<0x0A>") + str("\xe2\x96\x81") + str("<0xZZ>")));
+    const gguf::File g(file("sp.gguf", sp.build()));
+    EXPECT_EQ(g.detokenize({0, 1, 2, 3}), " Paris\n <0xZZ>");
+  }
+  {
+    Builder plain;
+    plain.entry("tokenizer.ggml.tokens", ValueType::array,
+                array(ValueType::string, 2, str("\xc4\xa0" "a") + str("b")));
+    EXPECT_EQ(gguf::File(file("plain.gguf", plain.build())).detokenize({0, 1}), "\xc4\xa0" "ab");
+  }
   Builder wrong;
   wrong.entry("tokenizer.ggml.tokens", ValueType::array, array(ValueType::int32, 1, u32(5)));
   const gguf::File w(file("wrong.gguf", wrong.build()));
