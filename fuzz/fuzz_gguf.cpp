@@ -4,10 +4,11 @@
 // either a file whose every promise holds or an emflow::Error of kind io (malformed) or
 // out_of_memory. The promises checked: each tensor's element count is the product of its shape,
 // its byte count its blocks' bytes, its offset aligned and its data inside the data section,
-// no two tensors' data overlap; every metadata value answers its accessors consistently and the
-// typed getters refuse only with io; each tensor of a dequantized type reads back with its shape
-// and the bits gguf::dequantize gives for its bytes taken straight from the input; any other
-// type is refused naming it. Anything else, and any sanitizer report, is a crash.
+// no two tensors' data overlap; every metadata value answers its accessors consistently, the
+// typed getters refuse only with io, and every id of the vocabulary detokenizes; each tensor of a
+// dequantized type reads back with its shape and the bits gguf::dequantize gives for its bytes
+// taken straight from the input; any other type is refused naming it. Anything else, and any
+// sanitizer report, is a crash.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -86,7 +87,12 @@ void check_metadata(const gguf::File& file) {
     io_or_success([&] { file.get_integers(key); });
     io_or_success([&] { file.get_numbers(key); });
   }
-  io_or_success([&] { file.tokens(); });
+  // Every id of the vocabulary has a text (whatever bytes its tokens hold).
+  io_or_success([&] {
+    std::vector<std::int64_t> ids(file.tokens().size());
+    for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int64_t>(i);
+    file.detokenize(ids);
+  });
   if (file.alignment() <= 0 || (file.alignment() & (file.alignment() - 1)) != 0) {
     defect("an alignment that is not a power of two", std::to_string(file.alignment()));
   }
