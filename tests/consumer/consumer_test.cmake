@@ -26,3 +26,15 @@ add_test(NAME consumer.readme_example
                  -DEMFLOW_EXAMPLE=${CMAKE_CURRENT_LIST_DIR}/example.cpp
                  -P ${CMAKE_CURRENT_LIST_DIR}/check_readme.cmake)
 set_tests_properties(consumer.readme_example PROPERTIES LABELS consumer)
+
+# consumer.subproject: a project that adds this source tree with add_subdirectory (no install),
+# with the tool's and the tests' dependencies disabled, builds and runs the same example, and its
+# compile line carries none of emflow's warning flags or -march=native (run_subproject.cmake).
+add_test(NAME consumer.subproject
+         COMMAND ${CMAKE_COMMAND} -DEMFLOW_SOURCE_DIR=${PROJECT_SOURCE_DIR}
+                 -DEMFLOW_CONSUMER_SOURCE=${CMAKE_CURRENT_LIST_DIR}
+                 -DEMFLOW_CONSUMER_WORK=${CMAKE_CURRENT_BINARY_DIR}/consumer_subproject
+                 -DEMFLOW_CONSUMER_GENERATOR=${CMAKE_GENERATOR}
+                 -DEMFLOW_CONSUMER_CXX=${CMAKE_CXX_COMPILER}
+                 -P ${CMAKE_CURRENT_LIST_DIR}/run_subproject.cmake)
+set_tests_properties(consumer.subproject PROPERTIES LABELS consumer TIMEOUT 900)
