@@ -118,6 +118,7 @@ scan_build() {
 
 if [[ -z "${EMFLOW_CPU_ONLY_INSIDE:-}" ]]; then
   roots=$(toolkit_roots | tr '\n' ' ')
+  roots=${roots% }
   mode=absent
   if [[ -n "$roots" ]]; then
     unshare=(unshare -m)
@@ -189,11 +190,12 @@ if [[ $# -gt 0 ]]; then
   say "running: $*"
   "$@"
   scan=${CPU_ONLY_SCAN:-}
+  [[ -n "$scan" ]] || say "CPU_ONLY_SCAN names no build folder: only the hiding is checked"
 else
   default_build
   scan=$build
 fi
-say "built in $(($(date +%s) - start)) s"
+say "the build took $(($(date +%s) - start)) s"
 failed=0
 for dir in $scan; do scan_build "$dir" || failed=1; done
 if ((failed)); then say "FAILED: the CPU build used the CUDA toolkit"; exit 1; fi
