@@ -2,9 +2,9 @@
 # Shows that a CPU build (EMFLOW_WITH_CUDA=OFF) needs no part of the CUDA toolkit: it builds with
 # the toolkit hidden, then checks that nothing the build read or linked came from it.
 #
-#   bash scripts/check-cpu-only-build.sh          configure build-cpu-only with EMFLOW_WITH_CUDA=OFF,
-#                                                 build the library, the CLI and the core test
-#                                                 suite, and run that suite
+#   bash scripts/check-cpu-only-build.sh          configure build-cpu-only with
+#                                                 EMFLOW_WITH_CUDA=OFF, build the library, the CLI
+#                                                 and the core test suite, and run that suite
 #   bash scripts/check-cpu-only-build.sh CMD...   run CMD with the toolkit hidden instead (CI: the
 #                                                 sanitizer build, a CPU build already, so the
 #                                                 check costs no compilation of its own)
@@ -53,10 +53,12 @@ toolkit_roots() {
 # The build the script makes when given no command: the library, the CLI and one test suite,
 # without optimisation (the point is what compiles and links, not speed).
 default_build() {
+  mkdir -p "$build"
   cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG=-O0 \
     -DEMFLOW_WITH_CUDA=OFF -DEMFLOW_BUILD_TESTS=ON -DEMFLOW_BUILD_CLI=ON \
     -DEMFLOW_BUILD_BENCHMARKS=OFF -DEMFLOW_BUILD_PYTHON=OFF -DEMFLOW_PYTHON= \
-    -DEMFLOW_WARNINGS_AS_ERRORS=ON >"$build.cmake.log" 2>&1 || { cat "$build.cmake.log" >&2; exit 1; }
+    -DEMFLOW_WARNINGS_AS_ERRORS=ON >"$build/configure.log" 2>&1 ||
+    { cat "$build/configure.log" >&2; exit 1; }
   cmake --build "$build" -j "$jobs" --target emflow emflow_cli emflow_core_tests
   "$build/tests/emflow_core_tests" --gtest_brief=1
 }
@@ -71,8 +73,8 @@ scan_build() {
     say "$dir: configured with EMFLOW_WITH_CUDA=ON, not a CPU build"; return 1
   fi
   local looked
-  looked=$(grep -E '^(CMAKE_CUDA_COMPILER|CUDAToolkit_[A-Za-z_]*|CUDA_[A-Za-z_]*|EMFLOW_NCCL_[A-Z_]*):' \
-    "$dir/CMakeCache.txt" || true)
+  local pattern='^(CMAKE_CUDA_COMPILER|CUDAToolkit_[A-Za-z_]*|CUDA_[A-Za-z_]*|EMFLOW_NCCL_[A-Z_]*):'
+  looked=$(grep -E "$pattern" "$dir/CMakeCache.txt" || true)
   if [[ -n "$looked" ]]; then
     say "$dir: the CPU build looked for the CUDA toolkit:"; echo "$looked" | head -n 5; failed=1
   fi
@@ -98,11 +100,13 @@ scan_build() {
   # Links into the toolkit from a default folder (/usr/local/include, /usr/local/lib) resolve
   # only when it is visible; the names say it either way.
   local named
-  named=$(echo "$headers" | grep -E '/(cuda_runtime[a-z_]*|cuda|cublas[A-Za-z_0-9]*|nccl|driver_types)\.h$' || true)
+  named=$(echo "$headers" |
+    grep -E '/(cuda_runtime[a-z_]*|cuda|cublas[A-Za-z_0-9]*|nccl|driver_types)\.h$' || true)
   if [[ -n "$named" ]]; then
     say "$dir: CUDA headers were compiled:"; echo "$named" | head -n 5; failed=1
   fi
-  if echo "$links" | grep -E -- '-l(cudart|cublas|nccl)\b|lib(cudart|cublas|nccl)[._]' >/dev/null; then
+  if echo "$links" | grep -E -- '-l(cudart|cublas|nccl)\b|lib(cudart|cublas|nccl)[._]' >/dev/null
+  then
     say "$dir: a link line names the CUDA runtime, cuBLAS or NCCL"; failed=1
   fi
   local binary needed
