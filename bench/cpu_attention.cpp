@@ -40,8 +40,9 @@ void BM_cpu_attend(benchmark::State& state) {
     emflow::attend(p.input, out, {emflow::Device::cpu});
     benchmark::DoNotOptimize(p.update.data());
   }
-  // Queries, keys and values of one head, rounded up to whole tiles.
-  set_counters(state, tokens, dim, 3.0 * 4.0 * static_cast<double>((tokens + 63) / 64 * 64 * dim));
+  // Queries, keys and values of one head, rounded up to whole tiles of 64 tokens.
+  const std::int64_t tiled_tokens = (tokens + 63) / 64 * 64;
+  set_counters(state, tokens, dim, 3.0 * 4.0 * static_cast<double>(tiled_tokens * dim));
 }
 
 void BM_blas_unfused(benchmark::State& state) {

@@ -105,6 +105,7 @@ void run_attention(benchmark::State& state, Algorithm algorithm) {
     const std::size_t cloud_bytes = shape.cloud_size() * sizeof(T);
     const std::size_t copies = std::clamp<std::size_t>(kRotationBytes / cloud_bytes, 2, 8);
     std::vector<DeviceBuffer<T>> clouds;
+    clouds.reserve(copies);
     for (std::size_t c = 0; c < copies; ++c) {
       clouds.push_back(random_buffer<T>(shape.cloud_size(), 1 + c, 1.f, stream));
     }
@@ -165,6 +166,7 @@ void BM_CublasProducts(benchmark::State& state) {
     const std::size_t copies =
         std::clamp<std::size_t>(kRotationBytes / (shape.cloud_size() * sizeof(float)), 2, 8);
     std::vector<DeviceBuffer<float>> clouds;
+    clouds.reserve(copies);
     for (std::size_t c = 0; c < copies; ++c) {
       clouds.push_back(random_buffer(shape.cloud_size(), 1 + c, 1.f, stream));
     }
@@ -211,6 +213,7 @@ void BM_Decode(benchmark::State& state) {
     const cudaStream_t stream = timing.stream();
     const auto keys = static_cast<std::size_t>(tokens * dim);
     std::vector<DeviceBuffer<float>> clouds;  // two copies: L2 never holds the last call's keys
+    clouds.reserve(2);
     for (std::uint64_t c = 0; c < 2; ++c) clouds.push_back(random_buffer(keys, 1 + c, 1.f, stream));
     const auto operator_size = static_cast<std::size_t>(dim * dim);
     const float operator_scale = 2.f / std::sqrt(static_cast<float>(dim));

@@ -69,14 +69,16 @@ class Descriptor {
   template <class T>
   Descriptor& set(cudnnBackendAttributeName_t name, cudnnBackendAttributeType_t type,
                   const T& value) {
-    check(cudnnBackendSetAttribute(handle_, name, type, 1, &value), "cudnnBackendSetAttribute");
+    // The value's address, as cuDNN takes every attribute (a pointer's address for handles).
+    check(cudnnBackendSetAttribute(handle_, name, type, 1, static_cast<const void*>(&value)),
+          "cudnnBackendSetAttribute");
     return *this;
   }
   template <class T>
   Descriptor& set_array(cudnnBackendAttributeName_t name, cudnnBackendAttributeType_t type,
                         const std::vector<T>& values) {
     check(cudnnBackendSetAttribute(handle_, name, type, static_cast<std::int64_t>(values.size()),
-                                   values.data()),
+                                   static_cast<const void*>(values.data())),
           "cudnnBackendSetAttribute");
     return *this;
   }
@@ -234,6 +236,7 @@ void build_plan(Plan& out, cudnnHandle_t handle, std::int64_t b, std::int64_t h,
   g.matmul(p, v, o);
 
   std::vector<cudnnBackendDescriptor_t> ops;
+  ops.reserve(g.ops.size());
   for (const Descriptor& op : g.ops) ops.push_back(op.get());
   Descriptor& graph = out.configs.emplace_back(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
   graph.set(CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, handle)
@@ -250,13 +253,14 @@ void build_plan(Plan& out, cudnnHandle_t handle, std::int64_t b, std::int64_t h,
         "engine heuristics results");
   if (count == 0) throw CudnnFailure{"cuDNN's heuristics list no engine for this graph"};
   std::vector<cudnnBackendDescriptor_t> config_handles;
+  config_handles.reserve(static_cast<std::size_t>(count));
   for (std::int64_t i = 0; i < count; ++i) {
     config_handles.push_back(out.configs.emplace_back(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR).get());
   }
   std::int64_t returned = 0;
   check(cudnnBackendGetAttribute(heuristics.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
                                  CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &returned,
-                                 config_handles.data()),
+                                 static_cast<void*>(config_handles.data())),
         "engine heuristics results");
 
   std::string last = "no engine configuration";

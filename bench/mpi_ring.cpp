@@ -10,10 +10,12 @@
 // the wall time) and the bytes each rank sent. Compare P = 2
 // against P = 1 for the speed-up; the ratio of the two variants is the cost of the transfers.
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -54,14 +56,37 @@ struct Timing {
   std::int64_t bytes = 0;
 };
 
+// Argument `index` as an integer in [1, max] into `value` (unchanged when absent); false with a
+// message when it is not one, rather than atoll's 0 for "32k".
+bool positive_argument(int argc, char** argv, int index, const char* name, std::int64_t max,
+                       std::int64_t& value) {
+  if (argc <= index) return true;
+  const char* text = argv[index];
+  char* end = nullptr;
+  errno = 0;
+  const long long parsed = std::strtoll(text, &end, 10);
+  if (end == text || *end != '\0' || errno == ERANGE || parsed <= 0 || parsed > max) {
+    std::fprintf(stderr, "emflow_bench_mpi_ring: %s must be an integer in [1, %lld], got '%s'\n",
+                 name, static_cast<long long>(max), text);
+    return false;
+  }
+  value = parsed;
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   auto world = emflow::distributed::world(&argc, &argv);
   Communicator& comm = *world;
-  const std::int64_t N = argc > 1 ? std::atoll(argv[1]) : 32768;
-  const std::int64_t d = argc > 2 ? std::atoll(argv[2]) : 64;
-  const int repeats = argc > 3 ? std::atoi(argv[3]) : 3;
+  constexpr std::int64_t kLargest = std::numeric_limits<std::int64_t>::max();
+  std::int64_t N = 32768, d = 64, repeat_count = 3;
+  if (!positive_argument(argc, argv, 1, "N", kLargest, N) ||
+      !positive_argument(argc, argv, 2, "d", kLargest, d) ||
+      !positive_argument(argc, argv, 3, "repeats", std::numeric_limits<int>::max(), repeat_count)) {
+    return 2;
+  }
+  const int repeats = static_cast<int>(repeat_count);
   const emflow::Mask mask = emflow::parse_mask(argc > 4 ? argv[4] : "none");
   const emflow::tools::BenchProblem problem(1, N, d, 1, mask);
   const emflow::distributed::Layout layout = emflow::distributed::default_layout(mask);

@@ -12,11 +12,11 @@
 //                 to itself.
 //   pair_rows     one block per token i: its pairs (i, j > i) in double, thread t the tokens
 //                 j = i + 1 + t + k blockDim, so all threads share the row; per-thread sums,
-//                 then a fixed tree over the block, into the token's row of partial sums (sum <x_i,
-//                 x_j>, energy, clustered pairs, min inner product, max squared distance). Each
-//                 clustered pair joins the trees of i and j at once, in a lock-free union-find over
-//                 the cloud's parents (ECL-CC: the larger root hooked under the smaller with
-//                 atomicCAS, finds halving paths).
+//                 then a fixed tree over the block, into the token's row of partial sums
+//                 (sum <x_i, x_j>, energy, clustered pairs, min inner product, max squared
+//                 distance). Each clustered pair joins the trees of i and j at once, in a
+//                 lock-free union-find over the cloud's parents (ECL-CC: the larger root hooked
+//                 under the smaller with atomicCAS, finds halving paths).
 //   finish        one block per cloud: the clusters are the roots left (parent[i] == i), then a
 //                 fixed tree over the token rows.
 // Every reduction has an order that depends on the sizes only, so two runs agree bit for bit;

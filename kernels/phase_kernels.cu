@@ -15,11 +15,11 @@
 // Differences from the CPU path, all at float rounding: the CPU uses one exponential per pair
 // (the weights are symmetric) and sums in another order; here each token sums over all j in
 // order, so every token's drift is computed by one thread with no communication. The CPU decides
-// a pair is clustered by comparing beta log2(e) (<x_i, x_j> - 1) with beta log2(e) (threshold -
-// 1); here the float inner product is compared with the float threshold (1 - eps), which does not
-// depend on beta. Both differ from the generic path (a double inner product) only for a pair
-// within float rounding of the threshold. exp2f is CUDA's (2 ulp), the CPU's a polynomial
-// (1e-7 relative).
+// a pair is clustered by comparing beta log2(e) (<x_i, x_j> - 1) with
+// beta log2(e) (threshold - 1); here the float inner product is compared with the float
+// threshold (1 - eps), which does not depend on beta. Both differ from the generic path (a double
+// inner product) only for a pair within float rounding of the threshold. exp2f is CUDA's (2 ulp),
+// the CPU's a polynomial (1e-7 relative).
 //
 // Layout: one thread per token; a block holds G clouds of one beta (G = 128 / N, at least 1, at
 // most C, halved while the block's shared memory exceeds the device's opt-in limit), its G * N

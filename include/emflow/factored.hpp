@@ -1,9 +1,12 @@
 // emflow: the factored form of an attention layer (docs/MATH.md §2), which is what QKV
 // attention is. Per head h, with rank r:
 //
-//   M_h = A_h^T B_h      A_h, B_h in R^{r x d}   (relevance: s_ij = beta (<A_h x_i, B_h x_j> +
-//   u_h^T x_j)) F_h = U_h V_h        U_h in R^{d x r}, V_h in R^{r x d}   (content: F_h x_j = U_h
-//   (V_h x_j))
+//   M_h = A_h^T B_h    A_h, B_h in R^{r x d}                (relevance)
+//   F_h = U_h V_h      U_h in R^{d x r}, V_h in R^{r x d}   (content)
+//
+// so that query i scores key j and token j contributes
+//
+//   s_ij = beta (<A_h x_i, B_h x_j> + u_h^T x_j)      F_h x_j = U_h (V_h x_j)
 //
 // The update is the one of emflow::attend with these M_h and F_h. Computed in this form, the
 // scores cost 2 N^2 r instead of 2 N^2 d and the content 2 N^2 r instead of 2 N^2 d, so with

@@ -10,8 +10,8 @@
 // and two parts over disjoint key sets merge exactly into the state over their union:
 //
 //   lse = m + log(exp(lse_a - m) + exp(lse_b - m)),  m = max(lse_a, lse_b)
-//   w_a = exp(lse_a - lse),  o = w_a o_a + w_b o_b,  H = lse - w_a (lse_a - H_a) - w_b (lse_b -
-//   H_b)
+//   w_a = exp(lse_a - lse),  o = w_a o_a + w_b o_b
+//   H   = lse - w_a (lse_a - H_a) - w_b (lse_b - H_b)
 //
 // (merge_partial forms H as w_a (H_a + lse - lse_a) + w_b (H_b + lse - lse_b), the same value
 // without the cancellation where lse is large)

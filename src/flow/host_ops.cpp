@@ -26,6 +26,7 @@ FlowResult<T> run_flow_host(const Tensor<T>& initial, const std::vector<double>&
   HostOps<T> ops(options, settings.norm_eps);
   ops.record_into(betas, settings.cluster_eps, result.times.size());
   std::vector<LayerView<T>> views;
+  views.reserve(layers.size());
   for (const FlowLayer<T>& layer : layers) views.push_back(host_view(layer));
   Tensor<T> state = initial;
   run_recorded(ops, state.data(), views, betas, settings, result, progress);

@@ -134,7 +134,8 @@ std::int64_t merged_joins(std::int64_t N, const std::vector<const std::int64_t*>
 
 Observables finish_observables(const PairPart& sums, std::int64_t N, double beta) {
   Observables o;
-  const double pair_count = static_cast<double>(N * (N - 1) / 2);
+  const std::int64_t pairs = N * (N - 1) / 2;  // exact: N (N - 1) is even
+  const double pair_count = static_cast<double>(pairs);
   o.min_inner = sums.min_inner;
   o.mean_inner = sums.sum_inner / pair_count;
   o.clustered_fraction = static_cast<double>(sums.clustered) / pair_count;

@@ -330,6 +330,7 @@ const TensorEntry& SafetensorsFile::entry(const std::string& name) const {
 
 std::vector<std::string> SafetensorsFile::names() const {
   std::vector<std::string> names;
+  names.reserve(header_.tensors.size());
   for (const TensorEntry& t : header_.tensors) names.push_back(t.name);
   return names;
 }

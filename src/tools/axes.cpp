@@ -21,7 +21,9 @@ std::vector<double> nice_ticks(double lo, double hi, int target, double* step_ou
   };
   const double base = std::pow(10.0, std::floor(std::log10(hi - lo)) - 2);
   double step = base, best = std::numeric_limits<double>::infinity();
-  for (double decade = base; decade < (hi - lo) * 10; decade *= 10) {
+  // Powers of ten from base up; each decade computed from its exponent, not by repeated products.
+  for (int e = 0; base * std::pow(10.0, e) < (hi - lo) * 10; ++e) {
+    const double decade = base * std::pow(10.0, e);
     for (double m : {1.0, 2.0, 5.0}) {
       const double c = count(m * decade);
       if (c >= 3 && std::abs(c - target) < best) {
@@ -30,8 +32,12 @@ std::vector<double> nice_ticks(double lo, double hi, int target, double* step_ou
       }
     }
   }
-  const double first = std::ceil(lo / step - 1e-9) * step;
-  for (double t = first; t <= hi + 1e-9 * step; t += step) {
+  // Tick k at first + k step: a sum of steps would carry the rounding of every addition into
+  // the later ticks (and could drop the last one).
+  const double first_index = std::ceil(lo / step - 1e-9);
+  for (std::int64_t k = 0;; ++k) {
+    const double t = (first_index + static_cast<double>(k)) * step;
+    if (t > hi + 1e-9 * step) break;
     ticks.push_back(std::abs(t) < 1e-9 * step ? 0.0 : t);
   }
   if (step_out) *step_out = step;

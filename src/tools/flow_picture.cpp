@@ -94,7 +94,8 @@ std::string draw_flow(const FlowPicture& pic) {
   };
   const double x0 = 730, y0 = 96, cw = 270, ch = 135, gx = 330, gy = 205;
   for (int k = 0; k < 6; ++k) {
-    Frame box{x0 + (k % 2) * gx, y0 + (k / 2) * gy, cw, ch, 0, 1, 0, 1};
+    const int column = k % 2, row = k / 2;  // two charts a row
+    Frame box{x0 + column * gx, y0 + row * gy, cw, ch, 0, 1, 0, 1};
     draw_series(cr, pic, box, charts[k].title, charts[k].value, charts[k].unit);
   }
   if (pic.clouds > 1 && pic.clouds <= 4) {  // which line is which cloud, above the charts

@@ -99,8 +99,8 @@ TEST_P(AttentionMatchesReference, AllOutputs) {
                [&](auto zero) { check<decltype(zero)>(param.target, param.c); });
 }
 
-const Mask kNone = Mask::none();
-const Mask kCausal = Mask::causal();
+constexpr Mask kNone = Mask::none();
+constexpr Mask kCausal = Mask::causal();
 Mask window(std::int64_t w) { return Mask::sliding_window(w); }
 
 // A few of every kind: one token, d = 1, every mask, key lengths with an empty and a full

@@ -15,6 +15,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/testing.hpp"
@@ -111,7 +112,8 @@ struct Case {
   template <class T>
   void write(const std::function<std::string(const std::string&)>& in) const {
     auto save = [&](const std::string& name, emflow::Shape shape, const std::vector<double>& v) {
-      emflow::write_npy(in(name), emflow::Tensor<T>(shape, std::vector<T>(v.begin(), v.end())));
+      emflow::write_npy(in(name),
+                        emflow::Tensor<T>(std::move(shape), std::vector<T>(v.begin(), v.end())));
     };
     save("x.npy", {batch, tokens, dim}, cloud);
     save("m.npy", {heads, dim, dim}, relevance);

@@ -35,3 +35,14 @@ add_test(NAME consumer.distributed
                  -P ${CMAKE_CURRENT_LIST_DIR}/distributed/run.cmake)
 set_tests_properties(consumer.distributed PROPERTIES LABELS consumer TIMEOUT 900
                      DEPENDS consumer.install_and_build)
+# consumer.subproject: a project that adds this source tree with add_subdirectory (no install),
+# with the tool's and the tests' dependencies disabled, builds and runs the same example, and its
+# compile line carries none of emflow's warning flags or -march=native (run_subproject.cmake).
+add_test(NAME consumer.subproject
+         COMMAND ${CMAKE_COMMAND} -DEMFLOW_SOURCE_DIR=${PROJECT_SOURCE_DIR}
+                 -DEMFLOW_CONSUMER_SOURCE=${CMAKE_CURRENT_LIST_DIR}
+                 -DEMFLOW_CONSUMER_WORK=${CMAKE_CURRENT_BINARY_DIR}/consumer_subproject
+                 -DEMFLOW_CONSUMER_GENERATOR=${CMAKE_GENERATOR}
+                 -DEMFLOW_CONSUMER_CXX=${CMAKE_CXX_COMPILER}
+                 -P ${CMAKE_CURRENT_LIST_DIR}/run_subproject.cmake)
+set_tests_properties(consumer.subproject PROPERTIES LABELS consumer TIMEOUT 900)

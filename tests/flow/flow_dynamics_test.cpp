@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -160,7 +161,7 @@ TEST(FlowEuclidean, RescaledHullNeverGrowsForIdentityValues) {
       double previous = INFINITY;
       for (std::int64_t k = 0; k < R; ++k) {
         const double scale = std::exp(-r.times[static_cast<std::size_t>(k)]);
-        double support = -INFINITY;  // max_i <u, z_i>
+        double support = -std::numeric_limits<double>::infinity();  // max_i <u, z_i>
         for (std::int64_t i = 0; i < N; ++i) {
           double dot = 0.0;
           for (std::int64_t c = 0; c < d; ++c) dot += dir[c] * r.trajectory[(k * N + i) * d + c];
@@ -309,7 +310,7 @@ TEST(FlowUpdate, MultiHeadAttentionWeightsGiveTheAttentionSublayer) {
   w.model_dim = 6;
   w.head_dim = 3;
   w.value_dim = 3;
-  auto tensor = [](Shape shape, std::uint64_t seed) {
+  auto tensor = [](const Shape& shape, std::uint64_t seed) {
     const auto n = static_cast<std::size_t>(checked_element_count(shape));
     return Tensor<double>(shape, testing::uniform(n, seed, -0.5, 0.5));
   };
@@ -470,7 +471,7 @@ TEST(FlowGenerators, CloudsAreSeededAndHaveTheirShape) {
 TEST(FlowValidation, BadSettingsNameTheirArgument) {
   const auto x0 = initial_clouds<double>(InitialCloud::sphere, 1, 4, 3, 1);
   const auto layers = one_layer<double>(3, OperatorKind::identity, OperatorKind::identity);
-  auto message = [&](FlowSettings s, std::vector<double> betas = {1.0}) {
+  auto message = [&](FlowSettings s, const std::vector<double>& betas = {1.0}) {
     try {
       run_flow(x0, betas, layers, s, on_cpu());
     } catch (const Error& e) {

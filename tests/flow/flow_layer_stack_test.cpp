@@ -14,7 +14,7 @@
 namespace emflow::flow {
 namespace {
 
-Tensor<float> uniform_tensor(Shape shape, std::uint64_t seed) {
+Tensor<float> uniform_tensor(const Shape& shape, std::uint64_t seed) {
   const std::vector<double> v =
       testing::uniform(static_cast<std::size_t>(checked_element_count(shape)), seed);
   return Tensor<float>(shape, std::vector<float>(v.begin(), v.end()));
