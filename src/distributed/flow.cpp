@@ -271,9 +271,7 @@ flow::FlowResult<T> run_flow(Communicator& comm, const T* shard_rows, std::int64
                                       "must be the same on every rank)");
     }
     betas = flow::detail::validate_flow(Shape{batch, tokens, dim}, betas_in, layers, settings);
-    if (options.threads < 0) {
-      ::emflow::detail::fail_argument(op, "threads", "must be >= 0, got ", options.threads);
-    }
+    check_threads(options.threads, op);
     if (host.device == Device::automatic) host.device = Device::cpu;
     if (host.device != Device::cpu && host.device != Device::reference) {
       ::emflow::detail::fail(ErrorCode::unsupported, op,
