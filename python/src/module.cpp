@@ -84,4 +84,5 @@ NB_MODULE(_emflow, m) {
   emflow::python::bind_attend(m);
   emflow::python::bind_reference(m);
   emflow::python::bind_flow(m);
+  emflow::python::bind_capability(m);
 }
