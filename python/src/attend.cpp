@@ -174,8 +174,7 @@ void attend_factored_host(const Placement& place, const InArray& x, const InArra
                           const InArray& content_down, const OptIn& key_bias, const OptIn& offset,
                           double beta, const std::string& mask, const OptIn& lengths,
                           OutArray& update, const OptOut& lse, const OptOut& entropy,
-                          const OptOut& weights, const std::string& device,
-                          std::int64_t threads) {
+                          const OptOut& weights, const std::string& device, std::int64_t threads) {
   const Dims dims = dims_of("attend_factored", x, query_factor, "query_factor", 2);
   const auto rank = static_cast<std::int64_t>(query_factor.shape(query_factor.ndim() - 2));
   if (place.device_type != nb::device::cpu::value) {
@@ -239,9 +238,9 @@ void bind_attend(nb::module_& m) {
       },
       nb::arg("x"), nb::arg("relevance"), nb::arg("content"), nb::arg("key_bias").none(),
       nb::arg("offset").none(), nb::arg("beta"), nb::arg("mask"), nb::arg("key_lengths").none(),
-      nb::arg("update"), nb::arg("lse").none(),
-      nb::arg("entropy").none(), nb::arg("weights").none(), nb::arg("device"), nb::arg("threads"),
-      nb::arg("stream"), nb::arg("allocate").none(),
+      nb::arg("update"), nb::arg("lse").none(), nb::arg("entropy").none(),
+      nb::arg("weights").none(), nb::arg("device"), nb::arg("threads"), nb::arg("stream"),
+      nb::arg("allocate").none(),
       "emflow::attend (or emflow::cuda::attend_async for CUDA arrays) on the given arrays, "
       "written into the given outputs. Use emflow.attend.");
   m.def(
@@ -255,15 +254,15 @@ void bind_attend(nb::module_& m) {
           attend_factored_host<float>(place, x, a, b, u, v, key_bias, offset, beta, mask, lengths,
                                       update, lse, entropy, weights, device, threads);
         } else {
-          attend_factored_host<double>(place, x, a, b, u, v, key_bias, offset, beta, mask,
-                                       lengths, update, lse, entropy, weights, device, threads);
+          attend_factored_host<double>(place, x, a, b, u, v, key_bias, offset, beta, mask, lengths,
+                                       update, lse, entropy, weights, device, threads);
         }
       },
       nb::arg("x"), nb::arg("query_factor"), nb::arg("key_factor"), nb::arg("content_up"),
       nb::arg("content_down"), nb::arg("key_bias").none(), nb::arg("offset").none(),
       nb::arg("beta"), nb::arg("mask"), nb::arg("key_lengths").none(), nb::arg("update"),
-      nb::arg("lse").none(), nb::arg("entropy").none(),
-      nb::arg("weights").none(), nb::arg("device"), nb::arg("threads"),
+      nb::arg("lse").none(), nb::arg("entropy").none(), nb::arg("weights").none(),
+      nb::arg("device"), nb::arg("threads"),
       "emflow::attend_factored on the given host arrays, written into the given outputs. Use "
       "emflow.attend_factored.");
   m.def("time_attend", &time_attend, nb::arg("x"), nb::arg("relevance"), nb::arg("content"),

@@ -42,8 +42,7 @@ struct Small {
   FactoredLayer<float> factored() const {
     FactoredLayer<float> layer;
     layer.rank = 2;
-    layer.query_factor = layer.key_factor = layer.content_up = layer.content_down =
-        identity.data();
+    layer.query_factor = layer.key_factor = layer.content_up = layer.content_down = identity.data();
     return layer;
   }
 };
@@ -77,8 +76,8 @@ std::vector<std::pair<std::string, std::function<void(int)>>> entry_points(Small
        }},
       {"run_flow",
        [](int t) {
-         const Tensor<double> x = flow::initial_clouds<double>(flow::InitialCloud::sphere, 1, 5,
-                                                                3, 1);
+         const Tensor<double> x =
+             flow::initial_clouds<double>(flow::InitialCloud::sphere, 1, 5, 3, 1);
          flow::FlowSettings settings;
          settings.time = 0.2;
          settings.dt = 0.1;
