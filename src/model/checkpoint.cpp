@@ -352,12 +352,12 @@ Model load_checkpoint(const std::string& model_dir, const ConvertOptions& option
   // A role of every layer needs {layer} in its pattern: without it every layer would read the
   // same tensor (and the layer count could not be found).
   for (const auto& [role, pattern] : reader.patterns) {
-    const bool per_layer =
-        checkpoint_roles(model.layout).at(role).find("{layer}") != std::string::npos;
-    if (per_layer && pattern.find("{layer}") == std::string::npos) {
+    const std::string standard = checkpoint_roles(model.layout).at(role);
+    if (standard.find("{layer}") != std::string::npos &&
+        pattern.find("{layer}") == std::string::npos) {
       fail(ErrorCode::invalid_argument, kOp, ": the pattern of '", role, "' ('", pattern,
-           "') has no {layer}, but every layer has its own ", role,
-           " (e.g. encoder.layer.{layer}.attention.self.query.weight)");
+           "') has no {layer}, but every layer has its own ", role, " (the ",
+           to_string(model.layout), " layout's is '", standard, "')");
     }
   }
 

@@ -187,11 +187,12 @@ void clean_stale_staging(const fs::path& target) {
   }
   for (const fs::path& path : stale_staging) fs::remove_all(path, error);
   for (const fs::path& path : stale_backups) {
-    if (!fs::exists(fs::symlink_status(target, error))) {
+    // The only copy of the earlier folder when the target is missing: put back, never removed.
+    if (fs::exists(fs::symlink_status(target, error))) {
+      fs::remove_all(path, error);
+    } else {
       fs::rename(path, target, error);
-      if (!error) continue;
     }
-    fs::remove_all(path, error);
   }
 }
 
@@ -284,8 +285,9 @@ void write_operators(const Model& model, const std::string& ops_dir,
       write_npy((staging / "final_gain.npy").string(), model.final_gain);
       write_npy((staging / "final_bias.npy").string(), model.final_bias);
     }
-    for (const auto& [file, bytes] : extra_files)
+    for (const auto& [file, bytes] : extra_files) {
       write_file_atomic((staging / file).string(), bytes);
+    }
     write_file_atomic((staging / "manifest.json").string(),
                       manifest_of(model, extra_files).dump(2) + "\n");
     if (replacing) fs::rename(target, backup);
