@@ -137,7 +137,8 @@ struct AttentionOutput {
 struct ExecutionOptions {
   Device device = Device::automatic;
   /// CPU threads (OpenMP). 0 chooses: all available, except that calls under about 4 MFLOP
-  /// run on one thread, where starting a team would cost more than it saves.
+  /// run on one thread, where starting a team would cost more than it saves. At most
+  /// max_threads() (types.hpp, 4 per core): more is refused (invalid_argument) by every call.
   int threads = 0;
   /// The products' precision (docs/MATH.md §7). fp32 (the default) means "as the storage type
   /// computes": float32 for float, double for double, float32 accumulation for the 16-bit types.

@@ -96,11 +96,28 @@ Model load_checkpoint(const std::string& model_dir, const ConvertOptions& option
 /// Writes `model` to the folder `ops_dir` (which must not exist, or be an earlier operator
 /// folder, replaced): the files are written to a temporary folder beside it that is renamed into
 /// place at the end, so a failure leaves no `ops_dir` behind (or the earlier one as it was).
-/// extra_files: more files for the folder (name -> contents), e.g. a report.
+/// extra_files: more files for the folder (name -> contents), e.g. a report; the manifest lists
+/// them. Runs check_operators_target first.
 void write_operators(const Model& model, const std::string& ops_dir,
                      const std::map<std::string, std::string>& extra_files = {});
 
-/// Reads an operator folder written by write_operators.
+/// The checks write_operators makes of its target, to be made before the work of a conversion:
+/// `ops_dir` (trailing slashes ignored; a symbolic link to a folder stands for that folder) must
+/// lie in an existing folder and either not exist or be an earlier operator folder that holds
+/// nothing but the files its manifest lists (anything else would be lost when it is replaced).
+/// A dangling link, a file, a folder that is not an operator folder or one with other files in
+/// it are refused (ErrorCode::invalid_argument) naming the entry. Also removes the staging
+/// folders that killed conversions into `ops_dir` left beside it (their process gone), putting
+/// back an earlier folder that such a conversion had moved aside.
+void check_operators_target(const std::string& ops_dir);
+
+/// The files of the operator folder `ops_dir` that read_operators reads: manifest.json and every
+/// file its manifest lists (paths inside `ops_dir`). Reads only the manifest (just manifest.json
+/// when it cannot be read): what a command declares as its inputs, before reading the model.
+std::vector<std::string> operator_files(const std::string& ops_dir);
+
+/// Reads an operator folder written by write_operators. Every field of the manifest is checked
+/// (a field of the wrong type is named with its value; norm_eps must be finite and > 0).
 Model read_operators(const std::string& ops_dir);
 
 /// A run of a model's layers.

@@ -105,6 +105,16 @@ enum class Device {
 Device parse_device(const std::string& text, const char* argument = "device");
 const char* to_string(Device device) noexcept;
 
+/// The most CPU threads one call may ask for (ExecutionOptions::threads, DecodeCache::attend's
+/// threads, `--threads`): 4 per core of this machine (std::thread::hardware_concurrency(); 1024
+/// when that is unknown). More threads than that only add overhead, and an OpenMP team of tens
+/// of thousands of threads cannot start.
+int max_threads() noexcept;
+/// Checks a requested CPU thread count: 0 (the call chooses) to max_threads(). Returns it as an
+/// int; throws emflow::Error (ErrorCode::invalid_argument) "<operation>: argument 'threads' must
+/// be ..., got <threads>" otherwise. Every entry point that takes a thread count calls it first.
+int check_threads(std::int64_t threads, const char* operation);
+
 /// The element type of an array: attention storage (float64, float32, bfloat16, float16) and the
 /// other types the files hold (.npy, safetensors).
 enum class Dtype { float32, float64, int64, int32, float16, bfloat16 };

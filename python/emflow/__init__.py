@@ -19,6 +19,7 @@ demand).
 """
 from __future__ import annotations
 
+import numbers
 import sys
 from functools import partial
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
@@ -26,16 +27,17 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 import numpy as np
 
 from . import _emflow
-from ._emflow import cuda_available, resolve_device
+from ._emflow import cuda_available, max_threads, resolve_device
 
 __version__ = _emflow.__version__
 #: True when the extension was built with the CUDA backend.
 with_cuda: bool = _emflow.built_with_cuda()
 
 __all__ = [
-    "Attention", "Decoded", "DecodingStack", "FlowResult", "Generation", "PhaseDiagram", "attend",
-    "attend_factored", "cuda_available", "flow", "generate", "initial_clouds", "mha_reference",
-    "mha_to_emf", "phase", "resolve_device", "with_cuda",
+    "Attention", "Decoded", "DecodingStack", "FlowResult", "Generation", "PhaseDiagram", "Route",
+    "attend", "attend_factored", "cuda_available", "flow", "generate", "initial_clouds",
+    "max_threads", "mha_reference", "mha_to_emf", "phase", "resolve_device", "route",
+    "route_factored", "with_cuda",
 ]
 
 Mask = Union[None, str, tuple]
@@ -52,17 +54,80 @@ class Attention(NamedTuple):
     weights: Any = None
 
 
-def _mask(mask: Mask) -> tuple[int, int]:
-    """(kind, window) of a mask: None / "none", "causal", ("window", w) or "window:w"."""
-    if mask is None or mask == "none":
-        return 0, 0
-    if mask == "causal":
-        return 1, 0
+class Route(NamedTuple):
+    """Where a call runs, or why it cannot (emflow::route, include/emflow/capability.hpp): what
+    ``route`` and ``route_factored`` return. device: "cpu", "cuda" or "reference"; kernel:
+    "reference", "cpu_fused", "cpu_bf16", "cuda_fused", "cuda_unfused" or "cuda_tensor_cores";
+    computes: "float32" or "float64"; products: "fp32", "tf32", "bf16" or "fp16"; expanded: the
+    factored form is first expanded to dense M_h, F_h; reason: why not, when not supported;
+    device_missing: not supported only because the device is absent."""
+
+    supported: bool
+    device: str
+    kernel: str
+    computes: str
+    products: str
+    expanded: bool
+    reason: str
+    device_missing: bool
+
+    def __str__(self) -> str:
+        if not self.supported:
+            return "unsupported: " + self.reason
+        products = "fp64" if self.computes == "float64" else self.products
+        return f"{self.device} {self.kernel} {products}" + (" (expanded)" if self.expanded else "")
+
+
+def _mask(mask: Mask) -> str:
+    """A mask as the library's text, which emflow::parse_mask parses and checks (one parser, its
+    errors naming the argument): None, "none", "causal", "window:W", or ("window", W) for
+    "window:W" (an integer W; anything else is written as its repr, which the parser refuses)."""
+    if mask is None:
+        return "none"
+    if isinstance(mask, str):
+        return mask
     if isinstance(mask, tuple) and len(mask) == 2 and mask[0] == "window":
-        return 2, int(mask[1])
-    if isinstance(mask, str) and mask.startswith("window:") and mask[7:].isdigit():
-        return 2, int(mask[7:])
-    raise ValueError(f"argument 'mask' is {mask!r}, expected None, 'causal' or ('window', w)")
+        width = mask[1]
+        if isinstance(width, numbers.Integral) and not isinstance(width, bool):
+            return f"window:{int(width)}"
+        return f"window:{width!r}"
+    raise ValueError(f"argument 'mask' is {mask!r}, expected None, 'causal', 'window:W' or "
+                     "('window', W)")
+
+
+def _integer(operation: str, name: str, value: Any, low: int = -2**63,
+             high: int = 2**63 - 1) -> int:
+    """An integer argument as a Python int in [low, high] (by default what fits in 64 bits);
+    floats, strings and bools are refused rather than truncated or coerced."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{operation}: argument '{name}' must be an integer, got {value!r}")
+    value = int(value)
+    if not low <= value <= high:
+        raise ValueError(f"{operation}: argument '{name}' must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _length_values(operation: str, key_lengths: Any) -> np.ndarray:
+    """Key lengths (a sequence, NumPy array or CPU tensor of integers) as a dense int64 array;
+    a float, bool or object entry is refused rather than truncated."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(key_lengths, torch.Tensor):
+        key_lengths = key_lengths.detach().cpu().numpy()
+    if isinstance(key_lengths, (list, tuple)):
+        for i, value in enumerate(key_lengths):
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{operation}: argument 'key_lengths' entry {i} is {value!r}, "
+                                 "expected an integer (one length per cloud)")
+    array = np.asarray(key_lengths)
+    if array.size == 0:
+        return np.zeros(array.shape, dtype=np.int64)
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"{operation}: argument 'key_lengths' holds {array.dtype} values "
+                         f"({key_lengths!r}), expected integers (one length per cloud)")
+    if array.dtype.kind == "u" and int(array.max()) > 2**63 - 1:
+        raise ValueError(f"{operation}: argument 'key_lengths' holds {int(array.max())}, which "
+                         "does not fit in 64 bits")
+    return np.ascontiguousarray(array, dtype=np.int64)
 
 
 def _torch_tensor(x: Any) -> bool:
@@ -83,26 +148,115 @@ def _converted(a: Any, like: Any, is_torch: bool) -> Any:
     return np.ascontiguousarray(a, dtype=like.dtype)
 
 
-def _lengths(key_lengths: Any, x: Any, is_torch: bool, cuda: bool) -> Any:
+def _lengths(operation: str, key_lengths: Any, x: Any, cuda: bool) -> Any:
     """Key lengths as a dense int64 array on the device of 'x' (always converted: it is small)."""
     if key_lengths is None:
         return None
+    lengths = _length_values(operation, key_lengths)
     if cuda:
         import torch
 
-        return torch.as_tensor(key_lengths, dtype=torch.int64).to(x.device)
-    if is_torch and isinstance(key_lengths, sys.modules["torch"].Tensor):
-        key_lengths = key_lengths.cpu()
-    return np.ascontiguousarray(key_lengths, dtype=np.int64)
+        return torch.as_tensor(lengths).to(x.device)
+    return lengths
+
+
+def _dtype_name(a: Any) -> str:
+    """"float32", "bfloat16", ...: the dtype of a NumPy array or a torch tensor."""
+    return str(a.dtype).replace("torch.", "") if _torch_tensor(a) else np.dtype(a.dtype).name
+
+
+def _as_array(a: Any) -> Any:
+    """An argument that is neither a NumPy array, a torch tensor nor a DLPack object, as a NumPy
+    array (a view of anything with the buffer protocol; a list becomes a new array, whose dtype
+    is then checked like any other)."""
+    if a is None or isinstance(a, np.ndarray) or _torch_tensor(a) or hasattr(a, "__dlpack__"):
+        return a
+    return np.asarray(a)
+
+
+def _check_passable(operation: str, name: str, a: Any, expected: str, output: bool = False):
+    """Refuses, naming the argument, what the array layer cannot even take (so it would only
+    say "incompatible function arguments"): a dtype without a fixed numeric layout (object,
+    strings), a byte order that is not the machine's, a read-only output, a torch meta or
+    sparse tensor, a tensor that requires grad, and an output that is not an array."""
+    if a is None:
+        return
+    if isinstance(a, np.ndarray):
+        if a.dtype.kind not in "biufc":
+            raise ValueError(f"{operation}: argument '{name}' has dtype {a.dtype}, expected "
+                             f"{expected}; pass copy=True to convert")
+        if not a.dtype.isnative:
+            raise ValueError(f"{operation}: argument '{name}' has dtype {a.dtype.str} (not the "
+                             f"machine's byte order), expected {expected}; pass copy=True to "
+                             "convert")
+        if output and not a.flags.writeable:
+            raise ValueError(f"{operation}: argument '{name}' is read-only; expected a writable "
+                             "array")
+        return
+    if _torch_tensor(a):
+        import torch
+
+        if a.device.type == "meta":
+            raise ValueError(f"{operation}: argument '{name}' is a meta tensor (it holds no "
+                             "data); expected a CPU or CUDA tensor (emflow.route answers from "
+                             "shapes alone)")
+        if a.layout != torch.strided:
+            raise ValueError(f"{operation}: argument '{name}' has layout {a.layout}, expected "
+                             "a dense (strided) tensor; pass copy=True to convert")
+        if a.requires_grad:
+            raise ValueError(f"{operation}: argument '{name}' requires grad, but emflow."
+                             f"{operation} has no gradient: pass it detached (emflow.torch."
+                             f"{operation} is the operator for autograd graphs)")
+        return
+    if output:
+        raise ValueError(f"{operation}: argument '{name}' is a {type(a).__name__}, expected a "
+                         "NumPy array or a torch tensor to write into")
+
+
+def _route(factored: bool, x: Any, operators: tuple, key_bias: Any, offset: Any, mask: Mask,
+           key_lengths: Any, lse: bool, entropy: bool, weights: bool, device: str,
+           operation: str) -> Route:
+    """emflow::route of the call these arguments describe, from their shapes and dtypes alone."""
+    shape = tuple(getattr(x, "shape", np.shape(x)))
+    if len(shape) not in (2, 3):
+        raise ValueError(f"{operation}: argument 'x' has shape {shape}, expected (N, d) or "
+                         "(B, N, d)")
+    first = operators[0]
+    first_shape = tuple(getattr(first, "shape", np.shape(first)))
+    if len(first_shape) not in (2, 3):
+        name = "query_factor" if factored else "relevance"
+        raise ValueError(f"{operation}: argument '{name}' has shape {first_shape}, expected 2 "
+                         "axes, or 3 with the heads first")
+    requested = device
+    if _torch_tensor(x) and x.device.type == "cuda":
+        if device not in ("auto", "cuda"):
+            raise ValueError(f"{operation}: argument 'device' is '{device}' but the arrays are "
+                             "CUDA arrays")
+        requested = "cuda"  # CUDA tensors run on their device, through cuda::attend_async
+    storage = _dtype_name(x) if hasattr(x, "dtype") else np.asarray(x).dtype.name
+    if storage not in ("float32", "float64"):
+        return Route(False, "cpu" if requested == "auto" else requested, "", "", "", False,
+                     f"{operation}: argument 'x' has dtype {storage}, expected float32 or "
+                     f"float64 (emflow.{operation} computes in the dtype of 'x')", False)
+    answer = _emflow.route(factored, storage, "fp32", shape[0] if len(shape) == 3 else 1,
+                           shape[-2], shape[-1], first_shape[0] if len(first_shape) == 3 else 1,
+                           first_shape[-2] if factored else 0, _mask(mask),
+                           key_lengths is not None, key_bias is not None, offset is not None,
+                           bool(lse), bool(entropy), bool(weights), requested, operation)
+    return Route(*answer)
 
 
 def _run(dense: bool, x: Any, operators: tuple, key_bias: Any, offset: Any, beta: float,
          mask: Mask, key_lengths: Any, lse: bool, entropy: bool, weights: bool, device: str,
          threads: int, out: Any, copy: bool, stream: Any) -> Any:
-    kind, window = (0, 0) if mask is None else _mask(mask)
+    operation = "attend" if dense else "attend_factored"
+    mask_text = _mask(mask)
+    threads = _integer(operation, "threads", threads)
     is_torch = type(x) is not np.ndarray and _torch_tensor(x)
     if not is_torch and type(x) is not np.ndarray:
         x = np.asarray(x)
+    operators = tuple(_as_array(a) for a in operators)
+    key_bias, offset = _as_array(key_bias), _as_array(offset)
     if copy:
         if not is_torch and x.dtype not in (np.float32, np.float64):
             x = x.astype(np.float64)
@@ -110,17 +264,33 @@ def _run(dense: bool, x: Any, operators: tuple, key_bias: Any, offset: Any, beta
         operators = tuple(_converted(a, x, is_torch) for a in operators)
         key_bias = _converted(key_bias, x, is_torch)
         offset = _converted(offset, x, is_torch)
+    _check_passable(operation, "x", x, "float32 or float64")
+    names = ("relevance", "content") if dense else ("query_factor", "key_factor", "content_up",
+                                                    "content_down")
+    like = f"{_dtype_name(x)} (the dtype of 'x')"
+    for name, a in zip(names + ("key_bias", "offset"), operators + (key_bias, offset)):
+        _check_passable(operation, name, a, like)
+    _check_passable(operation, "out", out, like, output=True)
     cuda = is_torch and x.is_cuda
-    lengths = None if key_lengths is None else _lengths(key_lengths, x, is_torch, cuda)
+    lengths = _lengths(operation, key_lengths, x, cuda)
     stream_handle = 0
     allocate = None
     if is_torch:
         import torch
 
         if cuda:
+            # Where the call runs on the GPU, asked of the library before any output exists.
+            where = _route(not dense, x, operators, key_bias, offset, mask, key_lengths, lse,
+                           entropy, weights, device, operation)
+            if not where.supported:
+                raise NotImplementedError(where.reason)
             if not dense:
-                # No stream-ordered factored form in the C++ API: expand to dense M_h = A_h^T B_h
-                # and F_h = U_h V_h on the stream, then the dense update.
+                if not where.expanded:
+                    raise NotImplementedError(f"{operation}: {where} runs through "
+                                              "cuda::attend_factored_async, which the Python "
+                                              "package does not call yet")
+                # The route expands the layer to dense M_h = A_h^T B_h and F_h = U_h V_h: done
+                # on the stream, then the dense update.
                 a, b, u, v = operators
                 with torch.cuda.stream(_external_stream(torch, x, stream)):
                     operators = (a.transpose(-1, -2) @ b, u @ v)
@@ -142,12 +312,12 @@ def _run(dense: bool, x: Any, operators: tuple, key_bias: Any, offset: Any, beta
         entropy_out = empty(per_head) if entropy else None
         weights_out = empty(per_head + [shape[-2]]) if weights else None
     if dense:
-        _emflow.attend(x, operators[0], operators[1], key_bias, offset, beta, kind, window,
-                       lengths, update, lse_out, entropy_out, weights_out, device, threads,
-                       stream_handle, allocate)
+        _emflow.attend(x, operators[0], operators[1], key_bias, offset, beta, mask_text, lengths,
+                       update, lse_out, entropy_out, weights_out, device, threads, stream_handle,
+                       allocate)
     else:
-        _emflow.attend_factored(x, *operators, key_bias, offset, beta, kind, window, lengths,
-                                update, lse_out, entropy_out, weights_out, device, threads)
+        _emflow.attend_factored(x, *operators, key_bias, offset, beta, mask_text, lengths, update,
+                                lse_out, entropy_out, weights_out, device, threads)
     if extras:
         return Attention(update, lse_out, entropy_out, weights_out)
     return update
@@ -232,6 +402,36 @@ def attend_factored(x: Any, query_factor: Any, key_factor: Any, content_up: Any,
                 copy, stream)
 
 
+def route(x: Any, relevance: Any, content: Any, *, key_bias: Any = None, offset: Any = None,
+          mask: Mask = None, key_lengths: Any = None, lse: bool = False, entropy: bool = False,
+          weights: bool = False, device: str = "auto") -> Route:
+    """Where ``attend`` with these arguments runs (device, kernel, the precision of its
+    products), or why it cannot: the library's capability function, emflow::route
+    (include/emflow/capability.hpp), which every entry point asks.
+
+    The arguments are those of ``attend``, read for their shapes and dtypes only (no data is
+    touched: torch meta tensors and anything with ``shape`` and ``dtype`` do); the arrays are
+    still checked by ``attend`` itself. torch CUDA tensors are asked about on "cuda", as
+    ``attend`` runs them. Non-finite values, which send a CPU call to the reference, are not
+    looked for. Returns a ``Route``; ``str(route)`` reads e.g. "cpu cpu_fused fp32"::
+
+        r = emflow.route(x, m, f, weights=True, device="cuda")
+        if not r.supported:
+            print(r.reason)
+    """
+    return _route(False, x, (relevance, content), key_bias, offset, mask, key_lengths, lse,
+                  entropy, weights, device, "attend")
+
+
+def route_factored(x: Any, query_factor: Any, key_factor: Any, content_up: Any,
+                   content_down: Any, *, key_bias: Any = None, offset: Any = None,
+                   mask: Mask = None, key_lengths: Any = None, lse: bool = False,
+                   entropy: bool = False, weights: bool = False, device: str = "auto") -> Route:
+    """``route`` for ``attend_factored`` (rank r from query_factor's shape (H, r, d))."""
+    return _route(True, x, (query_factor, key_factor, content_up, content_down), key_bias,
+                  offset, mask, key_lengths, lse, entropy, weights, device, "attend_factored")
+
+
 def _double(a: Any) -> Any:
     return None if a is None else np.ascontiguousarray(a, dtype=np.float64)
 
@@ -250,9 +450,9 @@ def mha_to_emf(query: Any, key: Any, value: Any, output: Any, *, heads: int,
     stacked along the rows as torch.nn.MultiheadAttention stores them. Biases optional.
     With beta = 1, ``reference.attend(x, *mha_to_emf(...))`` equals ``mha_reference``.
     """
-    return _emflow.mha_to_emf(heads, _double(query), _double(key), _double(value),
-                              _double(output), _double(query_bias), _double(key_bias),
-                              _double(value_bias), _double(output_bias))
+    return _emflow.mha_to_emf(_integer("mha_to_emf", "heads", heads), _double(query),
+                              _double(key), _double(value), _double(output), _double(query_bias),
+                              _double(key_bias), _double(value_bias), _double(output_bias))
 
 
 def mha_reference(cloud: Any, query: Any, key: Any, value: Any, output: Any, *, heads: int,
@@ -262,11 +462,11 @@ def mha_reference(cloud: Any, query: Any, key: Any, value: Any, output: Any, *, 
     """Plain multi-head attention computed the usual way, in float64 (emflow::mha_reference):
     the sub-layer's output without the residual, the cloud's shape. A query that sees no key
     gets 0 (not b_O), the EMF convention. Weights as for ``mha_to_emf``."""
-    kind, window = _mask(mask)
-    return _emflow.mha_reference(heads, _double(query), _double(key), _double(value),
-                                 _double(output), _double(query_bias), _double(key_bias),
-                                 _double(value_bias), _double(output_bias), _double(cloud),
-                                 kind, window, list(key_lengths or []))
+    lengths = [] if key_lengths is None else _length_values("mha_reference", key_lengths).tolist()
+    return _emflow.mha_reference(_integer("mha_reference", "heads", heads), _double(query),
+                                 _double(key), _double(value), _double(output),
+                                 _double(query_bias), _double(key_bias), _double(value_bias),
+                                 _double(output_bias), _double(cloud), _mask(mask), lengths)
 
 
 from ._flow import FlowResult, PhaseDiagram, flow, initial_clouds, phase  # noqa: E402

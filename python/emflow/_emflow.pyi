@@ -20,12 +20,12 @@ def resolve_device(device: str) -> str:
     The device 'auto' / 'cpu' / 'cuda' / 'reference' resolves to in this process: 'auto' is 'cuda' when a device is present and emflow was built with CUDA, else 'cpu'.
     """
 
-def attend(x: Annotated[NDArray, dict(writable=False)], relevance: Annotated[NDArray, dict(writable=False)], content: Annotated[NDArray, dict(writable=False)], key_bias: Annotated[NDArray, dict(writable=False)] | None, offset: Annotated[NDArray, dict(writable=False)] | None, beta: float, mask_kind: int, window: int, key_lengths: Annotated[NDArray, dict(writable=False)] | None, update: NDArray, lse: NDArray | None, entropy: NDArray | None, weights: NDArray | None, device: str, threads: int, stream: int, allocate: object | None) -> None:
+def attend(x: Annotated[NDArray, dict(writable=False)], relevance: Annotated[NDArray, dict(writable=False)], content: Annotated[NDArray, dict(writable=False)], key_bias: Annotated[NDArray, dict(writable=False)] | None, offset: Annotated[NDArray, dict(writable=False)] | None, beta: float, mask: str, key_lengths: Annotated[NDArray, dict(writable=False)] | None, update: NDArray, lse: NDArray | None, entropy: NDArray | None, weights: NDArray | None, device: str, threads: int, stream: int, allocate: object | None) -> None:
     """
     emflow::attend (or emflow::cuda::attend_async for CUDA arrays) on the given arrays, written into the given outputs. Use emflow.attend.
     """
 
-def attend_factored(x: Annotated[NDArray, dict(writable=False)], query_factor: Annotated[NDArray, dict(writable=False)], key_factor: Annotated[NDArray, dict(writable=False)], content_up: Annotated[NDArray, dict(writable=False)], content_down: Annotated[NDArray, dict(writable=False)], key_bias: Annotated[NDArray, dict(writable=False)] | None, offset: Annotated[NDArray, dict(writable=False)] | None, beta: float, mask_kind: int, window: int, key_lengths: Annotated[NDArray, dict(writable=False)] | None, update: NDArray, lse: NDArray | None, entropy: NDArray | None, weights: NDArray | None, device: str, threads: int) -> None:
+def attend_factored(x: Annotated[NDArray, dict(writable=False)], query_factor: Annotated[NDArray, dict(writable=False)], key_factor: Annotated[NDArray, dict(writable=False)], content_up: Annotated[NDArray, dict(writable=False)], content_down: Annotated[NDArray, dict(writable=False)], key_bias: Annotated[NDArray, dict(writable=False)] | None, offset: Annotated[NDArray, dict(writable=False)] | None, beta: float, mask: str, key_lengths: Annotated[NDArray, dict(writable=False)] | None, update: NDArray, lse: NDArray | None, entropy: NDArray | None, weights: NDArray | None, device: str, threads: int) -> None:
     """
     emflow::attend_factored on the given host arrays, written into the given outputs. Use emflow.attend_factored.
     """
@@ -37,7 +37,7 @@ def time_attend(x: Annotated[NDArray, dict(writable=False)], relevance: Annotate
 
 def ref_relevance_gradients(cloud: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], relevance: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)]) -> object: ...
 
-def ref_scores(relevance_gradients: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], cloud: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], key_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, beta: float, mask_kind: int, window: int, key_lengths: Sequence[int]) -> object: ...
+def ref_scores(relevance_gradients: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], cloud: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], key_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, beta: float, mask: str, key_lengths: Sequence[int]) -> object: ...
 
 def ref_masked_softmax(scores: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)]) -> tuple: ...
 
@@ -47,11 +47,11 @@ def ref_contextual_update(weights: Annotated[NDArray[numpy.float64], dict(order=
 
 def ref_residual_update(cloud: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], update: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)]) -> object: ...
 
-def ref_attend(cloud: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], relevance: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], content: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], key_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, offset: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, beta: float, mask_kind: int, window: int, key_lengths: Sequence[int], with_weights: bool) -> tuple: ...
+def ref_attend(cloud: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], relevance: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], content: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], key_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, offset: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, beta: float, mask: str, key_lengths: Sequence[int], with_weights: bool) -> tuple: ...
 
 def mha_to_emf(heads: int, query: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], key: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], value: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], output: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], query_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, key_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, value_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, output_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None) -> tuple: ...
 
-def mha_reference(heads: int, query: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], key: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], value: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], output: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], query_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, key_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, value_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, output_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, cloud: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], mask_kind: int, window: int, key_lengths: Sequence[int]) -> object: ...
+def mha_reference(heads: int, query: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], key: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], value: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], output: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], query_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, key_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, value_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, output_bias: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)] | None, cloud: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], mask: str, key_lengths: Sequence[int]) -> object: ...
 
 def flow(initial: Annotated[NDArray, dict(writable=False)], betas: Sequence[float], relevance: object, content: object, layers: int, seed: int, norm: str, pre_norm: bool, time: float, dt: float, integrator: str, unnormalized: bool, record_every: int, cluster_eps: float, device: str, threads: int, callback: object | None) -> tuple:
     """
@@ -145,4 +145,12 @@ def gguf_dequantize(type: str, blocks: Annotated[NDArray[numpy.uint8], dict(orde
 def gguf_types() -> list:
     """
     [(code, name, block size, block bytes, dequantized)] for every tensor type emflow knows.
+def route(factored: bool, storage: str, precision: str, batch: int, tokens: int, dim: int, heads: int, rank: int, mask: str, key_lengths: bool, key_bias: bool, offset: bool, lse: bool, entropy: bool, weights: bool, device: str, operation: str) -> tuple:
+    """
+    emflow::route of the Problem these fields describe: (supported, device, kernel, computes, products, expanded, reason, device_missing). Use emflow.route.
+    """
+
+def max_threads() -> int:
+    """
+    emflow::max_threads: the most CPU threads a call may ask for (4 per core).
     """

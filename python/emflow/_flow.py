@@ -5,7 +5,9 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _emflow
+from . import _emflow, _integer
+
+_SEED = (0, 2**64 - 1)
 
 Progress = Optional[Callable[[int, int], Any]]
 
@@ -39,7 +41,10 @@ def initial_clouds(kind: str = "gaussian", batch: int = 1, tokens: int = 32, dim
     single = np.dtype(dtype) == np.float32
     if not single and np.dtype(dtype) != np.float64:
         raise ValueError(f"argument 'dtype' is {dtype!r}, expected float32 or float64")
-    return _emflow.initial_clouds(kind, batch, tokens, dim, seed, single)
+    op = "initial_clouds"
+    return _emflow.initial_clouds(kind, _integer(op, "batch", batch),
+                                  _integer(op, "tokens", tokens), _integer(op, "dim", dim),
+                                  _integer(op, "seed", seed, *_SEED), single)
 
 
 def flow(initial: Any, *, beta: Union[float, Sequence[float]] = 1.0,
@@ -59,7 +64,8 @@ def flow(initial: Any, *, beta: Union[float, Sequence[float]] = 1.0,
     time up to ``time`` with step ``dt`` ("euler" or "rk4"), on the sphere when norm is
     "sphere". unnormalized: USA instead of SA. The state is recorded every ``record_every``
     steps (and last). callback(done, total) is called after each step on the calling thread,
-    e.g. with tqdm: ``callback=lambda done, total: bar.update(done - bar.n)``.
+    e.g. with tqdm: ``callback=lambda done, total: bar.update(done - bar.n)``. Ctrl-C
+    (KeyboardInterrupt) stops the run after the step it arrives in, with or without a callback.
     """
     initial = np.asarray(initial)
     if initial.ndim == 2:
@@ -74,8 +80,10 @@ def flow(initial: Any, *, beta: Union[float, Sequence[float]] = 1.0,
     if not isinstance(content, str):
         content = np.ascontiguousarray(content, dtype=initial.dtype)
     trajectory, times, steps, observables = _emflow.flow(
-        initial, betas, relevance, content, layers, seed, norm, pre_norm, time, dt, integrator,
-        unnormalized, record_every, cluster_eps, device, threads, callback)
+        initial, betas, relevance, content, _integer("flow", "layers", layers),
+        _integer("flow", "seed", seed, *_SEED), norm, pre_norm, time, dt, integrator,
+        unnormalized, _integer("flow", "record_every", record_every), cluster_eps, device,
+        _integer("flow", "threads", threads), callback)
     return FlowResult(trajectory, times, steps, observables)
 
 
@@ -88,7 +96,10 @@ def phase(*, tokens: int = 32, dim: int = 2, beta_start: float = 0.1, beta_stop:
     same for every beta), integrated by RK4 up to ``time``, for ``beta_count`` betas from
     beta_start to beta_stop. generic=True takes the generic attention path
     (phase_diagram_generic). callback(done, total) as for ``flow``."""
-    times, betas, clustered = _emflow.phase(tokens, dim, beta_start, beta_stop, beta_count, time,
-                                            dt, clouds, seed, cluster_eps, device, threads,
-                                            generic, callback)
+    op = "phase"
+    times, betas, clustered = _emflow.phase(
+        _integer(op, "tokens", tokens), _integer(op, "dim", dim), beta_start, beta_stop,
+        _integer(op, "beta_count", beta_count), time, dt, _integer(op, "clouds", clouds),
+        _integer(op, "seed", seed, *_SEED), cluster_eps, device, _integer(op, "threads", threads),
+        generic, callback)
     return PhaseDiagram(times, betas, clustered)

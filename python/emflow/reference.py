@@ -20,13 +20,17 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from . import _emflow
-from . import _mask
+from . import _length_values, _mask
 
 Lengths = Optional[Sequence[int]]
 
 
 def _d(a: Any) -> Any:
     return None if a is None else np.ascontiguousarray(a, dtype=np.float64)
+
+
+def _lengths(operation: str, key_lengths: Lengths) -> list:
+    return [] if key_lengths is None else _length_values(operation, key_lengths).tolist()
 
 
 def relevance_gradients(cloud: Any, relevance: Any) -> np.ndarray:
@@ -38,9 +42,8 @@ def scores(relevance_gradients: Any, cloud: Any, key_bias: Any = None, beta: flo
            mask: Any = None, key_lengths: Lengths = None) -> np.ndarray:
     """S = beta (R X^T + 1 u^T X^T), -inf where key j is hidden from query i: (N, N) or
     (B, N, N). key_bias: u, (d) or None; mask as for emflow.attend; key_lengths: one per cloud."""
-    kind, window = _mask(mask)
-    return _emflow.ref_scores(_d(relevance_gradients), _d(cloud), _d(key_bias), beta, kind,
-                              window, list(key_lengths or []))
+    return _emflow.ref_scores(_d(relevance_gradients), _d(cloud), _d(key_bias), beta, _mask(mask),
+                              _lengths("scores", key_lengths))
 
 
 def masked_softmax(scores: Any) -> tuple:
@@ -71,6 +74,5 @@ def attend(cloud: Any, relevance: Any, content: Any, key_bias: Any = None, offse
     (update, lse (B, H, N), entropy (B, H, N), weights (B, H, N, N) or None). relevance,
     content: (H, d, d) or (d, d); key_bias (H, d) or (d); offset (d). Equals
     emflow.attend(..., device="reference") up to rounding."""
-    kind, window = _mask(mask)
     return _emflow.ref_attend(_d(cloud), _d(relevance), _d(content), _d(key_bias), _d(offset),
-                              beta, kind, window, list(key_lengths or []), weights)
+                              beta, _mask(mask), _lengths("attend", key_lengths), weights)

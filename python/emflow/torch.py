@@ -49,30 +49,35 @@ def _fake(x: Tensor, operator: Tensor, want_lse: bool, want_entropy: bool,
 
 
 def _lengths(key_lengths: Optional[Tensor]) -> Optional[Tensor]:
-    return None if key_lengths is None else key_lengths.to(torch.int64).contiguous()
+    # Integer lengths of any width become int64; a float tensor is left for emflow.attend to
+    # refuse (never truncated).
+    if key_lengths is None or key_lengths.dtype.is_floating_point:
+        return key_lengths
+    return key_lengths.to(torch.int64).contiguous()
 
 
 def _dense(a: Optional[Tensor]) -> Optional[Tensor]:
-    return None if a is None else a.contiguous()
+    # Detached: the forward computes values only (register_autograd refuses the backward), and
+    # emflow.attend refuses tensors that require grad.
+    return None if a is None else a.detach().contiguous()
 
 
 @torch.library.custom_op("emflow::attend", mutates_args=())
 def _attend_op(x: Tensor, relevance: Tensor, content: Tensor, key_bias: Optional[Tensor],
-               offset: Optional[Tensor], key_lengths: Optional[Tensor], beta: float,
-               mask_kind: int, window: int, want_lse: bool, want_entropy: bool,
-               want_weights: bool, device: str, threads: int
+               offset: Optional[Tensor], key_lengths: Optional[Tensor], beta: float, mask: str,
+               want_lse: bool, want_entropy: bool, want_weights: bool, device: str, threads: int
                ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    result = _emflow.attend(x.contiguous(), relevance.contiguous(), content.contiguous(),
+    result = _emflow.attend(_dense(x), _dense(relevance), _dense(content),
                             key_bias=_dense(key_bias), offset=_dense(offset), beta=beta,
-                            mask=_mask_of(mask_kind, window), key_lengths=_lengths(key_lengths),
+                            mask=mask, key_lengths=_lengths(key_lengths),
                             lse=want_lse, entropy=want_entropy, weights=want_weights,
                             device=device, threads=threads)
     return _outputs(result, x, want_lse, want_entropy, want_weights)
 
 
 @_attend_op.register_fake
-def _attend_fake(x, relevance, content, key_bias, offset, key_lengths, beta, mask_kind, window,
-                 want_lse, want_entropy, want_weights, device, threads):
+def _attend_fake(x, relevance, content, key_bias, offset, key_lengths, beta, mask, want_lse,
+                 want_entropy, want_weights, device, threads):
     return _fake(x, relevance, want_lse, want_entropy, want_weights)
 
 
@@ -80,13 +85,12 @@ def _attend_fake(x, relevance, content, key_bias, offset, key_lengths, beta, mas
 def _attend_factored_op(x: Tensor, query_factor: Tensor, key_factor: Tensor, content_up: Tensor,
                         content_down: Tensor, key_bias: Optional[Tensor],
                         offset: Optional[Tensor], key_lengths: Optional[Tensor], beta: float,
-                        mask_kind: int, window: int, want_lse: bool, want_entropy: bool,
-                        want_weights: bool, device: str, threads: int
-                        ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                        mask: str, want_lse: bool, want_entropy: bool, want_weights: bool,
+                        device: str, threads: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     result = _emflow.attend_factored(
-        x.contiguous(), query_factor.contiguous(), key_factor.contiguous(),
-        content_up.contiguous(), content_down.contiguous(), key_bias=_dense(key_bias),
-        offset=_dense(offset), beta=beta, mask=_mask_of(mask_kind, window),
+        _dense(x), _dense(query_factor), _dense(key_factor), _dense(content_up),
+        _dense(content_down), key_bias=_dense(key_bias),
+        offset=_dense(offset), beta=beta, mask=mask,
         key_lengths=_lengths(key_lengths), lse=want_lse, entropy=want_entropy,
         weights=want_weights, device=device, threads=threads)
     return _outputs(result, x, want_lse, want_entropy, want_weights)
@@ -94,8 +98,8 @@ def _attend_factored_op(x: Tensor, query_factor: Tensor, key_factor: Tensor, con
 
 @_attend_factored_op.register_fake
 def _attend_factored_fake(x, query_factor, key_factor, content_up, content_down, key_bias,
-                          offset, key_lengths, beta, mask_kind, window, want_lse, want_entropy,
-                          want_weights, device, threads):
+                          offset, key_lengths, beta, mask, want_lse, want_entropy, want_weights,
+                          device, threads):
     return _fake(x, query_factor, want_lse, want_entropy, want_weights)
 
 
@@ -111,14 +115,10 @@ torch.library.register_autograd("emflow::attend", _refuse_attend)
 torch.library.register_autograd("emflow::attend_factored", _refuse_factored)
 
 
-def _mask_of(kind: int, window: int) -> Any:
-    return None if kind == 0 else "causal" if kind == 1 else ("window", window)
-
-
-def _key_lengths(key_lengths: Any, x: Tensor) -> Optional[Tensor]:
+def _key_lengths(key_lengths: Any, x: Tensor, operation: str) -> Optional[Tensor]:
     if key_lengths is None or isinstance(key_lengths, torch.Tensor):
-        return key_lengths
-    return torch.tensor(list(key_lengths), dtype=torch.int64, device=x.device)
+        return key_lengths  # an integer tensor, checked by emflow.attend inside the operator
+    return torch.as_tensor(_emflow._length_values(operation, key_lengths), device=x.device)
 
 
 def _result(outputs: Tuple[Tensor, ...], lse: bool, entropy: bool, weights: bool) -> Any:
@@ -135,10 +135,9 @@ def attend(x: Tensor, relevance: Tensor, content: Tensor, *, key_bias: Optional[
     """emflow.attend as the operator torch.ops.emflow.attend (see emflow.attend for the
     arguments and the result). Works under torch.compile (fullgraph) and in traced graphs;
     key_lengths may be a tensor or a sequence of ints."""
-    kind, window = _emflow._mask(mask)
     outputs = torch.ops.emflow.attend(x, relevance, content, key_bias, offset,
-                                      _key_lengths(key_lengths, x), float(beta), kind, window,
-                                      lse, entropy, weights, device, threads)
+                                      _key_lengths(key_lengths, x, "attend"), float(beta),
+                                      _emflow._mask(mask), lse, entropy, weights, device, threads)
     return _result(outputs, lse, entropy, weights)
 
 
@@ -151,9 +150,8 @@ def attend_factored(x: Tensor, query_factor: Tensor, key_factor: Tensor, content
     emflow.attend_factored). QKV attention with per-head projections A (queries), B (keys),
     V (values) and U (output), rank r = head dimension: A = W_Q,h / sqrt(d_k), B = W_K,h,
     V = W_V,h, U = W_O,h."""
-    kind, window = _emflow._mask(mask)
     outputs = torch.ops.emflow.attend_factored(
         x, query_factor, key_factor, content_up, content_down, key_bias, offset,
-        _key_lengths(key_lengths, x), float(beta), kind, window, lse, entropy, weights, device,
-        threads)
+        _key_lengths(key_lengths, x, "attend_factored"), float(beta), _emflow._mask(mask), lse,
+        entropy, weights, device, threads)
     return _result(outputs, lse, entropy, weights)

@@ -114,6 +114,10 @@ void refuse(const char* operation, const char* name, const std::string& problem)
 }
 
 bool row_major(std::size_t ndim, const std::int64_t* shape, const std::int64_t* strides) {
+  // An empty array has no element to misplace, whatever strides it reports.
+  for (std::size_t k = 0; k < ndim; ++k) {
+    if (shape[k] == 0) return true;
+  }
   std::int64_t expected = 1;
   for (std::size_t k = ndim; k-- > 0;) {
     if (shape[k] != 1 && strides[k] != expected) return false;

@@ -38,7 +38,7 @@ Shape shape_of(const InArray& array);
 /// Throws ErrorCode::invalid_argument "<operation>: argument '<name>' ..." for the problem.
 [[noreturn]] void refuse(const char* operation, const char* name, const std::string& problem);
 
-/// True for a dense row-major array (extents of 1 may carry any stride).
+/// True for a dense row-major array (extents of 1 may carry any stride; an empty array is dense).
 bool row_major(std::size_t ndim, const std::int64_t* shape, const std::int64_t* strides);
 
 /// The requirements one call puts on all of its arrays.

@@ -24,19 +24,6 @@ namespace {
 using OptIn = std::optional<InArray>;
 using OptOut = std::optional<OutArray>;
 
-Mask make_mask(int kind, std::int64_t window) {
-  switch (kind) {
-    case 0:
-      return Mask::none();
-    case 1:
-      return Mask::causal();
-    case 2:
-      return Mask::sliding_window(window);
-    default:
-      throw Error(ErrorCode::invalid_argument, "attend: argument 'mask' is not a mask");
-  }
-}
-
 /// The shapes a call implies: B, H and N, and whether 'x' / the operators carried B and H.
 struct Dims {
   bool batched = false, multihead = false;
@@ -101,17 +88,21 @@ AttentionOutput<T> outputs(const Placement& place, const Dims& dims, OutArray& u
   return out;
 }
 
+/// The cloud's part of the input: 'x' itself checked like every other array (its layout above
+/// all: a strided or transposed view must not be read as if it were dense), the mask parsed by
+/// the library's parser from its text.
 template <class T>
 AttentionInput<T> cloud_input(const Placement& place, const Dims& dims, const InArray& x,
-                              double beta, int mask_kind, std::int64_t window,
-                              const OptIn& lengths) {
+                              double beta, const std::string& mask, const OptIn& lengths) {
   AttentionInput<T> in;
-  in.cloud = static_cast<const T*>(x.data());
+  const Shape cloud =
+      dims.batched ? Shape{dims.batch, dims.tokens, dims.dim} : Shape{dims.tokens, dims.dim};
+  in.cloud = input<T>(place, "x", x, cloud);
   in.batch = dims.batch;
   in.tokens = dims.tokens;
   in.dim = dims.dim;
   in.beta = beta;
-  in.mask = make_mask(mask_kind, window);
+  in.mask = parse_mask(mask, "mask");
   in.key_lengths = key_lengths(place, lengths, dims.batch);
   return in;
 }
@@ -143,19 +134,19 @@ void attend_cuda(const AttentionInput<T>& in, const AttentionOutput<T>& out, std
 template <class T>
 void attend_dense(const Placement& place, const InArray& x, const InArray& relevance,
                   const InArray& content, const OptIn& key_bias, const OptIn& offset, double beta,
-                  int mask_kind, std::int64_t window, const OptIn& lengths, OutArray& update,
+                  const std::string& mask, const OptIn& lengths, OutArray& update,
                   const OptOut& lse, const OptOut& entropy, const OptOut& weights,
-                  const std::string& device, int threads, std::uintptr_t stream,
+                  const std::string& device, std::int64_t threads, std::uintptr_t stream,
                   const nb::object& allocate) {
   const Dims dims = dims_of("attend", x, relevance, "relevance", 2);
-  AttentionInput<T> in = cloud_input<T>(place, dims, x, beta, mask_kind, window, lengths);
+  AttentionInput<T> in = cloud_input<T>(place, dims, x, beta, mask, lengths);
   in.layer.heads = dims.heads;
   in.layer.relevance = input<T>(place, "relevance", relevance, dims.op(dims.dim, dims.dim));
   in.layer.content = input<T>(place, "content", content, dims.op(dims.dim, dims.dim));
   in.layer.key_bias = optional_input<T>(place, "key_bias", key_bias, dims.bias());
   in.layer.offset = optional_input<T>(place, "offset", offset, Shape{dims.dim});
   const AttentionOutput<T> out = outputs<T>(place, dims, update, lse, entropy, weights);
-  const ExecutionOptions options{parse_device(device), threads};
+  const ExecutionOptions options{parse_device(device), check_threads(threads, "attend")};
   if (place.device_type == nb::device::cuda::value) {
     if (options.device != Device::automatic && options.device != Device::cuda) {
       throw Error(ErrorCode::invalid_argument, std::string("attend: argument 'device' is '") +
@@ -181,15 +172,15 @@ template <class T>
 void attend_factored_host(const Placement& place, const InArray& x, const InArray& query_factor,
                           const InArray& key_factor, const InArray& content_up,
                           const InArray& content_down, const OptIn& key_bias, const OptIn& offset,
-                          double beta, int mask_kind, std::int64_t window, const OptIn& lengths,
+                          double beta, const std::string& mask, const OptIn& lengths,
                           OutArray& update, const OptOut& lse, const OptOut& entropy,
-                          const OptOut& weights, const std::string& device, int threads) {
+                          const OptOut& weights, const std::string& device, std::int64_t threads) {
   const Dims dims = dims_of("attend_factored", x, query_factor, "query_factor", 2);
   const auto rank = static_cast<std::int64_t>(query_factor.shape(query_factor.ndim() - 2));
   if (place.device_type != nb::device::cpu::value) {
     refuse("attend_factored", "x", "is not in host memory");
   }
-  const AttentionInput<T> in = cloud_input<T>(place, dims, x, beta, mask_kind, window, lengths);
+  const AttentionInput<T> in = cloud_input<T>(place, dims, x, beta, mask, lengths);
   FactoredLayer<T> layer;
   layer.heads = dims.heads;
   layer.rank = rank;
@@ -200,7 +191,7 @@ void attend_factored_host(const Placement& place, const InArray& x, const InArra
   layer.key_bias = optional_input<T>(place, "key_bias", key_bias, dims.bias());
   layer.offset = optional_input<T>(place, "offset", offset, Shape{dims.dim});
   const AttentionOutput<T> out = outputs<T>(place, dims, update, lse, entropy, weights);
-  const ExecutionOptions options{parse_device(device), threads};
+  const ExecutionOptions options{parse_device(device), check_threads(threads, "attend_factored")};
   nb::gil_scoped_release release;
   attend_factored(in, layer, out, options);
 }
@@ -208,17 +199,17 @@ void attend_factored_host(const Placement& place, const InArray& x, const InArra
 /// Seconds per emflow::attend call on host arrays, timed in C++ over `repeats` calls: the
 /// baseline of bench/python_overhead.py.
 double time_attend(const InArray& x, const InArray& relevance, const InArray& content,
-                   OutArray& update, int threads, std::int64_t repeats) {
+                   OutArray& update, std::int64_t threads, std::int64_t repeats) {
   const Placement place = placement_of("attend", x);
   if (place.dtype != nb::dtype<float>()) refuse("attend", "x", "must be float32 here");
   const Dims dims = dims_of("attend", x, relevance, "relevance", 2);
-  AttentionInput<float> in = cloud_input<float>(place, dims, x, 1.0, 0, 0, std::nullopt);
+  AttentionInput<float> in = cloud_input<float>(place, dims, x, 1.0, "none", std::nullopt);
   in.layer.heads = dims.heads;
   in.layer.relevance = input<float>(place, "relevance", relevance, dims.op(dims.dim, dims.dim));
   in.layer.content = input<float>(place, "content", content, dims.op(dims.dim, dims.dim));
   const AttentionOutput<float> out =
       outputs<float>(place, dims, update, std::nullopt, std::nullopt, std::nullopt);
-  const ExecutionOptions options{Device::cpu, threads};
+  const ExecutionOptions options{Device::cpu, check_threads(threads, "time_attend")};
   nb::gil_scoped_release release;
   const auto start = std::chrono::steady_clock::now();
   for (std::int64_t i = 0; i < repeats; ++i) attend(in, out, options);
@@ -232,50 +223,46 @@ void bind_attend(nb::module_& m) {
   m.def(
       "attend",
       [](const InArray& x, const InArray& relevance, const InArray& content, const OptIn& key_bias,
-         const OptIn& offset, double beta, int mask_kind, std::int64_t window, const OptIn& lengths,
+         const OptIn& offset, double beta, const std::string& mask, const OptIn& lengths,
          OutArray update, const OptOut& lse, const OptOut& entropy, const OptOut& weights,
-         const std::string& device, int threads, std::uintptr_t stream,
+         const std::string& device, std::int64_t threads, std::uintptr_t stream,
          const nb::object& allocate) {
         const Placement place = placement_of("attend", x);
         if (place.dtype == nb::dtype<float>()) {
-          attend_dense<float>(place, x, relevance, content, key_bias, offset, beta, mask_kind,
-                              window, lengths, update, lse, entropy, weights, device, threads,
-                              stream, allocate);
+          attend_dense<float>(place, x, relevance, content, key_bias, offset, beta, mask, lengths,
+                              update, lse, entropy, weights, device, threads, stream, allocate);
         } else {
-          attend_dense<double>(place, x, relevance, content, key_bias, offset, beta, mask_kind,
-                               window, lengths, update, lse, entropy, weights, device, threads,
-                               stream, allocate);
+          attend_dense<double>(place, x, relevance, content, key_bias, offset, beta, mask, lengths,
+                               update, lse, entropy, weights, device, threads, stream, allocate);
         }
       },
       nb::arg("x"), nb::arg("relevance"), nb::arg("content"), nb::arg("key_bias").none(),
-      nb::arg("offset").none(), nb::arg("beta"), nb::arg("mask_kind"), nb::arg("window"),
-      nb::arg("key_lengths").none(), nb::arg("update"), nb::arg("lse").none(),
-      nb::arg("entropy").none(), nb::arg("weights").none(), nb::arg("device"), nb::arg("threads"),
-      nb::arg("stream"), nb::arg("allocate").none(),
+      nb::arg("offset").none(), nb::arg("beta"), nb::arg("mask"), nb::arg("key_lengths").none(),
+      nb::arg("update"), nb::arg("lse").none(), nb::arg("entropy").none(),
+      nb::arg("weights").none(), nb::arg("device"), nb::arg("threads"), nb::arg("stream"),
+      nb::arg("allocate").none(),
       "emflow::attend (or emflow::cuda::attend_async for CUDA arrays) on the given arrays, "
       "written into the given outputs. Use emflow.attend.");
   m.def(
       "attend_factored",
       [](const InArray& x, const InArray& a, const InArray& b, const InArray& u, const InArray& v,
-         const OptIn& key_bias, const OptIn& offset, double beta, int mask_kind,
-         std::int64_t window, const OptIn& lengths, OutArray update, const OptOut& lse,
-         const OptOut& entropy, const OptOut& weights, const std::string& device, int threads) {
+         const OptIn& key_bias, const OptIn& offset, double beta, const std::string& mask,
+         const OptIn& lengths, OutArray update, const OptOut& lse, const OptOut& entropy,
+         const OptOut& weights, const std::string& device, std::int64_t threads) {
         const Placement place = placement_of("attend_factored", x);
         if (place.dtype == nb::dtype<float>()) {
-          attend_factored_host<float>(place, x, a, b, u, v, key_bias, offset, beta, mask_kind,
-                                      window, lengths, update, lse, entropy, weights, device,
-                                      threads);
+          attend_factored_host<float>(place, x, a, b, u, v, key_bias, offset, beta, mask, lengths,
+                                      update, lse, entropy, weights, device, threads);
         } else {
-          attend_factored_host<double>(place, x, a, b, u, v, key_bias, offset, beta, mask_kind,
-                                       window, lengths, update, lse, entropy, weights, device,
-                                       threads);
+          attend_factored_host<double>(place, x, a, b, u, v, key_bias, offset, beta, mask, lengths,
+                                       update, lse, entropy, weights, device, threads);
         }
       },
       nb::arg("x"), nb::arg("query_factor"), nb::arg("key_factor"), nb::arg("content_up"),
       nb::arg("content_down"), nb::arg("key_bias").none(), nb::arg("offset").none(),
-      nb::arg("beta"), nb::arg("mask_kind"), nb::arg("window"), nb::arg("key_lengths").none(),
-      nb::arg("update"), nb::arg("lse").none(), nb::arg("entropy").none(),
-      nb::arg("weights").none(), nb::arg("device"), nb::arg("threads"),
+      nb::arg("beta"), nb::arg("mask"), nb::arg("key_lengths").none(), nb::arg("update"),
+      nb::arg("lse").none(), nb::arg("entropy").none(), nb::arg("weights").none(),
+      nb::arg("device"), nb::arg("threads"),
       "emflow::attend_factored on the given host arrays, written into the given outputs. Use "
       "emflow.attend_factored.");
   m.def("time_attend", &time_attend, nb::arg("x"), nb::arg("relevance"), nb::arg("content"),

@@ -5,10 +5,11 @@
 
 namespace emflow::python {
 
-void bind_attend(nanobind::module_& m);     // attend.cpp
-void bind_reference(nanobind::module_& m);  // reference.cpp: emflow::reference, MHA conversion
-void bind_flow(nanobind::module_& m);       // flow.cpp: the flow, the phase diagram, .npy files
-void bind_generate(nanobind::module_& m);   // generate.cpp: the decoding stack, generation
-void bind_gguf(nanobind::module_& m);       // gguf.cpp: GGUF files
+void bind_attend(nanobind::module_& m);      // attend.cpp
+void bind_reference(nanobind::module_& m);   // reference.cpp: emflow::reference, MHA conversion
+void bind_flow(nanobind::module_& m);        // flow.cpp: the flow, the phase diagram, .npy files
+void bind_capability(nanobind::module_& m);  // capability.cpp: emflow::route, max_threads
+void bind_generate(nanobind::module_& m);    // generate.cpp: the decoding stack, generation
+void bind_gguf(nanobind::module_& m);        // gguf.cpp: GGUF files
 
 }  // namespace emflow::python

@@ -1,6 +1,8 @@
 // emflow Python module: the flow of token clouds (emflow/flow.hpp), the phase diagram, and .npy
 // files (emflow/io.hpp). Progress callbacks run on the calling thread with the GIL held, called
-// as callback(steps_done, steps_total) after each step.
+// as callback(steps_done, steps_total) after each step. With or without a callback, each step
+// also lets Python handle its pending signals, so Ctrl-C (KeyboardInterrupt) stops a run after the
+// step it arrives in rather than after the whole run.
 #include "emflow/flow.hpp"
 
 #include <nanobind/stl/function.h>
@@ -16,12 +18,15 @@
 namespace emflow::python {
 namespace {
 
-/// The progress callback as emflow::flow::Progress: takes the GIL for each call.
+/// The progress of a run as emflow::flow::Progress: takes the GIL after each step, raises what
+/// the signal handlers raise (KeyboardInterrupt for SIGINT: the run stops, its memory released),
+/// then calls the callback when there is one.
 flow::Progress progress_of(const nb::object& callback) {
-  if (!callback.is_valid() || callback.is_none()) return {};
-  return [callback](std::int64_t done, std::int64_t total) {
+  const bool call = callback.is_valid() && !callback.is_none();
+  return [callback, call](std::int64_t done, std::int64_t total) {
     nb::gil_scoped_acquire acquire;
-    callback(done, total);
+    if (PyErr_CheckSignals() != 0) throw nb::python_error();
+    if (call) callback(done, total);
   };
 }
 
@@ -113,7 +118,8 @@ void bind_flow(nb::module_& m) {
          const nb::object& content, std::int64_t layers, std::uint64_t seed,
          const std::string& norm, bool pre_norm, double time, double dt,
          const std::string& integrator, bool unnormalized, std::int64_t record_every,
-         double cluster_eps, const std::string& device, int threads, const nb::object& callback) {
+         double cluster_eps, const std::string& device, std::int64_t threads,
+         const nb::object& callback) {
         flow::FlowSettings settings;
         settings.layers = layers;
         settings.norm = flow::parse_normalization(norm, "norm");
@@ -124,7 +130,7 @@ void bind_flow(nb::module_& m) {
         settings.unnormalized = unnormalized;
         settings.record_every = record_every;
         settings.cluster_eps = cluster_eps;
-        const ExecutionOptions options{parse_device(device), threads};
+        const ExecutionOptions options{parse_device(device), check_threads(threads, "flow")};
         Placement place{"flow", initial.dtype(), nb::device::cpu::value, 0};
         if (initial.dtype() == nb::dtype<float>()) {
           return run<float>(place, initial, betas, relevance, content, seed, settings, options,
@@ -153,12 +159,12 @@ void bind_flow(nb::module_& m) {
       "phase",
       [](std::int64_t tokens, std::int64_t dim, double beta_start, double beta_stop,
          std::int64_t beta_count, double time, double dt, std::int64_t clouds, std::uint64_t seed,
-         double cluster_eps, const std::string& device, int threads, bool generic,
+         double cluster_eps, const std::string& device, std::int64_t threads, bool generic,
          const nb::object& callback) {
         flow::PhaseSettings settings{tokens, dim, beta_start, beta_stop, beta_count,
                                      time,   dt,  clouds,     seed,      cluster_eps};
         flow::validate(settings);
-        const ExecutionOptions options{parse_device(device), threads};
+        const ExecutionOptions options{parse_device(device), check_threads(threads, "phase")};
         const flow::Progress progress = progress_of(callback);
         flow::PhaseDiagram diagram;
         {

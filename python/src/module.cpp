@@ -86,4 +86,5 @@ NB_MODULE(_emflow, m) {
   emflow::python::bind_flow(m);
   emflow::python::bind_generate(m);
   emflow::python::bind_gguf(m);
+  emflow::python::bind_capability(m);
 }

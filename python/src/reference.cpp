@@ -5,6 +5,7 @@
 #include "emflow/reference.hpp"
 
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "arrays.hpp"
@@ -17,9 +18,8 @@ namespace {
 using OptD = std::optional<DoubleArray>;
 using Lengths = std::vector<std::int64_t>;
 
-Mask mask_of(int kind, std::int64_t window) {
-  return kind == 1 ? Mask::causal() : kind == 2 ? Mask::sliding_window(window) : Mask::none();
-}
+/// The mask from its text, by the library's one parser.
+Mask mask_of(const std::string& text) { return parse_mask(text, "mask"); }
 
 nb::object numpy(Tensor<double>&& tensor) { return to_numpy(std::move(tensor)); }
 
@@ -60,12 +60,12 @@ void bind_reference(nb::module_& m) {
   m.def(
       "ref_scores",
       [](const DoubleArray& r, const DoubleArray& cloud, const OptD& key_bias, double beta,
-         int mask_kind, std::int64_t window, const Lengths& lengths) {
+         const std::string& mask, const Lengths& lengths) {
         return numpy(scores(to_tensor(r), to_tensor(cloud), to_tensor(key_bias), beta,
-                            mask_of(mask_kind, window), lengths));
+                            mask_of(mask), lengths));
       },
       nb::arg("relevance_gradients"), nb::arg("cloud"), nb::arg("key_bias").none(), nb::arg("beta"),
-      nb::arg("mask_kind"), nb::arg("window"), nb::arg("key_lengths"));
+      nb::arg("mask"), nb::arg("key_lengths"));
   m.def(
       "ref_masked_softmax",
       [](const DoubleArray& s) {
@@ -95,18 +95,18 @@ void bind_reference(nb::module_& m) {
   m.def(
       "ref_attend",
       [](const DoubleArray& cloud, const DoubleArray& relevance, const DoubleArray& c,
-         const OptD& key_bias, const OptD& offset, double beta, int mask_kind, std::int64_t window,
+         const OptD& key_bias, const OptD& offset, double beta, const std::string& mask,
          const Lengths& lengths, bool with_weights) {
         Layer layer{to_tensor(relevance), to_tensor(c), to_tensor(key_bias), to_tensor(offset)};
-        Attention result = attend(to_tensor(cloud), layer, beta, mask_of(mask_kind, window),
-                                  lengths, with_weights);
+        Attention result =
+            attend(to_tensor(cloud), layer, beta, mask_of(mask), lengths, with_weights);
         nb::object weights = with_weights ? numpy(std::move(result.weights)) : nb::none();
         return nb::make_tuple(numpy(std::move(result.update)), numpy(std::move(result.lse)),
                               numpy(std::move(result.entropy)), weights);
       },
       nb::arg("cloud"), nb::arg("relevance"), nb::arg("content"), nb::arg("key_bias").none(),
-      nb::arg("offset").none(), nb::arg("beta"), nb::arg("mask_kind"), nb::arg("window"),
-      nb::arg("key_lengths"), nb::arg("with_weights"));
+      nb::arg("offset").none(), nb::arg("beta"), nb::arg("mask"), nb::arg("key_lengths"),
+      nb::arg("with_weights"));
   m.def(
       "mha_to_emf",
       [](std::int64_t heads, const DoubleArray& q, const DoubleArray& k, const DoubleArray& v,
@@ -122,14 +122,13 @@ void bind_reference(nb::module_& m) {
       "mha_reference",
       [](std::int64_t heads, const DoubleArray& q, const DoubleArray& k, const DoubleArray& v,
          const DoubleArray& o, const OptD& qb, const OptD& kb, const OptD& vb, const OptD& ob,
-         const DoubleArray& cloud, int mask_kind, std::int64_t window, const Lengths& lengths) {
+         const DoubleArray& cloud, const std::string& mask, const Lengths& lengths) {
         return numpy(mha_reference(mha_weights(heads, q, k, v, o, qb, kb, vb, ob), to_tensor(cloud),
-                                   mask_of(mask_kind, window), lengths));
+                                   mask_of(mask), lengths));
       },
       nb::arg("heads"), nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("output"),
       nb::arg("query_bias").none(), nb::arg("key_bias").none(), nb::arg("value_bias").none(),
-      nb::arg("output_bias").none(), nb::arg("cloud"), nb::arg("mask_kind"), nb::arg("window"),
-      nb::arg("key_lengths"));
+      nb::arg("output_bias").none(), nb::arg("cloud"), nb::arg("mask"), nb::arg("key_lengths"));
 }
 
 }  // namespace emflow::python

@@ -122,7 +122,7 @@ def test_compiles_without_graph_break():
 def test_traced_graph_holds_the_operator():
     x, m, f = dense_problem()
     graph = torch.fx.symbolic_trace(lambda x, m, f: torch.ops.emflow.attend(
-        x, m, f, None, None, None, 1.0, 1, 0, False, False, False, "cpu", 0)[0])
+        x, m, f, None, None, None, 1.0, "causal", False, False, False, "cpu", 0)[0])
     assert "emflow.attend" in str(graph.graph)
     torch.testing.assert_close(graph(x, m, f), emflow.attend(x, m, f, mask="causal"))
 

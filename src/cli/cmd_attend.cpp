@@ -19,10 +19,12 @@
 #include "common.hpp"
 #include "distributed_commands.hpp"
 #include "emflow/attention.hpp"
+#include "emflow/distributed.hpp"
 #include "emflow/finite.hpp"
 #include "emflow/io.hpp"
 #include "emflow/memory.hpp"
 #include "emflow/precision.hpp"
+#include "job.hpp"
 #include "storage.hpp"
 #include "tools/problem.hpp"
 
@@ -231,20 +233,24 @@ the whole run succeeds.)");
   command->callback([args] {
     const Precision precision = parse_precision(args->precision, "--precision");
     const bool stored_16bit = precision == Precision::bf16 || precision == Precision::fp16;
-    if (args->distributed && precision == Precision::tf32) {
-      fail_option("--precision",
-                  "tf32 is not supported with --distributed (the ring computes "
-                  "in fp32 or fp64: use --precision fp32)");
-    }
-    if (args->distributed && stored_16bit) {
-      fail_option("--precision", to_string(precision),
-                  " is not supported with --distributed (the ring computes in fp32 or fp64)");
-    }
     if (args->distributed) {
-      if (!args->queries.empty() || !args->query_lengths.empty()) {
-        fail_option(args->queries.empty() ? "--query-lengths" : "--queries",
-                    "is not supported with --distributed (the ring runs self-attention)");
-      }
+      // Refused through the job like every other error of a distributed run: once, by rank 0,
+      // with the rank that saw it.
+      distributed::agreed(job(), [&] {
+        if (precision == Precision::tf32) {
+          fail_option("--precision",
+                      "tf32 is not supported with --distributed (the ring computes "
+                      "in fp32 or fp64: use --precision fp32)");
+        }
+        if (stored_16bit) {
+          fail_option("--precision", to_string(precision),
+                      " is not supported with --distributed (the ring computes in fp32 or fp64)");
+        }
+        if (!args->queries.empty() || !args->query_lengths.empty()) {
+          fail_option(args->queries.empty() ? "--query-lengths" : "--queries",
+                      "is not supported with --distributed (the ring runs self-attention)");
+        }
+      });
       run_attend_distributed({args->cloud, args->relevance, args->content, args->key_bias,
                               args->offset, args->key_lengths, args->update, args->lse,
                               args->entropy, args->weights, args->beta, args->mask, args->device,

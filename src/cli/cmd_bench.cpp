@@ -32,6 +32,7 @@
 #include "common.hpp"
 #include "emflow/attention.hpp"
 #include "emflow/decode.hpp"
+#include "emflow/memory.hpp"
 #include "emflow/precision.hpp"
 #include "storage.hpp"
 #include "tools/blas_baseline.hpp"
@@ -189,6 +190,72 @@ std::vector<double> time_cuda(const Problem& p, int repeats) {
 }
 #endif
 
+/// Refuses, before any work or allocation, a run whose arrays cannot fit in memory, naming the
+/// option whose arrays are the largest part and the bytes: the problem (cloud, update and
+/// operators of --batch x --tokens x --dim, --heads), the queries of --queries-tokens (their
+/// seeded problem, the copy and the update) and the decode cache of its keys, the problem of
+/// --self-tokens, the 16-bit copies of --precision and the N x N matrix of --baseline.
+/// Returns what the run needs, for the message of an allocation that fails all the same.
+std::string check_bench_memory(const BenchArguments& args,
+                               const std::vector<Precision>& precisions) {
+  struct Part {
+    const char* option;
+    std::string what;
+    double bytes;
+  };
+  const double B = static_cast<double>(args.batch), N = static_cast<double>(args.tokens),
+               d = static_cast<double>(args.dim), H = static_cast<double>(args.heads),
+               Nq = static_cast<double>(args.query_tokens),
+               S = static_cast<double>(args.self_tokens);
+  const double f = sizeof(float), operators = 2 * H * d * d * f;
+  std::vector<Part> parts = {{"--tokens",
+                              "the cloud and update of --batch x --tokens x --dim float32 values",
+                              2 * B * N * d * f + operators}};
+  double half = 0;
+  for (Precision p : precisions) half += p == Precision::bf16 || p == Precision::fp16 ? 1 : 0;
+  if (half > 0) {
+    parts.push_back({"--precision", "the 16-bit copies of the problem",
+                     half * (2 * B * N * d + 2 * H * d * d) * 2});
+  }
+  if (args.query_tokens > 0) {
+    parts.push_back({"--queries-tokens",
+                     "4 arrays of --batch x --queries-tokens x --dim float32 values (the queries "
+                     "and their update)",
+                     4 * B * Nq * d * f + operators});
+    if (args.batch == 1) {
+      parts.push_back({"--tokens",
+                       "the decode cache's keys and contents (--heads x --tokens x "
+                       "--dim, twice)",
+                       2 * H * N * d * f});
+    }
+  }
+  if (args.self_tokens > 0) {
+    parts.push_back({"--self-tokens", "the cloud and update of --batch x --self-tokens x --dim",
+                     2 * B * S * d * f + operators});
+  }
+  if (args.baseline) parts.push_back({"--baseline", "the N x N matrix", N * N * f});
+  double total = 0;
+  const Part* largest = &parts.front();
+  for (const Part& part : parts) {
+    total += part.bytes;
+    if (part.bytes > largest->bytes) largest = &part;
+  }
+  const auto bytes = [](double v) {
+    return v < 9e18 ? std::to_string(static_cast<long long>(v)) : std::string("more than 9e18");
+  };
+  std::ostringstream needs;
+  needs << "the run needs " << bytes(total) << " bytes, " << bytes(largest->bytes)
+        << " of them for " << largest->what << " (--batch " << args.batch << ", --heads "
+        << args.heads << ", --tokens " << args.tokens << ", --dim " << args.dim;
+  if (args.query_tokens > 0) needs << ", --queries-tokens " << args.query_tokens;
+  needs << ")";
+  if (total > static_cast<double>(memory_limit_bytes())) {
+    fail_option(largest->option, "is too large: ", needs.str(), ", more than the ",
+                memory_limit_bytes(), " bytes of memory available");
+  }
+  return needs.str();
+}
+
 /// The precisions of --precision: a comma-separated list of fp32, tf32, bf16 and fp16, each once.
 std::vector<Precision> bench_precisions(const BenchArguments& args) {
   std::vector<Precision> list;
@@ -209,6 +276,9 @@ std::vector<Precision> bench_precisions(const BenchArguments& args) {
   }
   return list;
 }
+
+void time_bench(const BenchArguments& args, const Mask& mask,
+                const std::vector<Precision>& precisions, const ExecutionOptions& options);
 
 void run_bench(const BenchArguments& args) {
   const Mask mask = parse_mask(args.mask, "--mask");
@@ -238,6 +308,16 @@ void run_bench(const BenchArguments& args) {
   if (args.query_tokens > 0 && (args.baseline || args.device != "cpu")) {
     fail_option("--queries-tokens", "times the CPU backend alone (no --baseline, --device cpu)");
   }
+  const std::string needs = check_bench_memory(args, precisions);
+  try {
+    time_bench(args, mask, precisions, options);
+  } catch (const std::bad_alloc&) {
+    fail(ErrorCode::out_of_memory, "bench: out of memory: ", needs);
+  }
+}
+
+void time_bench(const BenchArguments& args, const Mask& mask,
+                const std::vector<Precision>& precisions, const ExecutionOptions& options) {
   const int threads = args.threads > 0 ? args.threads : omp_get_max_threads();
   const double per_pair = 4.0 * static_cast<double>(args.batch * args.heads * args.dim);
   const double flop =

@@ -9,10 +9,12 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "commands.hpp"
 #include "common.hpp"
+#include "emflow/finite.hpp"
 #include "emflow/model.hpp"
 #include "tools/spectrum.hpp"
 
@@ -42,6 +44,17 @@ std::string spectrum_report(const model::Model& m) {
   for (std::int64_t l = 0; l < m.layer_count(); ++l) {
     const auto& ops = m.layers[static_cast<std::size_t>(l)].operators;
     for (std::int64_t h = 0; h < m.heads; ++h) {
+      // LAPACK fails on a NaN or infinity ("dsyev failed"): say which operator holds one.
+      for (const auto& [name, tensor] :
+           {std::pair<const char*, const Tensor<double>*>{"M_h", &ops.relevance},
+            {"F_h", &ops.content}}) {
+        const std::int64_t at = find_non_finite(tensor->data() + h * d * d, d * d);
+        if (at >= 0) {
+          fail_option("--report", "needs finite operators, but ", name, " of layer ", l, " head ",
+                      h, " holds ", tensor->data()[h * d * d + at], " at ", multi_index({d, d}, at),
+                      " (the checkpoint's weights of layer ", l, " are not all finite)");
+        }
+      }
       const auto sym = tools::symmetric_eigenvalues(
           tools::symmetric_part(ops.relevance.data() + h * d * d, d), d);
       const std::vector<double> f(ops.content.data() + h * d * d,
@@ -90,6 +103,8 @@ void run_convert(const ConvertArguments& args) {
     }
     options.names[item.substr(0, eq)] = item.substr(eq + 1);
   }
+  // The target is checked before the conversion's work, and again when it is written.
+  model::check_operators_target(args.out);
   const model::Model m = model::load_checkpoint(args.model_dir, options);
   std::map<std::string, std::string> extra;
   if (args.report) extra["spectrum.csv"] = spectrum_report(m);

@@ -2,6 +2,7 @@
 // the clouds after every layer, each layer's attention output, the observables and a picture.
 // Everything is read and checked and every output declared first; the outputs are written only
 // when the whole run succeeds, all or none.
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -17,12 +18,16 @@
 namespace emflow::cli {
 namespace {
 
-std::vector<std::string> read_tokens(const std::string& path) {
+std::vector<std::string> read_labels(const std::string& path) {
+  std::error_code error;
+  if (std::filesystem::is_directory(path, error)) {
+    fail_option("--labels", "'", path, "' is a folder, expected a text file (one label a line)");
+  }
   std::ifstream in(path);
-  if (!in) fail_option("--tokens", "'", path, "' cannot be opened");
-  std::vector<std::string> tokens;
-  for (std::string line; std::getline(in, line);) tokens.push_back(line);
-  return tokens;
+  if (!in) fail_option("--labels", "'", path, "' cannot be opened");
+  std::vector<std::string> labels;
+  for (std::string line; std::getline(in, line);) labels.push_back(line);
+  return labels;
 }
 
 template <class T>
@@ -34,14 +39,24 @@ void run(const ModelFlowArguments& args, Dtype dtype) {
   if (!args.attention_out.empty()) outputs.declare("--attention-out", args.attention_out);
   if (!args.metrics.empty()) outputs.declare("--metrics", args.metrics);
   if (!args.plot.empty()) outputs.declare("--plot", args.plot);
+  // Every file the run reads is an input no output may replace: the cloud, the key lengths, the
+  // labels and each file of the operator folder (its manifest and every file it lists).
   outputs.declare_input("--cloud", args.cloud);
   outputs.declare_input("--key-lengths", args.key_lengths);
+  outputs.declare_input("--labels", args.labels);
+  for (const std::string& file : model::operator_files(args.model)) {
+    outputs.declare_input("--model", file);
+  }
 
   const model::Model m =
       naming_option("--model", [&] { return model::read_operators(args.model); });
   Tensor<T> cloud = read_float_input<T>("--cloud", args.cloud, dtype, "--cloud", 2, 3);
   if (cloud.rank() == 2) cloud = cloud.reshaped({1, cloud.extent(0), cloud.extent(1)});
   const std::int64_t B = cloud.extent(0), N = cloud.extent(1), d = cloud.extent(2);
+  if (N < 2) {
+    fail_option("--cloud", "'", args.cloud, "' has ", N,
+                " token per cloud, expected at least 2 (the observables compare pairs of tokens)");
+  }
   if (d != m.dim) {
     fail_option("--cloud", "'", args.cloud, "' has tokens of dimension ", d, ", but the model '",
                 args.model, "' has d = ", m.dim);
@@ -52,17 +67,18 @@ void run(const ModelFlowArguments& args, Dtype dtype) {
     expect_shape("--key-lengths", args.key_lengths, k.shape(), {B}, "(one per cloud of --cloud)");
     lengths = k.values();
     for (std::int64_t len : lengths) {
-      if (len < 1 || len > N) {
-        fail_option("--key-lengths", "'", args.key_lengths, "' holds ", len, ", expected 1..", N);
+      if (len < 2 || len > N) {
+        fail_option("--key-lengths", "'", args.key_lengths, "' holds ", len, ", expected 2..", N,
+                    " (the observables compare pairs of real tokens)");
       }
     }
   }
-  std::vector<std::string> tokens;
-  if (!args.tokens.empty()) {
-    tokens = read_tokens(args.tokens);
+  std::vector<std::string> labels;
+  if (!args.labels.empty()) {
+    labels = read_labels(args.labels);
     const std::int64_t real = lengths.empty() ? N : lengths[0];
-    if (static_cast<std::int64_t>(tokens.size()) != real) {
-      fail_option("--tokens", "'", args.tokens, "' holds ", tokens.size(),
+    if (static_cast<std::int64_t>(labels.size()) != real) {
+      fail_option("--labels", "'", args.labels, "' holds ", labels.size(),
                   " lines, expected one per real token of cloud 0 (", real, ")");
     }
   }
@@ -105,7 +121,7 @@ void run(const ModelFlowArguments& args, Dtype dtype) {
       picture.entropy.push_back(trace.observables[static_cast<std::size_t>(r * B)].entropy);
       picture.clusters.push_back(trace.observables[static_cast<std::size_t>(r * B)].clusters);
     }
-    picture.labels = tokens;
+    picture.labels = labels;
     std::ostringstream title;
     title << m.model_type << " (" << to_string(m.layout) << " layout), " << L << " layers, "
           << m.heads << " heads, d = " << d << ": "

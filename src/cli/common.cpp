@@ -180,12 +180,6 @@ Tensor<T> allocate_output(const std::string& option, const Shape& shape) {
 template Tensor<float> allocate_output<float>(const std::string&, const Shape&);
 template Tensor<double> allocate_output<double>(const std::string&, const Shape&);
 
-int max_threads() {
-  const unsigned cores = std::thread::hardware_concurrency();
-  if (cores == 0) return 1024;
-  return static_cast<int>(std::min(4u * cores, 1u << 16));
-}
-
 CLI::Option* add_device_option(CLI::App& command, std::string& text) {
   return command
       .add_option("--device", text,

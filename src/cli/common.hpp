@@ -127,13 +127,10 @@ std::int64_t expect_product_at_most(const std::vector<Factor>& factors, std::int
 template <class T>
 Tensor<T> allocate_output(const std::string& option, const Shape& shape);
 
-/// The largest --threads accepted: 4 threads per core of this machine (more only slow a run
-/// down), or 1024 when the core count is unknown.
-int max_threads();
-
 /// Adds --device (auto|cpu|cuda|reference, default auto) bound to `text`.
 CLI::Option* add_device_option(CLI::App& command, std::string& text);
-/// Adds --threads (CPU threads, 0 = all, default 0, at most max_threads()) bound to `threads`.
+/// Adds --threads (CPU threads, 0 = all, default 0, at most emflow::max_threads(), the library's
+/// limit) bound to `threads`.
 CLI::Option* add_threads_option(CLI::App& command, int& threads);
 /// Parses what add_device_option / add_threads_option collected.
 ExecutionOptions execution_options(const std::string& device, int threads);

@@ -10,7 +10,7 @@ struct ModelFlowArguments {
   std::string model;        ///< the operator folder
   std::string cloud;        ///< (N, d) or (B, N, d), float32 or float64
   std::string key_lengths;  ///< optional (B) int32/int64
-  std::string tokens;       ///< optional text file: token strings of cloud 0, one a line
+  std::string labels;       ///< optional text file (--labels): token strings of cloud 0, one a line
   bool attention_only = false;
   std::string form = "emf";  ///< emf (dense M_h, F_h) or factored (Q/K/V/O blocks)
   std::string out, attention_out, metrics, plot;

@@ -233,9 +233,7 @@ void attend(const AttentionInput<T>& input, const AttentionOutput<T>& output,
   // A failed host allocation anywhere below is reported as ErrorCode::out_of_memory.
   detail::reporting_out_of_memory("attend", "", [&] {
     validate(input, output, "attend");
-    if (options.threads < 0) {
-      detail::fail_argument("attend", "threads", "must be >= 0, got ", options.threads);
-    }
+    check_threads(options.threads, "attend");
     if constexpr (is_16bit_v<T>) {
       const Device device = detail::resolve_16bit_device(options.device, input, output, "attend");
       detail::check_precision<T>(options, "attend");

@@ -96,7 +96,7 @@ void attend_partial(const AttentionInput<T>& input, const PartialOutput<T>& outp
         {"entropy", output.entropy, bytes.rows, true},
     };
     detail::check_disjoint(ranges, sizeof ranges / sizeof ranges[0], op);
-    if (options.threads < 0) fail_argument(op, "threads", "must be >= 0, got ", options.threads);
+    check_threads(options.threads, op);
     switch (resolve_device(options.device)) {
       case Device::reference:
         detail::reference_partial(input, output);

@@ -272,9 +272,7 @@ template <class T>
 void attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
                      const AttentionOutput<T>& output, const ExecutionOptions& options) {
   detail::check_factored(input, layer, output, kOperation);
-  if (options.threads < 0) {
-    detail::fail_argument(kOperation, "threads", "must be >= 0, got ", options.threads);
-  }
+  check_threads(options.threads, kOperation);
   if constexpr (is_16bit_v<T>) {
     const Device device =
         detail::resolve_16bit_factored_device(options.device, layer, output, kOperation);

@@ -269,7 +269,7 @@ void BasicDecodeCache<T>::attend(const T* queries, std::int64_t count, const Mas
   if (mask.kind == MaskKind::window && mask.window < 1) {
     detail::fail_argument(op, "mask", "window width must be >= 1, got ", mask.window);
   }
-  if (threads < 0) detail::fail_argument(op, "threads", "must be >= 0, got ", threads);
+  check_threads(threads, op);
   constexpr std::int64_t kLimit = std::int64_t{1} << 60;
   const std::int64_t origin = query_position == kAlignToEnd ? s.size - count : query_position;
   if (origin < -kLimit || origin > kLimit - count) {

@@ -246,9 +246,7 @@ flow::FlowResult<T> run_flow(Communicator& comm, const T* shard_rows, std::int64
                             "differ between the ranks (sizes, betas, layers or settings must be "
                             "the same on every rank)");
     }
-    if (options.threads < 0) {
-      detail::fail_argument(op, "threads", "must be >= 0, got ", options.threads);
-    }
+    check_threads(options.threads, op);
     if (host.device == Device::automatic) host.device = Device::cpu;
     if (host.device != Device::cpu && host.device != Device::reference) {
       detail::fail(ErrorCode::unsupported, op, ": runs on the host (device cpu or reference), got ",

@@ -237,6 +237,7 @@ void attend(Communicator& comm, const ShardInput<T>& input, const ShardOutput<T>
   std::unique_ptr<Ring<T>> ring;
   agreed(comm, [&] {
     check_input(comm, input, output, options);
+    check_threads(options.threads, "sequence_parallel::attend");
     ring = std::make_unique<Ring<T>>(comm, input);
   });
   RingTimes local;

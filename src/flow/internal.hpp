@@ -133,6 +133,13 @@ std::vector<std::int64_t> phase_counts_kernel(const std::vector<float>& initial,
                                               double time, double dt, double cluster_eps,
                                               int threads, const Progress& progress,
                                               std::int64_t first, std::int64_t last);
+/// Refuses (ErrorCode::out_of_memory), before any allocation, a sweep whose `what` needs more
+/// than the memory available, naming the largest of its factors (clouds, betas, tokens, dim).
+void expect_sweep_fits(const PhaseSettings& settings, std::int64_t bytes, const char* what);
+
+/// Bytes of working memory phase_counts_kernel takes for clouds of N tokens in R^d on `threads`
+/// threads (0: the OpenMP default): one block of SIMD lanes of RK4 state per thread.
+std::int64_t phase_kernel_bytes(std::int64_t tokens, std::int64_t dim, int threads);
 /// count / (N (N - 1) / 2) / C for every entry.
 std::vector<double> phase_fractions(const std::vector<std::int64_t>& counts, std::int64_t clouds,
                                     std::int64_t tokens);

@@ -5,6 +5,7 @@
 #include <random>
 
 #include "core/check.hpp"
+#include "core/memory.hpp"
 #include "emflow/flow.hpp"
 #include "emflow/mha.hpp"
 #include "internal.hpp"
@@ -145,44 +146,63 @@ Tensor<T> initial_clouds(InitialCloud kind, std::int64_t batch, std::int64_t tok
   if (kind == InitialCloud::orthonormal && tokens > dim) {
     fail_argument(op, "tokens", "must be <= dim (", dim, ") for orthonormal clouds, got ", tokens);
   }
-  Tensor<T> clouds({batch, tokens, dim});
-  const auto d = static_cast<std::size_t>(dim);
-  std::vector<double> x(static_cast<std::size_t>(tokens) * d);
-  for (std::int64_t b = 0; b < batch; ++b) {
-    std::mt19937_64 engine(detail::mix_seed(seed, static_cast<std::uint64_t>(b)));
-    std::normal_distribution<double> normal(0.0, 1.0);
-    std::uniform_real_distribution<double> uniform(-1.0, 1.0);
-    if (kind == InitialCloud::cube) {
-      for (double& v : x) v = uniform(engine);
-    } else {
-      for (double& v : x) v = normal(engine);
-    }
-    for (std::int64_t i = 0; i < tokens; ++i) {
-      double* row = x.data() + static_cast<std::size_t>(i) * d;
-      if (kind == InitialCloud::gaussian) {
-        for (std::size_t a = 0; a < d; ++a) row[a] /= std::sqrt(static_cast<double>(dim));
-      } else if (kind == InitialCloud::orthonormal) {
-        // Modified Gram-Schmidt, twice: one pass leaves O(eps * condition) loss of
-        // orthogonality, two leave rounding.
-        for (int pass = 0; pass < 2; ++pass) {
-          for (std::int64_t k = 0; k < i; ++k) {
-            const double* prev = x.data() + static_cast<std::size_t>(k) * d;
-            double dot = 0.0;
-            for (std::size_t a = 0; a < d; ++a) dot += row[a] * prev[a];
-            for (std::size_t a = 0; a < d; ++a) row[a] -= dot * prev[a];
+  // The clouds and one cloud of float64 scratch, refused before allocating, naming the largest
+  // factor; a failed allocation is ErrorCode::out_of_memory, not a bare std::bad_alloc.
+  const char* largest = batch >= tokens && batch >= dim ? "batch"
+                        : tokens >= dim                 ? "tokens"
+                                                        : "dim";
+  const std::string size =
+      emflow::detail::concat("batch ", batch, " x tokens ", tokens, " x dim ", dim, " values");
+  std::int64_t values = 0;
+  if (__builtin_mul_overflow(batch, tokens, &values) ||
+      __builtin_mul_overflow(values, dim, &values)) {
+    fail_argument(op, largest, "is too large: ", size, " overflows 64 bits");
+  }
+  emflow::detail::expect_fits_in_memory(
+      op,
+      emflow::detail::concat("argument '", largest, "' (", size, " of ", sizeof(T), " bytes, and ",
+                             tokens * dim, " of scratch)"),
+      values + tokens * dim * static_cast<std::int64_t>(sizeof(double) / sizeof(T)), sizeof(T));
+  return emflow::detail::reporting_out_of_memory(op, "", [&] {
+    Tensor<T> clouds({batch, tokens, dim});
+    const auto d = static_cast<std::size_t>(dim);
+    std::vector<double> x(static_cast<std::size_t>(tokens) * d);
+    for (std::int64_t b = 0; b < batch; ++b) {
+      std::mt19937_64 engine(detail::mix_seed(seed, static_cast<std::uint64_t>(b)));
+      std::normal_distribution<double> normal(0.0, 1.0);
+      std::uniform_real_distribution<double> uniform(-1.0, 1.0);
+      if (kind == InitialCloud::cube) {
+        for (double& v : x) v = uniform(engine);
+      } else {
+        for (double& v : x) v = normal(engine);
+      }
+      for (std::int64_t i = 0; i < tokens; ++i) {
+        double* row = x.data() + static_cast<std::size_t>(i) * d;
+        if (kind == InitialCloud::gaussian) {
+          for (std::size_t a = 0; a < d; ++a) row[a] /= std::sqrt(static_cast<double>(dim));
+        } else if (kind == InitialCloud::orthonormal) {
+          // Modified Gram-Schmidt, twice: one pass leaves O(eps * condition) loss of
+          // orthogonality, two leave rounding.
+          for (int pass = 0; pass < 2; ++pass) {
+            for (std::int64_t k = 0; k < i; ++k) {
+              const double* prev = x.data() + static_cast<std::size_t>(k) * d;
+              double dot = 0.0;
+              for (std::size_t a = 0; a < d; ++a) dot += row[a] * prev[a];
+              for (std::size_t a = 0; a < d; ++a) row[a] -= dot * prev[a];
+            }
           }
         }
+        if (kind == InitialCloud::sphere || kind == InitialCloud::orthonormal) {
+          double norm = 0.0;
+          for (std::size_t a = 0; a < d; ++a) norm += row[a] * row[a];
+          norm = std::sqrt(norm);
+          for (std::size_t a = 0; a < d; ++a) row[a] /= norm;
+        }
       }
-      if (kind == InitialCloud::sphere || kind == InitialCloud::orthonormal) {
-        double norm = 0.0;
-        for (std::size_t a = 0; a < d; ++a) norm += row[a] * row[a];
-        norm = std::sqrt(norm);
-        for (std::size_t a = 0; a < d; ++a) row[a] /= norm;
-      }
+      std::copy(x.begin(), x.end(), clouds.data() + static_cast<std::size_t>(b) * x.size());
     }
-    std::copy(x.begin(), x.end(), clouds.data() + static_cast<std::size_t>(b) * x.size());
-  }
-  return clouds;
+    return clouds;
+  });
 }
 
 #define EMFLOW_LAYERS_INSTANTIATE(T)                                                            \

@@ -142,9 +142,7 @@ FlowResult<T> run_flow(const Tensor<T>& initial, const std::vector<double>& beta
                        const ExecutionOptions& options, const Progress& progress) {
   const std::vector<double> betas =
       detail::validate_flow(initial.shape(), betas_in, layers, settings);
-  if (options.threads < 0) {
-    fail_argument("run_flow", "threads", "must be >= 0, got ", options.threads);
-  }
+  check_threads(options.threads, "run_flow");
   // Throws ErrorCode::unsupported, with the reason, when cuda is asked for but unusable.
   const bool has_eps =
       settings.norm == Normalization::layernorm || settings.norm == Normalization::rmsnorm;

@@ -342,6 +342,17 @@ std::vector<std::int64_t> phase_counts_kernel(const std::vector<float>& initial,
   return clustered;
 }
 
+std::int64_t phase_kernel_bytes(std::int64_t tokens, std::int64_t dim, int threads) {
+#ifdef _OPENMP
+  const std::int64_t team = threads > 0 ? threads : omp_get_max_threads();
+#else
+  const std::int64_t team = 1;
+  (void)threads;
+#endif
+  // Block: 7 arrays of N d lanes and one of N (validated N d stays below 2^31, so no overflow).
+  return team * (7 * tokens * dim + tokens) * kLanes * static_cast<std::int64_t>(sizeof(float));
+}
+
 std::vector<double> phase_fractions(const std::vector<std::int64_t>& counts, std::int64_t clouds,
                                     std::int64_t tokens) {
   const double pairs = 0.5 * static_cast<double>(tokens) * static_cast<double>(tokens - 1);

@@ -3,6 +3,7 @@
 // the attention converted to EMF operators by emflow::to_emf (docs/MATH.md §3).
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -23,6 +24,10 @@ using detail::fail;
 constexpr const char* kOp = "convert";
 
 json read_config(const std::string& path) {
+  std::error_code error;
+  if (fs::is_directory(path, error)) {
+    fail(ErrorCode::io, kOp, ": '", path, "': is a folder, expected the JSON file config.json");
+  }
   std::ifstream in(path);
   if (!in) fail(ErrorCode::io, kOp, ": '", path, "': cannot open (a model folder has config.json)");
   try {
@@ -32,6 +37,42 @@ json read_config(const std::string& path) {
   } catch (const json::exception& e) {
     fail(ErrorCode::io, kOp, ": '", path, "': malformed JSON: ", e.what());
   }
+}
+
+// A config value of the wrong type is named with its key, its value and what was expected, never
+// left to the JSON library's "type must be string, but is number".
+[[noreturn]] void fail_config(const std::string& path, const char* key, const json& value,
+                              const char* expected) {
+  fail(ErrorCode::io, kOp, ": '", path, "': '", key, "' is ", value.dump(), " (", value.type_name(),
+       "), expected ", expected);
+}
+
+bool present(const json& config, const char* key) {
+  return config.contains(key) && !config[key].is_null();
+}
+
+std::string config_string(const json& config, const std::string& path, const char* key,
+                          const std::string& fallback) {
+  if (!present(config, key)) return fallback;
+  if (!config[key].is_string()) fail_config(path, key, config[key], "a string");
+  return config[key].get<std::string>();
+}
+
+bool config_bool(const json& config, const std::string& path, const char* key, bool fallback) {
+  if (!present(config, key)) return fallback;
+  if (!config[key].is_boolean()) fail_config(path, key, config[key], "true or false");
+  return config[key].get<bool>();
+}
+
+// A layer norm's epsilon: finite and > 0 (a negative one makes the variance negative and every
+// output NaN).
+double config_eps(const json& config, const std::string& path, const char* key, double fallback) {
+  if (!present(config, key)) return fallback;
+  const json& value = config[key];
+  if (!value.is_number() || !std::isfinite(value.get<double>()) || !(value.get<double>() > 0.0)) {
+    fail_config(path, key, value, "a finite number > 0");
+  }
+  return value.get<double>();
 }
 
 // A model whose scores depend on the tokens' positions has no relevance form x_i^T M x_j.
@@ -53,15 +94,15 @@ void refuse_position_dependent(const json& config, const std::string& path) {
            key, "' = ", config[key].dump(), ")", reason);
     }
   }
-  const std::string type = config.value("model_type", std::string());
+  const std::string type = config_string(config, path, "model_type", "");
   for (const char* rotary : kRotaryModels) {
     if (type == rotary) {
       fail(ErrorCode::unsupported, kOp, ": '", path, "': model_type '", type,
            "' uses rotary position embeddings", reason);
     }
   }
-  if (config.contains("position_embedding_type") && config["position_embedding_type"].is_string()) {
-    const std::string kind = config["position_embedding_type"].get<std::string>();
+  if (present(config, "position_embedding_type")) {
+    const std::string kind = config_string(config, path, "position_embedding_type", "");
     if (kind != "absolute") {
       fail(ErrorCode::unsupported, kOp, ": '", path, "': position_embedding_type '", kind,
            "' (only absolute position embeddings, added before the first layer, are supported)",
@@ -70,11 +111,17 @@ void refuse_position_dependent(const json& config, const std::string& path) {
   }
 }
 
+// The first of `keys` present: a positive integer (an integer-valued float such as 12.0 is not
+// one, nor is "12").
 std::int64_t config_int(const json& config, const std::string& path,
                         std::initializer_list<const char*> keys) {
   for (const char* key : keys) {
-    if (config.contains(key) && config[key].is_number_integer() && config[key].get<long long>() > 0)
-      return config[key].get<std::int64_t>();
+    if (!present(config, key)) continue;
+    const json& value = config[key];
+    if (!value.is_number_integer() || value.get<long long>() < 1) {
+      fail_config(path, key, value, "a positive integer");
+    }
+    return value.get<std::int64_t>();
   }
   fail(ErrorCode::io, kOp, ": '", path, "': lacks a positive integer '", *keys.begin(), "'");
 }
@@ -230,7 +277,7 @@ Model load_checkpoint(const std::string& model_dir, const ConvertOptions& option
   }
   const json config = read_config(model.config_file);
   refuse_position_dependent(config, model.config_file);
-  model.model_type = config.value("model_type", std::string());
+  model.model_type = config_string(config, model.config_file, "model_type", "");
   const SafetensorsFile file(model.source_file);
 
   // The layout: given, or found by the first layer's attention under an optional prefix.
@@ -302,6 +349,17 @@ Model load_checkpoint(const std::string& model_dir, const ConvertOptions& option
     }
     reader.patterns[role] = pattern;
   }
+  // A role of every layer needs {layer} in its pattern: without it every layer would read the
+  // same tensor (and the layer count could not be found).
+  for (const auto& [role, pattern] : reader.patterns) {
+    const std::string standard = checkpoint_roles(model.layout).at(role);
+    if (standard.find("{layer}") != std::string::npos &&
+        pattern.find("{layer}") == std::string::npos) {
+      fail(ErrorCode::invalid_argument, kOp, ": the pattern of '", role, "' ('", pattern,
+           "') has no {layer}, but every layer has its own ", role, " (the ",
+           to_string(model.layout), " layout's is '", standard, "')");
+    }
+  }
 
   const bool bert = model.layout == Layout::bert;
   const std::int64_t layers =
@@ -322,18 +380,19 @@ Model load_checkpoint(const std::string& model_dir, const ConvertOptions& option
   model.head_dim = model.dim / model.heads;
   if (bert) {
     model.ffn_dim = config_int(config, model.config_file, {"intermediate_size"});
-    model.norm_eps = config.value("layer_norm_eps", 1e-12);
-    model.activation =
-        parse_activation(config.value("hidden_act", std::string("gelu")), model.config_file);
-  } else {
-    model.ffn_dim = config.contains("n_inner") && config["n_inner"].is_number_integer()
-                        ? config["n_inner"].get<std::int64_t>()
-                        : 4 * model.dim;
-    model.norm_eps = config.value("layer_norm_epsilon", 1e-5);
+    model.norm_eps = config_eps(config, model.config_file, "layer_norm_eps", 1e-12);
     model.activation = parse_activation(
-        config.value("activation_function", std::string("gelu_new")), model.config_file);
-    if (!config.value("scale_attn_weights", true) ||
-        config.value("scale_attn_by_inverse_layer_idx", false)) {
+        config_string(config, model.config_file, "hidden_act", "gelu"), model.config_file);
+  } else {
+    // n_inner null or absent: GPT-2's 4 d; anything else must be a positive integer.
+    model.ffn_dim = present(config, "n_inner") ? config_int(config, model.config_file, {"n_inner"})
+                                               : 4 * model.dim;
+    model.norm_eps = config_eps(config, model.config_file, "layer_norm_epsilon", 1e-5);
+    model.activation = parse_activation(
+        config_string(config, model.config_file, "activation_function", "gelu_new"),
+        model.config_file);
+    if (!config_bool(config, model.config_file, "scale_attn_weights", true) ||
+        config_bool(config, model.config_file, "scale_attn_by_inverse_layer_idx", false)) {
       fail(ErrorCode::unsupported, kOp, ": '", model.config_file,
            "': attention scores not scaled by 1/sqrt(d_k) alone are not supported");
     }
@@ -343,9 +402,10 @@ Model load_checkpoint(const std::string& model_dir, const ConvertOptions& option
   // The file must hold exactly the layers the config names.
   const std::string marker = reader.patterns.at(chosen->marker);
   if (file.contains(substitute(marker, layers)) || !file.contains(substitute(marker, layers - 1))) {
-    std::int64_t present = 0;
-    while (file.contains(substitute(marker, present))) ++present;
-    fail(ErrorCode::io, kOp, ": '", model.source_file, "' holds ", present, " layers ('",
+    std::int64_t held = 0;  // bounded: every name of the file is one tensor
+    const auto names = static_cast<std::int64_t>(file.names().size());
+    while (held <= names && file.contains(substitute(marker, held))) ++held;
+    fail(ErrorCode::io, kOp, ": '", model.source_file, "' holds ", held, " layers ('",
          substitute(marker, 0), "' ...), but '", model.config_file, "' says ", layers);
   }
 

@@ -1,14 +1,21 @@
 // The operator folder of a converted model: one float64 .npy per operator and weight, and
-// manifest.json that says what the model is and where each part came from. Written into a
-// temporary folder beside the target and renamed into place, so that a failed conversion leaves
-// no folder behind.
+// manifest.json that says what the model is, where each part came from and which files the folder
+// holds. Written into a temporary folder beside the target and renamed into place, so that a
+// failed conversion leaves no folder behind; an earlier operator folder is replaced only when it
+// holds nothing but the files its manifest lists, and the staging folders of a killed conversion
+// are removed (or an old folder it had moved aside is put back) by the next one.
+#include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <set>
 #include <sstream>
 
 #include "core/check.hpp"
@@ -56,6 +63,38 @@ std::string layer_file(std::int64_t l, const std::string& part) {
   return "layer" + std::to_string(l) + "." + part + ".npy";
 }
 
+/// The names (inside the folder) that the manifest of `dir` lists: manifest.json, every layer's
+/// files, the final norm's and the extra files; only manifest.json when it cannot be read.
+std::vector<std::string> listed_names(const fs::path& dir) {
+  std::vector<std::string> names{"manifest.json"};
+  std::ifstream in(dir / "manifest.json");
+  json m;
+  try {
+    m = json::parse(in);
+  } catch (const json::exception&) {
+    return names;
+  }
+  if (!m.is_object()) return names;
+  if (m.contains("layer_files") && m["layer_files"].is_array()) {
+    for (const json& layer : m["layer_files"]) {
+      if (!layer.is_object() || !layer.contains("files") || !layer["files"].is_object()) continue;
+      for (const auto& file : layer["files"].items()) {
+        if (file.value().is_string()) names.push_back(file.value().get<std::string>());
+      }
+    }
+  }
+  if (m.contains("final_norm") && m["final_norm"].is_boolean() && m["final_norm"].get<bool>()) {
+    names.push_back("final_gain.npy");
+    names.push_back("final_bias.npy");
+  }
+  if (m.contains("extra_files") && m["extra_files"].is_array()) {
+    for (const json& file : m["extra_files"]) {
+      if (file.is_string()) names.push_back(file.get<std::string>());
+    }
+  }
+  return names;
+}
+
 bool is_operator_folder(const fs::path& dir) {
   std::ifstream in(dir / "manifest.json");
   if (!in) return false;
@@ -74,7 +113,7 @@ std::string random_hex() {
   return out.str();
 }
 
-json manifest_of(const Model& model) {
+json manifest_of(const Model& model, const std::map<std::string, std::string>& extra_files) {
   json m;
   m["format"] = kFormat;
   m["version"] = kVersion;
@@ -102,29 +141,132 @@ json manifest_of(const Model& model) {
     layers.push_back({{"files", files}, {"sources", layer.sources}});
   }
   m["layer_files"] = layers;
+  json extra = json::array();
+  for (const auto& entry : extra_files) extra.push_back(entry.first);
+  m["extra_files"] = extra;
   return m;
 }
 
-}  // namespace
+/// The folder `ops_dir` names, its trailing slashes dropped ("ops/" is "ops"), absolute.
+fs::path folder_path(const std::string& ops_dir) {
+  std::string text = ops_dir;
+  while (text.size() > 1 && text.back() == '/') text.pop_back();
+  return fs::absolute(fs::path(text)).lexically_normal();
+}
 
-void write_operators(const Model& model, const std::string& ops_dir,
-                     const std::map<std::string, std::string>& extra_files) {
-  const fs::path target = fs::absolute(fs::path(ops_dir)).lexically_normal();
-  const fs::path parent = target.parent_path();
+/// The process id in a staging name's tail "<pid>-<hex>", or 0.
+long long pid_of(const std::string& tail) {
+  char* end = nullptr;
+  const long long pid = std::strtoll(tail.c_str(), &end, 10);
+  return end != tail.c_str() && *end == '-' ? pid : 0;
+}
+
+bool process_gone(long long pid) {
+  return pid > 0 && pid <= 0x7fffffffLL && pid != ::getpid() &&
+         ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+}
+
+/// The staging folders ".<name>.emflow-tmp-<pid>-<hex>" of conversions into `target` whose
+/// process is gone are removed; their ".<name>.old.emflow-tmp-..." (the earlier folder, moved
+/// aside just before the final rename) is put back when the target is missing, else removed.
+void clean_stale_staging(const fs::path& target) {
+  const std::string name = target.filename().string();
+  const std::string staging = "." + name + ".emflow-tmp-";
+  const std::string backup = "." + name + ".old.emflow-tmp-";
+  std::error_code error;
+  std::vector<fs::path> stale_staging, stale_backups;
+  for (const fs::directory_entry& entry : fs::directory_iterator(target.parent_path(), error)) {
+    const std::string file = entry.path().filename().string();
+    if (file.compare(0, staging.size(), staging) == 0 &&
+        process_gone(pid_of(file.substr(staging.size())))) {
+      stale_staging.push_back(entry.path());
+    } else if (file.compare(0, backup.size(), backup) == 0 &&
+               process_gone(pid_of(file.substr(backup.size())))) {
+      stale_backups.push_back(entry.path());
+    }
+  }
+  for (const fs::path& path : stale_staging) fs::remove_all(path, error);
+  for (const fs::path& path : stale_backups) {
+    // The only copy of the earlier folder when the target is missing: put back, never removed.
+    if (fs::exists(fs::symlink_status(target, error))) {
+      fs::remove_all(path, error);
+    } else {
+      fs::rename(path, target, error);
+    }
+  }
+}
+
+/// Every check of the target before any work: a folder name in an existing folder, not a
+/// dangling link, and either absent or an earlier operator folder that holds nothing but the
+/// files its manifest lists. Returns the folder to write (a link to a folder is followed).
+fs::path checked_target(const std::string& ops_dir) {
+  fs::path target = folder_path(ops_dir);
   const std::string name = target.filename().string();
   if (name.empty() || name == "." || name == "..") {
     fail(ErrorCode::invalid_argument, "convert: --out '", ops_dir, "' is not a folder name");
   }
+  std::error_code error;
+  if (fs::is_symlink(fs::symlink_status(target, error))) {
+    if (!fs::exists(target, error)) {
+      fail(ErrorCode::invalid_argument, "convert: --out '", ops_dir, "' is a symbolic link to '",
+           fs::read_symlink(target, error).string(),
+           "', which does not exist; expected a folder to create or an earlier operator folder");
+    }
+    target = fs::canonical(target, error);  // the folder the link names is the one replaced
+  }
+  const fs::path parent = target.parent_path();
   if (!fs::is_directory(parent)) {
     fail(ErrorCode::invalid_argument, "convert: --out '", ops_dir, "': the folder '",
          parent.string(), "' does not exist");
   }
-  const bool replacing = fs::exists(target);
-  if (replacing && !(fs::is_directory(target) && is_operator_folder(target))) {
+  if (!fs::exists(target, error)) return target;
+  if (!(fs::is_directory(target) && is_operator_folder(target))) {
     fail(ErrorCode::invalid_argument, "convert: --out '", ops_dir,
          "' exists and is not an operator folder (no manifest.json of ", kFormat,
          "); refusing to replace it");
   }
+  const std::vector<std::string> listed = listed_names(target);
+  const std::set<std::string> known(listed.begin(), listed.end());
+  for (const fs::directory_entry& entry : fs::directory_iterator(target)) {
+    const std::string file = entry.path().filename().string();
+    if (!known.count(file)) {
+      fail(ErrorCode::invalid_argument, "convert: --out '", ops_dir, "' holds '", file,
+           "', which its manifest.json does not list; refusing to replace the folder and lose "
+           "it (move it out, or convert into a new folder)");
+    }
+  }
+  return target;
+}
+
+}  // namespace
+
+void check_operators_target(const std::string& ops_dir) {
+  const fs::path target = checked_target(ops_dir);
+  clean_stale_staging(target);
+  checked_target(ops_dir);  // a folder put back by the cleaning is checked as well
+}
+
+std::vector<std::string> operator_files(const std::string& ops_dir) {
+  const fs::path dir(ops_dir);
+  std::vector<std::string> files;
+  for (const std::string& name : listed_names(dir)) files.push_back((dir / name).string());
+  return files;
+}
+
+void write_operators(const Model& model, const std::string& ops_dir,
+                     const std::map<std::string, std::string>& extra_files) {
+  for (const auto& entry : extra_files) {
+    const std::string& file = entry.first;
+    if (file.empty() || file.find('/') != std::string::npos || file == "manifest.json" ||
+        file == "." || file == "..") {
+      fail(ErrorCode::invalid_argument, "convert: extra file name '", file, "' is not allowed");
+    }
+  }
+  check_operators_target(ops_dir);
+  const fs::path target = checked_target(ops_dir);
+  const fs::path parent = target.parent_path();
+  const std::string name = target.filename().string();
+  const bool replacing = fs::exists(target);
   const std::string tag = ".emflow-tmp-" + std::to_string(::getpid()) + "-" + random_hex();
   const fs::path staging = parent / ("." + name + tag);
   const fs::path backup = parent / ("." + name + ".old" + tag);
@@ -144,12 +286,10 @@ void write_operators(const Model& model, const std::string& ops_dir,
       write_npy((staging / "final_bias.npy").string(), model.final_bias);
     }
     for (const auto& [file, bytes] : extra_files) {
-      if (file.empty() || file.find('/') != std::string::npos || file == "manifest.json") {
-        fail(ErrorCode::invalid_argument, "convert: extra file name '", file, "' is not allowed");
-      }
       write_file_atomic((staging / file).string(), bytes);
     }
-    write_file_atomic((staging / "manifest.json").string(), manifest_of(model).dump(2) + "\n");
+    write_file_atomic((staging / "manifest.json").string(),
+                      manifest_of(model, extra_files).dump(2) + "\n");
     if (replacing) fs::rename(target, backup);
     try {
       fs::rename(staging, target);
@@ -170,6 +310,11 @@ void write_operators(const Model& model, const std::string& ops_dir,
 Model read_operators(const std::string& ops_dir) {
   const fs::path dir(ops_dir);
   const std::string manifest_path = (dir / "manifest.json").string();
+  std::error_code error;
+  if (fs::is_directory(manifest_path, error)) {
+    fail(ErrorCode::io, "read_operators: '", manifest_path,
+         "': is a folder, expected the JSON file an operator folder holds");
+  }
   std::ifstream in(manifest_path);
   if (!in) {
     fail(ErrorCode::io, "read_operators: '", manifest_path,
@@ -187,21 +332,46 @@ Model read_operators(const std::string& ops_dir) {
   if (!m.is_object() || m.value("format", std::string()) != kFormat) {
     bad(std::string("is not a manifest of ") + kFormat);
   }
-  if (m.value("version", 0) != kVersion) bad("has an unsupported version");
+  if (!m.contains("version") || m["version"] != kVersion) bad("has an unsupported version");
+  // Each field of the wrong type or value is named with what it holds and what was expected.
+  auto field = [&](const char* key, bool (json::*is)() const noexcept,
+                   const char* expected) -> const json& {
+    if (!m.contains(key)) bad(std::string("lacks '") + key + "' (" + expected + ")");
+    const json& value = m[key];
+    if (!(value.*is)()) {
+      bad(std::string("'") + key + "' is " + value.dump() + " (" + value.type_name() +
+          "), expected " + expected);
+    }
+    return value;
+  };
+  auto count = [&](const char* key) {
+    const auto value = field(key, &json::is_number_integer, "a positive integer").get<long long>();
+    if (value < 1)
+      bad(std::string("'") + key + "' is " + std::to_string(value) +
+          ", expected a positive integer");
+    return static_cast<std::int64_t>(value);
+  };
   Model model;
   try {
-    const std::string layout = m.at("layout").get<std::string>();
+    const std::string layout = field("layout", &json::is_string, "bert or gpt2").get<std::string>();
     if (layout != "bert" && layout != "gpt2") bad("has an unknown layout '" + layout + "'");
     model.layout = layout == "gpt2" ? Layout::gpt2 : Layout::bert;
-    model.model_type = m.value("model_type", std::string());
-    model.heads = m.at("heads").get<std::int64_t>();
-    model.dim = m.at("dim").get<std::int64_t>();
-    model.head_dim = m.at("head_dim").get<std::int64_t>();
-    model.ffn_dim = m.at("ffn_dim").get<std::int64_t>();
-    model.norm_eps = m.at("norm_eps").get<double>();
-    model.pre_norm = m.at("pre_norm").get<bool>();
-    model.causal = m.at("causal").get<bool>();
-    const std::string activation = m.at("activation").get<std::string>();
+    if (m.contains("model_type")) {
+      model.model_type = field("model_type", &json::is_string, "a string").get<std::string>();
+    }
+    model.heads = count("heads");
+    model.dim = count("dim");
+    model.head_dim = count("head_dim");
+    model.ffn_dim = count("ffn_dim");
+    // A layer norm's epsilon: finite and > 0 (a negative one gives NaN in every output).
+    model.norm_eps = field("norm_eps", &json::is_number, "a finite number > 0").get<double>();
+    if (!(std::isfinite(model.norm_eps) && model.norm_eps > 0.0)) {
+      bad("'norm_eps' is " + m["norm_eps"].dump() + ", expected a finite number > 0");
+    }
+    model.pre_norm = field("pre_norm", &json::is_boolean, "true or false").get<bool>();
+    model.causal = field("causal", &json::is_boolean, "true or false").get<bool>();
+    const std::string activation =
+        field("activation", &json::is_string, "gelu, gelu_tanh or relu").get<std::string>();
     if (activation == "gelu") {
       model.activation = Activation::gelu;
     } else if (activation == "gelu_tanh") {
@@ -214,7 +384,7 @@ Model read_operators(const std::string& ops_dir) {
     model.source_file = m.at("source").at("weights").get<std::string>();
     model.config_file = m.at("source").at("config").get<std::string>();
     model.sources = m.at("source").at("tensors").get<std::map<std::string, std::string>>();
-    const std::int64_t layers = m.at("layers").get<std::int64_t>();
+    const std::int64_t layers = count("layers");
     if (layers < 1 || model.heads < 1 || model.dim < 1 || model.head_dim * model.heads != model.dim)
       bad("has inconsistent sizes");
     if (static_cast<std::int64_t>(m.at("layer_files").size()) != layers) {
@@ -234,7 +404,7 @@ Model read_operators(const std::string& ops_dir) {
       validate(w, "read_operators");
       model.layers.push_back(std::move(layer));
     }
-    if (m.at("final_norm").get<bool>()) {
+    if (field("final_norm", &json::is_boolean, "true or false").get<bool>()) {
       model.final_gain = read_npy<double>((dir / "final_gain.npy").string());
       model.final_bias = read_npy<double>((dir / "final_bias.npy").string());
     }

@@ -3,11 +3,17 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <string>
 #include <vector>
 
+#include "emflow/memory.hpp"
+
 namespace {
+
+using emflow::memory_limit_bytes;
 
 #if defined(EMFLOW_CLI_PATH)
 struct Result {
@@ -89,6 +95,38 @@ TEST(BenchCommand, RejectsBadOptionsNamingThem) {
   EXPECT_NE(r.status, 0);
   ASSERT_FALSE(r.lines.empty());
   EXPECT_TRUE(has(r.lines.back(), "--device")) << r.lines.back();
+}
+
+// Sizes are refused before any work or allocation, naming the option and the bytes: the
+// queries of 10^11 tokens used to be walked one by one for over an hour before a size check,
+// and 4 arrays of as many queries as memory holds grew until the allocation failed.
+TEST(BenchCommand, SizesThatCannotFitAreRefusedBeforeAnyWork) {
+  const auto start = std::chrono::steady_clock::now();
+  Result r = run("bench --queries-tokens 100000000000 --repeats 1");
+  EXPECT_EQ(r.status, 256) << (r.lines.empty() ? "" : r.lines.back());
+  ASSERT_EQ(r.lines.size(), 1u);
+  EXPECT_TRUE(has(r.lines[0], "emflow: error: --queries-tokens is too large: the run needs "))
+      << r.lines[0];
+  EXPECT_TRUE(has(r.lines[0], "--queries-tokens 100000000000)")) << r.lines[0];
+  EXPECT_TRUE(has(r.lines[0], "bytes of memory available")) << r.lines[0];
+  // Just past this machine's memory with the smallest tokens: the queries alone (4 float
+  // arrays of Nq values) need the limit.
+  const std::int64_t queries = memory_limit_bytes() / 16 + 1;
+  r = run("bench --queries-tokens " + std::to_string(queries) + " --tokens 4 --dim 1");
+  EXPECT_EQ(r.status, 256);
+  ASSERT_FALSE(r.lines.empty());
+  EXPECT_TRUE(has(r.lines.back(), "--queries-tokens is too large")) << r.lines.back();
+  r = run("bench --tokens 4000000000000 --dim 64");
+  EXPECT_EQ(r.status, 256);
+  ASSERT_FALSE(r.lines.empty());
+  EXPECT_TRUE(has(r.lines.back(), "--tokens is too large")) << r.lines.back();
+  r = run("bench --tokens 8 --self-tokens 4000000000000");
+  EXPECT_EQ(r.status, 256);
+  ASSERT_FALSE(r.lines.empty());
+  EXPECT_TRUE(has(r.lines.back(), "--self-tokens is too large")) << r.lines.back();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 20.0);
 }
 #endif
 

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/cli.hpp"
@@ -140,6 +141,22 @@ TEST_F(DistributedAttendCli, WeightsAreRefusedOnEveryRank) {
   EXPECT_EQ(occurrences(failed.err, "emflow: error: "), 1u) << failed.err;
   EXPECT_NE(failed.err.find("--weights is not available with --distributed"), std::string::npos)
       << failed.err;
+}
+
+// The options the ring cannot take are refused through the job like every other error: one
+// line, from rank 0, with the rank that saw it (they were printed once per rank, unprefixed).
+TEST_F(DistributedAttendCli, PrecisionAndQueriesAreRefusedOnceWithTheRank) {
+  write_inputs<float>();
+  const std::pair<const char*, const char*> refused[] = {
+      {" --precision bf16", "rank 0: --precision bf16 is not supported with --distributed"},
+      {" --queries x.npy", "rank 0: --queries is not supported with --distributed"}};
+  for (const auto& [option, message] : refused) {
+    const CliRun failed = run(arguments("none", "P") + option, 2);
+    EXPECT_EQ(failed.status, 1) << failed.err;
+    EXPECT_EQ(occurrences(failed.err, "emflow: error: "), 1u) << failed.err;
+    EXPECT_NE(failed.err.find(message), std::string::npos) << failed.err;
+    EXPECT_FALSE(std::filesystem::exists(path("updateP.npy")));
+  }
 }
 
 }  // namespace

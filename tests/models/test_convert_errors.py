@@ -166,3 +166,146 @@ def test_names_given_on_the_command_line(tmp_path):
     assert manifest["layer_files"][0]["sources"]["ffn_out.bias"] == "blocks.0.output.dense.bias"
     bad = convert(model, "--out", tmp_path / "ops2", "--layout", "bert", "--name", "qq=x")
     assert bad.returncode != 0 and "'qq' is not a role of the bert layout" in bad.stderr
+
+
+def test_a_per_layer_pattern_without_layer_is_refused_at_once(tmp_path):
+    model = make_model(tmp_path / "model", bert_tensors(), bert_config())
+    result = subprocess_convert(model, "--out", tmp_path / "ops", "--name",
+                                "query.weight=encoder.layer.0.attention.self.query.weight")
+    assert result.returncode == 1
+    assert "the pattern of 'query.weight'" in result.stderr and "has no {layer}" in result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["model"]
+
+
+def subprocess_convert(*args):
+    """convert with a time limit: a hang fails the test instead of the suite."""
+    import subprocess
+
+    from emflow_cli import CLI
+    if not CLI:
+        pytest.skip("EMFLOW_CLI is not set (run through ctest)")
+    return subprocess.run([CLI, "convert", *map(str, args)], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_an_operator_folder_with_other_files_is_kept(tmp_path):
+    model = make_model(tmp_path / "model", bert_tensors(), bert_config())
+    assert convert(model, "--out", tmp_path / "ops", "--report").returncode == 0
+    (tmp_path / "ops" / "notes.txt").write_text("hi")
+    (tmp_path / "ops" / "results").mkdir()
+    before = sorted(os.listdir(tmp_path / "ops"))
+    result = convert(model, "--out", tmp_path / "ops")
+    assert result.returncode == 1 and "holds '" in result.stderr, result.stderr
+    assert "which its manifest.json does not list" in result.stderr
+    assert sorted(os.listdir(tmp_path / "ops")) == before
+    assert (tmp_path / "ops" / "notes.txt").read_text() == "hi"
+    # Without them (spectrum.csv is listed by the manifest) the folder is replaced.
+    (tmp_path / "ops" / "notes.txt").unlink()
+    (tmp_path / "ops" / "results").rmdir()
+    assert convert(model, "--out", tmp_path / "ops").returncode == 0
+    assert "spectrum.csv" not in os.listdir(tmp_path / "ops")
+
+
+def dead_pid():
+    """The id of a process that has exited (and been reaped)."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
+def test_staging_folders_of_a_killed_conversion_are_removed(tmp_path):
+    model = make_model(tmp_path / "model", bert_tensors(), bert_config())
+    pid = dead_pid()
+    stale = tmp_path / f".ops.emflow-tmp-{pid}-1f2e"
+    stale.mkdir()
+    (stale / "layer0.M.npy").write_bytes(b"x" * 1000)
+    live = tmp_path / f".ops.emflow-tmp-{os.getpid()}-3a"  # a live writer's: kept
+    live.mkdir()
+    assert convert(model, "--out", tmp_path / "ops").returncode == 0
+    assert sorted(os.listdir(tmp_path)) == [live.name, "model", "ops"]
+
+
+def test_a_folder_a_killed_conversion_moved_aside_is_put_back(tmp_path):
+    model = make_model(tmp_path / "model", bert_tensors(), bert_config())
+    assert convert(model, "--out", tmp_path / "ops").returncode == 0
+    # Killed between moving the old folder aside and renaming the new one into place.
+    moved = tmp_path / f".ops.old.emflow-tmp-{dead_pid()}-9c"
+    os.rename(tmp_path / "ops", moved)
+    (tmp_path / f".ops.emflow-tmp-{dead_pid()}-9c").mkdir()
+    assert convert(model, "--out", tmp_path / "ops").returncode == 0
+    assert sorted(os.listdir(tmp_path)) == ["model", "ops"]
+
+
+def test_out_with_a_trailing_slash_and_links(tmp_path):
+    model = make_model(tmp_path / "model", bert_tensors(), bert_config())
+    result = convert(model, "--out", f"{tmp_path / 'ops'}/")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "ops" / "manifest.json").exists()
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    result = convert(model, "--out", tmp_path / "dangling")
+    assert result.returncode == 1 and "is a symbolic link to" in result.stderr, result.stderr
+    assert "which does not exist" in result.stderr
+    assert not (tmp_path / "nowhere").exists()
+    # A link to an operator folder: the folder it names is replaced, the link stays a link.
+    os.symlink(tmp_path / "ops", tmp_path / "link")
+    assert convert(model, "--out", tmp_path / "link").returncode == 0
+    assert os.path.islink(tmp_path / "link") and (tmp_path / "ops" / "manifest.json").exists()
+
+
+def test_the_out_folder_is_checked_before_the_conversion(tmp_path):
+    # A model that cannot even be read: the --out error comes first.
+    (tmp_path / "ops").mkdir()
+    (tmp_path / "ops" / "mine.txt").write_text("keep")
+    result = convert(tmp_path / "missing-model", "--out", tmp_path / "ops")
+    assert result.returncode == 1 and "--out" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("extra, phrase", [
+    ({"model_type": 7}, "'model_type' is 7 (number), expected a string"),
+    ({"num_hidden_layers": "2"}, "'num_hidden_layers' is \"2\" (string), expected a positive "
+                                 "integer"),
+    ({"num_hidden_layers": 2.0}, "'num_hidden_layers' is 2.0 (number), expected a positive "
+                                 "integer"),
+    ({"hidden_act": ["gelu"]}, "'hidden_act' is [\"gelu\"] (array), expected a string"),
+    ({"layer_norm_eps": -1e-12}, "'layer_norm_eps' is -1e-12 (number), expected a finite "
+                                 "number > 0"),
+    ({"layer_norm_eps": "small"}, "'layer_norm_eps' is \"small\" (string)"),
+    ({"position_embedding_type": 3}, "'position_embedding_type' is 3 (number)"),
+])
+def test_config_values_of_the_wrong_type_name_the_file_and_key(tmp_path, extra, phrase):
+    expect_refused(tmp_path, bert_tensors(), bert_config(**extra), "config.json", phrase)
+
+
+def test_gpt2_n_inner_must_be_an_integer(tmp_path):
+    config = {"model_type": "gpt2", "n_embd": D, "n_head": HEADS, "n_layer": LAYERS,
+              "n_inner": float(FFN)}
+    expect_refused(tmp_path, {"h.0.attn.c_attn.weight": np.zeros((D, 3 * D))}, config,
+                   f"'n_inner' is {float(FFN)} (number), expected a positive integer")
+
+
+def test_a_config_that_is_a_folder(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    save_safetensors(model / "model.safetensors", bert_tensors())
+    (model / "config.json").mkdir()
+    result = convert(model, "--out", tmp_path / "ops")
+    assert result.returncode == 1 and "config.json': is a folder" in result.stderr, result.stderr
+    assert "basic_filebuf" not in result.stderr
+
+
+def test_report_names_a_non_finite_operator(tmp_path):
+    t = bert_tensors()
+    t["encoder.layer.1.attention.self.key.weight"][2, 3] = np.nan
+    expect_refused_with(tmp_path, t, bert_config(), ["--report"],
+                        "--report needs finite operators", "M_h of layer 1 head 0 holds nan")
+
+
+def expect_refused_with(tmp_path, tensors, config, args, *phrases):
+    model = make_model(tmp_path / "model", tensors, config)
+    result = convert(model, "--out", tmp_path / "ops", *args)
+    assert result.returncode != 0
+    for phrase in phrases:
+        assert phrase in result.stderr, result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["model"], os.listdir(tmp_path)

@@ -143,8 +143,79 @@ def test_flow_model_errors(tmp_path):
     np.save(tmp_path / "k.npy", np.array([4, 5], dtype=np.int64))
     result = run("flow", "--model", tmp_path / "ops", "--cloud", tmp_path / "x.npy",
                  "--key-lengths", tmp_path / "k.npy", "--out", tmp_path / "t.npy", ok=False)
-    assert result.returncode != 0 and "expected 1..4" in result.stderr
+    assert result.returncode != 0 and "expected 2..4" in result.stderr
     assert not (tmp_path / "t.npy").exists()
     result = run("flow", "--model", tmp_path / "ops", "--cloud", tmp_path / "x.npy",
                  "--layers", "3", ok=False)
     assert result.returncode != 0 and "--layers excludes --model" in result.stderr
+
+
+def converted(tmp_path):
+    model = make_model(tmp_path / "model", bert_tensors(), bert_config())
+    run("convert", model, "--out", tmp_path / "ops")
+    np.save(tmp_path / "x.npy", np.random.default_rng(3).normal(size=(1, 4, D)))
+    (tmp_path / "labels.txt").write_text("a\nb\nc\nd\n")
+    return tmp_path / "ops"
+
+
+def test_no_output_replaces_a_file_the_run_reads(tmp_path):
+    ops = converted(tmp_path)
+    before = {p.name: p.read_bytes() for p in ops.iterdir()}
+    base = ["flow", "--model", ops, "--cloud", tmp_path / "x.npy"]
+    for option, target in [("--out", ops / "layer0.M.npy"), ("--metrics", ops / "manifest.json"),
+                           ("--attention-out", ops / "layer1.ffn_out.npy"),
+                           ("--plot", tmp_path / "labels.txt")]:
+        result = run(*base, "--labels", tmp_path / "labels.txt", option, target, ok=False)
+        assert result.returncode == 1, result.stderr
+        assert f"{option} '{target}' is the input file of" in result.stderr, result.stderr
+        # The model still reads back as it was, and the labels are intact.
+        assert {p.name: p.read_bytes() for p in ops.iterdir()} == before
+        assert (tmp_path / "labels.txt").read_text() == "a\nb\nc\nd\n"
+    # A new file in the folder is no input: allowed.
+    run(*base, "--out", ops / "trajectory.npy")
+    assert np.load(ops / "trajectory.npy").shape == (LAYERS + 1, 1, 4, D)
+
+
+def test_labels_errors_name_labels(tmp_path):
+    ops = converted(tmp_path)
+    base = ["flow", "--model", ops, "--cloud", tmp_path / "x.npy", "--plot", tmp_path / "p.png"]
+    result = run(*base, "--labels", tmp_path / "nope.txt", ok=False)
+    assert result.returncode == 1 and "--labels '" in result.stderr and "--tokens" not in \
+        result.stderr, result.stderr
+    (tmp_path / "three.txt").write_text("a\nb\nc\n")
+    result = run(*base, "--labels", tmp_path / "three.txt", ok=False)
+    assert result.returncode == 1 and "--labels '" in result.stderr and "holds 3 lines" in \
+        result.stderr, result.stderr
+    result = run(*base, "--labels", tmp_path, ok=False)
+    assert result.returncode == 1 and "is a folder" in result.stderr, result.stderr
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_one_token_clouds_are_refused_as_flow_refuses_them(tmp_path):
+    ops = converted(tmp_path)
+    np.save(tmp_path / "one.npy", np.ones((1, D)))
+    result = run("flow", "--model", ops, "--cloud", tmp_path / "one.npy", "--metrics",
+                 tmp_path / "m.csv", ok=False)
+    assert result.returncode == 1 and "expected at least 2" in result.stderr, result.stderr
+    np.save(tmp_path / "k.npy", np.array([1], dtype=np.int64))
+    result = run("flow", "--model", ops, "--cloud", tmp_path / "x.npy", "--key-lengths",
+                 tmp_path / "k.npy", "--metrics", tmp_path / "m.csv", ok=False)
+    assert result.returncode == 1 and "expected 2..4" in result.stderr, result.stderr
+    assert not (tmp_path / "m.csv").exists()
+
+
+@pytest.mark.parametrize("field, value, phrase", [
+    ("norm_eps", -1e-5, "'norm_eps' is -1e-05, expected a finite number > 0"),
+    ("norm_eps", "1e-5", "'norm_eps' is \"1e-5\" (string), expected a finite number > 0"),
+    ("heads", 2.0, "'heads' is 2.0 (number), expected a positive integer"),
+    ("pre_norm", 0, "'pre_norm' is 0 (number), expected true or false"),
+])
+def test_a_manifest_field_of_the_wrong_type_or_value_is_named(tmp_path, field, value, phrase):
+    ops = converted(tmp_path)
+    manifest = json.loads((ops / "manifest.json").read_text())
+    manifest[field] = value
+    (ops / "manifest.json").write_text(json.dumps(manifest))
+    result = run("flow", "--model", ops, "--cloud", tmp_path / "x.npy", "--metrics",
+                 tmp_path / "m.csv", ok=False)
+    assert result.returncode == 1 and phrase in result.stderr, result.stderr
+    assert "manifest.json" in result.stderr and "\n" not in result.stderr.strip()
