@@ -8,7 +8,6 @@
 
 #include "cuda/attend_plan.hpp"
 #include "core/check.hpp"
-#include "core/low_precision.hpp"
 #include "emflow/precision.hpp"
 #include "launch.cuh"
 #include "tc_projection.hpp"
@@ -105,9 +104,10 @@ std::size_t tc_aligned_bytes(std::size_t bytes) {
 
 template <class T>
 void check_tc_outputs(const AttentionOutput<T>& output, const char* operation) {
-  if (const char* missing = tensor_core_missing_output(output.weights)) {
-    fail(ErrorCode::unsupported, operation, ": output '", missing,
-         "' is not computed by the tensor-core path (leave it null, or use device 'cpu')");
+  if (output.weights != nullptr) {
+    fail(ErrorCode::unsupported, operation,
+         ": output 'weights' is not computed by the tensor-core path (leave it null, or use device "
+         "'cpu')");
   }
 }
 

@@ -147,21 +147,27 @@ struct ExecutionOptions {
   /// Device::reference compute float products in fp32, which meets the TF32 accuracy rule, and
   /// return their fp32 result; on Device::cuda attend and attend_factored run the TF32
   /// tensor-core paths (operands rounded to TF32, float32 accumulation) where those compute what
-  /// is asked (no weights, dim or rank <= 256), and float32 products elsewhere. Other pairs are
-  /// invalid_argument.
+  /// is asked (no weights, dim or rank <= 256), and float32 products elsewhere; attend_partial
+  /// and the distributed ring take it too (their kernels compute float32 products). Other pairs
+  /// are invalid_argument. Route::products (capability.hpp) says what a call's products run in.
   Precision precision = Precision::fp32;
 };
 
-/// Checks shapes, sizes, pointers, beta, the mask and the key lengths; throws emflow::Error
-/// (ErrorCode::invalid_argument) naming the first offending argument. Every backend calls it.
+/// Checks shapes, sizes, pointers, beta, the mask, the key lengths and that no output overlaps
+/// an input or another output; throws emflow::Error (ErrorCode::invalid_argument) naming the
+/// first offending argument. attend() calls it first.
 template <class T>
 void validate(const AttentionInput<T>& input, const AttentionOutput<T>& output,
               const char* operation = "attend");
 
-/// Computes the contextual update on host arrays and returns when the outputs are written.
+/// Computes the contextual update on host arrays and returns when the outputs are written, on
+/// the device and with the kernel that route() (capability.hpp) names for the call; a call that
+/// no device computes throws ErrorCode::unsupported with route()'s reason.
 /// float inputs are computed in float32 by cpu/cuda backends (accumulation in float, softmax
 /// in float with a running max) and in double by Device::reference; double inputs are computed
 /// in double on the CPU. Device::cuda copies to and from the GPU and synchronises its own stream.
+/// float inputs holding a NaN or infinity (in the cloud, the queries or the operators) run on
+/// Device::cpu in the double reference, which puts NaN where docs/MATH.md §6.6 says.
 /// bfloat16 and float16 inputs: Device::cpu widens them exactly to float and computes in float32,
 /// except bfloat16 self-attention without weights on a processor with AVX512-BF16, whose products
 /// take bfloat16 operands with float32 accumulation (docs/MATH.md §7); Device::reference widens
@@ -173,8 +179,10 @@ template <class T>
 void attend(const AttentionInput<T>& input, const AttentionOutput<T>& output,
             const ExecutionOptions& options = {});
 
-/// Resolves Device::automatic to Device::cuda or Device::cpu for this process; checks that a
-/// requested cuda device exists (throws ErrorCode::unsupported with the reason otherwise).
+/// Resolves Device::automatic to Device::cuda or Device::cpu for this process (this_machine(),
+/// capability.hpp: cuda when a device is usable); checks that a requested cuda device exists
+/// (throws ErrorCode::unsupported with the reason otherwise). Where one call runs is route()'s
+/// answer, which also weighs what the device's kernels compute.
 Device resolve_device(Device requested);
 
 extern template void validate<float>(const AttentionInput<float>&, const AttentionOutput<float>&,

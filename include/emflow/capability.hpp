@@ -10,13 +10,14 @@
 //   emflow::Problem problem = emflow::describe(input, output);
 //   const emflow::Route route = emflow::route(problem, emflow::Device::automatic);
 //   if (!route.supported) std::cerr << route.reason << "\n";
-//   else std::cout << emflow::to_string(route) << "\n";   // "cuda tensor_cores bf16"
+//   else std::cout << emflow::to_string(route) << "\n";  // "cuda cuda_tensor_cores bf16"
 #pragma once
 
 #include <cstdint>
 #include <string>
 
 #include "emflow/attention.hpp"
+#include "emflow/decode.hpp"
 #include "emflow/factored.hpp"
 #include "emflow/partial.hpp"
 #include "emflow/precision.hpp"
@@ -65,16 +66,20 @@ struct Problem {
   std::int64_t heads = 1;
   std::int64_t rank = 0;  ///< r, the factored form only
   Mask mask;
-  bool cross = false;            ///< queries of their own (AttentionInput::queries)
-  bool query_lengths = false;    ///< per-cloud query lengths
-  bool positions = false;        ///< key_position, query_position or query_positions set
-  bool key_lengths = false;      ///< per-cloud key lengths
-  bool key_bias = false;         ///< u_h
-  bool offset = false;           ///< c
-  bool lse = false;              ///< outputs asked for
+  bool cross = false;          ///< queries of their own (AttentionInput::queries)
+  bool query_lengths = false;  ///< per-cloud query lengths
+  bool positions = false;      ///< key_position, query_position or query_positions set
+  bool key_lengths = false;    ///< per-cloud key lengths
+  bool key_bias = false;       ///< u_h
+  bool offset = false;         ///< c
+  bool lse = false;            ///< outputs asked for
   bool entropy = false;
   bool weights = false;
-  bool finite = true;            ///< every stored input value finite (host calls check it)
+  /// Every stored value of the cloud (padding rows included), the queries and the operators is
+  /// finite. The CPU's kernels route on it (non-finite input goes to the reference, which puts
+  /// NaN where docs/MATH.md §6.6 says); describe() reads no array and leaves it true, and the host
+  /// entry points (attend, attend_factored, attend_partial) compute it before they ask route().
+  bool finite = true;
 
   /// Self-attention as it was before queries existed: no queries, query lengths or positions.
   /// Some kernels (cpu_bf16) keep a fast path for it alone.
@@ -153,6 +158,14 @@ template <class T>
 Problem describe(const AttentionInput<T>& input, const PartialOutput<T>& output,
                  const ExecutionOptions& options = {});
 
+/// The Problem of a decode cache of `layer` in R^dim made with `options` (decode.hpp): its keys
+/// and contents are what the cache holds, `tokens` its capacity (0: grows without limit).
+template <class T>
+Problem describe(const LayerOperators<T>& layer, std::int64_t dim, const DecodeOptions& options);
+/// The same for a factored layer.
+template <class T>
+Problem describe(const FactoredLayer<T>& layer, std::int64_t dim, const DecodeOptions& options);
+
 /// Where `problem` runs when `requested` is asked for on `machine`: for Device::automatic the
 /// GPU when it is usable and computes the problem (the CPU otherwise); for a named device that
 /// device or the reason it cannot. Never throws; reads no array. `operation` prefixes reasons.
@@ -174,17 +187,25 @@ const char* to_string(Algorithm algorithm) noexcept;
 /// "cuda cuda_tensor_cores bf16", "cpu cpu_fused fp32 (expanded)", or "unsupported: <reason>".
 std::string to_string(const Route& route);
 
-#define EMFLOW_CAPABILITY_EXTERN(T)                                                              \
-  extern template Problem describe<T>(const AttentionInput<T>&, const AttentionOutput<T>&,       \
-                                      const ExecutionOptions&);                                  \
-  extern template Problem describe<T>(const AttentionInput<T>&, const FactoredLayer<T>&,         \
-                                      const AttentionOutput<T>&, const ExecutionOptions&);       \
-  extern template Problem describe<T>(const AttentionInput<T>&, const PartialOutput<T>&,         \
+#define EMFLOW_CAPABILITY_EXTERN(T)                                                        \
+  extern template Problem describe<T>(const AttentionInput<T>&, const AttentionOutput<T>&, \
+                                      const ExecutionOptions&);                            \
+  extern template Problem describe<T>(const AttentionInput<T>&, const FactoredLayer<T>&,   \
+                                      const AttentionOutput<T>&, const ExecutionOptions&); \
+  extern template Problem describe<T>(const AttentionInput<T>&, const PartialOutput<T>&,   \
                                       const ExecutionOptions&);
 EMFLOW_CAPABILITY_EXTERN(float)
 EMFLOW_CAPABILITY_EXTERN(double)
 EMFLOW_CAPABILITY_EXTERN(bfloat16)
 EMFLOW_CAPABILITY_EXTERN(float16)
 #undef EMFLOW_CAPABILITY_EXTERN
+extern template Problem describe<float>(const LayerOperators<float>&, std::int64_t,
+                                        const DecodeOptions&);
+extern template Problem describe<double>(const LayerOperators<double>&, std::int64_t,
+                                         const DecodeOptions&);
+extern template Problem describe<float>(const FactoredLayer<float>&, std::int64_t,
+                                        const DecodeOptions&);
+extern template Problem describe<double>(const FactoredLayer<double>&, std::int64_t,
+                                         const DecodeOptions&);
 
 }  // namespace emflow

@@ -19,17 +19,23 @@
 // emflow::attend (attention.hpp). Decoding a cloud token by token (append x_t, attend x_t under
 // the causal mask) gives the rows of the causal one-pass update.
 //
-// BasicDecodeCache<float> (DecodeCache) in the dense form runs the fused float32 engine of
-// Device::cpu; the factored form and double compute each query's scores and sums in double.
-// Non-finite tokens are not supported (append refuses them, naming the row).
-//
-// On the GPU (DecodeOptions{Device::cuda, capacity}; float, dense form, dim <= 256): the keys and
-// contents live in device buffers of a fixed capacity. append() copies the new tokens to the
-// device on the cache's own stream and projects them there; attend() copies the queries in and
-// runs the fused kernel with the keys split into blocks merged exactly (flash-decoding, as
-// emflow::cuda::attend_partial_async does), so one query against many keys uses the whole device,
-// then copies the outputs back. Both take and return host arrays and return once the device is
-// done. Without a usable device the constructor throws ErrorCode::unsupported.
+// Where a cache lives is route()'s answer (capability.hpp, Operation::decode) for the cache's
+// layer, storage type and DecodeOptions, asked once by the constructor:
+// * BasicDecodeCache<float> (DecodeCache) in the dense form on the host runs the fused float32
+//   engine of Device::cpu; the factored form and double compute each query's scores and sums in
+//   double. Non-finite tokens are not supported (append refuses them, naming the row).
+// * On the GPU (float, dense form, dim <= 256, a capacity): the keys and contents live in device
+//   buffers of a fixed capacity. append() copies the new tokens to the device on the cache's own
+//   stream and projects them there; attend() copies the queries in and runs the fused kernel with
+//   the keys split into blocks merged exactly (flash-decoding, as
+//   emflow::cuda::attend_partial_async does), so one query against many keys uses the whole
+//   device, then copies the outputs back. Both take and return host arrays and return once the
+//   device is done.
+// DecodeOptions::device is Device::automatic by default, as for every other entry point: the GPU
+// when route() names it (a usable device, a cache it holds, and a capacity), else the host.
+// Device::cuda for a cache the GPU does not hold, or without a usable device, is refused
+// (ErrorCode::unsupported, naming 'device' and route()'s reason); so is Device::reference, which
+// holds no cache.
 #pragma once
 
 #include <cstdint>
@@ -40,11 +46,17 @@
 
 namespace emflow {
 
-/// Where a cache lives. Device::cuda needs a capacity (the most tokens it will hold); other
-/// devices keep the cache on the host, growing as needed (capacity 0: no limit).
+/// Where a cache lives and how it computes (see above).
 struct DecodeOptions {
-  Device device = Device::cpu;
+  /// automatic (the GPU when route() names it, else the host), cpu or cuda.
+  Device device = Device::automatic;
+  /// The most tokens the cache will hold: required on the GPU (>= 1; Device::cuda with 0 is
+  /// invalid_argument naming 'capacity', Device::automatic with 0 stays on the host); on the host
+  /// the cache grows as needed and a capacity > 0 is a limit that append() enforces.
   std::int64_t capacity = 0;
+  /// As ExecutionOptions::precision (attention.hpp): fp32, or tf32 for float (a permission that
+  /// every cache kernel meets with float32 products); other pairs are invalid_argument.
+  Precision precision = Precision::fp32;
 };
 
 template <class T>
@@ -53,13 +65,18 @@ class BasicDecodeCache {
   /// Copies the operators of `layer` (heads, dim); throws emflow::Error (invalid_argument) on a
   /// null relevance or content, dim or heads < 1, or a non-finite beta.
   BasicDecodeCache(const LayerOperators<T>& layer, std::int64_t dim, double beta = 1.0);
-  /// The same on `options.device`: Device::cuda needs T = float and capacity >= 1 (else
-  /// ErrorCode::unsupported naming 'device', invalid_argument naming 'capacity').
+  /// The same with `options` (see above): Device::cuda needs T = float, dim <= 256 and
+  /// capacity >= 1 (else ErrorCode::unsupported naming 'device', invalid_argument naming
+  /// 'capacity').
   BasicDecodeCache(const LayerOperators<T>& layer, std::int64_t dim, double beta,
                    const DecodeOptions& options);
   /// The factored form: copies the factors; throws emflow::Error (invalid_argument) naming a
   /// null factor, dim, heads or rank < 1, or a non-finite beta.
   BasicDecodeCache(const FactoredLayer<T>& layer, std::int64_t dim, double beta = 1.0);
+  /// The same with `options`: the factored form lives on the host (Device::cuda is refused with
+  /// route()'s reason).
+  BasicDecodeCache(const FactoredLayer<T>& layer, std::int64_t dim, double beta,
+                   const DecodeOptions& options);
   ~BasicDecodeCache();
   BasicDecodeCache(BasicDecodeCache&&) noexcept;
   BasicDecodeCache& operator=(BasicDecodeCache&&) noexcept;

@@ -37,11 +37,13 @@ struct FactoredLayer {
 /// rules as emflow::attend (attention.hpp). The operators come from `layer` only: input.layer
 /// must be left empty (null pointers).
 ///
+/// Where it runs is route()'s answer (capability.hpp) for the call, as for every entry point.
 /// Device::cpu (and automatic without a GPU) computes float inputs in float32 in the factored
-/// form, at the lower cost; double inputs, and float inputs holding a non-finite value that a
-/// query can see, are expanded to dense M_h, F_h and computed by the double reference.
-/// Device::reference expands to dense M_h, F_h in double and runs the reference. Other devices
-/// expand to dense operators in T and call emflow::attend.
+/// form, at the lower cost; double inputs, and float inputs holding a non-finite value (in the
+/// clouds or the factors), are expanded to dense M_h, F_h and computed by the double reference.
+/// Device::reference expands to dense M_h, F_h in double and runs the reference. Device::cuda
+/// without the tensor cores (below) expands to dense operators in T and runs the GPU's dense
+/// kernels (fused or unfused, as attend would).
 /// bfloat16 and float16 (docs/MATH.md §7): the inputs are widened exactly to float and the float
 /// path above runs (Device::cpu), or to double and the reference runs (Device::reference); the
 /// update is rounded to T, lse, entropy and weights are float32. Device::cuda (and automatic when

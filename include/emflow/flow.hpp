@@ -20,8 +20,9 @@
 //
 // Where a run happens (run_flow): one loop, two kinds of memory. On Device::cpu and
 // Device::reference the state lives on the host, every evaluation is an emflow::attend call and
-// the observables are computed on the host in double. When the options resolve to a CUDA device
-// (Device::cuda, or Device::automatic with a usable GPU), the whole run stays on the GPU: the
+// the observables are computed on the host in double. When route() (capability.hpp) sends the
+// run's attention to a CUDA device (Device::cuda, or Device::automatic with a usable GPU that
+// computes it), the whole run stays on the GPU: the
 // state, the RK4 stages and one attention workspace live in device memory, every evaluation is
 // emflow::cuda::attend_async on one owned stream, the element-wise parts are kernels, and the
 // observables of each record are computed by kernels in double with fixed reduction orders (two
@@ -149,15 +150,51 @@ struct UpdateSettings {
   bool tangent = false;       ///< project each token's update on the tangent space of the sphere
 };
 
+/// What one evaluation of the attention update reads.
+template <class T>
+struct UpdateInput {
+  const T* cloud = nullptr;             ///< (batch, tokens, dim). Required.
+  std::int64_t batch = 1;               ///< B
+  std::int64_t tokens = 0;              ///< N
+  std::int64_t dim = 0;                 ///< d
+  const FlowLayer<T>* layer = nullptr;  ///< the layer's operators. Required.
+  std::vector<double> betas;            ///< one inverse temperature per cloud: B entries
+  UpdateSettings settings;              ///< SA or USA, tangent projection or not
+};
+
+/// Where it writes.
+template <class T>
+struct UpdateOutput {
+  T* update = nullptr;             ///< Delta: (batch, tokens, dim). Required.
+  double* mean_entropy = nullptr;  ///< null, or B entries: each cloud's mean attention entropy
+};
+
 /// The attention update of a batch (B, N, d): Delta (SA or USA, tangent-projected if asked),
 /// one emflow::attend call per run of consecutive clouds with equal beta (per head for USA
-/// with several heads). betas: B entries. mean_entropy: null, or B entries receiving the mean
-/// attention entropy over heads and tokens of each cloud.
+/// with several heads); mean_entropy, when given, receives the mean attention entropy over heads
+/// and tokens of each cloud. Throws emflow::Error (invalid_argument) naming a missing layer or a
+/// betas of another length than B, and whatever emflow::attend throws.
 template <class T>
-void attention_update(const T* cloud, std::int64_t batch, std::int64_t tokens, std::int64_t dim,
-                      const FlowLayer<T>& layer, const std::vector<double>& betas,
-                      const UpdateSettings& settings, T* update, double* mean_entropy,
-                      const ExecutionOptions& options);
+void attention_update(const UpdateInput<T>& input, const UpdateOutput<T>& output,
+                      const ExecutionOptions& options = {});
+
+/// The former positional form of attention_update.
+template <class T>
+[[deprecated("use attention_update(UpdateInput, UpdateOutput, ExecutionOptions)")]] void
+attention_update(const T* cloud, std::int64_t batch, std::int64_t tokens, std::int64_t dim,
+                 const FlowLayer<T>& layer, const std::vector<double>& betas,
+                 const UpdateSettings& settings, T* update, double* mean_entropy,
+                 const ExecutionOptions& options) {
+  UpdateInput<T> input;
+  input.cloud = cloud;
+  input.batch = batch;
+  input.tokens = tokens;
+  input.dim = dim;
+  input.layer = &layer;
+  input.betas = betas;
+  input.settings = settings;
+  attention_update(input, UpdateOutput<T>{update, mean_entropy}, options);
+}
 
 /// The most steps a continuous-time run may take: time / dt above it is refused.
 inline constexpr std::int64_t kMaxSteps = 100000000;
@@ -239,6 +276,9 @@ struct PhaseSettings {
   std::int64_t clouds = 2048;
   std::uint64_t seed = 0;
   double cluster_eps = 1e-3;
+  /// Every step through the generic attention update instead of the specialised paths (see
+  /// phase_diagram): slower, the same equations, so a check of the specialised ones.
+  bool generic = false;
 };
 
 struct PhaseDiagram {
@@ -253,19 +293,15 @@ struct PhaseDiagram {
 /// (beta, cloud) pair in float32, a thread per token, each cloud in a block's shared memory;
 /// a cloud too large for one block (more than 1024 tokens, or beyond the shared memory) takes
 /// the generic path on the device (below). Device::cpu (and automatic without a GPU): a
-/// specialised path in float32, clouds in SIMD lanes, OpenMP over lane groups. Device::reference:
-/// every step through emflow::attend with all C * K clouds in one batch (one call per beta).
-/// All integrate the same equations; the GPU and CPU paths count a pair differently only when
-/// its inner product lies within float rounding of 1 - eps.
+/// specialised path in float32, clouds in SIMD lanes, OpenMP over lane groups. Device::reference,
+/// and any device with settings.generic: the generic path, every step through the attention
+/// update with all C * K clouds in one batch (one call per beta): on the host every evaluation is
+/// emflow::attend on options.device; on a CUDA device the state stays in device memory, every
+/// evaluation is emflow::cuda::attend_async on one stream, and each step's clouds come back once
+/// for the count. All integrate the same equations; the GPU and CPU paths count a pair
+/// differently only when its inner product lies within float rounding of 1 - eps.
 PhaseDiagram phase_diagram(const PhaseSettings& settings, const ExecutionOptions& options = {},
                            const Progress& progress = {});
-/// The same sweep through the generic attention update, whatever the device (for tests): on the
-/// host every evaluation is emflow::attend on options.device; on a CUDA device the state stays
-/// in device memory, every evaluation is emflow::cuda::attend_async on one stream, and each
-/// step's clouds come back once for the count.
-PhaseDiagram phase_diagram_generic(const PhaseSettings& settings,
-                                   const ExecutionOptions& options = {},
-                                   const Progress& progress = {});
 
 /// Part of the sweep on the CPU path (for a sweep split among processes): the clustered-pair
 /// counts (S + 1, K), row-major, of the (beta, cloud) pairs p = k * clouds + c with

@@ -13,7 +13,6 @@
 
 namespace emflow {
 
-
 /// What a .npy header declares.
 struct NpyHeader {
   Dtype dtype = Dtype::float64;
@@ -91,10 +90,6 @@ class OutputFiles {
 
   /// Renames every staged file over its target (all or none, see above); afterwards nothing is
   /// staged. Targets declared but never staged are not written.
-  ///
-  /// Test hook: with the environment variable EMFLOW_TEST_STOP_BEFORE_FSYNC set to the file name
-  /// of a target (its last component), the process stops itself (SIGSTOP) just before that
-  /// target's temporary file is flushed, so that a test can kill it there.
   void commit();
 
  private:

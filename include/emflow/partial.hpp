@@ -33,20 +33,21 @@
 
 namespace emflow {
 
-/// The partial state over one block of keys. All three arrays are required.
+/// The partial state over one block of keys. All three arrays are required. The statistics have
+/// the type of AttentionOutput's (Stat<T>: double for double, float otherwise).
 template <class T>
 struct PartialOutput {
-  T* heads = nullptr;    ///< o: (batch, heads, Nq, dim), per head, before the sum over heads
-  T* lse = nullptr;      ///< (batch, heads, Nq)
-  T* entropy = nullptr;  ///< H: (batch, heads, Nq)
+  T* heads = nullptr;          ///< o: (batch, heads, Nq, dim), per head, before the sum over heads
+  Stat<T>* lse = nullptr;      ///< (batch, heads, Nq)
+  Stat<T>* entropy = nullptr;  ///< H: (batch, heads, Nq)
 };
 
 /// The same state, read-only.
 template <class T>
 struct PartialInput {
   const T* heads = nullptr;
-  const T* lse = nullptr;
-  const T* entropy = nullptr;
+  const Stat<T>* lse = nullptr;
+  const Stat<T>* entropy = nullptr;
 };
 
 /// The shape every array of a partial state shares.
@@ -58,7 +59,12 @@ struct PartialShape {
 };
 
 /// The partial state of `input`'s queries over `input`'s keys (input.layer.offset is not used:
-/// it belongs to finish_partial). Same validation and devices as emflow::attend.
+/// it belongs to finish_partial). Same validation, devices and options as emflow::attend: the
+/// device and the kernel are the ones route() names for the call (capability.hpp), and
+/// ExecutionOptions::precision is checked as for attend (tf32 for float is a permission that
+/// every partial-state kernel meets with fp32 products). T is float or double; bfloat16 and
+/// float16 compile and are refused (ErrorCode::unsupported, route()'s reason): no kernel forms
+/// their partial states.
 template <class T>
 void attend_partial(const AttentionInput<T>& input, const PartialOutput<T>& output,
                     const ExecutionOptions& options = {});
@@ -78,6 +84,12 @@ extern template void attend_partial<float>(const AttentionInput<float>&,
                                            const PartialOutput<float>&, const ExecutionOptions&);
 extern template void attend_partial<double>(const AttentionInput<double>&,
                                             const PartialOutput<double>&, const ExecutionOptions&);
+extern template void attend_partial<bfloat16>(const AttentionInput<bfloat16>&,
+                                              const PartialOutput<bfloat16>&,
+                                              const ExecutionOptions&);
+extern template void attend_partial<float16>(const AttentionInput<float16>&,
+                                             const PartialOutput<float16>&,
+                                             const ExecutionOptions&);
 extern template void merge_partial<float>(const PartialShape&, const PartialInput<float>&,
                                           const PartialOutput<float>&);
 extern template void merge_partial<double>(const PartialShape&, const PartialInput<double>&,

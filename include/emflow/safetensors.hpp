@@ -15,8 +15,9 @@
 // leave a gap, or do not cover the data buffer exactly.
 //
 // Element types: F32, F64, F16 and BF16 are read as float or double. F16 and BF16 convert exactly
-// (every half and bfloat16 value is a float); F64 read as float rounds. Reading a tensor of
-// another dtype of the format (integers, 8-bit floats) is refused naming it.
+// (every half and bfloat16 value is a float: precision.hpp's to_float, the one 16-bit conversion);
+// F64 read as float rounds. Reading a tensor of another dtype of the format (integers, 8-bit
+// floats) is refused naming it.
 #pragma once
 
 #include <cstdint>
@@ -28,35 +29,20 @@
 
 namespace emflow {
 
-/// The element types of the format. Only f16, bf16, f32 and f64 tensors can be read (as float or
-/// double); the others (integer buffers such as BERT's position_ids, 8-bit floats) are accepted
-/// in a header, so a checkpoint that holds them opens, but reading one is refused.
-enum class TensorDtype {
-  f16,
-  bf16,
-  f32,
-  f64,
-  boolean,
-  u8,
-  i8,
-  i16,
-  u16,
-  i32,
-  u32,
-  i64,
-  u64,
-  f8_e4m3,
-  f8_e5m2
-};
-/// The name the file spells, e.g. "F16", "BF16", "I64".
-const char* to_string(TensorDtype dtype) noexcept;
-/// Bytes per element.
-std::int64_t item_size(TensorDtype dtype) noexcept;
+/// The element types of the format are emflow::Dtype's (types.hpp): F16 float16, BF16 bfloat16,
+/// F32 float32, F64 float64, BOOL boolean, U8 uint8, I8 int8, I16 int16, U16 uint16, I32 int32,
+/// U32 uint32, I64 int64, U64 uint64, F8_E4M3 float8_e4m3, F8_E5M2 float8_e5m2. Only the four
+/// floating types of 16 bits and more can be read (as float or double); the others (integer
+/// buffers such as BERT's position_ids, 8-bit floats) are accepted in a header, so a checkpoint
+/// that holds them opens, but reading one is refused.
+
+/// The name the file spells for `dtype`, e.g. "F16", "BF16", "I64" ("" for none).
+const char* safetensors_name(Dtype dtype) noexcept;
 
 /// One tensor of a safetensors file, as its header declares it.
 struct TensorEntry {
   std::string name;
-  TensorDtype dtype = TensorDtype::f32;
+  Dtype dtype = Dtype::float32;
   Shape shape;             ///< may be empty (a scalar: one element)
   std::int64_t begin = 0;  ///< byte offset in the data buffer
   std::int64_t end = 0;    ///< one past the last byte
@@ -96,11 +82,6 @@ class SafetensorsFile {
   SafetensorsHeader header_;
   std::map<std::string, std::size_t> index_;
 };
-
-/// The float value of an IEEE half (binary16) bit pattern, exact (NaN stays NaN).
-float half_to_float(std::uint16_t bits) noexcept;
-/// The float value of a bfloat16 bit pattern, exact.
-float bfloat16_to_float(std::uint16_t bits) noexcept;
 
 extern template Tensor<float> SafetensorsFile::read<float>(const std::string&) const;
 extern template Tensor<double> SafetensorsFile::read<double>(const std::string&) const;

@@ -45,28 +45,24 @@ std::vector<Segment> shard(Layout layout, std::int64_t tokens, int ranks, int ra
 /// The number of tokens of a shard (the sum of its counts).
 std::int64_t shard_tokens(const std::vector<Segment>& segments) noexcept;
 
-/// A rank's part of a batch. Arrays are segment-major: the block of segment s, (batch, count_s,
-/// dim) for the cloud and the update, (batch, heads, count_s) for lse and entropy, follows the
-/// block of segment s - 1. The layer, beta, mask and key lengths are the whole batch's and the
-/// same on every rank.
+/// A rank's part of a batch: an AttentionInput (attention.hpp) whose `cloud` is this rank's tokens
+/// and whose `tokens` is N, the whole cloud's token count, plus the layout of the shards. Arrays
+/// are segment-major: the block of segment s, (batch, count_s, dim) for the cloud and the update,
+/// (batch, heads, count_s) for lse and entropy, follows the block of segment s - 1. The layer,
+/// beta, mask and key lengths (optional, `batch` entries, of the whole cloud) are the whole
+/// batch's and the same on every rank. The ring's queries are the shard's own tokens: queries,
+/// query_tokens, query_lengths and the positions must keep their defaults (invalid_argument
+/// otherwise).
 template <class T>
-struct ShardInput {
-  const T* cloud = nullptr;  ///< this rank's tokens (segment-major)
-  std::int64_t batch = 1;
-  std::int64_t tokens = 0;  ///< N, the whole cloud's token count
-  std::int64_t dim = 0;
-  LayerOperators<T> layer;
-  double beta = 1.0;
-  Mask mask;
-  const std::int64_t* key_lengths = nullptr;  ///< optional, `batch` entries, of the whole cloud
+struct ShardInput : AttentionInput<T> {
   Layout layout = Layout::contiguous;
 };
 
 template <class T>
 struct ShardOutput {
-  T* update = nullptr;   ///< required (segment-major, the cloud's layout)
-  T* lse = nullptr;      ///< optional (segment-major, (batch, heads, count_s) blocks)
-  T* entropy = nullptr;  ///< optional
+  T* update = nullptr;         ///< required (segment-major, the cloud's layout)
+  Stat<T>* lse = nullptr;      ///< optional (segment-major, (batch, heads, count_s) blocks)
+  Stat<T>* entropy = nullptr;  ///< optional
 };
 
 /// Where the time of one call went (for benchmarks): seconds computing, and seconds spent
@@ -80,7 +76,12 @@ struct RingTimes {
 /// Sequence-parallel self-attention (see above). Collective over `comm` (host memory). Checks its
 /// arguments on every rank and agrees on the outcome before any transfer, so a bad argument on
 /// one rank is the same emflow::Error on every rank; a failure during the ring (out of memory)
-/// is agreed on at the end. options.device: cpu or reference (host partial states).
+/// is agreed on at the end. The partial states live in host memory and are computed by
+/// attend_partial on the device that route() (capability.hpp) names for the whole batch's
+/// partial state under `options` (Device::automatic: the GPU when one is usable, its blocks
+/// copied there and back, else the CPU); options.precision as for attend_partial. A device or
+/// precision that no partial-state kernel takes is refused on every rank with route()'s reason
+/// (ErrorCode::unsupported).
 template <class T>
 void attend(Communicator& comm, const ShardInput<T>& input, const ShardOutput<T>& output,
             const ExecutionOptions& options = {}, RingTimes* times = nullptr);

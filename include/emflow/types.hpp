@@ -115,11 +115,32 @@ int max_threads() noexcept;
 /// be ..., got <threads>" otherwise. Every entry point that takes a thread count calls it first.
 int check_threads(std::int64_t threads, const char* operation);
 
-/// The element type of an array: attention storage (float64, float32, bfloat16, float16) and the
-/// other types the files hold (.npy, safetensors).
-enum class Dtype { float32, float64, int64, int32, float16, bfloat16 };
-/// "float32", "float64", "int64", "int32", "float16", "bfloat16".
+/// The element type of an array, the one enum of every part: attention storage (float64,
+/// float32, bfloat16, float16) and the other types the files hold (.npy: float16, float32,
+/// float64, int32, int64; safetensors checkpoints: all of them, the integers and 8-bit floats
+/// accepted in a header but never read as values).
+enum class Dtype {
+  float32,
+  float64,
+  int64,
+  int32,
+  float16,
+  bfloat16,
+  boolean,
+  uint8,
+  int8,
+  int16,
+  uint16,
+  uint32,
+  uint64,
+  float8_e4m3,
+  float8_e5m2,
+};
+/// "float32", "float64", "int64", "int32", "float16", "bfloat16", "bool", "uint8", "int8",
+/// "int16", "uint16", "uint32", "uint64", "float8_e4m3", "float8_e5m2".
 const char* to_string(Dtype dtype) noexcept;
+/// Bytes per element (1 for bool and the 8-bit types).
+std::int64_t item_size(Dtype dtype) noexcept;
 
 /// A dense row-major shape, e.g. {B, N, d}.
 using Shape = std::vector<std::int64_t>;

@@ -95,7 +95,7 @@ def phase(*, tokens: int = 32, dim: int = 2, beta_start: float = 0.1, beta_stop:
     the sphere S^{d-1} (SA), ``clouds`` clouds of ``tokens`` tokens uniform on the sphere (the
     same for every beta), integrated by RK4 up to ``time``, for ``beta_count`` betas from
     beta_start to beta_stop. generic=True takes the generic attention path
-    (phase_diagram_generic). callback(done, total) as for ``flow``."""
+    (PhaseSettings::generic). callback(done, total) as for ``flow``."""
     op = "phase"
     times, betas, clustered = _emflow.phase(
         _integer(op, "tokens", tokens), _integer(op, "dim", dim), beta_start, beta_stop,

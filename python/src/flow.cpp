@@ -163,14 +163,14 @@ void bind_flow(nb::module_& m) {
          const nb::object& callback) {
         flow::PhaseSettings settings{tokens, dim, beta_start, beta_stop, beta_count,
                                      time,   dt,  clouds,     seed,      cluster_eps};
+        settings.generic = generic;
         flow::validate(settings);
         const ExecutionOptions options{parse_device(device), check_threads(threads, "phase")};
         const flow::Progress progress = progress_of(callback);
         flow::PhaseDiagram diagram;
         {
           nb::gil_scoped_release release;
-          diagram = generic ? flow::phase_diagram_generic(settings, options, progress)
-                            : flow::phase_diagram(settings, options, progress);
+          diagram = flow::phase_diagram(settings, options, progress);
         }
         const auto steps = static_cast<std::int64_t>(diagram.times.size());
         const auto betas = static_cast<std::int64_t>(diagram.betas.size());

@@ -9,8 +9,9 @@
 //              bfloat16 self-attention without weights on a processor with AVX512-BF16, whose
 //              products take bf16 operands. Input with a non-finite value goes to the reference
 //              (expanded for the factored form), which puts NaN exactly where docs/MATH.md §6.6
-//              says. The partial state: float in the engine, double in the reference. The decode
-//              cache: float dense in the engine, the factored form and double in double.
+//              says. The partial state: float in the engine (the reference for non-finite
+//              input), double in the reference. The decode cache: float dense in the engine, the
+//              factored form and double in double.
 //   cuda       dense float: the tensor cores for tf32 where they compute what is asked (no
 //              weights, dim <= kTensorCoreMaxDim, not Algorithm::unfused), else fused (no
 //              weights, dim <= kCudaFusedMaxDim) or unfused (cuBLAS); double: unfused; bfloat16
@@ -32,7 +33,9 @@
 
 #include "backends.hpp"
 #include "check.hpp"
+#include "dispatch.hpp"
 #include "queries.hpp"
+#include "validate.hpp"
 
 namespace emflow {
 
@@ -69,25 +72,6 @@ Route refused(Device device, const char* operation, Parts&&... parts) {
   return r;
 }
 
-/// The precision a storage type may be asked for (as ExecutionOptions::precision documents);
-/// empty when the pair is valid, else why not.
-std::string precision_mismatch(const Problem& p) {
-  switch (p.precision) {
-    case Precision::fp32:
-      return {};
-    case Precision::tf32:
-      if (p.storage == Dtype::float32) return {};
-      return std::string("precision tf32 needs float32 storage, got ") + to_string(p.storage);
-    case Precision::bf16:
-      if (p.storage == Dtype::bfloat16) return {};
-      return std::string("precision bf16 needs bfloat16 storage, got ") + to_string(p.storage);
-    case Precision::fp16:
-      if (p.storage == Dtype::float16) return {};
-      return std::string("precision fp16 needs float16 storage, got ") + to_string(p.storage);
-  }
-  return "unknown precision";
-}
-
 /// The products' precision of a 16-bit storage type on the tensor cores.
 Precision tensor_core_products(const Problem& p) {
   if (p.storage == Dtype::bfloat16) return Precision::bf16;
@@ -116,10 +100,10 @@ Route on_cpu(const Problem& p, const Machine& machine, const char* op) {
   switch (p.operation) {
     case Operation::partial:
       if (factored) return refused(Device::cpu, op, "partial states take the dense form");
-      if (p.storage == Dtype::float32) {
+      if (p.storage == Dtype::float32 && p.finite) {
         return runs(Device::cpu, Kernel::cpu_fused, Dtype::float32, Precision::fp32);
       }
-      if (p.storage == Dtype::float64) {
+      if (p.storage == Dtype::float32 || p.storage == Dtype::float64) {
         return runs(Device::cpu, Kernel::reference, Dtype::float64, Precision::fp32);
       }
       return refused(Device::cpu, op, "partial states are float or double, got ",
@@ -168,8 +152,7 @@ Route cuda_dense_products(const Problem& p, const char* op, bool expanded) {
   const bool tf32 = p.storage == Dtype::float32 && p.precision == Precision::tf32;
   if (tf32 && !p.weights && p.dim <= kTensorCoreMaxDim && p.algorithm != Algorithm::unfused &&
       p.operation == Operation::update) {
-    return runs(Device::cuda, Kernel::cuda_tensor_cores, Dtype::float32, Precision::tf32,
-                expanded);
+    return runs(Device::cuda, Kernel::cuda_tensor_cores, Dtype::float32, Precision::tf32, expanded);
   }
   const Dtype computes = p.storage == Dtype::float64 ? Dtype::float64 : Dtype::float32;
   const bool fused_fits = p.storage == Dtype::float32 && !p.weights && p.dim <= kCudaFusedMaxDim;
@@ -199,9 +182,9 @@ Route cuda_dense_products(const Problem& p, const char* op, bool expanded) {
 
 Route on_cuda(const Problem& p, const Machine& machine, const char* op) {
   if (!machine.cuda_built || !machine.cuda_device) {
-    Route r = refused(Device::cuda, op, "device 'cuda' requested but unavailable: ",
-                      machine.cuda_built ? machine.cuda_reason
-                                         : std::string("emflow was built without CUDA"));
+    Route r = refused(
+        Device::cuda, op, "device 'cuda' requested but unavailable: ",
+        machine.cuda_built ? machine.cuda_reason : std::string("emflow was built without CUDA"));
     r.device_missing = true;
     return r;
   }
@@ -234,15 +217,15 @@ Route on_cuda(const Problem& p, const Machine& machine, const char* op) {
     case Operation::update:
       break;
   }
-  const bool tensor_cores =
-      is_16bit(p.storage) || (factored && p.storage == Dtype::float32 &&
-                              p.precision == Precision::tf32 && !p.weights &&
-                              p.rank <= kTensorCoreMaxDim);
+  const bool tensor_cores = is_16bit(p.storage) || (factored && p.storage == Dtype::float32 &&
+                                                    p.precision == Precision::tf32 && !p.weights &&
+                                                    p.rank <= kTensorCoreMaxDim);
   if (factored && !tensor_cores) return cuda_dense_products(p, op, true);
   if (!factored && !is_16bit(p.storage)) return cuda_dense_products(p, op, false);
   // The tensor cores: 16-bit storage (either form), or the factored form in TF32.
   if (p.algorithm == Algorithm::unfused) {
-    return refused(Device::cuda, op, "the unfused algorithm (cuBLAS) runs float32 and float64, got ",
+    return refused(Device::cuda, op,
+                   "the unfused algorithm (cuBLAS) runs float32 and float64, got ",
                    to_string(p.storage));
   }
   if (p.weights) {
@@ -282,8 +265,8 @@ Route route(const Problem& p, Device requested, const Machine& machine, const ch
     return refused(named, op, "storage must be float64, float32, bfloat16 or float16, got ",
                    to_string(p.storage));
   }
-  const std::string mismatch = precision_mismatch(p);
-  if (!mismatch.empty()) return refused(named, op, mismatch);
+  const std::string mismatch = detail::precision_mismatch(p.storage, p.precision);
+  if (!mismatch.empty()) return refused(named, op, "precision ", mismatch);
   if (p.form == Form::factored && p.rank < 1) {
     return refused(named, op, "the factored form needs rank >= 1, got ", p.rank);
   }
@@ -308,8 +291,17 @@ Route route(const Problem& problem, Device requested, const char* operation) {
   return route(problem, requested, this_machine(), operation);
 }
 
+namespace detail {
+namespace {
+thread_local Route last;
+}  // namespace
+
+const Route& last_route() noexcept { return last; }
+}  // namespace detail
+
 Route require_route(const Problem& problem, Device requested, const char* operation) {
   Route r = route(problem, requested, operation);
+  detail::last = r;
   if (!r.supported) detail::fail(ErrorCode::unsupported, r.reason);
   return r;
 }
@@ -329,8 +321,8 @@ Problem describe_input(const AttentionInput<T>& in, const ExecutionOptions& opti
   p.mask = in.mask;
   p.cross = in.queries != nullptr;
   p.query_lengths = in.query_lengths != nullptr;
-  p.positions = in.key_position != 0 || in.query_position != kAlignToEnd ||
-                in.query_positions != nullptr;
+  p.positions =
+      in.key_position != 0 || in.query_position != kAlignToEnd || in.query_positions != nullptr;
   p.key_lengths = in.key_lengths != nullptr;
   p.key_bias = in.layer.key_bias != nullptr;
   p.offset = in.layer.offset != nullptr;
@@ -372,6 +364,31 @@ Problem describe(const AttentionInput<T>& input, const PartialOutput<T>& output,
   return p;
 }
 
+template <class T>
+Problem describe(const LayerOperators<T>& layer, std::int64_t dim, const DecodeOptions& options) {
+  Problem p;
+  p.operation = Operation::decode;
+  p.storage = dtype_of<T>();
+  p.precision = options.precision;
+  p.tokens = options.capacity;
+  p.dim = dim;
+  p.heads = layer.heads;
+  p.key_bias = layer.key_bias != nullptr;
+  p.offset = layer.offset != nullptr;
+  p.lse = p.entropy = true;
+  return p;
+}
+
+template <class T>
+Problem describe(const FactoredLayer<T>& layer, std::int64_t dim, const DecodeOptions& options) {
+  Problem p = describe(LayerOperators<T>{layer.heads}, dim, options);
+  p.form = Form::factored;
+  p.rank = layer.rank;
+  p.key_bias = layer.key_bias != nullptr;
+  p.offset = layer.offset != nullptr;
+  return p;
+}
+
 const char* to_string(Kernel kernel) noexcept {
   switch (kernel) {
     case Kernel::reference:
@@ -390,9 +407,7 @@ const char* to_string(Kernel kernel) noexcept {
   return "unknown";
 }
 
-const char* to_string(Form form) noexcept {
-  return form == Form::factored ? "factored" : "dense";
-}
+const char* to_string(Form form) noexcept { return form == Form::factored ? "factored" : "dense"; }
 
 const char* to_string(Operation operation) noexcept {
   switch (operation) {
@@ -426,17 +441,23 @@ std::string to_string(const Route& r) {
   return out;
 }
 
-#define EMFLOW_CAPABILITY(T)                                                                   \
-  template Problem describe<T>(const AttentionInput<T>&, const AttentionOutput<T>&,            \
-                               const ExecutionOptions&);                                       \
-  template Problem describe<T>(const AttentionInput<T>&, const FactoredLayer<T>&,              \
-                               const AttentionOutput<T>&, const ExecutionOptions&);            \
-  template Problem describe<T>(const AttentionInput<T>&, const PartialOutput<T>&,              \
+#define EMFLOW_CAPABILITY(T)                                                        \
+  template Problem describe<T>(const AttentionInput<T>&, const AttentionOutput<T>&, \
+                               const ExecutionOptions&);                            \
+  template Problem describe<T>(const AttentionInput<T>&, const FactoredLayer<T>&,   \
+                               const AttentionOutput<T>&, const ExecutionOptions&); \
+  template Problem describe<T>(const AttentionInput<T>&, const PartialOutput<T>&,   \
                                const ExecutionOptions&);
 EMFLOW_CAPABILITY(float)
 EMFLOW_CAPABILITY(double)
 EMFLOW_CAPABILITY(bfloat16)
 EMFLOW_CAPABILITY(float16)
 #undef EMFLOW_CAPABILITY
+#define EMFLOW_CAPABILITY_DECODE(T)                                                           \
+  template Problem describe<T>(const LayerOperators<T>&, std::int64_t, const DecodeOptions&); \
+  template Problem describe<T>(const FactoredLayer<T>&, std::int64_t, const DecodeOptions&);
+EMFLOW_CAPABILITY_DECODE(float)
+EMFLOW_CAPABILITY_DECODE(double)
+#undef EMFLOW_CAPABILITY_DECODE
 
 }  // namespace emflow

@@ -1,4 +1,5 @@
 // Compiled only when emflow is built without CUDA: the CUDA backend reports that it is absent.
+// route() never names Device::cuda then (Machine::cuda_built is false), so these only guard.
 #include "backends.hpp"
 #include "check.hpp"
 
@@ -10,41 +11,42 @@ bool cuda_device_available(std::string* reason) {
 }
 
 template <class T>
-void cuda_attend(const AttentionInput<T>&, const AttentionOutput<T>&, Precision) {
+void cuda_attend(const AttentionInput<T>&, const AttentionOutput<T>&, const Route&) {
   fail(ErrorCode::unsupported, "attend: emflow was built without CUDA (EMFLOW_WITH_CUDA=OFF)");
 }
 
 template <class T>
-void cuda_attend_partial(const AttentionInput<T>&, const PartialOutput<T>&) {
+void cuda_attend_partial(const AttentionInput<T>&, const PartialOutput<T>&, const Route&) {
   fail(ErrorCode::unsupported,
        "attend_partial: emflow was built without CUDA (EMFLOW_WITH_CUDA=OFF)");
 }
 
 template <class T>
 void cuda_attend_factored(const AttentionInput<T>&, const FactoredLayer<T>&,
-                          const AttentionOutput<T>&, Precision) {
+                          const AttentionOutput<T>&, const Route&) {
   fail(ErrorCode::unsupported,
        "attend_factored: emflow was built without CUDA (EMFLOW_WITH_CUDA=OFF)");
 }
 
 template void cuda_attend_factored<bfloat16>(const AttentionInput<bfloat16>&,
                                              const FactoredLayer<bfloat16>&,
-                                             const AttentionOutput<bfloat16>&, Precision);
+                                             const AttentionOutput<bfloat16>&, const Route&);
 template void cuda_attend_factored<float16>(const AttentionInput<float16>&,
                                             const FactoredLayer<float16>&,
-                                            const AttentionOutput<float16>&, Precision);
+                                            const AttentionOutput<float16>&, const Route&);
 template void cuda_attend_factored<float>(const AttentionInput<float>&, const FactoredLayer<float>&,
-                                          const AttentionOutput<float>&, Precision);
-template void cuda_attend_partial<float>(const AttentionInput<float>&, const PartialOutput<float>&);
+                                          const AttentionOutput<float>&, const Route&);
+template void cuda_attend_partial<float>(const AttentionInput<float>&, const PartialOutput<float>&,
+                                         const Route&);
 template void cuda_attend_partial<double>(const AttentionInput<double>&,
-                                          const PartialOutput<double>&);
+                                          const PartialOutput<double>&, const Route&);
 template void cuda_attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&,
-                                 Precision);
+                                 const Route&);
 template void cuda_attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&,
-                                  Precision);
+                                  const Route&);
 template void cuda_attend<bfloat16>(const AttentionInput<bfloat16>&,
-                                    const AttentionOutput<bfloat16>&, Precision);
+                                    const AttentionOutput<bfloat16>&, const Route&);
 template void cuda_attend<float16>(const AttentionInput<float16>&, const AttentionOutput<float16>&,
-                                   Precision);
+                                   const Route&);
 
 }  // namespace emflow::detail

@@ -1,8 +1,13 @@
 #include "emflow/finite.hpp"
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "check.hpp"
+#include "dispatch.hpp"
+#include "queries.hpp"
 
 namespace emflow {
 
@@ -42,6 +47,66 @@ void require_finite(const Tensor<T>& array, const std::string& what) {
                " is ", array[first],
                "; every value must be finite (NaN and infinity refused by --check-finite)");
 }
+
+namespace detail {
+
+namespace {
+
+/// True when the `count` values at `values` (none when null) are all finite: the exponent field
+/// of none is all ones. Integer tests without an early exit, so the loop vectorises.
+template <class T>
+bool all_finite(const T* values, std::int64_t count) {
+  if (values == nullptr) return true;
+  using Bits = std::conditional_t<sizeof(T) == 8, std::uint64_t,
+                                  std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint16_t>>;
+  constexpr auto exponent = static_cast<Bits>(std::is_same_v<T, double>     ? 0x7ff0000000000000u
+                                              : std::is_same_v<T, float>    ? 0x7f800000u
+                                              : std::is_same_v<T, bfloat16> ? 0x7f80u
+                                                                            : 0x7c00u);
+  unsigned bad = 0;
+  for (std::int64_t i = 0; i < count; ++i) {
+    Bits bits;
+    std::memcpy(&bits, values + i, sizeof bits);
+    bad |= static_cast<unsigned>((bits & exponent) == exponent);
+  }
+  return bad == 0;
+}
+
+template <class T>
+bool clouds_finite(const AttentionInput<T>& in) {
+  return all_finite(in.cloud, in.batch * in.tokens * in.dim) &&
+         all_finite(in.queries, in.queries ? in.batch * in.query_tokens * in.dim : 0);
+}
+
+}  // namespace
+
+template <class T>
+bool inputs_finite(const AttentionInput<T>& in) {
+  const std::int64_t H = in.layer.heads, d = in.dim;
+  return clouds_finite(in) && all_finite(in.layer.relevance, H * d * d) &&
+         all_finite(in.layer.content, H * d * d) && all_finite(in.layer.key_bias, H * d) &&
+         all_finite(in.layer.offset, d);
+}
+
+template <class T>
+bool inputs_finite(const AttentionInput<T>& in, const FactoredLayer<T>& f) {
+  const std::int64_t factor = f.heads * f.rank * in.dim;
+  return clouds_finite(in) && all_finite(f.query_factor, factor) &&
+         all_finite(f.key_factor, factor) && all_finite(f.content_up, factor) &&
+         all_finite(f.content_down, factor) && all_finite(f.key_bias, f.heads * in.dim) &&
+         all_finite(f.offset, in.dim);
+}
+
+#define EMFLOW_INPUTS_FINITE(T)                             \
+  template bool inputs_finite<T>(const AttentionInput<T>&); \
+  template bool inputs_finite<T>(const AttentionInput<T>&, const FactoredLayer<T>&);
+EMFLOW_INPUTS_FINITE(float)
+EMFLOW_INPUTS_FINITE(double)
+EMFLOW_INPUTS_FINITE(bfloat16)
+EMFLOW_INPUTS_FINITE(float16)
+#undef EMFLOW_INPUTS_FINITE
+
+}  // namespace detail
 
 template std::int64_t find_non_finite<float>(const float*, std::int64_t) noexcept;
 template std::int64_t find_non_finite<double>(const double*, std::int64_t) noexcept;

@@ -81,7 +81,7 @@ void check_gradient_outputs(const AttentionInput<T>& in, const UpstreamGradients
 }
 
 void check_options(const ExecutionOptions& options, const char* op) {
-  if (options.threads < 0) fail_argument(op, "threads", "must be >= 0, got ", options.threads);
+  check_threads(options.threads, op);
 }
 
 template <class T>

@@ -1,14 +1,13 @@
-// bfloat16 and float16 storage on the host devices (low_precision.hpp, docs/MATH.md §7).
+// The host kernels of a routed call for every storage type (low_precision.hpp, docs/MATH.md §7).
 //
-// Widening is exact (precision.hpp), so Device::cpu computes the float32 result of exactly the
-// stored values, and Device::reference the double one. The statistics are float32 for both
-// storage types (Stat<T>), so the float path writes them in place; only the update, stored in T,
-// passes through a float buffer and is rounded to nearest even once.
+// Widening is exact (precision.hpp), so Kernel::cpu_fused computes the float32 result of exactly
+// the stored values and Kernel::reference the double one. The statistics are float32 for float
+// and both 16-bit types (Stat<T>), so a float kernel writes them in place; only the update,
+// stored in T, passes through a float buffer and is rounded to nearest even once. A storage type
+// that is the kernel's own type passes its arrays straight through.
 #include "low_precision.hpp"
 
-#include <cmath>
 #include <cstdint>
-#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -20,248 +19,263 @@ namespace emflow::detail {
 
 namespace {
 
-template <class T>
-const char* type_name() {
-  if constexpr (std::is_same_v<T, float>) return "float";
-  if constexpr (std::is_same_v<T, double>) return "double";
-  if constexpr (std::is_same_v<T, bfloat16>) return "bfloat16";
-  return "float16";
-}
-
-/// `count` stored values widened to U (float or double); empty for null.
+/// A stored value as U (exact for every storage type).
 template <class U, class T>
-std::vector<U> widened(const T* values, std::int64_t count) {
-  if (values == nullptr) return {};
-  std::vector<U> out(static_cast<std::size_t>(count));
-  for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<U>(to_float(values[i]));
-  return out;
-}
-
-template <class U>
-const U* data_or_null(const std::vector<U>& values) {
-  return values.empty() ? nullptr : values.data();
-}
-
-template <class T>
-T narrowed(float value) {
-  if constexpr (std::is_same_v<T, bfloat16>) {
-    return to_bfloat16(value);
+U widen(T value) {
+  if constexpr (is_16bit_v<T>) {
+    return static_cast<U>(to_float(value));
   } else {
-    return to_float16(value);
+    return static_cast<U>(value);
   }
 }
 
-/// The clouds of `in` widened to U, and `in` itself with U pointers (operators left empty).
+/// A kernel's value in the storage type T, rounded to nearest even once (through float for the
+/// 16-bit types).
+template <class T, class U>
+T narrow(U value) {
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    return to_bfloat16(static_cast<float>(value));
+  } else if constexpr (std::is_same_v<T, float16>) {
+    return to_float16(static_cast<float>(value));
+  } else {
+    return static_cast<T>(value);
+  }
+}
+
+/// `count` stored values as U, or `values` itself when T is U; null for null.
+template <class U, class T>
+class Widened {
+ public:
+  Widened(const T* values, std::int64_t count) {
+    if constexpr (std::is_same_v<U, T>) {
+      data_ = values;
+    } else if (values != nullptr) {
+      copy_.resize(static_cast<std::size_t>(count));
+      for (std::size_t i = 0; i < copy_.size(); ++i) copy_[i] = widen<U>(values[i]);
+      data_ = copy_.data();
+    }
+  }
+  Widened(const Widened&) = delete;
+  Widened& operator=(const Widened&) = delete;
+  const U* data() const { return data_; }
+
+ private:
+  std::vector<U> copy_;
+  const U* data_ = nullptr;
+};
+
+/// The clouds of `in` as U, and `in` itself over them with `layer`.
 template <class U, class T>
 struct WideInput {
-  std::vector<U> cloud, queries;
+  Widened<U, T> cloud, queries;
   AttentionInput<U> input;
 
-  explicit WideInput(const AttentionInput<T>& in) {
-    const std::int64_t Nq = query_count(in);
-    cloud = widened<U>(in.cloud, in.batch * in.tokens * in.dim);
-    queries = widened<U>(in.queries, in.batch * Nq * in.dim);
-    input = with_arrays(in, cloud.data(), data_or_null(queries), LayerOperators<U>{in.layer.heads});
-  }
+  WideInput(const AttentionInput<T>& in, const LayerOperators<U>& layer)
+      : cloud(in.cloud, in.batch * in.tokens * in.dim),
+        queries(in.queries, in.batch * query_count(in) * in.dim),
+        input(with_arrays(in, cloud.data(), queries.data(), layer)) {}
 };
 
-/// Outputs in U for a call whose outputs are T: the update always through a buffer, the
-/// statistics in place when U is float (their type for T), else through buffers as well.
+/// The dense operators of `in` as U.
 template <class U, class T>
-struct WideOutput {
-  std::vector<U> update, lse, entropy, weights;
-  AttentionOutput<U> output;
-  const AttentionOutput<T>& target;
+struct WideLayer {
+  Widened<U, T> relevance, content, key_bias, offset;
+  LayerOperators<U> layer;
 
-  WideOutput(const AttentionInput<T>& in, const AttentionOutput<T>& out) : target(out) {
-    const auto rows = static_cast<std::size_t>(in.batch * in.layer.heads * query_count(in));
-    update.resize(static_cast<std::size_t>(in.batch * query_count(in) * in.dim));
-    output.update = update.data();
-    if constexpr (std::is_same_v<U, Stat<T>>) {
-      output.lse = out.lse;
-      output.entropy = out.entropy;
-      output.weights = out.weights;
+  explicit WideLayer(const AttentionInput<T>& in)
+      : relevance(in.layer.relevance, in.layer.heads * in.dim * in.dim),
+        content(in.layer.content, in.layer.heads * in.dim * in.dim),
+        key_bias(in.layer.key_bias, in.layer.heads * in.dim),
+        offset(in.layer.offset, in.dim),
+        layer{in.layer.heads, relevance.data(), content.data(), key_bias.data(), offset.data()} {}
+};
+
+/// The factors of `f` as U.
+template <class U, class T>
+struct WideFactors {
+  Widened<U, T> A, B, Up, V, key_bias, offset;
+  FactoredLayer<U> layer;
+
+  WideFactors(const FactoredLayer<T>& f, std::int64_t d)
+      : A(f.query_factor, f.heads * f.rank * d),
+        B(f.key_factor, f.heads * f.rank * d),
+        Up(f.content_up, f.heads * d * f.rank),
+        V(f.content_down, f.heads * f.rank * d),
+        key_bias(f.key_bias, f.heads * d),
+        offset(f.offset, d),
+        layer{f.heads,   f.rank,   A.data(),        B.data(),
+              Up.data(), V.data(), key_bias.data(), offset.data()} {}
+};
+
+/// Outputs in U for a call whose outputs are T: `output` itself when U is T; else the update
+/// through a buffer, and the statistics in place when U is Stat<T> (float for the 16-bit types),
+/// through buffers otherwise. write_back() stores the buffers.
+template <class U, class T>
+class WideOutput {
+ public:
+  /// `in`: the call as the kernel sees it (its heads are those of the operators it runs).
+  WideOutput(const AttentionInput<U>& in, const AttentionOutput<T>& out) : target_(out) {
+    if constexpr (std::is_same_v<U, T>) {
+      output_ = out;
     } else {
-      if (out.lse) lse.resize(rows);
-      if (out.entropy) entropy.resize(rows);
-      if (out.weights) weights.resize(rows * static_cast<std::size_t>(in.tokens));
-      output.lse = out.lse ? lse.data() : nullptr;
-      output.entropy = out.entropy ? entropy.data() : nullptr;
-      output.weights = out.weights ? weights.data() : nullptr;
+      const auto rows = static_cast<std::size_t>(in.batch * in.layer.heads * query_count(in));
+      update_.resize(static_cast<std::size_t>(in.batch * query_count(in) * in.dim));
+      output_.update = update_.data();
+      if constexpr (std::is_same_v<Stat<U>, Stat<T>>) {
+        output_.lse = out.lse;
+        output_.entropy = out.entropy;
+        output_.weights = out.weights;
+      } else {
+        output_.lse = buffer(lse_, out.lse, rows);
+        output_.entropy = buffer(entropy_, out.entropy, rows);
+        output_.weights = buffer(weights_, out.weights, rows * static_cast<std::size_t>(in.tokens));
+      }
     }
   }
+
+  const AttentionOutput<U>& output() const { return output_; }
 
   void write_back() const {
-    for (std::size_t i = 0; i < update.size(); ++i) {
-      target.update[i] = narrowed<T>(static_cast<float>(update[i]));
-    }
-    if constexpr (!std::is_same_v<U, Stat<T>>) {
-      for (std::size_t i = 0; i < lse.size(); ++i) target.lse[i] = static_cast<float>(lse[i]);
-      for (std::size_t i = 0; i < entropy.size(); ++i) {
-        target.entropy[i] = static_cast<float>(entropy[i]);
-      }
-      for (std::size_t i = 0; i < weights.size(); ++i) {
-        target.weights[i] = static_cast<float>(weights[i]);
-      }
-    }
+    for (std::size_t i = 0; i < update_.size(); ++i) target_.update[i] = narrow<T>(update_[i]);
+    copy(lse_, target_.lse);
+    copy(entropy_, target_.entropy);
+    copy(weights_, target_.weights);
   }
+
+ private:
+  static Stat<U>* buffer(std::vector<Stat<U>>& values, const Stat<T>* given, std::size_t count) {
+    if (given == nullptr) return nullptr;
+    values.resize(count);
+    return values.data();
+  }
+  static void copy(const std::vector<Stat<U>>& values, Stat<T>* into) {
+    for (std::size_t i = 0; i < values.size(); ++i) into[i] = static_cast<Stat<T>>(values[i]);
+  }
+
+  const AttentionOutput<T>& target_;
+  AttentionOutput<U> output_;
+  std::vector<U> update_;
+  std::vector<Stat<U>> lse_, entropy_, weights_;
 };
 
-bool finite(const std::vector<float>& values) {
-  for (float v : values) {
-    if (!std::isfinite(v)) return false;
-  }
-  return true;
+/// Runs `body` (a kernel called on AttentionInput<U>, AttentionOutput<U>) on `in` and `layer`
+/// as U.
+template <class U, class T, class Body>
+void run_in(const AttentionInput<T>& in, const LayerOperators<U>& layer,
+            const AttentionOutput<T>& out, Body&& body) {
+  const WideInput<U, T> wide(in, layer);
+  const WideOutput<U, T> sink(wide.input, out);
+  body(wide.input, sink.output());
+  sink.write_back();
 }
 
-template <class U, class T>
-void attend_wide(const AttentionInput<T>& in, const AttentionOutput<T>& out, Device device,
-                 int threads) {
-  const std::int64_t H = in.layer.heads, d = in.dim;
-  WideInput<U, T> wide(in);
-  const std::vector<U> relevance = widened<U>(in.layer.relevance, H * d * d);
-  const std::vector<U> content = widened<U>(in.layer.content, H * d * d);
-  const std::vector<U> key_bias = widened<U>(in.layer.key_bias, H * d);
-  const std::vector<U> offset = widened<U>(in.layer.offset, d);
-  wide.input.layer = {H, relevance.data(), content.data(), data_or_null(key_bias),
-                      data_or_null(offset)};
-  if constexpr (std::is_same_v<T, bfloat16> && std::is_same_v<U, float>) {
-    // The AVX512-BF16 products where the processor has them, for the common case; the float32
-    // engine on the widened values otherwise (non-finite values keep their rules there).
-    if (cpu_bf16_available() && plain_self_attention(in) && out.weights == nullptr &&
-        finite(wide.cloud) && finite(relevance) && finite(content) && finite(key_bias) &&
-        finite(offset)) {
-      cpu_attend_bf16(wide.input, out, threads);
+}  // namespace
+
+template <class U>
+template <class T>
+ExpandedLayer<U>::ExpandedLayer(const FactoredLayer<T>& f, std::int64_t d) : heads(f.heads) {
+  const std::int64_t H = f.heads, r = f.rank;
+  relevance.assign(static_cast<std::size_t>(H * d * d), U(0));
+  content.assign(relevance.size(), U(0));
+  for (std::int64_t h = 0; h < H; ++h) {
+    const T* A = f.query_factor + h * r * d;
+    const T* B = f.key_factor + h * r * d;
+    const T* Up = f.content_up + h * d * r;
+    const T* V = f.content_down + h * r * d;
+    U* M = relevance.data() + h * d * d;
+    U* F = content.data() + h * d * d;
+    for (std::int64_t a = 0; a < d; ++a) {
+      for (std::int64_t b = 0; b < d; ++b) {
+        double m = 0.0, c = 0.0;
+        for (std::int64_t k = 0; k < r; ++k) {
+          m += widen<double>(A[k * d + a]) * widen<double>(B[k * d + b]);
+          c += widen<double>(Up[a * r + k]) * widen<double>(V[k * d + b]);
+        }
+        M[a * d + b] = static_cast<U>(m);
+        F[a * d + b] = static_cast<U>(c);
+      }
+    }
+  }
+  for (std::int64_t i = 0; f.key_bias != nullptr && i < H * d; ++i) {
+    key_bias.push_back(widen<U>(f.key_bias[i]));
+  }
+  for (std::int64_t i = 0; f.offset != nullptr && i < d; ++i)
+    offset.push_back(widen<U>(f.offset[i]));
+}
+
+template <class T>
+void attend_on_host(const AttentionInput<T>& in, const AttentionOutput<T>& out, const Route& route,
+                    int threads) {
+  // The reference of float storage computes in double inside reference_attend<float>; so does
+  // its float form for the 16-bit types, whose values float holds exactly.
+  using Wide = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  const WideLayer<Wide, T> layer(in);
+  switch (route.kernel) {
+    case Kernel::reference:
+      run_in(in, layer.layer, out,
+             [](const AttentionInput<Wide>& i, const AttentionOutput<Wide>& o) {
+               reference_attend(i, o);
+             });
+      return;
+    case Kernel::cpu_fused:
+      if constexpr (std::is_same_v<Wide, float>) {
+        run_in(in, layer.layer, out,
+               [threads](const AttentionInput<float>& i, const AttentionOutput<float>& o) {
+                 cpu_attend(i, o, threads);
+               });
+        return;
+      }
+      break;
+    case Kernel::cpu_bf16:
+      if constexpr (std::is_same_v<T, bfloat16>) {
+        // Writes the bfloat16 update and the float32 statistics itself.
+        const WideInput<float, T> wide(in, layer.layer);
+        cpu_attend_bf16(wide.input, out, threads);
+        return;
+      }
+      break;
+    default:
+      break;
+  }
+  fail(ErrorCode::internal, "attend: no host kernel for the route ", to_string(route));
+}
+
+template <class T>
+void attend_factored_on_host(const AttentionInput<T>& in, const FactoredLayer<T>& layer,
+                             const AttentionOutput<T>& out, const Route& route, int threads) {
+  if (route.kernel == Kernel::reference && route.expanded) {
+    // M_h and F_h in double, and the reference on the double values of the clouds.
+    const ExpandedLayer<double> dense(layer, in.dim);
+    run_in(in, dense.operators(), out,
+           [](const AttentionInput<double>& i, const AttentionOutput<double>& o) {
+             reference_attend(i, o);
+           });
+    return;
+  }
+  if constexpr (!std::is_same_v<T, double>) {
+    if (route.kernel == Kernel::cpu_fused && !route.expanded) {
+      const WideFactors<float, T> factors(layer, in.dim);
+      run_in(in, LayerOperators<float>{layer.heads}, out,
+             [&](const AttentionInput<float>& i, const AttentionOutput<float>& o) {
+               cpu_attend_factored(i, factors.layer, o, threads);
+             });
       return;
     }
   }
-  WideOutput<U, T> sink(in, out);
-  emflow::attend(wide.input, sink.output, ExecutionOptions{device, threads});
-  sink.write_back();
+  fail(ErrorCode::internal, "attend_factored: no host kernel for the route ", to_string(route));
 }
 
-template <class U, class T>
-void attend_factored_wide(const AttentionInput<T>& in, const FactoredLayer<T>& f,
-                          const AttentionOutput<T>& out, Device device, int threads) {
-  const std::int64_t H = f.heads, r = f.rank, d = in.dim;
-  WideInput<U, T> wide(in);
-  wide.input.layer = {};
-  const std::vector<U> A = widened<U>(f.query_factor, H * r * d);
-  const std::vector<U> B = widened<U>(f.key_factor, H * r * d);
-  const std::vector<U> Up = widened<U>(f.content_up, H * d * r);
-  const std::vector<U> V = widened<U>(f.content_down, H * r * d);
-  const std::vector<U> key_bias = widened<U>(f.key_bias, H * d);
-  const std::vector<U> offset = widened<U>(f.offset, d);
-  FactoredLayer<U> layer{
-      H, r, A.data(), B.data(), Up.data(), V.data(), data_or_null(key_bias), data_or_null(offset)};
-  WideOutput<U, T> sink(in, out);
-  emflow::attend_factored(wide.input, layer, sink.output, ExecutionOptions{device, threads});
-  sink.write_back();
-}
-
-}  // namespace
-
-template <class T>
-void check_precision(const ExecutionOptions& options, const char* op) {
-  const Precision p = options.precision;
-  if (p == Precision::fp32) return;
-  if (p == Precision::tf32) {
-    if (!std::is_same_v<T, float>) {
-      fail_argument(op, "precision", "tf32 needs float input, got ", type_name<T>());
-    }
-    // A permission, as allow_tf32: the host devices' fp32 products meet the TF32 accuracy bound;
-    // on 'cuda' the tensor-core paths use it where they compute what is asked.
-    return;
-  }
-  if constexpr (is_16bit_v<T>) {
-    if (p == storage_precision<T>()) return;
-  }
-  fail_argument(op, "precision", to_string(p), " needs ",
-                p == Precision::bf16 ? "bfloat16" : "float16", " input, got ", type_name<T>());
-}
-
-const char* tensor_core_missing_output(const void* weights) {
-  return weights != nullptr ? "weights" : nullptr;
-}
-
-namespace {
-
-/// The device of a 16-bit call: cuda when requested (unsupported without a usable device); for
-/// automatic, cuda when a device exists and the tensor-core path computes what is asked (no
-/// weights, `size` (dim or rank) within kTcMaxDim of kernels/tc_attention.hpp), else cpu.
-Device resolve_tensor_core_device(Device requested, const void* weights, std::int64_t size,
-                                  const char* op) {
-  std::string reason;
-  if (requested == Device::cuda) {
-    if (!cuda_device_available(&reason)) {
-      fail(ErrorCode::unsupported, op, ": device 'cuda' requested but unavailable: ", reason);
-    }
-    return Device::cuda;
-  }
-  if (requested == Device::automatic) {
-    const bool fits = tensor_core_missing_output(weights) == nullptr && size <= 256;
-    return fits && cuda_device_available(&reason) ? Device::cuda : Device::cpu;
-  }
-  return requested;
-}
-
-}  // namespace
-
-template <class T>
-Device resolve_16bit_device(Device requested, const AttentionInput<T>& input,
-                            const AttentionOutput<T>& output, const char* op) {
-  return resolve_tensor_core_device(requested, output.weights, input.dim, op);
-}
-
-template <class T>
-Device resolve_16bit_factored_device(Device requested, const FactoredLayer<T>& layer,
-                                     const AttentionOutput<T>& output, const char* op) {
-  return resolve_tensor_core_device(requested, output.weights, layer.rank, op);
-}
-
-template <class T>
-void attend_16bit(const AttentionInput<T>& in, const AttentionOutput<T>& out, Device device,
-                  int threads) {
-  if (device == Device::reference) {
-    attend_wide<double>(in, out, device, threads);
-  } else {
-    attend_wide<float>(in, out, Device::cpu, threads);
-  }
-}
-
-template <class T>
-void attend_factored_16bit(const AttentionInput<T>& in, const FactoredLayer<T>& layer,
-                           const AttentionOutput<T>& out, Device device, int threads) {
-  if (device == Device::reference) {
-    attend_factored_wide<double>(in, layer, out, device, threads);
-  } else {
-    attend_factored_wide<float>(in, layer, out, Device::cpu, threads);
-  }
-}
-
-template void check_precision<float>(const ExecutionOptions&, const char*);
-template void check_precision<double>(const ExecutionOptions&, const char*);
-template void check_precision<bfloat16>(const ExecutionOptions&, const char*);
-template void check_precision<float16>(const ExecutionOptions&, const char*);
-template Device resolve_16bit_device<bfloat16>(Device, const AttentionInput<bfloat16>&,
-                                               const AttentionOutput<bfloat16>&, const char*);
-template Device resolve_16bit_device<float16>(Device, const AttentionInput<float16>&,
-                                              const AttentionOutput<float16>&, const char*);
-template Device resolve_16bit_factored_device<bfloat16>(Device, const FactoredLayer<bfloat16>&,
-                                                        const AttentionOutput<bfloat16>&,
-                                                        const char*);
-template Device resolve_16bit_factored_device<float16>(Device, const FactoredLayer<float16>&,
-                                                       const AttentionOutput<float16>&,
-                                                       const char*);
-template void attend_16bit<bfloat16>(const AttentionInput<bfloat16>&,
-                                     const AttentionOutput<bfloat16>&, Device, int);
-template void attend_16bit<float16>(const AttentionInput<float16>&, const AttentionOutput<float16>&,
-                                    Device, int);
-template void attend_factored_16bit<bfloat16>(const AttentionInput<bfloat16>&,
-                                              const FactoredLayer<bfloat16>&,
-                                              const AttentionOutput<bfloat16>&, Device, int);
-template void attend_factored_16bit<float16>(const AttentionInput<float16>&,
-                                             const FactoredLayer<float16>&,
-                                             const AttentionOutput<float16>&, Device, int);
+#define EMFLOW_HOST_KERNELS(T)                                                                \
+  template void attend_on_host<T>(const AttentionInput<T>&, const AttentionOutput<T>&,        \
+                                  const Route&, int);                                         \
+  template void attend_factored_on_host<T>(const AttentionInput<T>&, const FactoredLayer<T>&, \
+                                           const AttentionOutput<T>&, const Route&, int);     \
+  template ExpandedLayer<double>::ExpandedLayer(const FactoredLayer<T>&, std::int64_t);
+EMFLOW_HOST_KERNELS(float)
+EMFLOW_HOST_KERNELS(double)
+EMFLOW_HOST_KERNELS(bfloat16)
+EMFLOW_HOST_KERNELS(float16)
+#undef EMFLOW_HOST_KERNELS
+template ExpandedLayer<float>::ExpandedLayer(const FactoredLayer<float>&, std::int64_t);
 
 }  // namespace emflow::detail

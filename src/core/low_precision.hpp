@@ -1,48 +1,47 @@
-// The 16-bit storage types (bfloat16, float16) on the host devices (docs/MATH.md §7): the inputs
-// are widened exactly to float (Device::cpu) or double (Device::reference), the float or double
-// operation runs, and the update is rounded back to the storage type.
+// The host kernels of a routed call (Device::cpu, Device::reference) for every storage type
+// (docs/MATH.md §6.1, §7): the kernel the route names runs in its own arithmetic type, float for
+// the CPU engine and the reference's float form (which accumulates in double), double for the
+// double reference; the stored values are widened to it exactly (precision.hpp) and the update is
+// narrowed back to the storage type once, the statistics written as Stat<T>. Nothing here
+// chooses a kernel: the route does (src/core/capability.cpp).
 #pragma once
 
+#include <cstdint>
+#include <vector>
+
+#include "backends.hpp"
 #include "emflow/attention.hpp"
+#include "emflow/capability.hpp"
 #include "emflow/factored.hpp"
 
 namespace emflow::detail {
 
-/// Refuses an ExecutionOptions::precision that the storage type T cannot honour, naming the
-/// option (invalid_argument): tf32 for a type other than float, bf16 or fp16 for another storage
-/// type. tf32 for float is a permission on every device (docs/MATH.md §7.2): the host devices
-/// compute in fp32, the CUDA paths on the tensor cores where those compute what is asked.
+/// emflow::attend on validated input for a supported host route (Kernel::reference, cpu_fused or
+/// cpu_bf16).
 template <class T>
-void check_precision(const ExecutionOptions& options, const char* operation);
+void attend_on_host(const AttentionInput<T>& input, const AttentionOutput<T>& output,
+                    const Route& route, int threads);
 
-/// The first output that the tensor-core paths (src/cuda/tc_dense.cpp, tc_factored.cpp) do not
-/// compute, by name ("weights": the N x N weights are never formed), or null when they compute
-/// every one given (update, lse, entropy). The one place that says so: the kernels' refusals and
-/// the choice of Device::automatic read it.
-const char* tensor_core_missing_output(const void* weights);
-
-/// The device a 16-bit emflow::attend call runs on: cuda when requested (ErrorCode::unsupported
-/// without a usable device) and for automatic when a device exists and the tensor-core path
-/// computes what `output` asks (tensor_core_missing_output, dim <= 256); else cpu or reference.
+/// emflow::attend_factored on validated input for a supported host route: the expanded
+/// reference, or the engine in rank r.
 template <class T>
-Device resolve_16bit_device(Device requested, const AttentionInput<T>& input,
-                            const AttentionOutput<T>& output, const char* operation);
+void attend_factored_on_host(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                             const AttentionOutput<T>& output, const Route& route, int threads);
 
-/// The device a 16-bit attend_factored call runs on: cuda when requested (ErrorCode::unsupported
-/// without a usable device) and for automatic when a device exists and the tensor-core path
-/// computes what `output` asks (no weights, rank <= 256); else cpu or reference.
-template <class T>
-Device resolve_16bit_factored_device(Device requested, const FactoredLayer<T>& layer,
-                                     const AttentionOutput<T>& output, const char* operation);
+/// The dense expansion of a factored layer (Route::expanded): M_h = A_h^T B_h and F_h = U_h V_h
+/// summed in double from the stored factors, with the key bias and offset, stored in U.
+template <class U>
+struct ExpandedLayer {
+  std::int64_t heads = 1;
+  std::vector<U> relevance, content, key_bias, offset;
 
-/// emflow::attend for 16-bit T on validated input, on Device::cpu or Device::reference.
-template <class T>
-void attend_16bit(const AttentionInput<T>& input, const AttentionOutput<T>& output, Device device,
-                  int threads);
+  template <class T>
+  ExpandedLayer(const FactoredLayer<T>& layer, std::int64_t dim);
 
-/// emflow::attend_factored for 16-bit T on validated input, on Device::cpu or Device::reference.
-template <class T>
-void attend_factored_16bit(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
-                           const AttentionOutput<T>& output, Device device, int threads);
+  LayerOperators<U> operators() const {
+    return {heads, relevance.data(), content.data(), key_bias.empty() ? nullptr : key_bias.data(),
+            offset.empty() ? nullptr : offset.data()};
+  }
+};
 
 }  // namespace emflow::detail

@@ -37,14 +37,6 @@ constexpr const T* query_rows(const AttentionInput<T>& in) {
   return in.queries != nullptr ? in.queries : in.cloud;
 }
 
-/// True for the call of self-attention as it was before queries existed: no queries, query
-/// lengths or positions. Backends keep their original fast path for it.
-template <class T>
-constexpr bool plain_self_attention(const AttentionInput<T>& in) {
-  return in.queries == nullptr && in.query_lengths == nullptr && in.key_position == 0 &&
-         in.query_position == kAlignToEnd && in.query_positions == nullptr;
-}
-
 /// The rule of cloud b of validated input.
 template <class T>
 constexpr QueryRule query_rule(const AttentionInput<T>& in, std::int64_t b) {

@@ -180,7 +180,7 @@ std::vector<MemoryRange> input_ranges(const SdpaInput<T>& in, const SdpaShape& s
 }
 
 void expect_threads(const ExecutionOptions& options, const char* op) {
-  if (options.threads < 0) fail_argument(op, "threads", "must be >= 0, got ", options.threads);
+  check_threads(options.threads, op);
 }
 
 /// Where an SDPA-shaped call runs: the one place that decides it. Automatic and cpu run the

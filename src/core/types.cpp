@@ -86,8 +86,51 @@ const char* to_string(Dtype dtype) noexcept {
       return "float16";
     case Dtype::bfloat16:
       return "bfloat16";
+    case Dtype::boolean:
+      return "bool";
+    case Dtype::uint8:
+      return "uint8";
+    case Dtype::int8:
+      return "int8";
+    case Dtype::int16:
+      return "int16";
+    case Dtype::uint16:
+      return "uint16";
+    case Dtype::uint32:
+      return "uint32";
+    case Dtype::uint64:
+      return "uint64";
+    case Dtype::float8_e4m3:
+      return "float8_e4m3";
+    case Dtype::float8_e5m2:
+      return "float8_e5m2";
   }
   return "unknown";
+}
+
+std::int64_t item_size(Dtype dtype) noexcept {
+  switch (dtype) {
+    case Dtype::float64:
+    case Dtype::int64:
+    case Dtype::uint64:
+      return 8;
+    case Dtype::float32:
+    case Dtype::int32:
+    case Dtype::uint32:
+      return 4;
+    case Dtype::float16:
+    case Dtype::bfloat16:
+    case Dtype::int16:
+    case Dtype::uint16:
+      return 2;
+    case Dtype::boolean:
+    case Dtype::uint8:
+    case Dtype::int8:
+    case Dtype::float8_e4m3:
+    case Dtype::float8_e5m2:
+      return 1;
+  }
+  return 0;
 }
 
 std::string to_string(const Shape& shape) {

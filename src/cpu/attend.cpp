@@ -1,17 +1,13 @@
-// Fast CPU backend of emflow::attend for the dense form of a layer (M_h, F_h, u_h, c).
+// Fast CPU backend of emflow::attend for the dense form of a layer (M_h, F_h, u_h, c), in float.
 //
-// float: the fused engine (engine.hpp) with the relevance folded into the queries,
+// The fused engine (engine.hpp) with the relevance folded into the queries,
 //   s_ij = <beta (r_i + u_h), x_j>,  r_i = M_h^T x_i,
 // so the keys are the cloud itself, shared by all heads, and the content C_h = X F_h^T is the
 // engine's values. Nothing N x N is stored unless the weights are requested.
-// A cloud with a non-finite visible token goes to the reference instead (see
-// cpu::clouds_finite): the engine's tiles would multiply its value row by the weight 0 of the
-// queries that the mask hides it from, and 0 * NaN would reach them. Non-finite operators reach
-// every visible query anyway, so the engine computes them: NaN scores, a NaN or inf in the
-// content, bias or offset come out NaN where docs/MATH.md §6.6 puts them.
-// double: the double-precision reference (src/reference/attend.cpp), single-threaded. Double
-// inputs are for checking, not for speed; the reference is exact to double rounding.
-#include <type_traits>
+// Input holding a NaN or infinity never reaches the engine: route() (src/core/capability.cpp)
+// sends it to the reference, since the engine's tiles multiply a value row by the weight 0 of the
+// queries that the mask hides it from, and 0 * NaN would reach them. Double input is computed by
+// the reference too (Kernel::reference): it is for checking, not for speed.
 #include <vector>
 
 #include "core/backends.hpp"
@@ -62,11 +58,7 @@ struct Clouds {
   cpu::EngineClouds clouds;
 
   explicit Clouds(const AttentionInput<float>& in) {
-    if (plain_self_attention(in)) {
-      rules = cpu::self_rules(in.batch, in.tokens, in.mask, in.key_lengths);
-    } else {
-      for (std::int64_t b = 0; b < in.batch; ++b) rules.push_back(query_rule(in, b));
-    }
+    for (std::int64_t b = 0; b < in.batch; ++b) rules.push_back(query_rule(in, b));
     clouds.keys = in.cloud;
     clouds.queries = query_rows(in);
     clouds.batch = in.batch;
@@ -78,16 +70,9 @@ struct Clouds {
   }
 };
 
-bool keys_finite(const AttentionInput<float>& in) {
-  // Non-finite tokens are rare, and their NaNs must not reach the queries that cannot see them.
-  return cpu::clouds_finite(in.cloud, in.batch, in.tokens, in.dim, in.key_lengths);
-}
+}  // namespace
 
-void attend_float(const AttentionInput<float>& in, const AttentionOutput<float>& out, int threads) {
-  if (!keys_finite(in)) {
-    reference_attend(in, out);
-    return;
-  }
+void cpu_attend(const AttentionInput<float>& in, const AttentionOutput<float>& out, int threads) {
   const cpu::DenseMaps maps(in);
   const Clouds clouds(in);
   cpu::EngineOutput sink;
@@ -95,43 +80,12 @@ void attend_float(const AttentionInput<float>& in, const AttentionOutput<float>&
   cpu::fused_attend(clouds.clouds, maps.layer, sink, threads);
 }
 
-void partial_float(const AttentionInput<float>& in, const PartialOutput<float>& out, int threads) {
-  if (!keys_finite(in)) {
-    reference_partial(in, out);
-    return;
-  }
+void cpu_partial(const AttentionInput<float>& in, const PartialOutput<float>& out, int threads) {
   const cpu::DenseMaps maps(in);
   const Clouds clouds(in);
   cpu::EngineOutput sink;
   sink.partial = out;
   cpu::fused_attend(clouds.clouds, maps.layer, sink, threads);
 }
-
-}  // namespace
-
-template <class T>
-void cpu_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output, int threads) {
-  if constexpr (std::is_same_v<T, float>) {
-    attend_float(input, output, threads);
-  } else {
-    reference_attend(input, output);
-  }
-}
-
-template <class T>
-void cpu_partial(const AttentionInput<T>& input, const PartialOutput<T>& output, int threads) {
-  if constexpr (std::is_same_v<T, float>) {
-    partial_float(input, output, threads);
-  } else {
-    (void)threads;
-    reference_partial(input, output);
-  }
-}
-
-template void cpu_partial<float>(const AttentionInput<float>&, const PartialOutput<float>&, int);
-template void cpu_partial<double>(const AttentionInput<double>&, const PartialOutput<double>&, int);
-template void cpu_attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&, int);
-template void cpu_attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&,
-                                 int);
 
 }  // namespace emflow::detail

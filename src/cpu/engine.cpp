@@ -105,23 +105,6 @@ Geometry geometry(std::int64_t tokens, std::int64_t query_tokens, const EngineLa
 
 std::int64_t padded_columns(std::int64_t columns) { return round_to_lanes(columns); }
 
-bool all_finite(const float* values, std::int64_t count) {
-  if (values == nullptr) return true;
-  // Finite x gives x - x = 0; NaN and +-inf give NaN, which the sum keeps.
-  float sum = 0.0f;
-  for (std::int64_t i = 0; i < count; ++i) sum += values[i] - values[i];
-  return sum == 0.0f;
-}
-
-bool clouds_finite(const float* cloud, std::int64_t batch, std::int64_t tokens, std::int64_t dim,
-                   const std::int64_t* key_lengths) {
-  for (std::int64_t b = 0; b < batch; ++b) {
-    const std::int64_t length = key_lengths ? key_lengths[b] : tokens;
-    if (!all_finite(cloud + b * tokens * dim, length * dim)) return false;
-  }
-  return true;
-}
-
 std::vector<QueryRule> self_rules(std::int64_t batch, std::int64_t tokens, const Mask& mask,
                                   const std::int64_t* key_lengths) {
   std::vector<QueryRule> rules(static_cast<std::size_t>(batch));

@@ -43,15 +43,6 @@ struct EngineLayer {
 /// Row length of a padded map with `columns` columns.
 std::int64_t padded_columns(std::int64_t columns);
 
-/// True when the `count` values (none when null) are all finite.
-bool all_finite(const float* values, std::int64_t count);
-/// True when every token a query can see is finite: rows j < L_b of each cloud (all rows without
-/// key lengths). The engine multiplies masked weights (0) by values; a non-finite value there
-/// would give NaN where the reference gives a number, so callers send such input to the
-/// reference instead. Rows past L_b are never read as values and may hold anything.
-bool clouds_finite(const float* cloud, std::int64_t batch, std::int64_t tokens, std::int64_t dim,
-                   const std::int64_t* key_lengths);
-
 /// The clouds of one engine call: queries Q (batch, query_tokens, dim) against keys X (batch,
 /// tokens, dim), each cloud with its visibility rule. For self-attention Q = X.
 struct EngineClouds {
@@ -78,6 +69,9 @@ struct EngineOutput {
 /// default, or one thread for a call of under 4 MFLOP).
 /// Results do not depend on the thread count: every output element is computed by one thread
 /// in a fixed order (heads summed in order 0..H-1, key blocks merged in order).
+/// Finite input only: the engine multiplies masked weights (0) by values, so a non-finite value
+/// would give NaN where the reference gives a number; route() sends such input to the reference
+/// (Problem::finite).
 void fused_attend(const EngineClouds& clouds, const EngineLayer& layer, const EngineOutput& output,
                   int threads);
 

@@ -66,11 +66,24 @@ std::size_t query_count(const AttentionInput<T>& input) {
   return static_cast<std::size_t>(input.queries ? input.query_tokens : input.tokens);
 }
 
+// The algorithm that route() chose (the tensor cores take Algorithm::automatic).
+cuda::Algorithm algorithm_of(const Route& route) {
+  switch (route.kernel) {
+    case Kernel::cuda_fused:
+      return cuda::Algorithm::fused;
+    case Kernel::cuda_unfused:
+      return cuda::Algorithm::unfused;
+    default:
+      return cuda::Algorithm::automatic;
+  }
+}
+
 }  // namespace
 
 template <class T>
 void cuda_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output,
-                 Precision precision) {
+                 const Route& route) {
+  const Precision precision = route.products;
   const char* const operation = "attend";
   // The stream is declared first so it outlives every buffer: on an error path the buffers are
   // freed (cudaFree waits for the device) before the stream is destroyed.
@@ -93,11 +106,11 @@ void cuda_attend(const AttentionInput<T>& input, const AttentionOutput<T>& outpu
   to_device.entropy = output.entropy ? entropy.data() : nullptr;
   to_device.weights = output.weights ? weights.data() : nullptr;
 
-  const cuda::Algorithm automatic = cuda::Algorithm::automatic;
+  const cuda::Algorithm algorithm = algorithm_of(route);
   const std::size_t bytes =
-      cuda::attend_workspace_size(inputs.on_device, to_device, automatic, precision);
+      cuda::attend_workspace_size(inputs.on_device, to_device, algorithm, precision);
   cuda::DeviceBuffer<unsigned char> workspace(bytes);
-  cuda::attend_async(inputs.on_device, to_device, workspace.data(), bytes, s, automatic, precision);
+  cuda::attend_async(inputs.on_device, to_device, workspace.data(), bytes, s, algorithm, precision);
 
   update.copy_to_host(output.update, update_size, s);
   if (output.lse) lse.copy_to_host(output.lse, rows, s);
@@ -107,7 +120,8 @@ void cuda_attend(const AttentionInput<T>& input, const AttentionOutput<T>& outpu
 }
 
 template <class T>
-void cuda_attend_partial(const AttentionInput<T>& input, const PartialOutput<T>& output) {
+void cuda_attend_partial(const AttentionInput<T>& input, const PartialOutput<T>& output,
+                         const Route& route) {
   const char* const operation = "attend_partial";
   const OwnedStream stream(operation);  // first: see cuda_attend
   const cudaStream_t s = stream.get();
@@ -118,9 +132,10 @@ void cuda_attend_partial(const AttentionInput<T>& input, const PartialOutput<T>&
   const DeviceInputs<T> inputs(input, s);
   cuda::DeviceBuffer<T> heads(values), lse(rows), entropy(rows);
   const PartialOutput<T> to_device{heads.data(), lse.data(), entropy.data()};
-  const std::size_t bytes = cuda::attend_partial_workspace_size(inputs.on_device);
+  const cuda::Algorithm algorithm = algorithm_of(route);
+  const std::size_t bytes = cuda::attend_partial_workspace_size(inputs.on_device, algorithm);
   cuda::DeviceBuffer<unsigned char> workspace(bytes);
-  cuda::attend_partial_async(inputs.on_device, to_device, workspace.data(), bytes, s);
+  cuda::attend_partial_async(inputs.on_device, to_device, workspace.data(), bytes, s, algorithm);
 
   heads.copy_to_host(output.heads, values, s);
   lse.copy_to_host(output.lse, rows, s);
@@ -130,8 +145,9 @@ void cuda_attend_partial(const AttentionInput<T>& input, const PartialOutput<T>&
 
 template <class T>
 void cuda_attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
-                          const AttentionOutput<T>& output, Precision precision) {
+                          const AttentionOutput<T>& output, const Route& route) {
   const char* const operation = "attend_factored";
+  const Precision precision = route.products;
   const OwnedStream stream(operation);  // first: see cuda_attend
   const cudaStream_t s = stream.get();
   const auto B = static_cast<std::size_t>(input.batch);
@@ -183,22 +199,23 @@ void cuda_attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>
 
 template void cuda_attend_factored<bfloat16>(const AttentionInput<bfloat16>&,
                                              const FactoredLayer<bfloat16>&,
-                                             const AttentionOutput<bfloat16>&, Precision);
+                                             const AttentionOutput<bfloat16>&, const Route&);
 template void cuda_attend_factored<float16>(const AttentionInput<float16>&,
                                             const FactoredLayer<float16>&,
-                                            const AttentionOutput<float16>&, Precision);
+                                            const AttentionOutput<float16>&, const Route&);
 template void cuda_attend_factored<float>(const AttentionInput<float>&, const FactoredLayer<float>&,
-                                          const AttentionOutput<float>&, Precision);
+                                          const AttentionOutput<float>&, const Route&);
 template void cuda_attend<float>(const AttentionInput<float>&, const AttentionOutput<float>&,
-                                 Precision);
+                                 const Route&);
 template void cuda_attend<double>(const AttentionInput<double>&, const AttentionOutput<double>&,
-                                  Precision);
+                                  const Route&);
 template void cuda_attend<bfloat16>(const AttentionInput<bfloat16>&,
-                                    const AttentionOutput<bfloat16>&, Precision);
+                                    const AttentionOutput<bfloat16>&, const Route&);
 template void cuda_attend<float16>(const AttentionInput<float16>&, const AttentionOutput<float16>&,
-                                   Precision);
-template void cuda_attend_partial<float>(const AttentionInput<float>&, const PartialOutput<float>&);
+                                   const Route&);
+template void cuda_attend_partial<float>(const AttentionInput<float>&, const PartialOutput<float>&,
+                                         const Route&);
 template void cuda_attend_partial<double>(const AttentionInput<double>&,
-                                          const PartialOutput<double>&);
+                                          const PartialOutput<double>&, const Route&);
 
 }  // namespace emflow::detail

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -20,6 +21,7 @@
 #include "cpu/engine.hpp"
 #include "cuda/decode_cache.hpp"
 #include "decode/keys.hpp"
+#include "emflow/capability.hpp"
 #include "emflow/decode.hpp"
 #include "emflow/error.hpp"
 
@@ -28,6 +30,8 @@ namespace emflow {
 namespace {
 
 constexpr const char* kOperation = "DecodeCache";
+// How route()'s refusals of a cache name it: the device asked for is the argument at fault.
+constexpr const char* kDevice = "DecodeCache: argument 'device'";
 constexpr std::int64_t kRowAlign = 64;  // rows held: a multiple of this, and past the tokens
 
 /// Zero-filled float storage that keeps its contents when it grows.
@@ -118,6 +122,20 @@ void check_beta(double beta) {
   }
 }
 
+/// The capacity (>= 0; >= 1 when the GPU is asked for by name) and the precision of the storage
+/// type (as ExecutionOptions::precision).
+template <class T>
+void check_options(const DecodeOptions& options) {
+  if (options.capacity < 0 || (options.device == Device::cuda && options.capacity < 1)) {
+    detail::fail_argument(kOperation, "capacity",
+                          options.device == Device::cuda ? "must be >= 1 on Device::cuda, got "
+                                                         : "must be >= 0, got ",
+                          options.capacity);
+  }
+  const std::string mismatch = detail::precision_mismatch(dtype_of<T>(), options.precision);
+  if (!mismatch.empty()) detail::fail_argument(kOperation, "precision", mismatch);
+}
+
 }  // namespace
 
 template <class T>
@@ -144,32 +162,35 @@ BasicDecodeCache<T>::BasicDecodeCache(const LayerOperators<T>& layer, std::int64
                            detail::checked_multiply(kOperation, "relevance", layer.heads, dim),
                            dim);
   check_beta(beta);
+  check_options<T>(options);
   state_->dim = dim;
   state_->heads = layer.heads;
-  if (options.capacity < 0 || (options.device == Device::cuda && options.capacity < 1)) {
-    detail::fail_argument(kOperation, "capacity",
-                          options.device == Device::cuda ? "must be >= 1 on Device::cuda, got "
-                                                         : "must be >= 0, got ",
-                          options.capacity);
-  }
   state_->capacity = options.capacity;
-  if (options.device == Device::cuda) {
+  const Route route = require_route(describe(layer, dim, options), options.device, kDevice);
+  if (route.device == Device::cuda) {
     if constexpr (std::is_same_v<T, float>) {
       state_->device =
           std::make_unique<detail::decode::DeviceCache>(layer, dim, beta, options.capacity);
-    } else {
-      detail::fail(ErrorCode::unsupported, kOperation,
-                   ": 'device' cuda holds float caches only (this one is double)");
     }
-  } else if constexpr (std::is_same_v<T, float>) {
-    state_->engine = std::make_unique<EngineCache>(layer, dim, beta);
+  } else if (route.kernel == Kernel::cpu_fused) {
+    if constexpr (std::is_same_v<T, float>) {
+      state_->engine = std::make_unique<EngineCache>(layer, dim, beta);
+    }
   } else {
     state_->store = std::make_unique<detail::decode::KeyStore<T>>(layer, dim, beta);
+  }
+  if (!state_->device && !state_->engine && !state_->store) {
+    detail::fail(ErrorCode::internal, kOperation, ": no cache for the route ", to_string(route));
   }
 }
 
 template <class T>
 BasicDecodeCache<T>::BasicDecodeCache(const FactoredLayer<T>& layer, std::int64_t dim, double beta)
+    : BasicDecodeCache(layer, dim, beta, DecodeOptions{}) {}
+
+template <class T>
+BasicDecodeCache<T>::BasicDecodeCache(const FactoredLayer<T>& layer, std::int64_t dim, double beta,
+                                      const DecodeOptions& options)
     : state_(std::make_unique<State>()) {
   detail::expect_positive(kOperation, "dim", dim);
   detail::expect_positive(kOperation, "heads", layer.heads);
@@ -182,8 +203,17 @@ BasicDecodeCache<T>::BasicDecodeCache(const FactoredLayer<T>& layer, std::int64_
       kOperation, "query_factor",
       detail::checked_multiply(kOperation, "query_factor", layer.heads, layer.rank), dim);
   check_beta(beta);
+  check_options<T>(options);
   state_->dim = dim;
   state_->heads = layer.heads;
+  state_->capacity = options.capacity;
+  // The factored form is held in a KeyStore on the host (route() says so for every device that
+  // takes it, and refuses the others).
+  const Route route = require_route(describe(layer, dim, options), options.device, kDevice);
+  if (route.device != Device::cpu || route.kernel != Kernel::reference) {
+    detail::fail(ErrorCode::internal, kOperation, ": no factored cache for the route ",
+                 to_string(route));
+  }
   state_->store = std::make_unique<detail::decode::KeyStore<T>>(layer, dim, beta);
 }
 

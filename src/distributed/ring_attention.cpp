@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "emflow/capability.hpp"
 #include "emflow/partial.hpp"
 #include "emflow/sequence_parallel.hpp"
 
@@ -33,7 +34,8 @@ constexpr std::int64_t kKeyPiece = 4096;
 
 template <class T>
 struct State {
-  std::vector<T> heads, lse, entropy;
+  std::vector<T> heads;
+  std::vector<Stat<T>> lse, entropy;
   bool started = false;
   PartialOutput<T> out() { return {heads.data(), lse.data(), entropy.data()}; }
   PartialInput<T> in() const { return {heads.data(), lse.data(), entropy.data()}; }
@@ -63,19 +65,16 @@ std::vector<std::int64_t> local_lengths(const std::vector<std::int64_t>& lengths
   return out;
 }
 
+// The arguments of a call, and the device of its partial states (route()'s, for the whole
+// batch's partial state under `options`; every block's attend_partial runs there).
 template <class T>
-void check_input(Communicator& comm, const ShardInput<T>& in, const ShardOutput<T>& out,
-                 const ExecutionOptions& options) {
+Device check_input(Communicator& comm, const ShardInput<T>& in, const ShardOutput<T>& out,
+                   const ExecutionOptions& options) {
   const char* op = "distributed attend";
   if (comm.memory() != Memory::host) {
     detail::fail(ErrorCode::unsupported, op,
                  ": needs a host communicator (the partial states of "
                  "the ring are computed on the host)");
-  }
-  if (options.device != Device::cpu && options.device != Device::reference &&
-      options.device != Device::automatic) {
-    detail::fail(ErrorCode::unsupported, op, ": runs on the host (device cpu or reference), got ",
-                 to_string(options.device));
   }
   detail::expect_positive(op, "batch", in.batch);
   detail::expect_positive(op, "tokens", in.tokens);
@@ -83,6 +82,13 @@ void check_input(Communicator& comm, const ShardInput<T>& in, const ShardOutput<
   detail::expect_positive(op, "heads", in.layer.heads);
   detail::expect_not_null(op, "relevance", in.layer.relevance);
   detail::expect_not_null(op, "content", in.layer.content);
+  if (in.queries != nullptr || in.query_tokens != 0 || in.query_lengths != nullptr ||
+      in.key_position != 0 || in.query_position != kAlignToEnd || in.query_positions != nullptr) {
+    detail::fail_argument(op, "queries",
+                          "and query_tokens, query_lengths, key_position, query_position and "
+                          "query_positions must keep their defaults: the ring's queries are the "
+                          "shard's own tokens");
+  }
   if (!std::isfinite(in.beta)) detail::fail_argument(op, "beta", "must be finite, got ", in.beta);
   if (in.mask.kind == MaskKind::window && in.mask.window < 1) {
     detail::fail_argument(op, "mask", "window must be >= 1, got ", in.mask.window);
@@ -100,6 +106,11 @@ void check_input(Communicator& comm, const ShardInput<T>& in, const ShardOutput<
     detail::expect_not_null(op, "cloud", in.cloud);
     detail::expect_not_null(op, "update", out.update);
   }
+  // The whole batch's partial state: the shapes that bound every block's.
+  Problem problem =
+      describe(static_cast<const AttentionInput<T>&>(in), PartialOutput<T>{}, options);
+  problem.lse = problem.entropy = true;
+  return require_route(problem, options.device, op).device;
 }
 
 // One call's buffers and state; made (and so allocated) before the first transfer.
@@ -124,8 +135,8 @@ struct Ring {
     for (std::size_t a = 0; a < queries.size(); ++a) {
       const std::size_t rows = static_cast<std::size_t>(B * H * queries[a].count);
       states[a].heads.resize(rows * static_cast<std::size_t>(d));
-      states[a].lse.assign(rows, -std::numeric_limits<T>::infinity());
-      states[a].entropy.assign(rows, T(0));
+      states[a].lse.assign(rows, -std::numeric_limits<Stat<T>>::infinity());
+      states[a].entropy.assign(rows, Stat<T>(0));
       scratch_rows = std::max(scratch_rows, B * H * queries[a].count);
     }
     part.heads.resize(static_cast<std::size_t>(scratch_rows * d));
@@ -201,8 +212,8 @@ struct Ring {
 
   void finish(const ShardOutput<T>& out) const {
     T* update = out.update;
-    T* lse = out.lse;
-    T* entropy = out.entropy;
+    Stat<T>* lse = out.lse;
+    Stat<T>* entropy = out.entropy;
     for (std::size_t a = 0; a < queries.size(); ++a) {
       const PartialShape shape{B, H, queries[a].count, d};
       AttentionOutput<T> result;
@@ -231,12 +242,11 @@ struct Ring {
 template <class T>
 void attend(Communicator& comm, const ShardInput<T>& input, const ShardOutput<T>& output,
             const ExecutionOptions& options, RingTimes* times) {
-  // The partial states live in host memory: automatic means the CPU here, whatever the machine.
+  // Every block on the device route() named for the whole batch.
   ExecutionOptions host = options;
-  if (host.device == Device::automatic) host.device = Device::cpu;
   std::unique_ptr<Ring<T>> ring;
   agreed(comm, [&] {
-    check_input(comm, input, output, options);
+    host.device = check_input(comm, input, output, options);
     check_threads(options.threads, "sequence_parallel::attend");
     ring = std::make_unique<Ring<T>>(comm, input);
   });

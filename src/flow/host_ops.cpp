@@ -46,36 +46,36 @@ std::vector<double> phase_generic_host(const PhaseProblem& problem, const Execut
 }  // namespace detail
 
 template <class T>
-void attention_update(const T* cloud, std::int64_t batch, std::int64_t tokens, std::int64_t dim,
-                      const FlowLayer<T>& layer, const std::vector<double>& betas,
-                      const UpdateSettings& settings, T* update, double* mean_entropy,
+void attention_update(const UpdateInput<T>& in, const UpdateOutput<T>& out,
                       const ExecutionOptions& options) {
-  if (static_cast<std::int64_t>(betas.size()) != batch) {
-    emflow::detail::fail_argument("attention_update", "betas", "must have one entry per cloud (",
-                                  batch, "), got ", betas.size());
+  const char* const op = "attention_update";
+  emflow::detail::expect_not_null(op, "layer", in.layer);
+  if (static_cast<std::int64_t>(in.betas.size()) != in.batch) {
+    emflow::detail::fail_argument(op, "betas", "must have one entry per cloud (", in.batch,
+                                  "), got ", in.betas.size());
   }
   detail::HostOps<T> ops(options);
   detail::StepperShape shape;
-  shape.batch = batch;
-  shape.tokens = tokens;
-  shape.dim = dim;
-  shape.max_heads = layer.heads;
-  shape.unnormalized = settings.unnormalized;
-  shape.tangent = settings.tangent;
-  const detail::LayerView<T> view = detail::host_view(layer);
-  detail::Stepper<detail::HostOps<T>> stepper(ops, betas, shape, {view});
-  stepper.drift(cloud, view, update,
-                mean_entropy ? detail::EntropySink{mean_entropy, 1} : detail::EntropySink{});
+  shape.batch = in.batch;
+  shape.tokens = in.tokens;
+  shape.dim = in.dim;
+  shape.max_heads = in.layer->heads;
+  shape.unnormalized = in.settings.unnormalized;
+  shape.tangent = in.settings.tangent;
+  const detail::LayerView<T> view = detail::host_view(*in.layer);
+  detail::Stepper<detail::HostOps<T>> stepper(ops, in.betas, shape, {view});
+  stepper.drift(
+      in.cloud, view, out.update,
+      out.mean_entropy ? detail::EntropySink{out.mean_entropy, 1} : detail::EntropySink{});
 }
 
-#define EMFLOW_HOST_FLOW_INSTANTIATE(T)                                                 \
-  template class detail::Stepper<detail::HostOps<T>>;                                   \
-  template FlowResult<T> detail::run_flow_host<T>(                                      \
-      const Tensor<T>&, const std::vector<double>&, const std::vector<FlowLayer<T>>&,   \
-      const FlowSettings&, const ExecutionOptions&, const Progress&);                   \
-  template void attention_update<T>(const T*, std::int64_t, std::int64_t, std::int64_t, \
-                                    const FlowLayer<T>&, const std::vector<double>&,    \
-                                    const UpdateSettings&, T*, double*, const ExecutionOptions&);
+#define EMFLOW_HOST_FLOW_INSTANTIATE(T)                                               \
+  template class detail::Stepper<detail::HostOps<T>>;                                 \
+  template FlowResult<T> detail::run_flow_host<T>(                                    \
+      const Tensor<T>&, const std::vector<double>&, const std::vector<FlowLayer<T>>&, \
+      const FlowSettings&, const ExecutionOptions&, const Progress&);                 \
+  template void attention_update<T>(const UpdateInput<T>&, const UpdateOutput<T>&,    \
+                                    const ExecutionOptions&);
 
 EMFLOW_HOST_FLOW_INSTANTIATE(float)
 EMFLOW_HOST_FLOW_INSTANTIATE(double)

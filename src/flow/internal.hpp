@@ -8,6 +8,15 @@
 #include "emflow/flow.hpp"
 #include "emflow/flow_parts.hpp"
 
+namespace emflow::flow {
+
+/// phase_diagram's generic path (flow.hpp, PhaseSettings::generic), whatever the device.
+PhaseDiagram phase_diagram_generic(const PhaseSettings& settings,
+                                   const ExecutionOptions& options = {},
+                                   const Progress& progress = {});
+
+}  // namespace emflow::flow
+
 namespace emflow::flow::detail {
 
 /// A seed for stream `stream` of `seed` (splitmix64 twice): independent streams per cloud,

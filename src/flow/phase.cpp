@@ -12,6 +12,7 @@
 #include "core/check.hpp"
 #include "core/memory.hpp"
 #include "emflow/attention.hpp"
+#include "emflow/capability.hpp"
 #include "emflow/flow.hpp"
 #include "internal.hpp"
 
@@ -180,13 +181,20 @@ PhaseDiagram phase_diagram_generic(const PhaseSettings& s, const ExecutionOption
       std::fill(p.betas.begin() + k * C, p.betas.begin() + (k + 1) * C,
                 out.betas[static_cast<std::size_t>(k)]);
     }
+    // Every step is the attention of one beta's C clouds: the sweep runs where route() sends it.
+    Problem attention;
+    attention.batch = C;
+    attention.tokens = attention.query_tokens = N;
+    attention.dim = d;
+    ExecutionOptions where = options;
+    where.device = require_route(attention, options.device, "phase").device;
 #if EMFLOW_WITH_CUDA
-    if (resolve_device(options.device) == Device::cuda) {
+    if (where.device == Device::cuda) {
       out.clustered = detail::phase_generic_device(p, progress);
       return out;
     }
 #endif
-    out.clustered = detail::phase_generic_host(p, options, progress);
+    out.clustered = detail::phase_generic_host(p, where, progress);
     return out;
   });
 }
@@ -235,7 +243,9 @@ PhaseDiagram phase_diagram(const PhaseSettings& s, const ExecutionOptions& optio
                            const Progress& progress) {
   validate(s);
   check_threads(options.threads, "phase");
-  if (options.device == Device::reference) return phase_diagram_generic(s, options, progress);
+  if (options.device == Device::reference || s.generic) {
+    return phase_diagram_generic(s, options, progress);
+  }
   // Device::cuda throws when no device can be used; Device::automatic takes the GPU when there
   // is one, else the CPU.
   const Device device = resolve_device(options.device);

@@ -1,10 +1,11 @@
 // run_flow: the validation of its arguments, the shape of its result, and where it runs: on the
-// host (host_ops.cpp) or, when the options resolve to a CUDA device, in device memory
+// host (host_ops.cpp) or, when route() sends its attention to a CUDA device, in device memory
 // (src/cuda/flow_ops.cpp), both the recorded run of stepper.hpp.
 #include <algorithm>
 #include <cmath>
 
 #include "core/check.hpp"
+#include "emflow/capability.hpp"
 #include "emflow/flow.hpp"
 #include "internal.hpp"
 
@@ -143,11 +144,25 @@ FlowResult<T> run_flow(const Tensor<T>& initial, const std::vector<double>& beta
   const std::vector<double> betas =
       detail::validate_flow(initial.shape(), betas_in, layers, settings);
   check_threads(options.threads, "run_flow");
-  // Throws ErrorCode::unsupported, with the reason, when cuda is asked for but unusable.
+  // Where the run's attention evaluations run (route(), capability.hpp, for the largest of
+  // them): the whole run goes there. Throws ErrorCode::unsupported, with the reason, when cuda is
+  // asked for but unusable.
+  Problem attention;
+  attention.storage = dtype_of<T>();
+  attention.batch = initial.extent(0);
+  attention.tokens = attention.query_tokens = initial.extent(1);
+  attention.dim = initial.extent(2);
+  for (const FlowLayer<T>& layer : layers) {
+    attention.heads = std::max(attention.heads, layer.heads);
+    attention.key_bias = attention.key_bias || !layer.key_bias.empty();
+    attention.offset = attention.offset || !layer.offset.empty();
+  }
+  attention.lse = attention.entropy = true;
+  const Device device = require_route(attention, options.device, "run_flow").device;
   const bool has_eps =
       settings.norm == Normalization::layernorm || settings.norm == Normalization::rmsnorm;
   const bool builtin_eps = !has_eps || settings.norm_eps == 1e-5;
-  if (resolve_device(options.device) == Device::cuda) {
+  if (device == Device::cuda) {
     // The GPU's layer norm kernel has eps 1e-5 built in: another eps runs on the host when the
     // device was left to choose, and is refused when the GPU was asked for.
     if (!builtin_eps && options.device == Device::cuda) {
@@ -163,7 +178,9 @@ FlowResult<T> run_flow(const Tensor<T>& initial, const std::vector<double>& beta
     host.device = Device::cpu;
     return detail::run_flow_host(initial, betas, layers, settings, host, progress);
   }
-  return detail::run_flow_host(initial, betas, layers, settings, options, progress);
+  ExecutionOptions host = options;
+  host.device = device;  // every evaluation where the run's route says, cpu or reference
+  return detail::run_flow_host(initial, betas, layers, settings, host, progress);
 }
 
 #define EMFLOW_RUN_FLOW_INSTANTIATE(T)                                                            \

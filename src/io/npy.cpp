@@ -28,18 +28,17 @@
 namespace emflow {
 namespace {
 
-// Each element type: its name, its .npy descr and its size in bytes.
+// The element types of .npy files: each with its name and its descr.
 struct DtypeInfo {
   Dtype dtype;
   const char* name;
   const char* descr;
-  std::int64_t size;
 };
-constexpr DtypeInfo kDtypes[] = {{Dtype::float32, "float32", "<f4", 4},
-                                 {Dtype::float64, "float64", "<f8", 8},
-                                 {Dtype::int64, "int64", "<i8", 8},
-                                 {Dtype::int32, "int32", "<i4", 4},
-                                 {Dtype::float16, "float16", "<f2", 2}};
+constexpr DtypeInfo kDtypes[] = {{Dtype::float32, "float32", "<f4"},
+                                 {Dtype::float64, "float64", "<f8"},
+                                 {Dtype::int64, "int64", "<i8"},
+                                 {Dtype::int32, "int32", "<i4"},
+                                 {Dtype::float16, "float16", "<f2"}};
 
 const DtypeInfo* info_of(Dtype dtype) noexcept {
   for (const DtypeInfo& info : kDtypes) {
@@ -54,8 +53,6 @@ constexpr std::size_t kMagicSize = 6;
 // reason: a rank <= 4 header needs well under 200 bytes, and a huge one is a malformed file.
 constexpr std::uint32_t kMaxHeaderSize = 10000;
 constexpr std::int64_t kMaxRank = 4;
-
-std::int64_t item_size(Dtype dtype) { return info_of(dtype)->size; }
 
 const char* descr_of(Dtype dtype) { return info_of(dtype)->descr; }
 
@@ -349,8 +346,9 @@ Tensor<T> read_npy_payload(const std::string& path) {
     case Dtype::float16:
       convert_payload<float16>(file, path, count, array.data());
       break;
-    case Dtype::bfloat16:  // not a NumPy dtype: read_header never gives it
-      fail_file("read_npy", path, "holds bfloat16 data, which .npy files cannot");
+    default:  // not a NumPy dtype of kDtypes: read_header never gives it
+      fail_file("read_npy", path, "holds ", to_string(header.dtype),
+                " data, which emflow's .npy files cannot");
   }
   return array;
 }

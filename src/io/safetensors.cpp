@@ -7,16 +7,15 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cmath>
 #include <cstring>
 #include <fstream>
-#include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <type_traits>
 
 #include "core/check.hpp"
 #include "core/memory.hpp"
+#include "emflow/precision.hpp"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "emflow's safetensors reader reinterprets payloads as they are: little-endian hosts only"
@@ -42,26 +41,22 @@ template <class... Parts>
 }
 
 struct DtypeName {
-  TensorDtype dtype;
+  Dtype dtype;
   const char* name;
-  std::int64_t size;
 };
 constexpr DtypeName kDtypes[] = {
-    {TensorDtype::f16, "F16", 2},        {TensorDtype::bf16, "BF16", 2},
-    {TensorDtype::f32, "F32", 4},        {TensorDtype::f64, "F64", 8},
-    {TensorDtype::boolean, "BOOL", 1},   {TensorDtype::u8, "U8", 1},
-    {TensorDtype::i8, "I8", 1},          {TensorDtype::i16, "I16", 2},
-    {TensorDtype::u16, "U16", 2},        {TensorDtype::i32, "I32", 4},
-    {TensorDtype::u32, "U32", 4},        {TensorDtype::i64, "I64", 8},
-    {TensorDtype::u64, "U64", 8},        {TensorDtype::f8_e4m3, "F8_E4M3", 1},
-    {TensorDtype::f8_e5m2, "F8_E5M2", 1}};
+    {Dtype::float16, "F16"}, {Dtype::bfloat16, "BF16"},       {Dtype::float32, "F32"},
+    {Dtype::float64, "F64"}, {Dtype::boolean, "BOOL"},        {Dtype::uint8, "U8"},
+    {Dtype::int8, "I8"},     {Dtype::int16, "I16"},           {Dtype::uint16, "U16"},
+    {Dtype::int32, "I32"},   {Dtype::uint32, "U32"},          {Dtype::int64, "I64"},
+    {Dtype::uint64, "U64"},  {Dtype::float8_e4m3, "F8_E4M3"}, {Dtype::float8_e5m2, "F8_E5M2"}};
 
-bool is_readable(TensorDtype dtype) {
-  return dtype == TensorDtype::f16 || dtype == TensorDtype::bf16 || dtype == TensorDtype::f32 ||
-         dtype == TensorDtype::f64;
+bool is_readable(Dtype dtype) {
+  return dtype == Dtype::float16 || dtype == Dtype::bfloat16 || dtype == Dtype::float32 ||
+         dtype == Dtype::float64;
 }
 
-TensorDtype parse_dtype(const std::string& path, const std::string& name, const json& value) {
+Dtype parse_dtype(const std::string& path, const std::string& name, const json& value) {
   if (!value.is_string()) fail_tensor(path, name, "has a 'dtype' that is not a string");
   const std::string text = value.get<std::string>();
   for (const DtypeName& d : kDtypes) {
@@ -125,7 +120,7 @@ TensorEntry parse_entry(const std::string& path, const std::string& name, const 
   const std::int64_t expected = count > data_size ? -1 : count * item_size(entry.dtype);
   if (expected != entry.end - entry.begin) {
     fail_tensor(path, name, "of shape ", to_string(entry.shape), " and dtype ",
-                to_string(entry.dtype), " needs ",
+                safetensors_name(entry.dtype), " needs ",
                 expected < 0 ? std::string("more than the whole data buffer")
                              : std::to_string(expected) + " bytes",
                 ", but its data_offsets [", entry.begin, ", ", entry.end, "] hold ",
@@ -240,24 +235,25 @@ SafetensorsHeader read_header(std::ifstream& file, const std::string& path) {
 }
 
 template <class T>
-void convert(TensorDtype dtype, const unsigned char* bytes, std::int64_t count, T* out) {
+void convert(Dtype dtype, const unsigned char* bytes, std::int64_t count, T* out) {
+  const std::int64_t size = item_size(dtype);
   for (std::int64_t i = 0; i < count; ++i) {
-    const unsigned char* p = bytes + i * item_size(dtype);
+    const unsigned char* p = bytes + i * size;
     switch (dtype) {
-      case TensorDtype::f16:
-      case TensorDtype::bf16: {
+      case Dtype::float16:
+      case Dtype::bfloat16: {
         const auto bits = static_cast<std::uint16_t>(p[0] | p[1] << 8);
-        out[i] = static_cast<T>(dtype == TensorDtype::f16 ? half_to_float(bits)
-                                                          : bfloat16_to_float(bits));
+        out[i] = static_cast<T>(dtype == Dtype::float16 ? to_float(float16{bits})
+                                                        : to_float(bfloat16{bits}));
         break;
       }
-      case TensorDtype::f32: {
+      case Dtype::float32: {
         float v;
         std::memcpy(&v, p, 4);
         out[i] = static_cast<T>(v);
         break;
       }
-      case TensorDtype::f64: {
+      case Dtype::float64: {
         double v;
         std::memcpy(&v, p, 8);
         out[i] = static_cast<T>(v);
@@ -271,41 +267,11 @@ void convert(TensorDtype dtype, const unsigned char* bytes, std::int64_t count, 
 
 }  // namespace
 
-const char* to_string(TensorDtype dtype) noexcept {
+const char* safetensors_name(Dtype dtype) noexcept {
   for (const DtypeName& d : kDtypes) {
     if (d.dtype == dtype) return d.name;
   }
-  return "unknown";
-}
-
-std::int64_t item_size(TensorDtype dtype) noexcept {
-  for (const DtypeName& d : kDtypes) {
-    if (d.dtype == dtype) return d.size;
-  }
-  return 0;
-}
-
-float half_to_float(std::uint16_t bits) noexcept {
-  const bool negative = (bits & 0x8000u) != 0;
-  const int exponent = (bits >> 10) & 0x1f;
-  const int mantissa = bits & 0x3ff;
-  float value;
-  if (exponent == 0) {
-    value = std::ldexp(static_cast<float>(mantissa), -24);  // subnormal (or zero), exact
-  } else if (exponent == 31) {
-    value = mantissa == 0 ? std::numeric_limits<float>::infinity()
-                          : std::numeric_limits<float>::quiet_NaN();
-  } else {
-    value = std::ldexp(static_cast<float>(mantissa | 0x400), exponent - 25);
-  }
-  return negative ? -value : value;
-}
-
-float bfloat16_to_float(std::uint16_t bits) noexcept {
-  const std::uint32_t wide = static_cast<std::uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof value);
-  return value;
+  return "";
 }
 
 SafetensorsHeader read_safetensors_header(const std::string& path) {
@@ -340,7 +306,7 @@ Tensor<T> SafetensorsFile::read(const std::string& name) const {
   static_assert(std::is_floating_point_v<T>, "read as float or double");
   const TensorEntry& t = entry(name);
   if (!is_readable(t.dtype)) {
-    fail_tensor(path_, name, "has dtype ", to_string(t.dtype),
+    fail_tensor(path_, name, "has dtype ", safetensors_name(t.dtype),
                 "; only F16, BF16, F32 and F64 tensors are read as floating point");
   }
   return detail::reporting_out_of_memory("read_safetensors", path_, [&] {

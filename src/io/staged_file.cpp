@@ -160,7 +160,7 @@ void StagedFile::write(const char* data, std::size_t size) {
 
 void StagedFile::finish() {
   if (fd_ < 0) fail(ErrorCode::internal, operation_, ": '", target_, "' is no longer open");
-  const char* stop = std::getenv("EMFLOW_TEST_STOP_BEFORE_FSYNC");
+  const char* stop = std::getenv(kStopBeforeFsync);
   if (stop != nullptr && *stop != '\0' && file_name_of(target_) == stop) ::raise(SIGSTOP);
   if (::fsync(fd_) != 0) fail_errno("fsync failed", errno);
   const int fd = std::exchange(fd_, -1);

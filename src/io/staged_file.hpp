@@ -13,6 +13,9 @@
 
 namespace emflow::detail {
 
+/// The environment variable of StagedFile::finish's test hook.
+inline constexpr const char* kStopBeforeFsync = "EMFLOW_TEST_STOP_BEFORE_FSYNC";
+
 /// The folder of `path` as written ("." for a bare name, "/" for a file in the root).
 std::string folder_of(const std::string& path);
 /// The last component of `path`.
@@ -47,9 +50,9 @@ class StagedFile {
   /// Flushes the temporary file to disk (fsync) and closes it: after finish() only the rename
   /// is left. Throws ErrorCode::io (the temporary file is then removed, the target untouched).
   ///
-  /// Test hook: when the environment variable EMFLOW_TEST_STOP_BEFORE_FSYNC equals the file
-  /// name of the target (its last component), the process stops itself with SIGSTOP just
-  /// before the fsync, so that a test can kill it at that point.
+  /// Test hook: when the environment variable kStopBeforeFsync names the file name of the
+  /// target (its last component), the process stops itself with SIGSTOP just before the fsync,
+  /// so that a test can kill it at that point (tests/reliability/output_paths_test.cpp).
   void finish();
   /// Renames the finished temporary file over the target. Returns 0, or the errno of the
   /// failed rename (the temporary file is then still there). Neither throws nor allocates.

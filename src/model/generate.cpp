@@ -63,9 +63,7 @@ DecodingStack::DecodingStack(std::vector<flow::FlowLayer<float>> layers, std::in
   if (!(std::isfinite(settings.norm_eps) && settings.norm_eps > 0.0)) {
     fail_argument(kStack, "norm_eps", "must be finite and > 0, got ", settings.norm_eps);
   }
-  if (settings.threads < 0) {
-    fail_argument(kStack, "threads", "must be >= 0, got ", settings.threads);
-  }
+  check_threads(settings.threads, kStack);
   check_layers(kStack, layers, dim);
   State& s = *state_;
   s.layers = std::move(layers);

@@ -6,6 +6,8 @@
 
 #include <string>
 
+#include "core/validate.hpp"
+
 namespace emflow {
 namespace {
 
@@ -87,8 +89,8 @@ TEST(Capability, TheCpuRunsFloatInTheEngineAndDoubleInTheReference) {
 TEST(Capability, NonFiniteInputGoesToTheReferenceOnTheCpu) {
   Problem p = factored(Dtype::float32);
   p.finite = false;
-  expect_route(route(p, Device::cpu, cpu_only()), Device::cpu, Kernel::reference,
-               Precision::fp32, /*expanded=*/true);
+  expect_route(route(p, Device::cpu, cpu_only()), Device::cpu, Kernel::reference, Precision::fp32,
+               /*expanded=*/true);
   Problem b = dense(Dtype::bfloat16);
   b.finite = false;
   expect_route(route(b, Device::cpu, with_bf16_cpu()), Device::cpu, Kernel::reference,
@@ -116,8 +118,7 @@ TEST(Capability, Bf16ProductsOnTheCpuNeedTheInstructionsAndPlainSelfAttention) {
 TEST(Capability, Tf32IsAPermissionThatTheCpuComputesInFp32) {
   Problem p = dense(Dtype::float32);
   p.precision = Precision::tf32;
-  expect_route(route(p, Device::cpu, cpu_only()), Device::cpu, Kernel::cpu_fused,
-               Precision::fp32);
+  expect_route(route(p, Device::cpu, cpu_only()), Device::cpu, Kernel::cpu_fused, Precision::fp32);
   expect_route(route(p, Device::cuda, with_gpu()), Device::cuda, Kernel::cuda_tensor_cores,
                Precision::tf32);
   p.weights = true;  // the tensor cores do not form weights: float32 products instead
@@ -229,6 +230,59 @@ TEST(Capability, PartialStatesAndDecodeCaches) {
   expect_refusal(route(decode, Device::cuda, with_gpu()), "float32 caches of the dense form");
 }
 
+TEST(Capability, PartialStatesOfNonFiniteInputGoToTheReference) {
+  Problem partial = dense(Dtype::float32);
+  partial.operation = Operation::partial;
+  partial.finite = false;
+  expect_route(route(partial, Device::cpu, cpu_only()), Device::cpu, Kernel::reference,
+               Precision::fp32);
+  // The GPU's kernels take non-finite input themselves (finite.hpp).
+  expect_route(route(partial, Device::cuda, with_gpu()), Device::cuda, Kernel::cuda_fused,
+               Precision::fp32);
+}
+
+TEST(Capability, DescribeADecodeCache) {
+  float m[4] = {}, bias[2] = {};
+  LayerOperators<float> layer{1, m, m, bias, nullptr};
+  const Problem p = describe(layer, 2, DecodeOptions{Device::cuda, 64, Precision::tf32});
+  EXPECT_EQ(p.operation, Operation::decode);
+  EXPECT_EQ(p.form, Form::dense);
+  EXPECT_EQ(p.storage, Dtype::float32);
+  EXPECT_EQ(p.precision, Precision::tf32);
+  EXPECT_EQ(p.tokens, 64);
+  EXPECT_EQ(p.dim, 2);
+  EXPECT_TRUE(p.key_bias);
+  EXPECT_FALSE(p.offset);
+  expect_route(route(p, Device::cuda, with_gpu()), Device::cuda, Kernel::cuda_fused,
+               Precision::fp32);
+  expect_route(route(p, Device::automatic, cpu_only()), Device::cpu, Kernel::cpu_fused,
+               Precision::fp32);
+  FactoredLayer<double> f;
+  f.heads = 2;
+  f.rank = 3;
+  const Problem q = describe(f, 8, DecodeOptions{});
+  EXPECT_EQ(q.form, Form::factored);
+  EXPECT_EQ(q.storage, Dtype::float64);
+  EXPECT_EQ(q.rank, 3);
+  EXPECT_EQ(q.heads, 2);
+  expect_route(route(q, Device::automatic, with_gpu()), Device::cpu, Kernel::reference,
+               Precision::fp32);
+}
+
+TEST(Capability, ThePrecisionRuleIsTheValidatorsToo) {
+  // The same sentence in both places: route() refuses with it, check_precision makes it an
+  // invalid argument (tests/core/attention_validation_test.cpp).
+  EXPECT_EQ(detail::precision_mismatch(Dtype::float64, Precision::tf32),
+            "tf32 needs float32 storage, got float64");
+  EXPECT_EQ(detail::precision_mismatch(Dtype::float32, Precision::fp16),
+            "fp16 needs float16 storage, got float32");
+  for (Dtype s : {Dtype::float64, Dtype::float32, Dtype::bfloat16, Dtype::float16}) {
+    EXPECT_EQ(detail::precision_mismatch(s, Precision::fp32), "") << to_string(s);
+  }
+  EXPECT_EQ(detail::precision_mismatch(Dtype::bfloat16, Precision::bf16), "");
+  EXPECT_EQ(detail::precision_mismatch(Dtype::float32, Precision::tf32), "");
+}
+
 TEST(Capability, DescribeReadsShapesOptionsAndWhichArraysAreGiven) {
   float x[8] = {}, m[4] = {}, q[4] = {}, update[8] = {}, lse[4] = {};
   std::int64_t lengths[1] = {4};
@@ -273,8 +327,8 @@ TEST(Capability, RoutesReadAsText) {
             "cuda cuda_tensor_cores bf16");
   EXPECT_EQ(to_string(route(factored(Dtype::float64), Device::cpu, cpu_only())),
             "cpu reference fp64 (expanded)");
-  EXPECT_EQ(to_string(route(dense(Dtype::float32), Device::cuda, cpu_only())).rfind(
-                "unsupported: attend: cuda: ", 0),
+  EXPECT_EQ(to_string(route(dense(Dtype::float32), Device::cuda, cpu_only()))
+                .rfind("unsupported: attend: cuda: ", 0),
             0u);
 }
 

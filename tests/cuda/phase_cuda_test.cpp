@@ -17,6 +17,7 @@
 #include "common/testing.hpp"
 #include "emflow/error.hpp"
 #include "emflow/flow.hpp"
+#include "flow/internal.hpp"
 
 #if defined(EMFLOW_WITH_CUDA)
 #include "kernels/phase_kernels.hpp"

@@ -4,13 +4,17 @@
 // same error on every rank.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "comm.hpp"
 #include "common/testing.hpp"
 #include "emflow/attention.hpp"
+#include "emflow/capability.hpp"
+#include "emflow/partial.hpp"
 #include "emflow/sequence_parallel.hpp"
 
 namespace emflow::testing {
@@ -176,6 +180,74 @@ TEST(RingAttentionErrors, ABadArgumentOnOneRankIsTheSameErrorOnEveryRank) {
         distributed::attend(comm(), in, {update.data(), nullptr, nullptr});
       },
       ErrorCode::invalid_argument, {prefix + "distributed attend: argument 'beta'"}));
+}
+
+// ShardInput is an AttentionInput with a layout (code that sets its fields one by one, as above,
+// keeps compiling), and ShardOutput's statistics have the type of every other lse.
+static_assert(std::is_base_of_v<AttentionInput<float>, distributed::ShardInput<float>>);
+static_assert(std::is_same_v<decltype(distributed::ShardOutput<float>::lse), float*>);
+static_assert(std::is_same_v<decltype(distributed::ShardOutput<double>::entropy), double*>);
+
+TEST(RingAttentionErrors, TheCrossAttentionFieldsOfTheInputAreRefused) {
+  const Problem p = Problem::random(1, 8, 3, 1, 6);
+  Buffers<double> whole(p);
+  std::vector<double> update(whole.cloud.size());
+  distributed::ShardInput<double> in;
+  in.cloud = whole.cloud.data();
+  in.tokens = 8;
+  in.dim = 3;
+  in.layer = whole.input.layer;
+  in.key_position = 4;
+  EXPECT_TRUE(throws_error(
+      [&] {
+        distributed::attend(comm(), in, {update.data(), nullptr, nullptr});
+      },
+      ErrorCode::invalid_argument, {"distributed attend: argument 'queries'", "defaults"}));
+}
+
+// The ring's partial states run on the device route() names for the whole batch's partial state:
+// every device is either taken (the result is attend's) or refused with route()'s reason on every
+// rank. Without a GPU, cuda is refused as missing.
+TEST(RingAttention, RunsOnTheDeviceRouteNames) {
+  const Case c{2, 13, 4, 2, Mask::causal(), false, Layout::zigzag};
+  const Problem p = make_problem(c);
+  Buffers<double> whole(p);
+  attend(whole.input, whole.output, ExecutionOptions{Device::reference});
+  const auto segments = distributed::shard(c.layout, p.tokens, comm().size(), comm().rank());
+  const std::vector<double> cloud =
+      distributed::gather_shard(whole.cloud.data(), p.batch, p.tokens, p.dim, segments);
+  distributed::ShardInput<double> in;
+  in.cloud = cloud.data();
+  in.batch = p.batch;
+  in.tokens = p.tokens;
+  in.dim = p.dim;
+  in.layer = whole.input.layer;
+  in.mask = p.mask;
+  in.layout = c.layout;
+  for (Device device : {Device::automatic, Device::cpu, Device::reference, Device::cuda}) {
+    emflow::Problem problem = describe(static_cast<const AttentionInput<double>&>(in),
+                                       PartialOutput<double>{}, ExecutionOptions{device});
+    problem.lse = problem.entropy = true;
+    const Route want = route(problem, device, "distributed attend");
+    std::vector<double> update(cloud.size(), std::nan(""));
+    try {
+      distributed::attend(comm(), in, {update.data(), nullptr, nullptr},
+                          ExecutionOptions{device, 1});
+    } catch (const Error& e) {
+      EXPECT_FALSE(want.supported) << to_string(device) << ": " << e.what();
+      EXPECT_EQ(e.code(), ErrorCode::unsupported) << e.what();
+      EXPECT_NE(std::string(e.what()).find(want.reason), std::string::npos) << e.what();
+      continue;
+    }
+    EXPECT_TRUE(want.supported) << to_string(device) << " ran; route() says " << to_string(want);
+    if (!segments.empty()) {
+      EXPECT_TRUE(close_to(
+          update,
+          distributed::gather_shard(whole.update.data(), p.batch, p.tokens, p.dim, segments),
+          1e-12))
+          << to_string(device);
+    }
+  }
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "common/flow_helpers.hpp"
@@ -250,6 +251,21 @@ std::vector<double> direct_update(const std::vector<double>& x, std::int64_t N, 
   return out;
 }
 
+// The arguments of one attention_update call.
+UpdateInput<double> update_input(const double* cloud, std::int64_t batch, std::int64_t tokens,
+                                 std::int64_t dim, const FlowLayer<double>& layer,
+                                 std::vector<double> betas, const UpdateSettings& settings) {
+  UpdateInput<double> in;
+  in.cloud = cloud;
+  in.batch = batch;
+  in.tokens = tokens;
+  in.dim = dim;
+  in.layer = &layer;
+  in.betas = std::move(betas);
+  in.settings = settings;
+  return in;
+}
+
 TEST(FlowUpdate, UnnormalizedAndNormalizedMatchTheirFormulas) {
   const std::int64_t N = 7, d = 4, H = 2;
   FlowLayer<double> layer;
@@ -269,8 +285,8 @@ TEST(FlowUpdate, UnnormalizedAndNormalizedMatchTheirFormulas) {
     settings.unnormalized = usa;
     std::vector<double> update(static_cast<std::size_t>(2 * N * d), NAN);
     std::vector<double> entropy(2, NAN);
-    attention_update(cloud.data(), 2, N, d, layer, betas, settings, update.data(), entropy.data(),
-                     on_cpu());
+    attention_update(update_input(cloud.data(), 2, N, d, layer, betas, settings),
+                     UpdateOutput<double>{update.data(), entropy.data()}, on_cpu());
     for (std::int64_t b = 0; b < 2; ++b) {
       const std::vector<double> x(cloud.data() + b * N * d, cloud.data() + (b + 1) * N * d);
       const auto want = direct_update(x, N, d, layer, betas[b], usa);
@@ -289,8 +305,10 @@ TEST(FlowUpdate, TangentProjectionIsOrthogonalToTheToken) {
   UpdateSettings settings;
   settings.tangent = true;
   std::vector<double> update(N * d, NAN), free(N * d, NAN);
-  attention_update(cloud.data(), 1, N, d, layer, {1.0}, settings, update.data(), nullptr, on_cpu());
-  attention_update(cloud.data(), 1, N, d, layer, {1.0}, {}, free.data(), nullptr, on_cpu());
+  attention_update(update_input(cloud.data(), 1, N, d, layer, {1.0}, settings),
+                   UpdateOutput<double>{update.data()}, on_cpu());
+  attention_update(update_input(cloud.data(), 1, N, d, layer, {1.0}, {}),
+                   UpdateOutput<double>{free.data()}, on_cpu());
   for (std::int64_t i = 0; i < N; ++i) {
     double dot = 0.0, along = 0.0;
     for (std::int64_t a = 0; a < d; ++a) {
@@ -302,6 +320,41 @@ TEST(FlowUpdate, TangentProjectionIsOrthogonalToTheToken) {
       EXPECT_NEAR(update[i * d + a], free[i * d + a] - along * cloud[i * d + a], 1e-14);
     }
   }
+}
+
+TEST(FlowUpdate, RefusesAMissingLayerAndBetasOfAnotherLength) {
+  const auto cloud = initial_clouds<double>(InitialCloud::sphere, 2, 5, 3, 2);
+  const auto layer = make_layer<double>(3, OperatorKind::random, OperatorKind::random, 3);
+  std::vector<double> update(2 * 5 * 3, NAN);
+  UpdateInput<double> in = update_input(cloud.data(), 2, 5, 3, layer, {1.0}, {});
+  EXPECT_TRUE(testing::throws_error(
+      [&] { attention_update(in, UpdateOutput<double>{update.data()}, on_cpu()); },
+      ErrorCode::invalid_argument, {"'betas'", "one entry per cloud (2), got 1"}));
+  in.betas = {1.0, 2.0};
+  in.layer = nullptr;
+  EXPECT_TRUE(testing::throws_error(
+      [&] { attention_update(in, UpdateOutput<double>{update.data()}, on_cpu()); },
+      ErrorCode::invalid_argument, {"'layer'"}));
+}
+
+// The former positional form is kept, deprecated, for code written against it: it computes the
+// same bits as the named one.
+TEST(FlowUpdate, TheDeprecatedPositionalFormIsTheSameCall) {
+  const auto cloud = initial_clouds<double>(InitialCloud::gaussian, 2, 6, 3, 4);
+  const auto layer = make_layer<double>(3, OperatorKind::random, OperatorKind::random, 5);
+  const std::vector<double> betas = {0.5, 2.0};
+  std::vector<double> named(2 * 6 * 3, NAN), positional(named.size(), NAN);
+  std::vector<double> named_entropy(2, NAN), positional_entropy(2, NAN);
+  attention_update(update_input(cloud.data(), 2, 6, 3, layer, betas, {}),
+                   UpdateOutput<double>{named.data(), named_entropy.data()}, on_cpu());
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  attention_update(cloud.data(), 2, 6, 3, layer, betas, UpdateSettings{}, positional.data(),
+                   positional_entropy.data(), on_cpu());
+#pragma GCC diagnostic pop
+  EXPECT_EQ(named, positional);
+  EXPECT_EQ(named_entropy, positional_entropy);
+  EXPECT_GT(std::abs(named[0]), 1e-6);
 }
 
 TEST(FlowUpdate, MultiHeadAttentionWeightsGiveTheAttentionSublayer) {
@@ -324,7 +377,8 @@ TEST(FlowUpdate, MultiHeadAttentionWeightsGiveTheAttentionSublayer) {
   const auto cloud = initial_clouds<double>(InitialCloud::gaussian, 1, 9, 6, 3);
   const FlowLayer<double> layer = layer_from_mha<double>(w);
   std::vector<double> update(9 * 6, NAN);
-  attention_update(cloud.data(), 1, 9, 6, layer, {1.0}, {}, update.data(), nullptr, on_cpu());
+  attention_update(update_input(cloud.data(), 1, 9, 6, layer, {1.0}, {}),
+                   UpdateOutput<double>{update.data()}, on_cpu());
   const Tensor<double> want = mha_reference(w, cloud);
   EXPECT_LT(testing::relative_error(update, want.values()), 1e-12);
 }
@@ -506,7 +560,9 @@ TEST(FlowPhase, SpecialisedPathMatchesGenericPath) {
     // 7 clouds at 3 betas, 21 clouds: two lane groups, the second partly empty.
     const PhaseSettings s = testing::phase_settings(9, d, 0.5, 6.0, 3, 6.0, 0.1, 7, 3);
     const PhaseDiagram fast = phase_diagram(s, on_cpu());
-    const PhaseDiagram generic = phase_diagram_generic(s, on_cpu());
+    PhaseSettings g = s;
+    g.generic = true;
+    const PhaseDiagram generic = phase_diagram(g, on_cpu());
     ASSERT_EQ(fast.clustered.size(), 61u * 3u);
     ASSERT_EQ(fast.times, generic.times);
     ASSERT_EQ(fast.betas, generic.betas);

@@ -13,6 +13,7 @@
 
 #include "common/files.hpp"
 #include "emflow/error.hpp"
+#include "emflow/precision.hpp"
 
 namespace {
 
@@ -56,38 +57,60 @@ std::string entry(const std::string& name, const std::string& dtype, const std::
          ",\"data_offsets\":[" + std::to_string(begin) + "," + std::to_string(end) + "]}";
 }
 
-TEST(HalfConversion, EveryHalfValueMatchesTheCompiler) {
-#if defined(__FLT16_MAX__)
+// The reader widens F16 and BF16 with precision.hpp's conversions, the one 16-bit conversion of
+// the library (tested against the compiler's binary16 in tests/core/precision_test.cpp): every bit
+// pattern read from a file is that conversion's float, bit for bit (NaN payloads included).
+TEST_F(Safetensors, SixteenBitTensorsAreWidenedByTheOneConversion) {
+  std::vector<std::uint16_t> every(65536);
+  for (std::uint32_t bits = 0; bits < 65536; ++bits) every[bits] = static_cast<std::uint16_t>(bits);
+  const std::string header = "{" + entry("h", "F16", "[65536]", 0, 131072) + "," +
+                             entry("b", "BF16", "[65536]", 131072, 262144) + "}";
+  const SafetensorsFile f(file("every.safetensors", header, raw(every) + raw(every)));
+  EXPECT_EQ(f.entry("h").dtype, emflow::Dtype::float16);
+  EXPECT_EQ(f.entry("b").dtype, emflow::Dtype::bfloat16);
+  const auto h = f.read<float>("h");
+  const auto b = f.read<float>("b");
+  int wrong = 0;
   for (std::uint32_t bits = 0; bits < 65536; ++bits) {
-    _Float16 h;
-    const auto b = static_cast<std::uint16_t>(bits);
-    std::memcpy(&h, &b, 2);
-    const float expected = static_cast<float>(h);
-    const float got = emflow::half_to_float(b);
-    if (std::isnan(expected)) {
-      ASSERT_TRUE(std::isnan(got)) << bits;
-    } else {
-      ASSERT_EQ(std::memcmp(&expected, &got, 4), 0) << bits << ": " << expected << " vs " << got;
-    }
+    const auto pattern = static_cast<std::uint16_t>(bits);
+    const float want_h = emflow::to_float(emflow::float16{pattern});
+    const float want_b = emflow::to_float(emflow::bfloat16{pattern});
+    wrong += std::memcmp(&want_h, &h.values()[bits], 4) != 0;
+    wrong += std::memcmp(&want_b, &b.values()[bits], 4) != 0;
   }
-#else
-  GTEST_SKIP() << "the compiler has no _Float16 to compare with";
-#endif
+  EXPECT_EQ(wrong, 0);
+  EXPECT_EQ(h.values()[0x3c00], 1.0f);  // not vacuous: the patterns hold real values
+  EXPECT_EQ(b.values()[0xc0a0], -5.0f);
 }
 
-TEST(HalfConversion, KnownValues) {
-  EXPECT_EQ(emflow::half_to_float(0x3c00), 1.0f);
-  EXPECT_EQ(emflow::half_to_float(0xc000), -2.0f);
-  EXPECT_EQ(emflow::half_to_float(0x7bff), 65504.0f);
-  EXPECT_EQ(emflow::half_to_float(0x0001), std::ldexp(1.0f, -24));  // smallest subnormal
-  EXPECT_EQ(emflow::half_to_float(0x0400), std::ldexp(1.0f, -14));  // smallest normal
-  EXPECT_TRUE(std::signbit(emflow::half_to_float(0x8000)));
-  EXPECT_EQ(emflow::half_to_float(0x7c00), std::numeric_limits<float>::infinity());
-  EXPECT_TRUE(std::isnan(emflow::half_to_float(0x7e00)));
-  EXPECT_EQ(emflow::bfloat16_to_float(0x3f80), 1.0f);
-  EXPECT_EQ(emflow::bfloat16_to_float(0xc0a0), -5.0f);
-  EXPECT_EQ(emflow::bfloat16_to_float(0x0001), std::ldexp(1.0f, -133));
-  EXPECT_TRUE(std::isnan(emflow::bfloat16_to_float(0x7fc0)));
+// The format's names of the one Dtype enum, and the sizes its header checks use.
+TEST(SafetensorsNames, EveryDtypeHasItsFileNameAndSize) {
+  using emflow::Dtype;
+  const struct {
+    Dtype dtype;
+    const char* name;
+    std::int64_t size;
+  } names[] = {{Dtype::float16, "F16", 2},
+               {Dtype::bfloat16, "BF16", 2},
+               {Dtype::float32, "F32", 4},
+               {Dtype::float64, "F64", 8},
+               {Dtype::boolean, "BOOL", 1},
+               {Dtype::uint8, "U8", 1},
+               {Dtype::int8, "I8", 1},
+               {Dtype::int16, "I16", 2},
+               {Dtype::uint16, "U16", 2},
+               {Dtype::int32, "I32", 4},
+               {Dtype::uint32, "U32", 4},
+               {Dtype::int64, "I64", 8},
+               {Dtype::uint64, "U64", 8},
+               {Dtype::float8_e4m3, "F8_E4M3", 1},
+               {Dtype::float8_e5m2, "F8_E5M2", 1}};
+  for (const auto& n : names) {
+    EXPECT_STREQ(emflow::safetensors_name(n.dtype), n.name) << emflow::to_string(n.dtype);
+    EXPECT_EQ(emflow::item_size(n.dtype), n.size) << emflow::to_string(n.dtype);
+  }
+  EXPECT_STREQ(emflow::to_string(Dtype::float8_e4m3), "float8_e4m3");
+  EXPECT_STREQ(emflow::to_string(Dtype::boolean), "bool");
 }
 
 TEST_F(Safetensors, ReadsEveryDtypeExactly) {
@@ -103,7 +126,7 @@ TEST_F(Safetensors, ReadsEveryDtypeExactly) {
   const SafetensorsFile f(p);
   EXPECT_EQ(f.header().metadata.at("format"), "pt");
   EXPECT_EQ(f.names(), (std::vector<std::string>{"h", "b", "f", "d", "s"}));
-  EXPECT_EQ(f.entry("b").dtype, emflow::TensorDtype::bf16);
+  EXPECT_EQ(f.entry("b").dtype, emflow::Dtype::bfloat16);
 
   const auto h = f.read<float>("h");
   EXPECT_EQ(h.shape(), (emflow::Shape{2, 2}));
@@ -124,7 +147,7 @@ TEST_F(Safetensors, IntegerBuffersOpenButAreNotReadAsFloat) {
            "{" + entry("ids", "I64", "[2]", 0, 16) + "," + entry("w", "F32", "[1]", 16, 20) + "}",
            raw(std::vector<std::int64_t>{0, 1}) + raw(std::vector{0.5f}));
   const SafetensorsFile f(p);
-  EXPECT_EQ(f.entry("ids").dtype, emflow::TensorDtype::i64);
+  EXPECT_EQ(f.entry("ids").dtype, emflow::Dtype::int64);
   EXPECT_EQ(f.read<float>("w")[0], 0.5f);
   const std::string message = error_of(ErrorCode::io, [&] { f.read<double>("ids"); });
   EXPECT_NE(message.find("tensor 'ids' has dtype I64"), std::string::npos) << message;

@@ -19,6 +19,7 @@
 #include "common/testing.hpp"
 #include "emflow/io.hpp"
 #include "emflow/tensor.hpp"
+#include "io/staged_file.hpp"
 
 namespace emflow {
 namespace {
@@ -53,8 +54,9 @@ class OutputPaths : public testing::CliFolder {
            path("f.npy");
   }
 
-  // Runs emflow with `arguments` (split at spaces) in folder_, `hook` as the value of
-  // EMFLOW_TEST_STOP_BEFORE_FSYNC when non-empty; returns the child's pid, stderr in err_.
+  // Runs emflow with `arguments` (split at spaces) in folder_, `hook` as the value of the
+  // environment variable detail::kStopBeforeFsync (src/io/staged_file.hpp) when non-empty;
+  // returns the child's pid, stderr in err_.
   pid_t start(const std::string& arguments, const std::string& hook = "") const {
     std::vector<std::string> words{"emflow"};
     std::istringstream in(arguments);
@@ -65,7 +67,7 @@ class OutputPaths : public testing::CliFolder {
       std::vector<char*> argv;
       for (std::string& word : words) argv.push_back(&word[0]);
       argv.push_back(nullptr);
-      if (!hook.empty()) ::setenv("EMFLOW_TEST_STOP_BEFORE_FSYNC", hook.c_str(), 1);
+      if (!hook.empty()) ::setenv(emflow::detail::kStopBeforeFsync, hook.c_str(), 1);
       if (::chdir(folder_.c_str()) != 0) ::_exit(126);
       if (!std::freopen(err.c_str(), "w", stderr) || !std::freopen("/dev/null", "w", stdout)) {
         ::_exit(126);
