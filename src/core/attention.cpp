@@ -197,6 +197,10 @@ template void check_no_overlap<float>(const AttentionInput<float>&, const Attent
 template void check_no_overlap<double>(const AttentionInput<double>&,
                                        const AttentionOutput<double>&, const char*, const void*,
                                        std::size_t);
+template void check_shapes<bfloat16>(const AttentionInput<bfloat16>&,
+                                     const AttentionOutput<bfloat16>&, const char*);
+template void check_shapes<float16>(const AttentionInput<float16>&,
+                                    const AttentionOutput<float16>&, const char*);
 template void check_arguments<bfloat16>(const AttentionInput<bfloat16>&,
                                    const AttentionOutput<bfloat16>&, const char*, Lengths);
 template void check_arguments<float16>(const AttentionInput<float16>&,

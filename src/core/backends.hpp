@@ -68,9 +68,9 @@ void check_factored(const AttentionInput<T>& input, const FactoredLayer<T>& laye
                     const void* workspace = nullptr, std::size_t workspace_bytes = 0,
                     Lengths lengths = Lengths::host);
 
-/// Blocking CUDA path of attend_factored on host arrays of 16-bit T, or of float with precision
-/// tf32 (kernels/, or a stub without CUDA): copies to the device, runs
-/// cuda::attend_factored_async, copies back.
+/// Blocking CUDA path of attend_factored on host arrays of any storage type (src/cuda/, or a stub
+/// without CUDA): copies to the device, runs a cuda::AttentionPlan of the factored layer (the
+/// tensor cores, or the layer expanded to dense operators on the device), copies back.
 template <class T>
 void cuda_attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
                           const AttentionOutput<T>& output,

@@ -35,6 +35,9 @@ template void cuda_attend_factored<float16>(const AttentionInput<float16>&,
                                             const AttentionOutput<float16>&, Precision);
 template void cuda_attend_factored<float>(const AttentionInput<float>&, const FactoredLayer<float>&,
                                           const AttentionOutput<float>&, Precision);
+template void cuda_attend_factored<double>(const AttentionInput<double>&,
+                                           const FactoredLayer<double>&,
+                                           const AttentionOutput<double>&, Precision);
 template void cuda_attend_partial<float>(const AttentionInput<float>&, const PartialOutput<float>&);
 template void cuda_attend_partial<double>(const AttentionInput<double>&,
                                           const PartialOutput<double>&);

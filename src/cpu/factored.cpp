@@ -321,8 +321,8 @@ void attend_factored_host(const AttentionInput<T>& input, const FactoredLayer<T>
         attend_dense<double>(input, layer, output, options);
       }
       return;
-    case Device::cuda:
-      attend_dense<T>(input, layer, output, options);
+    case Device::cuda:  // the factored layer's plan on the device (src/cuda/expanded.cpp)
+      detail::cuda_attend_factored(input, layer, output, options.precision);
       return;
   }
 }

@@ -1,16 +1,16 @@
-// The launches of a plan (attend_plan.hpp): the cuBLAS projections, then either the fused kernel
-// (with or without key splits and their merge) or the unfused chain of scores, row softmax and
-// update products. Everything is enqueued on the
+// The launches of the float32 and float64 product paths (products_strategy.hpp): the cuBLAS
+// projections, then either the fused kernel (with or without key splits and their merge) or the
+// unfused chain of scores, row softmax and update products. Everything is enqueued on the
 // caller's stream; nothing is allocated or synchronised.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <type_traits>
 
-#include "attend_plan.hpp"
-#include "kernels/attention_kernels.hpp"
 #include "cublas_handles.hpp"
 #include "cublas_loader.hpp"
+#include "kernels/attention_kernels.hpp"
+#include "products_strategy.hpp"
 
 namespace emflow::detail {
 
@@ -18,54 +18,23 @@ namespace {
 
 constexpr double kLog2e = 1.4426950408889634074;
 
-// One column-major strided-batched product in T, named `what` in errors.
-template <class T>
-void gemm(const CublasApi& api, cublasHandle_t handle, cublasOperation_t a_op,
-          cublasOperation_t b_op, int m, int n, int k, const T* alpha, const T* a, int lda,
-          long long a_stride, const T* b, int ldb, long long b_stride, const T* beta, T* c, int ldc,
-          long long c_stride, int count, const char* operation, const char* what) {
-  const auto function = [&] {
-    if constexpr (std::is_same_v<T, float>) {
-      return api.sgemm_strided_batched;
-    } else {
-      return api.dgemm_strided_batched;
-    }
-  }();
-  check_cublas(api,
-               function(handle, a_op, b_op, m, n, k, alpha, a, lda, a_stride, b, ldb, b_stride,
-                        beta, c, ldc, c_stride, count),
-               operation, what);
-}
-
 }  // namespace
 
 template <class T>
-void AttentionPlan<T>::enqueue(const AttentionInput<T>& input, const AttentionOutput<T>& output,
-                               void* workspace, cudaStream_t stream) const {
-  Targets targets;
-  targets.update = output.update;
-  targets.lse = output.lse;
-  targets.entropy = output.entropy;
-  targets.weights = output.weights;
-  check_matches(input, targets);
-  launch(input, targets, workspace, stream);
-}
-
-template <class T>
-void AttentionPlan<T>::enqueue(const AttentionInput<T>& input, const PartialOutput<T>& output,
-                               void* workspace, cudaStream_t stream) const {
-  Targets targets;
-  targets.heads = output.heads;
-  targets.lse = output.lse;
-  targets.entropy = output.entropy;
-  check_matches(input, targets);
-  launch(input, targets, workspace, stream);
-}
-
-template <class T>
-void AttentionPlan<T>::launch(const AttentionInput<T>& input, const Targets& out, void* workspace,
-                              cudaStream_t stream) const {
-  const char* const operation = operation_.c_str();
+void ProductsStrategy<T>::run(const PlanCall<T>& call, unsigned char* base, cudaStream_t stream,
+                              const char* operation) const {
+  const AttentionInput<T>& input = *call.input;
+  Targets out;
+  if (partial_) {
+    out.heads = call.partial->heads;
+    out.lse = call.partial->lse;
+    out.entropy = call.partial->entropy;
+  } else {
+    out.update = call.output->update;
+    out.lse = call.output->lse;
+    out.entropy = call.output->entropy;
+    out.weights = call.output->weights;
+  }
   const CublasApi& api = *cublas_;
   const int B = static_cast<int>(batch_), N = static_cast<int>(tokens_);
   const int Nq = static_cast<int>(queries_);
@@ -73,9 +42,8 @@ void AttentionPlan<T>::launch(const AttentionInput<T>& input, const Targets& out
   const long long query_rows = static_cast<long long>(B) * Nq;  // one head's query projections
   const long long key_rows = static_cast<long long>(B) * N;     // one head's contents
   const long long query_head = query_rows * d, key_head = key_rows * d;
-  auto* const base = static_cast<unsigned char*>(workspace);
-  T* const relevance = reinterpret_cast<T*>(base + layout_.relevance);
-  T* const content = reinterpret_cast<T*>(base + layout_.content);
+  T* const relevance = reinterpret_cast<T*>(base + relevance_);
+  T* const content = reinterpret_cast<T*>(base + content_);
   const T* const queries = input.queries != nullptr ? input.queries : input.cloud;
   // Self-attention's queries are its keys: without query lengths they have the key lengths.
   const std::int64_t* const query_lengths =
@@ -83,13 +51,12 @@ void AttentionPlan<T>::launch(const AttentionInput<T>& input, const Targets& out
                                                                  : input.key_lengths;
   const KernelMask mask{input.mask,         input.key_lengths,    query_lengths,
                         input.key_position, input.query_position, input.query_positions};
-  cublasHandle_t handle = cublas_for_stream(api, device_, stream, base + layout_.cublas,
-                                            layout_.total - layout_.cublas, operation);
+  cublasHandle_t handle = cublas_for_stream(api, device_, stream, base + cublas_region_,
+                                            total_ - cublas_region_, operation);
 
   // Q_h = scale (Y M_h + 1 u_h^T): in column-major terms Q_h^T = M_h^T Y^T, one product per head
   // over all clouds at once (Y is shared: stride 0).
-  const T scale =
-      static_cast<T>(algorithm_ == cuda::Algorithm::fused ? input.beta * kLog2e : input.beta);
+  const T scale = static_cast<T>(fused_ ? input.beta * kLog2e : input.beta);
   const T one = 1, zero = 0;
   T bias_coefficient = zero;
   if (input.layer.key_bias != nullptr) {
@@ -97,19 +64,19 @@ void AttentionPlan<T>::launch(const AttentionInput<T>& input, const Targets& out
                              operation);
     bias_coefficient = scale;
   }
-  gemm<T>(api, handle, CUBLAS_OP_N, CUBLAS_OP_N, d, static_cast<int>(query_rows), d, &scale,
-          input.layer.relevance, d, static_cast<long long>(d) * d, queries, d, 0, &bias_coefficient,
-          relevance, d, query_head, H, operation, "cublasGemmStridedBatched (relevance R = X M)");
+  gemm_strided_batched<T>(api, handle, CUBLAS_OP_N, CUBLAS_OP_N, d, static_cast<int>(query_rows), d,
+                          &scale, input.layer.relevance, d, static_cast<long long>(d) * d, queries,
+                          d, 0, &bias_coefficient, relevance, d, query_head, H, operation,
+                          "cublasGemmStridedBatched (relevance R = X M)");
   // C_h = X F_h^T: C_h^T = F_h X^T with F_h read transposed.
-  gemm<T>(api, handle, CUBLAS_OP_T, CUBLAS_OP_N, d, static_cast<int>(key_rows), d, &one,
-          input.layer.content, d, static_cast<long long>(d) * d, input.cloud, d, 0, &zero, content,
-          d, key_head, H, operation, "cublasGemmStridedBatched (content C = X F^T)");
+  gemm_strided_batched<T>(api, handle, CUBLAS_OP_T, CUBLAS_OP_N, d, static_cast<int>(key_rows), d,
+                          &one, input.layer.content, d, static_cast<long long>(d) * d, input.cloud,
+                          d, 0, &zero, content, d, key_head, H, operation,
+                          "cublasGemmStridedBatched (content C = X F^T)");
 
-  if constexpr (std::is_same_v<T, float>) {
-    if (algorithm_ == cuda::Algorithm::fused) {
-      launch_fused(input, out, relevance, content, base, mask, stream);
-      return;
-    }
+  if (fused_) {
+    launch_fused(input, out, relevance, content, base, mask, stream, operation);
+    return;
   }
 
   // Unfused. Padding content must be 0, not merely weighted by 0 (it may hold NaN); the fused
@@ -117,25 +84,26 @@ void AttentionPlan<T>::launch(const AttentionInput<T>& input, const Targets& out
   launch_zero_padding<T>(content, H, B, N, d, mask, stream, operation);
   // S_{b,h} = Q_{h,b} X_b^T (S^T = X Q^T in column-major terms), in place of the
   // weights when they are requested.
-  T* const scores =
-      out.weights != nullptr ? out.weights : reinterpret_cast<T*>(base + layout_.scores);
+  T* const scores = out.weights != nullptr ? out.weights : reinterpret_cast<T*>(base + scores_);
   const long long rectangle = static_cast<long long>(Nq) * N;
   const long long cloud_stride = static_cast<long long>(N) * d;
   const long long query_stride = static_cast<long long>(Nq) * d;
   for (int h = 0; h < H; ++h) {
-    gemm<T>(api, handle, CUBLAS_OP_T, CUBLAS_OP_N, N, Nq, d, &one, input.cloud, d, cloud_stride,
-            relevance + h * query_head, d, query_stride, &zero, scores + h * rectangle, N,
-            rectangle * H, B, operation, "cublasGemmStridedBatched (scores S = R X^T)");
+    gemm_strided_batched<T>(api, handle, CUBLAS_OP_T, CUBLAS_OP_N, N, Nq, d, &one, input.cloud, d,
+                            cloud_stride, relevance + h * query_head, d, query_stride, &zero,
+                            scores + h * rectangle, N, rectangle * H, B, operation,
+                            "cublasGemmStridedBatched (scores S = R X^T)");
   }
   launch_row_softmax<T>(scores, out.lse, out.entropy, B, H, N, Nq, mask, partial_, stream,
                         operation);
   if (partial_) {
     // o_{b,h} = P_{b,h} C_{h,b} into the state's (batch, heads, Nq, dim) rows.
     for (int h = 0; h < H; ++h) {
-      gemm<T>(api, handle, CUBLAS_OP_N, CUBLAS_OP_N, d, Nq, N, &one, content + h * key_head, d,
-              cloud_stride, scores + h * rectangle, N, rectangle * H, &zero,
-              out.heads + h * query_stride, d, query_stride * H, B, operation,
-              "cublasGemmStridedBatched (per-head update P C)");
+      gemm_strided_batched<T>(api, handle, CUBLAS_OP_N, CUBLAS_OP_N, d, Nq, N, &one,
+                              content + h * key_head, d, cloud_stride, scores + h * rectangle, N,
+                              rectangle * H, &zero, out.heads + h * query_stride, d,
+                              query_stride * H, B, operation,
+                              "cublasGemmStridedBatched (per-head update P C)");
     }
     // A query without a visible key weights every key by 0, and 0 * NaN would give it the NaN
     // of a non-finite content row: it is set to 0 (docs/MATH.md §6.6).
@@ -144,9 +112,10 @@ void AttentionPlan<T>::launch(const AttentionInput<T>& input, const Targets& out
   }
   // Delta_b = sum_h P_{b,h} C_{h,b} (Delta^T = C^T P^T), heads accumulated in order.
   for (int h = 0; h < H; ++h) {
-    gemm<T>(api, handle, CUBLAS_OP_N, CUBLAS_OP_N, d, Nq, N, &one, content + h * key_head, d,
-            cloud_stride, scores + h * rectangle, N, rectangle * H, h == 0 ? &zero : &one,
-            out.update, d, query_stride, B, operation, "cublasGemmStridedBatched (update P C)");
+    gemm_strided_batched<T>(api, handle, CUBLAS_OP_N, CUBLAS_OP_N, d, Nq, N, &one,
+                            content + h * key_head, d, cloud_stride, scores + h * rectangle, N,
+                            rectangle * H, h == 0 ? &zero : &one, out.update, d, query_stride, B,
+                            operation, "cublasGemmStridedBatched (update P C)");
   }
   // Queries without a visible key get 0 (as above), the others the offset. Self-attention without
   // lengths or offset has neither.
@@ -160,11 +129,11 @@ void AttentionPlan<T>::launch(const AttentionInput<T>& input, const Targets& out
 }
 
 template <class T>
-void AttentionPlan<T>::launch_fused(const AttentionInput<T>& input, const Targets& out,
-                                    const T* relevance, const T* content, unsigned char* base,
-                                    const KernelMask& mask, cudaStream_t stream) const {
+void ProductsStrategy<T>::launch_fused(const AttentionInput<T>& input, const Targets& out,
+                                       const T* relevance, const T* content, unsigned char* base,
+                                       const KernelMask& mask, cudaStream_t stream,
+                                       const char* operation) const {
   if constexpr (std::is_same_v<T, float>) {
-    const char* const operation = operation_.c_str();
     const int B = static_cast<int>(batch_), Nq = static_cast<int>(queries_);
     const int d = static_cast<int>(dim_), H = static_cast<int>(heads_);
     const std::size_t head_rows = static_cast<std::size_t>(Nq) * d;  // one (cloud, head)
@@ -183,9 +152,9 @@ void AttentionPlan<T>::launch_fused(const AttentionInput<T>& input, const Target
     args.mask = mask;
     if (splits_.splits > 1) {
       // Each split writes its partial state (batch, heads, Nq, ...) to its own slice.
-      args.out.rows = reinterpret_cast<float*>(base + layout_.split_rows);
-      args.out.lse = reinterpret_cast<float*>(base + layout_.split_lse);
-      args.out.entropy = reinterpret_cast<float*>(base + layout_.split_entropy);
+      args.out.rows = reinterpret_cast<float*>(base + split_rows_);
+      args.out.lse = reinterpret_cast<float*>(base + split_lse_);
+      args.out.entropy = reinterpret_cast<float*>(base + split_entropy_);
       args.out.batch_stride = head_rows * H;
       args.out.head_stride = head_rows;
       args.out.split_rows = head_rows * H * B;
@@ -218,7 +187,7 @@ void AttentionPlan<T>::launch_fused(const AttentionInput<T>& input, const Target
       return;
     }
     args.offset = H == 1 ? input.layer.offset : nullptr;
-    args.out.rows = H == 1 ? out.update : reinterpret_cast<float*>(base + layout_.partial);
+    args.out.rows = H == 1 ? out.update : reinterpret_cast<float*>(base + heads_out_);
     args.out.batch_stride = head_rows;
     args.out.head_stride = head_rows * B;
     launch_fused_attention(args, stream, operation);
@@ -228,30 +197,20 @@ void AttentionPlan<T>::launch_fused(const AttentionInput<T>& input, const Target
     }
   } else {
     (void)input, (void)out, (void)relevance, (void)content, (void)base, (void)mask, (void)stream;
+    (void)operation;
   }
 }
 
 // The header declares the class's instantiation extern: its members defined here are
-// instantiated here explicitly, the private ones that the enqueues call included.
-#define EMFLOW_INSTANTIATE_LAUNCH(T)                                                               \
-  template void AttentionPlan<T>::launch(const AttentionInput<T>&, const Targets&, void*,          \
-                                         cudaStream_t) const;                                      \
-  template void AttentionPlan<T>::launch_fused(const AttentionInput<T>&, const Targets&, const T*, \
-                                               const T*, unsigned char*, const KernelMask&,        \
-                                               cudaStream_t) const;
+// instantiated here explicitly, the private one that run calls included.
+#define EMFLOW_INSTANTIATE_LAUNCH(T)                                                       \
+  template void ProductsStrategy<T>::run(const PlanCall<T>&, unsigned char*, cudaStream_t, \
+                                         const char*) const;                               \
+  template void ProductsStrategy<T>::launch_fused(                                         \
+      const AttentionInput<T>&, const Targets&, const T*, const T*, unsigned char*,        \
+      const KernelMask&, cudaStream_t, const char*) const;
 EMFLOW_INSTANTIATE_LAUNCH(float)
 EMFLOW_INSTANTIATE_LAUNCH(double)
 #undef EMFLOW_INSTANTIATE_LAUNCH
-template void AttentionPlan<float>::enqueue(const AttentionInput<float>&,
-                                            const AttentionOutput<float>&, void*,
-                                            cudaStream_t) const;
-template void AttentionPlan<double>::enqueue(const AttentionInput<double>&,
-                                             const AttentionOutput<double>&, void*,
-                                             cudaStream_t) const;
-template void AttentionPlan<float>::enqueue(const AttentionInput<float>&,
-                                            const PartialOutput<float>&, void*, cudaStream_t) const;
-template void AttentionPlan<double>::enqueue(const AttentionInput<double>&,
-                                             const PartialOutput<double>&, void*,
-                                             cudaStream_t) const;
 
 }  // namespace emflow::detail

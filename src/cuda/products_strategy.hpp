@@ -1,10 +1,9 @@
-// A plan of the CUDA attention for one configuration (shapes, mask, outputs, algorithm): made
-// once, with every check and device query, and enqueued many times, each enqueue only launching.
-// emflow::cuda::attend_async (cuda.hpp) is a plan made and enqueued in one call, after checking
-// the caller's pointers.
-//
-// A plan computes either the update (AttentionOutput) or the partial state over its keys
-// (PartialOutput, partial.hpp). Nq below is query_tokens with queries, else tokens.
+// The float32 and float64 product paths of cuda::AttentionPlan (plan_strategy.hpp): cuBLAS
+// projects the queries and the contents, then either the fused kernel (route() kernel cuda_fused,
+// float only: online softmax, with or without key splits) or the unfused chain (cuda_unfused:
+// cuBLAS scores, a masked row softmax, cuBLAS updates). It computes the update (AttentionOutput)
+// or the partial state over its keys (PartialOutput, partial.hpp). Nq below is query_tokens with
+// queries, else tokens.
 //
 // Workspace (each region aligned to 256 bytes, in this order):
 //   relevance  (heads, batch * Nq, dim)     Q_h = scale (Y M_h + 1 u_h^T) for the queries Y (X
@@ -29,23 +28,15 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <string>
 
 #include "emflow/attention.hpp"
-#include "emflow/cuda.hpp"
-#include "emflow/partial.hpp"
+#include "emflow/capability.hpp"
+#include "plan_strategy.hpp"
 
 namespace emflow::detail {
 
 struct CublasApi;
 struct KernelMask;
-
-/// Byte offsets of the workspace regions (see above) and the total size.
-struct WorkspaceLayout {
-  std::size_t relevance = 0, content = 0, scores = 0, partial = 0;
-  std::size_t split_rows = 0, split_lse = 0, split_entropy = 0, cublas = 0;
-  std::size_t total = 0;
-};
 
 /// The key splits of the fused kernel: `splits` blocks of `keys` keys (the last may be shorter).
 struct KeySplits {
@@ -54,52 +45,23 @@ struct KeySplits {
 };
 
 /// The automatic choice (see above) for these shapes; `requested` > 0 asks for that many splits
-/// instead (clamped to one per 64-key tile), 1 for none.
+/// instead (clamped to one per 64-key tile, and so that the grid stays within 2^31 - 1 blocks),
+/// 1 for none.
 KeySplits choose_key_splits(std::int64_t batch, std::int64_t heads, std::int64_t queries,
                             std::int64_t tokens, bool cross, int requested = 0);
 
-/// Alignment of the workspace and of each region in it (cudaMalloc's).
-constexpr std::size_t kWorkspaceAlignment = 256;
-
 template <class T>
-class AttentionPlan {
+class ProductsStrategy final : public PlanStrategy<T> {
  public:
-  /// Validates shapes, mask, beta and which outputs are requested (null or not), chooses the
-  /// algorithm, lays out the workspace, and, when `query_device` is true, checks that a device
-  /// is usable and queries it once (current device, opt-in shared-memory limit for the fused
-  /// kernel), raises the fused kernel's dynamic shared-memory attribute once (not per launch)
-  /// and loads cuBLAS. Reads no array. Throws emflow::Error as attend_async does.
-  /// `key_splits`: 0 chooses (see above), n > 0 asks for n splits of the fused kernel's keys.
-  AttentionPlan(const AttentionInput<T>& shapes, const AttentionOutput<T>& outputs,
-                cuda::Algorithm algorithm, const char* operation, bool query_device = true,
-                int key_splits = 0);
-  /// A plan of the partial state (partial.hpp): every array of `outputs` is written.
-  AttentionPlan(const AttentionInput<T>& shapes, const PartialOutput<T>& outputs,
-                cuda::Algorithm algorithm, const char* operation, bool query_device = true,
-                int key_splits = 0);
+  /// The strategy of `problem` (an update or a partial state of the dense form, validated) on
+  /// `kernel` (cuda_fused or cuda_unfused); `key_splits` as PlanOptions::key_splits.
+  ProductsStrategy(const Problem& problem, Kernel kernel, int key_splits, const char* operation);
 
-  std::size_t workspace_bytes() const noexcept { return layout_.total; }
-
-  /// True when enqueue would accept this call's shapes, mask and outputs: for callers that keep
-  /// one plan per configuration and pick the one a call needs.
-  bool matches(const AttentionInput<T>& input, const AttentionOutput<T>& output) const noexcept;
-  cuda::Algorithm algorithm() const noexcept { return algorithm_; }
-  /// The fused kernel's key splits (1: none, and always 1 for the unfused algorithm).
-  int key_splits() const noexcept { return splits_.splits; }
-  /// The device that was current when the plan was made (-1 for a sizing-only plan).
-  int device() const noexcept { return device_; }
-
-  /// Enqueues on `stream`, on the device that was current when the plan was made. Checks only
-  /// that the call matches the plan (the same batch, tokens, dim, heads, mask, the same outputs
-  /// present, a non-null update; integer compares, no CUDA API query), then launches. Pointers
-  /// are trusted device pointers; `beta` and the pointers may differ from call to call.
-  /// `workspace` holds workspace_bytes(), 256-byte aligned. Never synchronises, allocates
-  /// nothing. A plan made with query_device = false (for sizing) is refused.
-  void enqueue(const AttentionInput<T>& input, const AttentionOutput<T>& output, void* workspace,
-               cudaStream_t stream) const;
-  /// The same for a plan of the partial state.
-  void enqueue(const AttentionInput<T>& input, const PartialOutput<T>& output, void* workspace,
-               cudaStream_t stream) const;
+  std::size_t workspace_bytes() const noexcept override { return total_; }
+  int key_splits() const noexcept override { return splits_.splits; }
+  void bind(int device, bool prepare, const char* operation) override;
+  void run(const PlanCall<T>& call, unsigned char* workspace, cudaStream_t stream,
+           const char* operation) const override;
 
  private:
   // What a launch writes: the update (with optional lse, entropy, weights) or a partial state.
@@ -110,28 +72,23 @@ class AttentionPlan {
     T* entropy = nullptr;
     T* weights = nullptr;
   };
-  void set_up(const AttentionInput<T>& shapes, cuda::Algorithm algorithm, bool query_device,
-              int key_splits);
-  void check_matches(const AttentionInput<T>& input, const Targets& targets) const;
-  void launch(const AttentionInput<T>& input, const Targets& targets, void* workspace,
-              cudaStream_t stream) const;
   void launch_fused(const AttentionInput<T>& input, const Targets& targets, const T* relevance,
                     const T* content, unsigned char* workspace, const KernelMask& mask,
-                    cudaStream_t stream) const;
+                    cudaStream_t stream, const char* operation) const;
 
-  std::string operation_;
   std::int64_t batch_ = 0, tokens_ = 0, queries_ = 0, dim_ = 0, heads_ = 0;
-  Mask mask_;
   bool partial_ = false;
-  bool lse_ = false, entropy_ = false, weights_ = false;
+  bool fused_ = false;
   KeySplits splits_;
-  cuda::Algorithm algorithm_ = cuda::Algorithm::unfused;
-  WorkspaceLayout layout_;
-  int device_ = -1;                    // -1: made without querying the device
-  const CublasApi* cublas_ = nullptr;  // loaded with the device query
+  // Byte offsets of the workspace regions (see above) and the total size.
+  std::size_t relevance_ = 0, content_ = 0, scores_ = 0, heads_out_ = 0;
+  std::size_t split_rows_ = 0, split_lse_ = 0, split_entropy_ = 0, cublas_region_ = 0;
+  std::size_t total_ = 0;
+  int device_ = -1;
+  const CublasApi* cublas_ = nullptr;  // loaded when the plan is prepared
 };
 
-extern template class AttentionPlan<float>;
-extern template class AttentionPlan<double>;
+extern template class ProductsStrategy<float>;
+extern template class ProductsStrategy<double>;
 
 }  // namespace emflow::detail
