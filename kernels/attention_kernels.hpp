@@ -1,6 +1,7 @@
 // Launchers of the attention kernels (fused_attention.cu, key_splits.cu, unfused_attention.cu).
 // Each enqueues on `stream`, checks the launch, and never synchronises. Pointers are device
-// pointers; shapes have been validated and fit in int (checked by the plan, attend_plan.cpp).
+// pointers; shapes have been validated and fit in int (route() refuses larger ones; the plan,
+// src/cuda/plan.cpp, asks it).
 #pragma once
 
 #include <cuda_runtime.h>
