@@ -76,12 +76,13 @@ void run_tensor_core(benchmark::State& state, emflow::Precision precision) {
     emflow::AttentionOutput<T> output;
     output.update = update.data();
     output.lse = lse.data();
+    const emflow::cuda::PlanOptions options{emflow::cuda::Algorithm::automatic, precision};
     const std::size_t bytes =
-        emflow::cuda::attend_factored_workspace_size(input, layer, output, precision);
+        emflow::cuda::attend_factored_workspace_size(input, layer, output, options);
     DeviceBuffer<unsigned char> workspace(bytes);
     const auto enqueue = [&] {
       emflow::cuda::attend_factored_async(input, layer, output, workspace.data(), bytes, stream,
-                                          precision);
+                                          options);
     };
     if (emflow::bench::warmed_up(state, stream, enqueue)) {
       for (auto _ : state) {

@@ -1,6 +1,7 @@
 // Launchers of the attention kernels (fused_attention.cu, key_splits.cu, unfused_attention.cu).
 // Each enqueues on `stream`, checks the launch, and never synchronises. Pointers are device
-// pointers; shapes have been validated and fit in int (checked by the plan, attend_plan.cpp).
+// pointers; shapes have been validated and fit in int (route() refuses larger ones; the plan,
+// src/cuda/plan.cpp, asks it).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -65,10 +66,10 @@ constexpr int kFusedBlockQueries = 64;
 /// Dynamic shared memory the fused kernel needs for `dim` (bytes).
 std::size_t fused_shared_bytes(int dim);
 
-/// Allows the fused kernel for `dim` its fused_shared_bytes on `device`, the current device
-/// (cudaFuncSetAttribute; the setting lasts, so the call is made once per process, device and
-/// tile width, however often this is called).
-void prepare_fused_attention(int dim, int device, const char* operation);
+/// Allows the fused kernel for `dim` its fused_shared_bytes on the current device
+/// (cudaFuncSetAttribute). The setting belongs to that device and lasts until cudaDeviceReset:
+/// a plan calls this once, when it is made, on its device.
+void prepare_fused_attention(int dim, const char* operation);
 
 void launch_fused_attention(const FusedAttentionArgs& args, cudaStream_t stream,
                             const char* operation);

@@ -48,8 +48,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <mutex>
-#include <vector>
 
 #include "attention_kernels.hpp"
 #include "cuda/cuda_support.hpp"
@@ -388,21 +386,15 @@ __global__ void sum_heads_kernel(const float* __restrict__ partial,
   });
 }
 
-// The kernel's dynamic shared memory beyond the default 48 KiB must be allowed per device before
-// the first launch (prepare_fused_attention); the setting lasts for the process.
+// The kernel's dynamic shared memory beyond the default 48 KiB must be allowed on each device
+// before its first launch there (prepare_fused_attention, called by the plan that launches it).
+// The setting belongs to the device's context: not cached here, since cudaDeviceReset clears it.
 template <int Tile>
-void allow_shared_memory(int device, const char* operation) {
-  static std::mutex mutex;
-  static std::vector<bool> allowed;  // by device
-  const auto slot = static_cast<std::size_t>(device);
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (slot < allowed.size() && allowed[slot]) return;
+void allow_shared_memory(const char* operation) {
   check_cuda(cudaFuncSetAttribute(fused_attention_kernel<Tile>,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(FusedLayout<Tile>::bytes)),
              operation, "cudaFuncSetAttribute(fused_attention_kernel)");
-  if (allowed.size() <= slot) allowed.resize(slot + 1, false);
-  allowed[slot] = true;
 }
 
 template <int Tile>
@@ -427,13 +419,13 @@ std::size_t fused_shared_bytes(int dim) {
   return FusedLayout<256>::bytes;
 }
 
-void prepare_fused_attention(int dim, int device, const char* operation) {
+void prepare_fused_attention(int dim, const char* operation) {
   if (dim <= 64) {
-    allow_shared_memory<64>(device, operation);
+    allow_shared_memory<64>(operation);
   } else if (dim <= 128) {
-    allow_shared_memory<128>(device, operation);
+    allow_shared_memory<128>(operation);
   } else {
-    allow_shared_memory<256>(device, operation);
+    allow_shared_memory<256>(operation);
   }
 }
 

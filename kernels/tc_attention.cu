@@ -338,16 +338,39 @@ __global__ void __launch_bounds__(kThreads)
 template <class T, int D>
 void launch_dim(const TcAttentionArgs& args, cudaStream_t stream, const char* operation) {
   const std::size_t bytes = TcLayout<T, D>::bytes;
-  // The attribute is the kernel's; setting it is cheap and needs no per-device bookkeeping.
-  check_cuda(
-      cudaFuncSetAttribute(tc_attention_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(bytes)),
-      operation, "cudaFuncSetAttribute(tc_attention_kernel)");
   const int query_blocks = (args.queries + kRows - 1) / kRows;
   const unsigned blocks = static_cast<unsigned>(query_blocks) * static_cast<unsigned>(args.heads) *
                           static_cast<unsigned>(args.batch);
   launch(operation, "tc_attention_kernel", tc_attention_kernel<T, D>, blocks, kThreads, bytes,
          stream, args, query_blocks);
+}
+
+// The dynamic shared memory of the kernel of storage T that computes width `dim`, and the
+// attribute that allows it on the current device.
+template <class T>
+std::size_t shared_bytes(int dim) {
+  if (dim <= 64) return TcLayout<T, 64>::bytes;
+  if (dim <= 128) return TcLayout<T, 128>::bytes;
+  return TcLayout<T, 256>::bytes;
+}
+
+template <class T, int D>
+void allow_tile(const char* operation) {
+  check_cuda(
+      cudaFuncSetAttribute(tc_attention_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(TcLayout<T, D>::bytes)),
+      operation, "cudaFuncSetAttribute(tc_attention_kernel)");
+}
+
+template <class T>
+void allow_shared_memory(int dim, const char* operation) {
+  if (dim <= 64) {
+    allow_tile<T, 64>(operation);
+  } else if (dim <= 128) {
+    allow_tile<T, 128>(operation);
+  } else {
+    allow_tile<T, 256>(operation);
+  }
 }
 
 template <class T>
@@ -362,6 +385,32 @@ void launch_type(const TcAttentionArgs& args, cudaStream_t stream, const char* o
 }
 
 }  // namespace
+
+std::size_t tc_shared_bytes(TcType type, int dim) {
+  switch (type) {
+    case TcType::bf16:
+      return shared_bytes<bfloat16>(dim);
+    case TcType::f16:
+      return shared_bytes<float16>(dim);
+    case TcType::tf32:
+      break;
+  }
+  return shared_bytes<float>(dim);
+}
+
+void prepare_tc_attention(TcType type, int dim, const char* operation) {
+  switch (type) {
+    case TcType::bf16:
+      allow_shared_memory<bfloat16>(dim, operation);
+      return;
+    case TcType::f16:
+      allow_shared_memory<float16>(dim, operation);
+      return;
+    case TcType::tf32:
+      allow_shared_memory<float>(dim, operation);
+      return;
+  }
+}
 
 void launch_tc_attention(const TcAttentionArgs& args, cudaStream_t stream, const char* operation) {
   switch (args.type) {

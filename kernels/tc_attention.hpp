@@ -53,6 +53,14 @@ struct TcAttentionArgs {
 /// Largest dim of the tensor-core attention.
 constexpr int kTcMaxDim = 256;
 
+/// Dynamic shared memory the tensor-core attention of `type` needs at width `dim` (bytes): 27, 53
+/// and 104 KiB for 16-bit storage at dim <= 64, 128, 256; 51, 99 and 195 KiB for TF32.
+std::size_t tc_shared_bytes(TcType type, int dim);
+
+/// Allows the tensor-core attention of `type` at width `dim` its tc_shared_bytes on the current
+/// device (cudaFuncSetAttribute): once per plan, on its device, before its first launch there.
+void prepare_tc_attention(TcType type, int dim, const char* operation);
+
 void launch_tc_attention(const TcAttentionArgs& args, cudaStream_t stream, const char* operation);
 
 }  // namespace emflow::detail

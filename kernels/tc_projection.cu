@@ -6,8 +6,6 @@
 #include <cmath>
 #include <cstdint>
 
-#include "cuda/attend_plan.hpp"
-#include "core/check.hpp"
 #include "emflow/precision.hpp"
 #include "launch.cuh"
 #include "tc_projection.hpp"
@@ -98,27 +96,13 @@ void launch_tc_combine(const TcCombineArgs& args, const T* up, const T* offset, 
          stream, args, up, offset, update);
 }
 
-std::size_t tc_aligned_bytes(std::size_t bytes) {
-  return (bytes + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment;
-}
-
-template <class T>
-void check_tc_outputs(const AttentionOutput<T>& output, const char* operation) {
-  if (output.weights != nullptr) {
-    fail(ErrorCode::unsupported, operation,
-         ": output 'weights' is not computed by the tensor-core path (leave it null, or use device "
-         "'cpu')");
-  }
-}
-
 #define EMFLOW_INSTANTIATE(T)                                                                     \
   template void launch_tc_project<T, T>(const T*, TcWeights, const T*, T*, int, int, int, int,    \
                                         cudaStream_t, const char*);                               \
   template void launch_tc_project<T, float>(const T*, TcWeights, const T*, float*, int, int, int, \
                                             int, cudaStream_t, const char*);                      \
   template void launch_tc_combine<T>(const TcCombineArgs&, const T*, const T*, T*, cudaStream_t,  \
-                                     const char*);                                                \
-  template void check_tc_outputs<T>(const AttentionOutput<T>&, const char*);
+                                     const char*);
 EMFLOW_INSTANTIATE(bfloat16)
 EMFLOW_INSTANTIATE(float16)
 #undef EMFLOW_INSTANTIATE
@@ -127,6 +111,5 @@ template void launch_tc_project<float, float>(const float*, TcWeights, const flo
                                               int, int, int, cudaStream_t, const char*);
 template void launch_tc_combine<float>(const TcCombineArgs&, const float*, const float*, float*,
                                        cudaStream_t, const char*);
-template void check_tc_outputs<float>(const AttentionOutput<float>&, const char*);
 
 }  // namespace emflow::detail

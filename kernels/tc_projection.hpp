@@ -79,12 +79,4 @@ KernelMask tc_kernel_mask(const AttentionInput<T>& input) {
                     input.key_position, input.query_position, input.query_positions};
 }
 
-/// Bytes rounded up to the workspace alignment (kWorkspaceAlignment).
-std::size_t tc_aligned_bytes(std::size_t bytes);
-
-/// Refuses (ErrorCode::unsupported) an output the tensor-core paths do not compute, naming it
-/// (low_precision.hpp decides which).
-template <class T>
-void check_tc_outputs(const AttentionOutput<T>& output, const char* operation);
-
 }  // namespace emflow::detail

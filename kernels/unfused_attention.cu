@@ -1,5 +1,5 @@
 // The small kernels of the unfused path (the products themselves are cuBLAS calls made in
-// attend_enqueue.cpp), in float and double:
+// src/cuda/products_enqueue.cpp), in float and double:
 //
 //   broadcast_bias_kernel  writes beta u_h into every row of a head's relevance buffer, so that one
 //       GEMM with a nonzero C coefficient forms beta (X M_h + 1 u_h^T).

@@ -1,46 +1,73 @@
-// emflow::cuda: the stream-ordered GPU form of the EMF contextual update (attention.hpp).
+// emflow::cuda: the stream-ordered GPU form of the EMF contextual update (attention.hpp), of its
+// factored form (factored.hpp) and of the partial state over a block of keys (partial.hpp).
 //
-// The caller owns every byte of device memory: inputs, outputs and a workspace whose size
-// attend_workspace_size() returns. attend_async() only enqueues work on the caller's stream:
-// it allocates nothing, never synchronises the device, and returns before the GPU has finished.
+// The caller owns every byte of device memory: inputs, outputs and a workspace. As in CUTLASS, a
+// plan is made once for a problem (its shapes, which optional inputs and outputs are given, the
+// options): it checks that the problem can run (can_implement), chooses how, lays out and sizes
+// the workspace (workspace_size) and prepares the device. run() then enqueues it on the caller's
+// stream as often as wanted, with other arrays and another beta each time: it only checks that
+// the call matches the plan, allocates nothing, never synchronises the device, and returns before
+// the GPU has finished.
 //
 //   using namespace emflow;
 //   cuda::DeviceBuffer<float> cloud(B * N * d), relevance(H * d * d), content(H * d * d),
 //       update(B * N * d);
 //   ...copy inputs with DeviceBuffer::copy_from_host or cudaMemcpyAsync...
-//   const std::size_t bytes = cuda::attend_workspace_size(input, output);
-//   cuda::DeviceBuffer<unsigned char> workspace(bytes);      // once, outside the hot loop
-//   cuda::attend_async(input, output, workspace.data(), bytes, stream);
+//   const cuda::AttentionPlan<float> plan(input, output);     // once, outside the hot loop
+//   cuda::DeviceBuffer<unsigned char> workspace(plan.workspace_size());
+//   for (int step = 0; step < steps; ++step) {
+//     input.beta = betas[step];
+//     plan.run(input, output, workspace.data(), workspace.bytes(), stream);
+//   }
 //
+// attend_async(input, output, workspace, bytes, stream) is a plan made and run in one call (it
+// also checks that every pointer is device memory of the current device and that no output
+// overlaps an input, another output or the workspace), attend_workspace_size the plan's size
+// without making it (no device needed); likewise for the factored form and the partial state.
 // The functions here exist when emflow is built with CUDA (EMFLOW_WITH_CUDA is then defined for
 // every target that links emflow). This header does not include cuda_runtime.h: a stream is
 // passed as the runtime's own handle type, `cudaStream_t`, which is `CUstream_st*`.
 //
-// Algorithms:
-//   fused    float only, dim <= 256, no weights. One kernel streams key tiles through shared
-//            memory with an online softmax; memory is O(B H N d), never N x N. Deterministic.
-//   unfused  float or double. cuBLAS strided-batched products R = X M, C = X F^T, S = R X^T,
-//            Delta = sum_h P_h C_h and a masked row-softmax kernel; stores the N x N scores per
-//            cloud and head (in `weights` when requested, else in the workspace).
-//   automatic: fused for float when no weights are requested and dim <= 256, else unfused.
-//
-// bfloat16 and float16 (precision.hpp): the tensor-core path (src/cuda/tc_dense.cpp), taken by
-// automatic and fused; unfused is refused (ErrorCode::unsupported). Per head, R_h = Q M_h and
-// C_h = X F_h^T are computed in float32 from the stored values and rounded once to T, the key
-// bias terms u_h^T x_j stay in float32, the fused attention of R_h against the keys X with values
-// C_h runs on mma.sync (float32 accumulation, lse and entropy in float32), and the heads'
-// outputs plus the offset are summed in float32 and rounded once to T (docs/MATH.md §7). Needs
-// dim <= 256; every mask, key and query lengths and cross-attention as for float. Refuses
-// weights (ErrorCode::unsupported, naming the output), which it never forms.
-// float with Precision::tf32: the same path on float storage, the products on TF32 operands
-// (mma.sync m16n8k8), where it computes what is asked; see attend_workspace_size.
+// What runs is the answer of emflow::route (capability.hpp) for Device::cuda, the one place that
+// decides; AttentionPlan::route() reports it (emflow::to_string gives "cuda cuda_fused fp32"):
+//   cuda_fused    float, dim <= 256, no weights. cuBLAS projects the queries Q_h = Y M_h + u_h and
+//                 the contents C_h = X F_h^T, then one kernel streams key tiles through shared
+//                 memory with an online softmax; memory is O(B H N d), never N x N.
+//                 Deterministic: heads and key splits are summed in a fixed order.
+//   cuda_unfused  float or double. cuBLAS strided-batched products R = X M, C = X F^T, S = R X^T,
+//                 Delta = sum_h P_h C_h and a masked row-softmax kernel; stores the N x N scores
+//                 per cloud and head (in `weights` when requested, else in the workspace).
+//   cuda_tensor_cores  bfloat16 and float16 storage (dense or factored), and float with
+//                 Precision::tf32 (kernels/tc_attention.cu, mma.sync): per head, the projections
+//                 in float32 rounded once to the storage type (float32 kept for TF32), the key
+//                 bias terms u_h^T x_j in float32, the fused attention on the tensor cores (float32
+//                 accumulation, lse and entropy in float32), then the heads' outputs (times U_h
+//                 for the factored form) plus the offset summed in float32 and rounded once
+//                 (docs/MATH.md §7). dim (dense) or rank (factored) <= 256; never the weights.
+//   expanded      the factored form in float with fp32 products, in double, or in TF32 where
+//                 the tensor cores do not apply: cuBLAS forms M_h = A_h^T B_h and F_h = U_h V_h
+//                 in the storage type into the workspace (2 H d^2 r multiply-adds, against the
+//                 attention's 4 B H N^2 d), and the dense rule above runs on them.
+//   Algorithm::automatic takes the first that computes the problem; fused and unfused ask for
+//   that product path (refused where it cannot run). Every mask, key and query lengths,
+//   positions and cross-attention run on every path. The kernels index in 32 bits: batch x heads
+//   x tokens x dim beyond 2^31 - 1 is refused.
 //
 // Cross-attention (queries given) projects the queries by M and the keys by F. When the fused
 // grid of a cross-attention would be small (few queries: decoding), the keys are split into
 // blocks of a multiple of 64 keys processed by thread blocks of their own, each writing its
 // partial state (partial.hpp) to the workspace, and a merge kernel combines them in a fixed
 // order (flash-decoding): one query against 128k keys then occupies the whole device. The
-// choice depends on the shapes only, and attend_workspace_size accounts for it.
+// choice depends on the shapes only (PlanOptions::key_splits overrides it), so the workspace
+// size needs no device.
+//
+// The device: a plan belongs to the device current when it is made. Making it reads that device's
+// opt-in shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin) and refuses a kernel
+// whose tile does not fit (ErrorCode::unsupported, naming both sizes: TF32 at dim 256 needs 195
+// KiB), and allows each kernel it launches its dynamic shared memory there (cudaFuncSetAttribute,
+// once per plan; after cudaDeviceReset make plans again, as every allocation). run() makes the
+// plan's device current for the call and restores the caller's after; a stream of another device
+// is refused by name.
 //
 // cuBLAS: emflow does not link it; the first call that needs it loads the toolkit's cuBLAS
 // (libcublas.so.<major version of the toolkit emflow was built with>), so a process that never
@@ -48,29 +75,29 @@
 // loader's reason. Each host thread keeps one cuBLAS handle per device, created on the first call
 // that needs it on that device (cublasCreate allocates and synchronises, once). When the thread
 // exits the handle goes to a process-wide pool for the next thread rather than being destroyed
-// (at process exit the CUDA context may already be gone). Every call binds it to the caller's
+// (at process exit the CUDA context may already be gone). Every run binds it to the caller's
 // stream (cublasSetStream) and then points cuBLAS's own workspace into the caller's workspace
 // (cublasSetWorkspace), so calls on different streams never share scratch memory and nothing is
 // allocated per call.
 //
-// Each attend_async call checks its arguments and pointers, then plans the computation
-// (algorithm, workspace layout, device limits, and the fused kernel's shared-memory attribute,
-// set once per process and device) and enqueues the plan.
-//
 // Errors: emflow::Error.
-//   ErrorCode::invalid_argument: invalid shapes; null or host-only pointers; outputs that overlap
-//     an input, another output or the workspace; a workspace that is too small or misaligned.
-//   ErrorCode::unsupported: no usable device, cuBLAS cannot be loaded, or a configuration the
-//     chosen algorithm cannot run (e.g. fused with weights).
+//   ErrorCode::invalid_argument: invalid shapes; a precision that does not suit the storage
+//     type; null or host-only pointers; outputs that overlap an input, another output or the
+//     workspace; a workspace that is too small or misaligned; a run that does not match its plan
+//     (naming what differs); a stream of another device.
+//   ErrorCode::unsupported: no usable device, cuBLAS cannot be loaded, or a problem that no path
+//     computes (route()'s reason, e.g. weights on the tensor cores, dim 300 on the fused kernel).
 //   ErrorCode::device / out_of_memory: a failing CUDA or cuBLAS call; the message names the call.
-//     A CUDA error already pending when attend_async is called (the caller's earlier work) is
+//     A CUDA error already pending when a plan is made or run (the caller's earlier work) is
 //     reported as such and left recorded for the caller.
 // Errors of kernels that have already been enqueued surface at the caller's next synchronisation.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "emflow/attention.hpp"
@@ -91,100 +118,182 @@ bool device_available(std::string* reason = nullptr) noexcept;
 /// Which GPU algorithm computes the update (see the header comment; capability.hpp).
 using Algorithm = emflow::Algorithm;
 
-/// Bytes of device workspace attend_async needs for these shapes, outputs, algorithm and
-/// precision. Reads only the shapes, `mask`, and which output pointers are non-null (no memory is
-/// touched, no device is needed). Throws emflow::Error for invalid shapes or an algorithm that
-/// cannot run this configuration.
+/// How a stream-ordered call or a plan runs: the options every call of this header takes.
+struct PlanOptions {
+  /// automatic (the default), or one of the two float32 / float64 product paths (fused,
+  /// unfused), refused where it cannot run. The tensor cores take automatic and fused.
+  Algorithm algorithm = Algorithm::automatic;
+  /// The products' precision, as ExecutionOptions::precision (attention.hpp): fp32 (the default)
+  /// computes as the storage type does (float32 products for float, double for double, float32
+  /// accumulation for the 16-bit types); bf16 and fp16 name their 16-bit storage type; tf32
+  /// permits TF32 products for float, which run on the tensor cores where those compute what is
+  /// asked (no weights, dim or rank <= 256, not Algorithm::unfused, not a partial state) and in
+  /// float32 elsewhere, which meets the TF32 accuracy rule (docs/MATH.md §7). Another pair is
+  /// ErrorCode::invalid_argument.
+  Precision precision = Precision::fp32;
+  /// The fused kernel's key splits (see the header comment): 0 chooses from the shapes, n > 0
+  /// asks for n (at most one per 64-key tile), 1 for none. The other kernels ignore it.
+  int key_splits = 0;
+};
+
+namespace detail {
+template <class T>
+struct PlanState;
+struct PlanAccess;
+}  // namespace detail
+
+/// A computation made once and enqueued many times (the header comment): the contextual update of
+/// a dense layer, of a factored layer, or the partial state over a block of keys, for storage type
+/// T (float, double, bfloat16 or float16; the partial state is float or double).
 ///
-/// `precision` (precision.hpp): for float, fp32 (float32 products: the fused or unfused path) or
-/// tf32, which permits TF32 products: the dense form then runs on the tensor cores
-/// (src/cuda/tc_dense.cpp, the projections R_h and C_h in float32, their products on TF32
-/// operands) where that path computes what is asked (no weights, dim <= 256, Algorithm automatic
-/// or fused), and elsewhere in float32, which meets the TF32 accuracy bound (docs/MATH.md §7).
-/// For double: fp32 only. For bfloat16 and float16: their own precision, or fp32 (the same:
-/// 16-bit operands, float32 accumulation). Other pairs are ErrorCode::invalid_argument.
+/// A plan is made from the shapes of `input` (batch, tokens, query_tokens, dim, heads; rank for
+/// the factored form), its mask and which of its optional arrays are given (queries, key_bias),
+/// and which outputs are asked for: the arrays themselves may be null or device pointers, they
+/// are not read. beta is checked but not kept: each run passes its own.
+template <class T>
+class AttentionPlan {
+ public:
+  /// The update of a dense layer (emflow::attend). Checks the shapes (invalid_argument), asks
+  /// emflow::route where the problem runs on Device::cuda (unsupported with its reason when
+  /// nowhere: no device, weights on the tensor cores, ...), chooses the strategy, lays out the
+  /// workspace and prepares the current device, which becomes the plan's (shared-memory limits,
+  /// kernel attributes, cuBLAS loaded). Throws emflow::Error; a CUDA error already pending is
+  /// reported as such.
+  AttentionPlan(const AttentionInput<T>& input, const AttentionOutput<T>& output,
+                const PlanOptions& options = {});
+  /// The update of a factored layer (emflow::attend_factored): input.layer must be empty.
+  AttentionPlan(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                const AttentionOutput<T>& output, const PlanOptions& options = {});
+  /// The partial state of the queries over the keys of `input` (emflow::attend_partial): every
+  /// array of a PartialOutput is written.
+  AttentionPlan(const AttentionInput<T>& input, const PartialOutput<T>& output,
+                const PlanOptions& options = {});
+  ~AttentionPlan();
+  AttentionPlan(AttentionPlan&& other) noexcept;
+  AttentionPlan& operator=(AttentionPlan&& other) noexcept;
+  AttentionPlan(const AttentionPlan&) = delete;
+  AttentionPlan& operator=(const AttentionPlan&) = delete;
+
+  /// Whether a plan of this problem can be made here, and how it would run: the Route of the
+  /// constructor's checks and of the current device's limits (a supported route on this machine,
+  /// or the reason, with device_missing set when there is no device). Never throws; reads no
+  /// array; prepares nothing.
+  static Route can_implement(const AttentionInput<T>& input, const AttentionOutput<T>& output,
+                             const PlanOptions& options = {}) noexcept;
+  static Route can_implement(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                             const AttentionOutput<T>& output,
+                             const PlanOptions& options = {}) noexcept;
+  static Route can_implement(const AttentionInput<T>& input, const PartialOutput<T>& output,
+                             const PlanOptions& options = {}) noexcept;
+
+  /// The workspace_size() a plan of this problem has, without a device (the strategy depends on
+  /// the shapes and options only). Throws as the constructor does, except for a missing device.
+  static std::size_t get_workspace_size(const AttentionInput<T>& input,
+                                        const AttentionOutput<T>& output,
+                                        const PlanOptions& options = {});
+  static std::size_t get_workspace_size(const AttentionInput<T>& input,
+                                        const FactoredLayer<T>& layer,
+                                        const AttentionOutput<T>& output,
+                                        const PlanOptions& options = {});
+  static std::size_t get_workspace_size(const AttentionInput<T>& input,
+                                        const PartialOutput<T>& output,
+                                        const PlanOptions& options = {});
+
+  /// Bytes of device workspace each run needs (256-byte aligned, as cudaMalloc gives).
+  std::size_t workspace_size() const noexcept;
+  /// Where and how the plan runs (route()'s answer: its kernel, precision, expansion).
+  const Route& route() const noexcept;
+  /// The device the plan was made on, which run() makes current.
+  int device() const noexcept;
+  /// The fused kernel's key splits (1: none, and always 1 on the other kernels).
+  int key_splits() const noexcept;
+
+  /// True when run() would accept this call's shapes, mask, optional inputs and outputs (the
+  /// checks of run() that read no pointer's target): for callers that keep several plans and
+  /// pick the one a call needs.
+  bool matches(const AttentionInput<T>& input, const AttentionOutput<T>& output) const noexcept;
+  bool matches(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+               const AttentionOutput<T>& output) const noexcept;
+  bool matches(const AttentionInput<T>& input, const PartialOutput<T>& output) const noexcept;
+
+  /// Enqueues the plan on `stream`, with the arrays of `input` and `output` (device pointers; the
+  /// key and query lengths `batch` int64 entries on the device that the caller guarantees are in
+  /// [0, tokens] and [0, query_tokens]: their values are not read here, that would need a
+  /// synchronisation, and the kernels clamp them). Checks, with integer compares only, that the
+  /// call is the plan's (the form; batch, tokens, query_tokens, dim, heads, rank and the mask; the
+  /// same optional inputs and outputs given; the required arrays not null; a finite beta) and
+  /// that `workspace` is not null, holds workspace_size() bytes and is 256-byte aligned; it does
+  /// not check where the pointers point (attend_async does). Then makes the plan's device current
+  /// (restoring the caller's on return), refuses a stream of another device or a CUDA error
+  /// already pending, and enqueues. The workspace must not be used by other work until this run's
+  /// work on `stream` is complete; a plan may be run from several threads at once, on distinct
+  /// workspaces.
+  void run(const AttentionInput<T>& input, const AttentionOutput<T>& output, void* workspace,
+           std::size_t workspace_bytes, Stream stream) const;
+  void run(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+           const AttentionOutput<T>& output, void* workspace, std::size_t workspace_bytes,
+           Stream stream) const;
+  void run(const AttentionInput<T>& input, const PartialOutput<T>& output, void* workspace,
+           std::size_t workspace_bytes, Stream stream) const;
+
+ private:
+  friend struct detail::PlanAccess;
+  explicit AttentionPlan(std::unique_ptr<detail::PlanState<T>> state) noexcept;
+  std::unique_ptr<detail::PlanState<T>> state_;
+};
+
+extern template class AttentionPlan<float>;
+extern template class AttentionPlan<double>;
+extern template class AttentionPlan<bfloat16>;
+extern template class AttentionPlan<float16>;
+
+/// Bytes of device workspace attend_async needs for these shapes, outputs and options:
+/// AttentionPlan<T>::get_workspace_size. Reads only the shapes, `mask`, and which pointers are
+/// non-null (no memory is touched, no device is needed). Throws emflow::Error for invalid shapes
+/// or a problem that cannot run (as attend_async, except for a missing device).
 template <class T>
 std::size_t attend_workspace_size(const AttentionInput<T>& input, const AttentionOutput<T>& output,
-                                  Algorithm algorithm = Algorithm::automatic,
-                                  Precision precision = storage_precision<T>());
+                                  const PlanOptions& options = {});
 
-/// Enqueues the contextual update on `stream`. Every pointer in `input` and `output` is a device
-/// pointer (or null where optional), including `input.key_lengths`: `batch` int64 entries on the
-/// device that the caller guarantees are in [0, tokens]. Their values are not checked here (that
-/// would need a synchronisation); the kernels clamp each to [0, tokens]. The blocking form
-/// emflow::attend(..., {Device::cuda}) checks them on the host.
-/// `workspace` must be at least attend_workspace_size(input, output, algorithm, precision) bytes,
-/// aligned to 256 bytes (cudaMalloc's alignment), and must not be used by other work until this
-/// call's work on `stream` is complete. Outputs are written only by the enqueued work.
+/// Enqueues the contextual update on `stream`: a plan made and run in one call
+/// (AttentionPlan<T>(input, output, options).run(...)), after checking that every pointer is
+/// device memory of the current device (or null where optional) and that no output overlaps an
+/// input, another output or the workspace. `workspace` holds at least
+/// attend_workspace_size(input, output, options) bytes, 256-byte aligned. Outputs are written
+/// only by the enqueued work.
 template <class T>
 void attend_async(const AttentionInput<T>& input, const AttentionOutput<T>& output, void* workspace,
-                  std::size_t workspace_bytes, Stream stream,
-                  Algorithm algorithm = Algorithm::automatic,
-                  Precision precision = storage_precision<T>());
+                  std::size_t workspace_bytes, Stream stream, const PlanOptions& options = {});
 
-#define EMFLOW_CUDA_ATTEND_EXTERN(T)                                                               \
-  extern template std::size_t attend_workspace_size<T>(                                            \
-      const AttentionInput<T>&, const AttentionOutput<T>&, Algorithm, Precision);                  \
-  extern template void attend_async<T>(const AttentionInput<T>&, const AttentionOutput<T>&, void*, \
-                                       std::size_t, Stream, Algorithm, Precision);
-EMFLOW_CUDA_ATTEND_EXTERN(float)
-EMFLOW_CUDA_ATTEND_EXTERN(double)
-EMFLOW_CUDA_ATTEND_EXTERN(bfloat16)
-EMFLOW_CUDA_ATTEND_EXTERN(float16)
-#undef EMFLOW_CUDA_ATTEND_EXTERN
-
-/// Bytes of device workspace attend_factored_async needs for these shapes, this layer and these
-/// outputs (reads no memory, needs no device). Throws emflow::Error as attend_factored_async's
-/// checks do.
+/// Bytes of device workspace attend_factored_async needs (as attend_workspace_size).
 template <class T>
 std::size_t attend_factored_workspace_size(const AttentionInput<T>& input,
                                            const FactoredLayer<T>& layer,
                                            const AttentionOutput<T>& output,
-                                           Precision precision = storage_precision<T>());
+                                           const PlanOptions& options = {});
 
-/// Enqueues emflow::attend_factored (factored.hpp) for bfloat16, float16 or float on `stream`, on
-/// the tensor cores (kernels/tc_attention.cu): per head, the projections A_h x_i, B_h x_j and
-/// V_h x_j in float32 stored in T and the key bias terms u_h^T x_j in float32, the fused
-/// attention in rank r with
-/// lse and entropy (per head, in float32), then the sum over heads of U_h times the head output
-/// plus the offset in float32, rounded once to T. Device pointers throughout, key lengths as for
-/// attend_async. Needs rank <= 256. Refuses (ErrorCode::unsupported) weights, which this path
-/// does not compute.
-/// `precision`: bf16 (or fp32, float32 accumulation) for bfloat16, fp16 (or fp32) for float16;
-/// for float it must be tf32 (docs/MATH.md §7: the attention's products take operands rounded to
-/// TF32, the projections and the output sum stay float32), and fp32 is ErrorCode::unsupported
-/// (float32 products: emflow::attend_factored on Device::cuda, or attend_async on dense
-/// operators). Another pair is ErrorCode::invalid_argument.
-/// `workspace` as for attend_async, at least attend_factored_workspace_size bytes.
+/// Enqueues emflow::attend_factored (factored.hpp) on `stream`, as attend_async does the dense
+/// form: bfloat16 and float16 on the tensor cores, float on them with Precision::tf32 (rank <=
+/// 256, no weights), float with fp32 and double expanded to dense operators (the header
+/// comment). Device pointers throughout; input.layer must be empty.
 template <class T>
 void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
                            const AttentionOutput<T>& output, void* workspace,
                            std::size_t workspace_bytes, Stream stream,
-                           Precision precision = storage_precision<T>());
-
-#define EMFLOW_CUDA_FACTORED_EXTERN(T)                                                             \
-  extern template std::size_t attend_factored_workspace_size<T>(                                   \
-      const AttentionInput<T>&, const FactoredLayer<T>&, const AttentionOutput<T>&, Precision);    \
-  extern template void attend_factored_async<T>(const AttentionInput<T>&, const FactoredLayer<T>&, \
-                                                const AttentionOutput<T>&, void*, std::size_t,     \
-                                                Stream, Precision);
-EMFLOW_CUDA_FACTORED_EXTERN(bfloat16)
-EMFLOW_CUDA_FACTORED_EXTERN(float16)
-EMFLOW_CUDA_FACTORED_EXTERN(float)
-#undef EMFLOW_CUDA_FACTORED_EXTERN
+                           const PlanOptions& options = {});
 
 /// Bytes of device workspace attend_partial_async needs (as attend_workspace_size).
 template <class T>
 std::size_t attend_partial_workspace_size(const AttentionInput<T>& input,
-                                          Algorithm algorithm = Algorithm::automatic);
+                                          const PlanOptions& options = {});
 
 /// Enqueues the partial state of `input`'s queries over `input`'s keys (emflow::attend_partial,
-/// partial.hpp) on `stream`: device pointers throughout, the workspace and the key and query
-/// lengths as for attend_async.
+/// partial.hpp) on `stream`, float or double: device pointers throughout, the workspace and the
+/// key and query lengths as for attend_async. Precision::tf32 computes float32 products here.
 template <class T>
 void attend_partial_async(const AttentionInput<T>& input, const PartialOutput<T>& output,
                           void* workspace, std::size_t workspace_bytes, Stream stream,
-                          Algorithm algorithm = Algorithm::automatic);
+                          const PlanOptions& options = {});
 
 /// Enqueues into = merge(into, part) on `stream` (device arrays of `shape`; `part` must not
 /// overlap `into`). Needs no workspace.
@@ -198,11 +307,28 @@ template <class T>
 void finish_partial_async(const PartialShape& shape, const PartialInput<T>& state, const T* offset,
                           const AttentionOutput<T>& output, Stream stream);
 
+#define EMFLOW_CUDA_EXTERN(T)                                                                      \
+  extern template std::size_t attend_workspace_size<T>(                                            \
+      const AttentionInput<T>&, const AttentionOutput<T>&, const PlanOptions&);                    \
+  extern template void attend_async<T>(const AttentionInput<T>&, const AttentionOutput<T>&, void*, \
+                                       std::size_t, Stream, const PlanOptions&);                   \
+  extern template std::size_t attend_factored_workspace_size<T>(                                   \
+      const AttentionInput<T>&, const FactoredLayer<T>&, const AttentionOutput<T>&,                \
+      const PlanOptions&);                                                                         \
+  extern template void attend_factored_async<T>(const AttentionInput<T>&, const FactoredLayer<T>&, \
+                                                const AttentionOutput<T>&, void*, std::size_t,     \
+                                                Stream, const PlanOptions&);
+EMFLOW_CUDA_EXTERN(float)
+EMFLOW_CUDA_EXTERN(double)
+EMFLOW_CUDA_EXTERN(bfloat16)
+EMFLOW_CUDA_EXTERN(float16)
+#undef EMFLOW_CUDA_EXTERN
+
 #define EMFLOW_CUDA_PARTIAL_EXTERN(T)                                                             \
   extern template std::size_t attend_partial_workspace_size<T>(const AttentionInput<T>&,          \
-                                                               Algorithm);                        \
+                                                               const PlanOptions&);               \
   extern template void attend_partial_async<T>(const AttentionInput<T>&, const PartialOutput<T>&, \
-                                               void*, std::size_t, Stream, Algorithm);            \
+                                               void*, std::size_t, Stream, const PlanOptions&);   \
   extern template void merge_partial_async<T>(const PartialShape&, const PartialInput<T>&,        \
                                               const PartialOutput<T>&, Stream);                   \
   extern template void finish_partial_async<T>(const PartialShape&, const PartialInput<T>&,       \
@@ -210,6 +336,50 @@ void finish_partial_async(const PartialShape& shape, const PartialInput<T>& stat
 EMFLOW_CUDA_PARTIAL_EXTERN(float)
 EMFLOW_CUDA_PARTIAL_EXTERN(double)
 #undef EMFLOW_CUDA_PARTIAL_EXTERN
+
+// The positional forms of earlier versions: the same calls with PlanOptions{algorithm, precision}.
+// The positional argument's type is deduced (and must be Algorithm, or Precision), so that a
+// braced PlanOptions such as {Algorithm::fused} always takes the forms above.
+template <class T, class A, std::enable_if_t<std::is_same_v<A, Algorithm>, int> = 0>
+[[deprecated("pass cuda::PlanOptions{algorithm, precision}")]] std::size_t attend_workspace_size(
+    const AttentionInput<T>& input, const AttentionOutput<T>& output, A algorithm,
+    Precision precision = Precision::fp32) {
+  return attend_workspace_size(input, output, PlanOptions{algorithm, precision});
+}
+template <class T, class A, std::enable_if_t<std::is_same_v<A, Algorithm>, int> = 0>
+[[deprecated("pass cuda::PlanOptions{algorithm, precision}")]] void attend_async(
+    const AttentionInput<T>& input, const AttentionOutput<T>& output, void* workspace,
+    std::size_t workspace_bytes, Stream stream, A algorithm,
+    Precision precision = Precision::fp32) {
+  attend_async(input, output, workspace, workspace_bytes, stream,
+               PlanOptions{algorithm, precision});
+}
+template <class T, class P, std::enable_if_t<std::is_same_v<P, Precision>, int> = 0>
+[[deprecated("pass cuda::PlanOptions{Algorithm::automatic, precision}")]] std::size_t
+attend_factored_workspace_size(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                               const AttentionOutput<T>& output, P precision) {
+  return attend_factored_workspace_size(input, layer, output,
+                                        PlanOptions{Algorithm::automatic, precision});
+}
+template <class T, class P, std::enable_if_t<std::is_same_v<P, Precision>, int> = 0>
+[[deprecated("pass cuda::PlanOptions{Algorithm::automatic, precision}")]] void
+attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                      const AttentionOutput<T>& output, void* workspace,
+                      std::size_t workspace_bytes, Stream stream, P precision) {
+  attend_factored_async(input, layer, output, workspace, workspace_bytes, stream,
+                        PlanOptions{Algorithm::automatic, precision});
+}
+template <class T, class A, std::enable_if_t<std::is_same_v<A, Algorithm>, int> = 0>
+[[deprecated("pass cuda::PlanOptions{algorithm}")]] std::size_t attend_partial_workspace_size(
+    const AttentionInput<T>& input, A algorithm) {
+  return attend_partial_workspace_size(input, PlanOptions{algorithm});
+}
+template <class T, class A, std::enable_if_t<std::is_same_v<A, Algorithm>, int> = 0>
+[[deprecated("pass cuda::PlanOptions{algorithm}")]] void attend_partial_async(
+    const AttentionInput<T>& input, const PartialOutput<T>& output, void* workspace,
+    std::size_t workspace_bytes, Stream stream, A algorithm) {
+  attend_partial_async(input, output, workspace, workspace_bytes, stream, PlanOptions{algorithm});
+}
 
 namespace detail {
 /// cudaMalloc of `bytes` (nullptr for 0); throws ErrorCode::out_of_memory or device.

@@ -48,8 +48,8 @@ void cpu_attend_bf16(const AttentionInput<float>& input, const AttentionOutput<b
                      int threads);
 
 /// Blocking CUDA path on host arrays (src/cuda/attend_blocking.cpp, or a stub without CUDA): the
-/// arrays copied to the device, cuda::attend_async with the algorithm and the precision of
-/// `route` (a supported route on Device::cuda), the outputs copied back.
+/// arrays copied to the device, a cuda::AttentionPlan made with the algorithm and the precision
+/// of `route` (a supported route on Device::cuda) run there, the outputs copied back.
 template <class T>
 void cuda_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output,
                  const Route& route);
@@ -59,9 +59,9 @@ template <class T>
 void cuda_attend_partial(const AttentionInput<T>& input, const PartialOutput<T>& output,
                          const Route& route);
 
-/// Blocking CUDA path of attend_factored on the tensor cores on host arrays of 16-bit T, or of
-/// float with `route.products` tf32: copies to the device, runs cuda::attend_factored_async,
-/// copies back.
+/// Blocking CUDA path of attend_factored on host arrays: copies to the device, runs a
+/// cuda::AttentionPlan of the factored layer (the tensor cores, or for an expanded route of
+/// float or double the layer expanded to dense operators on the device), copies back.
 template <class T>
 void cuda_attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
                           const AttentionOutput<T>& output, const Route& route);

@@ -36,6 +36,9 @@ template void cuda_attend_factored<float16>(const AttentionInput<float16>&,
                                             const AttentionOutput<float16>&, const Route&);
 template void cuda_attend_factored<float>(const AttentionInput<float>&, const FactoredLayer<float>&,
                                           const AttentionOutput<float>&, const Route&);
+template void cuda_attend_factored<double>(const AttentionInput<double>&,
+                                           const FactoredLayer<double>&,
+                                           const AttentionOutput<double>&, const Route&);
 template void cuda_attend_partial<float>(const AttentionInput<float>&, const PartialOutput<float>&,
                                          const Route&);
 template void cuda_attend_partial<double>(const AttentionInput<double>&,

@@ -2,7 +2,7 @@
 // described and routed (capability.cpp), then run where the route says: the tensor cores
 // (cuda_attend_factored), the engine in rank r (cpu_attend_factored, src/cpu/factored.cpp), or,
 // for an expanded route, the dense form M_h = A_h^T B_h, F_h = U_h V_h: in double for the
-// reference, in the storage type for the GPU's dense kernels.
+// reference, on the device by the factored layer's plan (src/cuda/) for the GPU's dense kernels.
 #include "emflow/factored.hpp"
 
 #include <type_traits>
@@ -15,25 +15,6 @@
 #include "memory.hpp"
 
 namespace emflow {
-
-namespace {
-
-/// The GPU's dense kernels on the layer expanded in T (float or double): the route's algorithm
-/// and products apply to the dense call.
-template <class T>
-void attend_expanded_on_cuda(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
-                             const AttentionOutput<T>& output, const Route& route) {
-  if constexpr (is_16bit_v<T>) {
-    detail::fail(ErrorCode::internal, "attend_factored: no expanded GPU path for ",
-                 to_string(dtype_of<T>()));
-  } else {
-    const detail::ExpandedLayer<T> dense(layer, input.dim);
-    const AttentionInput<T> in = with_arrays(input, input.cloud, input.queries, dense.operators());
-    detail::cuda_attend(in, output, route);
-  }
-}
-
-}  // namespace
 
 template <class T>
 void attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
@@ -48,11 +29,9 @@ void attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& lay
     const Route route = require_route(problem, options.device, op);
     if (route.device != Device::cuda) {
       detail::attend_factored_on_host(input, layer, output, route, options.threads);
-    } else if (route.expanded) {
-      attend_expanded_on_cuda(input, layer, output, route);
-    } else if constexpr (std::is_same_v<T, double>) {
-      detail::fail(ErrorCode::internal, op, ": no tensor-core path for double");
-    } else {
+    } else if (is_16bit_v<T> && route.expanded) {
+      detail::fail(ErrorCode::internal, op, ": no expanded GPU path for ", to_string(dtype_of<T>()));
+    } else {  // the factored layer's plan on the device: tensor cores, or expanded there
       detail::cuda_attend_factored(input, layer, output, route);
     }
   });

@@ -1,21 +1,19 @@
-// The stream-ordered public API of cuda.hpp: attend_workspace_size is a plan's size, and
-// attend_async / attend_partial_async check the caller's arguments and pointers, then make a plan
-// and enqueue it. merge_partial_async and finish_partial_async are element-wise kernels.
+// The stream-ordered public API of cuda.hpp: each workspace size is a plan's, sized without a
+// device, and each attend_*_async call is a plan made and run in one call
+// (cuda::AttentionPlan, plan.cpp), after checking that every pointer is device memory of the
+// plan's device and that no output overlaps an input, another output or the workspace.
+// merge_partial_async and finish_partial_async are element-wise kernels (kernels/key_splits.cu).
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
-#include <string>
-#include <type_traits>
 
-#include "attend_plan.hpp"
-#include "kernels/attention_kernels.hpp"
 #include "core/backends.hpp"
 #include "core/check.hpp"
-#include "core/low_precision.hpp"
 #include "cuda_support.hpp"
 #include "emflow/cuda.hpp"
-#include "kernels/tc_attention.hpp"
-#include "tc_dense.hpp"
+#include "kernels/attention_kernels.hpp"
+#include "plan_access.hpp"
 
 namespace emflow::cuda {
 
@@ -24,16 +22,8 @@ namespace {
 using emflow::detail::current_device;
 using emflow::detail::expect_device_pointer;
 using emflow::detail::expect_workspace;
-using emflow::detail::fail_argument;
 
-// validate() reads length values, which live on the device here: check shapes and pointers only;
-// the kernels clamp the lengths.
-template <class T>
-void check_input(const AttentionInput<T>& input, const AttentionOutput<T>& output,
-                 const char* operation) {
-  emflow::detail::check_arguments(input, output, operation, emflow::detail::Lengths::device);
-}
-
+// The inputs every form reads, on `device`.
 template <class T>
 void expect_input_on_device(const AttentionInput<T>& input, const char* operation, int device) {
   expect_device_pointer(operation, "cloud", input.cloud, device);
@@ -47,7 +37,16 @@ void expect_input_on_device(const AttentionInput<T>& input, const char* operatio
   expect_device_pointer(operation, "query_positions", input.query_positions, device);
 }
 
+template <class T>
+void expect_output_on_device(const AttentionOutput<T>& output, const char* operation, int device) {
+  expect_device_pointer(operation, "update", output.update, device);
+  expect_device_pointer(operation, "lse", output.lse, device);
+  expect_device_pointer(operation, "entropy", output.entropy, device);
+  expect_device_pointer(operation, "weights", output.weights, device);
+}
+
 // Partial states hold batch * heads * query_tokens rows of dim values; each must fit in int.
+// (The host's merge_partial and finish_partial check the same shape: src/core/partial.cpp.)
 void check_partial_shape(const PartialShape& shape, const char* operation) {
   using emflow::detail::checked_multiply;
   emflow::detail::expect_positive(operation, "batch", shape.batch);
@@ -71,82 +70,74 @@ emflow::detail::MemoryRange range(const char* name, const T* pointer, std::int64
   return {name, pointer, static_cast<std::size_t>(count) * sizeof(T), written};
 }
 
-// Whether attend_async runs the dense form on the tensor cores (tc_dense.cpp) for storage type T
-// and `precision`: always for 16-bit T (their own precision or fp32, the same computation), for
-// float with tf32 where that path computes what is asked (a permission, not a demand: elsewhere
-// float32 products meet the TF32 bound), never for fp32. Other pairs are named as invalid.
-template <class T>
-bool on_tensor_cores(const AttentionInput<T>& input, const AttentionOutput<T>& output,
-                     Algorithm algorithm, Precision precision, const char* operation) {
-  ExecutionOptions options;
-  options.precision = precision;
-  emflow::detail::check_precision<T>(options, operation);
-  if constexpr (is_16bit_v<T>) {
-    return true;
-  } else {
-    return std::is_same_v<T, float> && precision == Precision::tf32 && output.weights == nullptr &&
-           input.dim <= emflow::detail::kTcMaxDim && algorithm != Algorithm::unfused;
-  }
-}
-
 }  // namespace
 
 template <class T>
 std::size_t attend_workspace_size(const AttentionInput<T>& input, const AttentionOutput<T>& output,
-                                  Algorithm algorithm, Precision precision) {
-  if (on_tensor_cores(input, output, algorithm, precision, "attend_workspace_size")) {
-    return emflow::detail::tc_dense_workspace_size(input, output, algorithm,
-                                                   "attend_workspace_size");
-  }
-  if constexpr (is_16bit_v<T>) {
-    return 0;  // not reached: 16-bit input always runs on the tensor cores
-  } else {
-    return emflow::detail::AttentionPlan<T>(input, output, algorithm, "attend_workspace_size",
-                                            /*query_device=*/false)
-        .workspace_bytes();
-  }
+                                  const PlanOptions& options) {
+  return detail::PlanAccess::workspace_size("attend_workspace_size", input, output, options);
 }
 
 template <class T>
 void attend_async(const AttentionInput<T>& input, const AttentionOutput<T>& output, void* workspace,
-                  std::size_t workspace_bytes, Stream stream, Algorithm algorithm,
-                  Precision precision) {
-  using namespace emflow::detail;
+                  std::size_t workspace_bytes, Stream stream, const PlanOptions& options) {
   const char* const operation = "attend_async";
-  if (on_tensor_cores(input, output, algorithm, precision, operation)) {
-    tc_dense_attend_async(input, output, workspace, workspace_bytes, stream, algorithm, operation);
-    return;
-  }
-  if constexpr (!is_16bit_v<T>) {
-    check_input(input, output, operation);
-    // Shapes, algorithm, device (unsupported without one), a pending error, shared memory. The
-    // plan reads a pending error before any query of its own, so launch failures read back later
-    // are ours; the pointer queries below leave none behind (check_cuda clears what it reports).
-    const AttentionPlan<T> plan(input, output, algorithm, operation);
-    const int device = plan.device();
-    expect_input_on_device(input, operation, device);
-    expect_device_pointer(operation, "update", output.update, device);
-    expect_device_pointer(operation, "lse", output.lse, device);
-    expect_device_pointer(operation, "entropy", output.entropy, device);
-    expect_device_pointer(operation, "weights", output.weights, device);
-    expect_workspace(operation, workspace, workspace_bytes, plan.workspace_bytes(), device);
-    check_no_overlap(input, output, operation, workspace, plan.workspace_bytes());
-    plan.enqueue(input, output, workspace, stream);
-  }
+  emflow::detail::check_arguments(input, output, operation, emflow::detail::Lengths::device);
+  // Shapes, route, device (unsupported without one), a pending error, shared memory. The plan
+  // reads a pending error before any query of its own, so launch failures read back later are
+  // ours; the pointer queries below leave none behind (check_cuda clears what it reports).
+  const AttentionPlan<T> plan = detail::PlanAccess::make(operation, input, output, options);
+  const int device = plan.device();
+  expect_input_on_device(input, operation, device);
+  expect_output_on_device(output, operation, device);
+  expect_workspace(operation, workspace, workspace_bytes, plan.workspace_size(), device);
+  emflow::detail::check_no_overlap(input, output, operation, workspace, plan.workspace_size());
+  plan.run(input, output, workspace, workspace_bytes, stream);
 }
 
 template <class T>
-std::size_t attend_partial_workspace_size(const AttentionInput<T>& input, Algorithm algorithm) {
-  return emflow::detail::AttentionPlan<T>(input, PartialOutput<T>{}, algorithm,
-                                          "attend_partial_workspace_size",
-                                          /*query_device=*/false)
-      .workspace_bytes();
+std::size_t attend_factored_workspace_size(const AttentionInput<T>& input,
+                                           const FactoredLayer<T>& layer,
+                                           const AttentionOutput<T>& output,
+                                           const PlanOptions& options) {
+  return detail::PlanAccess::workspace_size("attend_factored_workspace_size", input, layer, output,
+                                            options);
+}
+
+template <class T>
+void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                           const AttentionOutput<T>& output, void* workspace,
+                           std::size_t workspace_bytes, Stream stream, const PlanOptions& options) {
+  const char* const operation = "attend_factored_async";
+  emflow::detail::check_factored(input, layer, output, operation, nullptr, 0,
+                                 emflow::detail::Lengths::device);
+  const AttentionPlan<T> plan = detail::PlanAccess::make(operation, input, layer, output, options);
+  const int device = plan.device();
+  expect_input_on_device(input, operation, device);
+  const char* const names[] = {"query_factor", "key_factor", "content_up",
+                               "content_down", "key_bias",   "offset"};
+  const void* const factors[] = {layer.query_factor, layer.key_factor, layer.content_up,
+                                 layer.content_down, layer.key_bias,   layer.offset};
+  for (int k = 0; k < 6; ++k) expect_device_pointer(operation, names[k], factors[k], device);
+  expect_output_on_device(output, operation, device);
+  expect_workspace(operation, workspace, workspace_bytes, plan.workspace_size(), device);
+  // The factored layer's ranges with the workspace's.
+  emflow::detail::check_factored(input, layer, output, operation, workspace, plan.workspace_size(),
+                                 emflow::detail::Lengths::device);
+  plan.run(input, layer, output, workspace, workspace_bytes, stream);
+}
+
+template <class T>
+std::size_t attend_partial_workspace_size(const AttentionInput<T>& input,
+                                          const PlanOptions& options) {
+  return detail::PlanAccess::workspace_size("attend_partial_workspace_size", input,
+                                            PartialOutput<T>{}, options);
 }
 
 template <class T>
 void attend_partial_async(const AttentionInput<T>& input, const PartialOutput<T>& output,
                           void* workspace, std::size_t workspace_bytes, Stream stream,
-                          Algorithm algorithm) {
+                          const PlanOptions& options) {
   using namespace emflow::detail;
   const char* const operation = "attend_partial_async";
   expect_not_null(operation, "heads", output.heads);
@@ -155,14 +146,14 @@ void attend_partial_async(const AttentionInput<T>& input, const PartialOutput<T>
   // The update's own checks, with the partial state's rows standing in for the update.
   AttentionOutput<T> as_update;
   as_update.update = output.heads;
-  check_input(input, as_update, operation);
-  const AttentionPlan<T> plan(input, output, algorithm, operation);
+  check_arguments(input, as_update, operation, Lengths::device);
+  const AttentionPlan<T> plan = cuda::detail::PlanAccess::make(operation, input, output, options);
   const int device = plan.device();
   expect_input_on_device(input, operation, device);
   expect_device_pointer(operation, "heads", output.heads, device);
   expect_device_pointer(operation, "lse", output.lse, device);
   expect_device_pointer(operation, "entropy", output.entropy, device);
-  expect_workspace(operation, workspace, workspace_bytes, plan.workspace_bytes(), device);
+  expect_workspace(operation, workspace, workspace_bytes, plan.workspace_size(), device);
   // The inputs, the workspace and the state (its rows are Nq * heads per cloud).
   const std::int64_t queries = input.queries != nullptr ? input.query_tokens : input.tokens;
   const std::int64_t stats = input.batch * input.layer.heads * queries;
@@ -176,13 +167,13 @@ void attend_partial_async(const AttentionInput<T>& input, const PartialOutput<T>
       range("key_lengths", input.key_lengths, input.batch, false),
       range("query_lengths", input.query_lengths, input.batch, false),
       range("query_positions", input.query_positions, input.batch, false),
-      {"workspace", workspace, plan.workspace_bytes(), true},
+      {"workspace", workspace, plan.workspace_size(), true},
       range("heads", output.heads, stats * d, true),
       range("lse", output.lse, stats, true),
       range("entropy", output.entropy, stats, true),
   };
   check_disjoint(ranges, sizeof ranges / sizeof ranges[0], operation);
-  plan.enqueue(input, output, workspace, stream);
+  plan.run(input, output, workspace, workspace_bytes, stream);
 }
 
 template <class T>
@@ -248,29 +239,34 @@ void finish_partial_async(const PartialShape& shape, const PartialInput<T>& stat
                            static_cast<int>(shape.dim), stream, operation);
 }
 
-#define EMFLOW_INSTANTIATE_ASYNC(T)                                                               \
-  template std::size_t attend_workspace_size<T>(const AttentionInput<T>&,                         \
-                                                const AttentionOutput<T>&, Algorithm, Precision); \
-  template void attend_async<T>(const AttentionInput<T>&, const AttentionOutput<T>&, void*,       \
-                                std::size_t, Stream, Algorithm, Precision);                       \
-  template std::size_t attend_partial_workspace_size<T>(const AttentionInput<T>&, Algorithm);     \
+#define EMFLOW_INSTANTIATE_ASYNC(T)                                                             \
+  template std::size_t attend_workspace_size<T>(const AttentionInput<T>&,                       \
+                                                const AttentionOutput<T>&, const PlanOptions&); \
+  template void attend_async<T>(const AttentionInput<T>&, const AttentionOutput<T>&, void*,     \
+                                std::size_t, Stream, const PlanOptions&);                       \
+  template std::size_t attend_factored_workspace_size<T>(                                       \
+      const AttentionInput<T>&, const FactoredLayer<T>&, const AttentionOutput<T>&,             \
+      const PlanOptions&);                                                                      \
+  template void attend_factored_async<T>(const AttentionInput<T>&, const FactoredLayer<T>&,     \
+                                         const AttentionOutput<T>&, void*, std::size_t, Stream, \
+                                         const PlanOptions&);
+EMFLOW_INSTANTIATE_ASYNC(float)
+EMFLOW_INSTANTIATE_ASYNC(double)
+EMFLOW_INSTANTIATE_ASYNC(bfloat16)
+EMFLOW_INSTANTIATE_ASYNC(float16)
+#undef EMFLOW_INSTANTIATE_ASYNC
+// Partial states: float and double.
+#define EMFLOW_INSTANTIATE_PARTIAL(T)                                                             \
+  template std::size_t attend_partial_workspace_size<T>(const AttentionInput<T>&,                 \
+                                                        const PlanOptions&);                      \
   template void attend_partial_async<T>(const AttentionInput<T>&, const PartialOutput<T>&, void*, \
-                                        std::size_t, Stream, Algorithm);                          \
+                                        std::size_t, Stream, const PlanOptions&);                 \
   template void merge_partial_async<T>(const PartialShape&, const PartialInput<T>&,               \
                                        const PartialOutput<T>&, Stream);                          \
   template void finish_partial_async<T>(const PartialShape&, const PartialInput<T>&, const T*,    \
                                         const AttentionOutput<T>&, Stream);
-EMFLOW_INSTANTIATE_ASYNC(float)
-EMFLOW_INSTANTIATE_ASYNC(double)
-#undef EMFLOW_INSTANTIATE_ASYNC
-// 16-bit storage: the dense form on the tensor cores (tc_dense.cpp).
-#define EMFLOW_INSTANTIATE_16BIT(T)                                                               \
-  template std::size_t attend_workspace_size<T>(const AttentionInput<T>&,                         \
-                                                const AttentionOutput<T>&, Algorithm, Precision); \
-  template void attend_async<T>(const AttentionInput<T>&, const AttentionOutput<T>&, void*,       \
-                                std::size_t, Stream, Algorithm, Precision);
-EMFLOW_INSTANTIATE_16BIT(bfloat16)
-EMFLOW_INSTANTIATE_16BIT(float16)
-#undef EMFLOW_INSTANTIATE_16BIT
+EMFLOW_INSTANTIATE_PARTIAL(float)
+EMFLOW_INSTANTIATE_PARTIAL(double)
+#undef EMFLOW_INSTANTIATE_PARTIAL
 
 }  // namespace emflow::cuda

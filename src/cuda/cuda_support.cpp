@@ -7,10 +7,10 @@
 #include <cstdint>
 #include <string>
 
-#include "attend_plan.hpp"
 #include "core/backends.hpp"
 #include "core/check.hpp"
 #include "emflow/cuda.hpp"
+#include "plan_strategy.hpp"
 
 namespace emflow::detail {
 
@@ -144,6 +144,30 @@ int current_device(const char* operation) {
   int device = 0;
   check_cuda(cudaGetDevice(&device), operation, "cudaGetDevice");
   return device;
+}
+
+DeviceGuard::DeviceGuard(int device, const char* operation) {
+  int current = 0;
+  check_cuda(cudaGetDevice(&current), operation, "cudaGetDevice");
+  if (current == device) return;
+  check_cuda(cudaSetDevice(device), operation, "cudaSetDevice");
+  previous_ = current;
+}
+
+DeviceGuard::~DeviceGuard() {
+  // The caller's device was current a moment ago: setting it back cannot reasonably fail, and a
+  // destructor could not report it.
+  if (previous_ >= 0) cudaSetDevice(previous_);
+}
+
+void expect_stream_of(const char* operation, cudaStream_t stream, int device) {
+  if (stream == nullptr) return;
+  int owner = 0;
+  check_cuda(cudaStreamGetDevice(stream, &owner), operation, "cudaStreamGetDevice");
+  if (owner != device) {
+    fail_argument(operation, "stream", "belongs to device ", owner,
+                  ", but the plan was made on device ", device);
+  }
 }
 
 }  // namespace emflow::detail

@@ -35,6 +35,24 @@ void expect_workspace(const char* operation, const void* workspace, std::size_t 
 /// pending.
 int current_device(const char* operation);
 
+/// Makes `device` current for the guard's lifetime (cudaSetDevice, only when another device is
+/// current) and the caller's device current again when it ends: the device binding of a plan or
+/// a decode cache, whose memory and kernel attributes belong to one device.
+class DeviceGuard {
+ public:
+  DeviceGuard(int device, const char* operation);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;  // the caller's device, when it had to be changed
+};
+
+/// Refuses (invalid_argument) a stream that belongs to another device than `device`, the
+/// current one; nullptr, the current device's legacy default stream, always belongs to it.
+void expect_stream_of(const char* operation, cudaStream_t stream, int device);
+
 /// An owned stream, non-blocking with respect to the legacy default stream.
 class OwnedStream {
  public:

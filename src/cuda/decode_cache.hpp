@@ -1,11 +1,14 @@
 // The device form of BasicDecodeCache<float> in the dense form (include/emflow/decode.hpp,
 // Device::cuda): the keys and per head the contents C_h = X F_h^T in device buffers of a fixed
-// capacity. append() copies the new tokens to the device on the cache's stream and projects only
-// them; attend() copies the queries in, projects them, runs the fused kernel per head with its
-// keys split into blocks (flash-decoding, kernels/key_splits.cu) so that few queries against
-// many keys fill the device, merges the splits and the heads, and copies the outputs back,
-// synchronising the stream before it returns. Defined in src/cuda/decode_cache.cpp; without CUDA
-// the constructor throws ErrorCode::unsupported (cuda_unavailable.cpp).
+// capacity, on the device that was current when the cache was made (every call makes it current
+// again, and restores the caller's). append() copies the new tokens to the device on the cache's
+// stream and projects only them; attend() copies the queries in and runs the cache's plan
+// (cuda::AttentionPlan, src/cuda/decode_strategy.hpp: the queries projected, the fused kernel per
+// head with its keys split into blocks, flash-decoding, so that few queries against many keys
+// fill the device, the splits and the heads merged), and copies the outputs back, synchronising
+// the stream before it returns. Everything a call needs is allocated when the cache is made:
+// neither call allocates device memory. Defined in src/cuda/decode_cache.cpp; without CUDA the
+// constructor throws ErrorCode::unsupported (src/decode/cuda_unavailable.cpp).
 #pragma once
 
 #include <cstdint>
@@ -18,7 +21,9 @@ namespace emflow::detail::decode {
 
 class DeviceCache {
  public:
-  /// Copies the operators to the device and allocates `capacity` tokens of keys and contents.
+  /// Copies the operators to the device and allocates `capacity` tokens of keys and contents and
+  /// the plan's workspace. Throws ErrorCode::unsupported where route() refuses the cache on
+  /// Device::cuda (no device, dim > 256).
   DeviceCache(const LayerOperators<float>& layer, std::int64_t dim, double beta,
               std::int64_t capacity);
   ~DeviceCache();

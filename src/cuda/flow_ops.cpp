@@ -1,6 +1,7 @@
 // The flow in device memory: the operations of stepper.hpp on cuda::DeviceBuffer. Every
-// attention evaluation enqueues an attention plan made once per configuration before the run
-// (src/cuda/attend_plan.hpp), on one owned stream, with one workspace sized for the largest; the
+// attention evaluation runs an attention plan made once per configuration before the run
+// (cuda::AttentionPlan, emflow/cuda.hpp), on one owned stream, with one workspace sized for the
+// largest; the
 // element-wise parts and the observables are the kernels of kernels/flow_kernels.hpp. The host
 // only enqueues, and waits where it needs data: for the copy of the record before last at each
 // record (page-locked staging, so the stream keeps its work) and for the stream at the end (the
@@ -16,13 +17,13 @@
 #include <vector>
 
 #include "core/check.hpp"
+#include "cuda_support.hpp"
 #include "emflow/cuda.hpp"
 #include "flow/internal.hpp"
-#include "attend_plan.hpp"
-#include "kernels/attention_kernels.hpp"
-#include "cuda_support.hpp"
-#include "kernels/flow_kernels.hpp"
 #include "flow/stepper.hpp"
+#include "kernels/attention_kernels.hpp"
+#include "kernels/flow_kernels.hpp"
+#include "plan_access.hpp"
 
 namespace emflow::flow::detail {
 
@@ -112,20 +113,20 @@ class DeviceOps {
   // step only enqueues.
   void reserve(const AttentionInput<T>& in, const AttentionOutput<T>& out) {
     if (plan_for(in, out) != nullptr) return;
-    plans_.emplace_back(in, out, cuda::Algorithm::automatic, operation_);
-    workspace_bytes_ = std::max(workspace_bytes_, plans_.back().workspace_bytes());
+    plans_.push_back(cuda::detail::PlanAccess::make(operation_, in, out, cuda::PlanOptions{}));
+    workspace_bytes_ = std::max(workspace_bytes_, plans_.back().workspace_size());
   }
   // One workspace for every call of the run: the largest any plan needs.
   void ready() { workspace_ = cuda::DeviceBuffer<unsigned char>(workspace_bytes_); }
 
   // The one place the flow's attention is enqueued.
   void attend(const AttentionInput<T>& in, const AttentionOutput<T>& out) {
-    const emflow::detail::AttentionPlan<T>* plan = plan_for(in, out);
+    const cuda::AttentionPlan<T>* plan = plan_for(in, out);
     if (plan == nullptr) {
       fail(ErrorCode::internal, operation_, ": an attention call of a configuration ",
            "that was not reserved before the run");
     }
-    plan->enqueue(in, out, workspace_.data(), stream_);
+    plan->run(in, out, workspace_.data(), workspace_.size(), stream_);
   }
 
   void axpy(T* y, const T* x, const T* k, T step, std::int64_t n) {
@@ -238,15 +239,15 @@ class DeviceOps {
   const char* operation_;
   const emflow::detail::OwnedStream owned_;
   cudaStream_t stream_;
-  const emflow::detail::AttentionPlan<T>* plan_for(const AttentionInput<T>& in,
-                                                   const AttentionOutput<T>& out) const {
+  const cuda::AttentionPlan<T>* plan_for(const AttentionInput<T>& in,
+                                         const AttentionOutput<T>& out) const {
     for (const auto& plan : plans_) {
       if (plan.matches(in, out)) return &plan;
     }
     return nullptr;
   }
 
-  std::vector<emflow::detail::AttentionPlan<T>> plans_;
+  std::vector<cuda::AttentionPlan<T>> plans_;
   std::size_t workspace_bytes_ = 0;
   cuda::DeviceBuffer<unsigned char> workspace_;
   double cluster_eps_ = 0.0;

@@ -1,6 +1,6 @@
-// cuda::attend_workspace_size and cuda::attend_async for bfloat16 and float16, and for float with
-// precision tf32 (emflow/cuda.hpp): the dense EMF form (emflow/attention.hpp) on the tensor-core
-// attention (tc_attention.cu).
+// The dense EMF form (emflow/attention.hpp) on the tensor-core attention (tc_attention.cu): the
+// strategy of cuda::AttentionPlan for bfloat16 and float16 storage, and for float with precision
+// tf32 (emflow/cuda.hpp), where route() chooses cuda_tensor_cores.
 //
 // s_ij = beta (x_i^T M_h x_j + u_h^T x_j) = beta (<M_h^T x_i, x_j> + u_h^T x_j), so per head h:
 //   1. project (tc_projection.cu): the queries' relevance gradients R_h = Q M_h (row i is
@@ -18,131 +18,77 @@
 // The keys are the same cloud for every head: one attention launch per head reads X in place
 // (a head stride of 0 for the keys in the kernel would make it one launch), so the workspace
 // holds R, C, the bias terms and the float32 head outputs, lse and entropy, never H copies of X.
-// Algorithm::automatic and fused take this path; unfused (cuBLAS, float and double) is refused.
+// route() sends Algorithm::automatic and fused here; unfused (cuBLAS) never.
+#include "tc_dense.hpp"
+
 #include <cuda_runtime.h>
 
-#include <algorithm>
-#include <climits>
 #include <cstdint>
 #include <type_traits>
 
-#include "attend_plan.hpp"
-#include "core/backends.hpp"
 #include "core/check.hpp"
-#include "core/queries.hpp"
-#include "cuda_support.hpp"
 #include "emflow/precision.hpp"
 #include "kernels/tc_attention.hpp"
-#include "tc_dense.hpp"
 #include "kernels/tc_projection.hpp"
 
 namespace emflow::detail {
 
 namespace {
 
-/// Where each array lives in the workspace (byte offsets, each aligned).
-struct DenseLayout {
-  std::size_t query = 0, value = 0, bias = 0, heads_out = 0, lse = 0, entropy = 0, total = 0;
-};
+// The kernel's limit is the capability function's (route() decides on kTensorCoreMaxDim).
+static_assert(kTcMaxDim == kTensorCoreMaxDim, "the tensor cores' width is route()'s rule");
 
 template <class T>
-DenseLayout dense_layout(const AttentionInput<T>& input, const AttentionOutput<T>& output) {
-  const auto H = static_cast<std::size_t>(input.layer.heads);
-  const auto B = static_cast<std::size_t>(input.batch);
-  const auto N = static_cast<std::size_t>(input.tokens);
-  const auto Nq = static_cast<std::size_t>(query_count(input));
-  const auto d = static_cast<std::size_t>(input.dim);
-  DenseLayout l;
-  std::size_t at = 0;
-  auto take = [&at](std::size_t bytes) {
-    const std::size_t here = at;
-    at += tc_aligned_bytes(bytes);
-    return here;
-  };
-  l.query = take(H * B * Nq * d * sizeof(T));
-  l.value = take(H * B * N * d * sizeof(T));
-  l.bias = take(input.layer.key_bias != nullptr ? H * B * N * sizeof(float) : 0);
-  l.heads_out = take(H * B * Nq * d * sizeof(float));
-  l.lse = take(H * B * Nq * sizeof(float));
-  l.entropy = take(output.entropy != nullptr ? H * B * Nq * sizeof(float) : 0);
-  l.total = at;
-  return l;
-}
-
-/// The checks that read no device memory: validate()'s (with the lengths, which live on the
-/// device, left out), the algorithm, what this path computes, and the kernels' limits.
-template <class T>
-void check_dense_async(const AttentionInput<T>& input, const AttentionOutput<T>& output,
-                       cuda::Algorithm algorithm, const char* operation) {
-  check_arguments(input, output, operation, Lengths::device);
-  switch (algorithm) {
-    case cuda::Algorithm::automatic:
-    case cuda::Algorithm::fused:
-      break;
-    case cuda::Algorithm::unfused:
-      fail(ErrorCode::unsupported, operation,
-           ": Algorithm::unfused computes float32 and double products only; bfloat16 and "
-           "float16 input runs on the tensor cores (Algorithm::automatic or fused)");
-    default:
-      fail(ErrorCode::invalid_argument, operation, ": argument 'algorithm' is not an Algorithm");
-  }
-  check_tc_outputs(output, operation);
-  if (input.dim > kTcMaxDim) {
-    fail(ErrorCode::unsupported, operation, ": dim ", input.dim,
-         " exceeds the tensor-core attention's limit of ", kTcMaxDim,
-         " for 16-bit input (use device 'cpu')");
-  }
-  const std::int64_t longest = std::max(input.tokens, query_count(input));
-  // Sizes fit in int64 (check_shapes); the kernels index rows and tiles in int.
-  if (input.batch * input.layer.heads * longest * input.dim > INT_MAX || longest > INT_MAX - 256) {
-    fail(ErrorCode::unsupported, operation,
-         ": batch * heads * tokens * dim = ", input.batch * input.layer.heads * longest * input.dim,
-         " exceeds the CUDA backend's limit of ", INT_MAX);
-  }
+constexpr TcType tc_type() {
+  return std::is_same_v<T, float>      ? TcType::tf32
+         : std::is_same_v<T, bfloat16> ? TcType::bf16
+                                       : TcType::f16;
 }
 
 }  // namespace
 
 template <class T>
-std::size_t tc_dense_workspace_size(const AttentionInput<T>& input,
-                                    const AttentionOutput<T>& output, cuda::Algorithm algorithm,
-                                    const char* operation) {
-  check_dense_async(input, output, algorithm, operation);
-  return dense_layout(input, output).total;
+TcDenseStrategy<T>::TcDenseStrategy(const Problem& p, const char* operation)
+    : batch_(static_cast<int>(p.batch)),
+      tokens_(static_cast<int>(p.tokens)),
+      queries_(static_cast<int>(p.query_tokens)),
+      dim_(static_cast<int>(p.dim)),
+      heads_(static_cast<int>(p.heads)),
+      key_bias_(p.key_bias),
+      entropy_out_(p.entropy) {
+  // Every size fits in int64 (check_shapes) and the rows in int (route()'s index limit).
+  const std::int64_t H = heads_, B = batch_, N = tokens_, Nq = queries_, d = dim_;
+  WorkspaceCursor at(operation);
+  query_ = at.take(H * B * Nq * d, sizeof(T), "relevance");
+  value_ = at.take(H * B * N * d, sizeof(T), "content");
+  bias_ = at.take(key_bias_ ? H * B * N : 0, sizeof(float), "key bias terms");
+  heads_out_ = at.take(H * B * Nq * d, sizeof(float), "head outputs");
+  lse_ = at.take(H * B * Nq, sizeof(float), "lse");
+  entropy_ = at.take(entropy_out_ ? H * B * Nq : 0, sizeof(float), "entropy");
+  total_ = at.total();
 }
 
 template <class T>
-void tc_dense_attend_async(const AttentionInput<T>& input, const AttentionOutput<T>& output,
-                           void* workspace, std::size_t workspace_bytes, cuda::Stream stream,
-                           cuda::Algorithm algorithm, const char* operation) {
-  check_dense_async(input, output, algorithm, operation);
-  const DenseLayout l = dense_layout(input, output);
-  const int device = current_device(operation);
-  const char* const names[] = {"cloud",           "queries",   "key_lengths", "query_lengths",
-                               "query_positions", "relevance", "content",     "key_bias",
-                               "offset",          "update",    "lse",         "entropy"};
-  const void* const arrays[] = {
-      input.cloud,           input.queries,         input.key_lengths,   input.query_lengths,
-      input.query_positions, input.layer.relevance, input.layer.content, input.layer.key_bias,
-      input.layer.offset,    output.update,         output.lse,          output.entropy};
-  for (std::size_t k = 0; k < sizeof arrays / sizeof arrays[0]; ++k) {
-    expect_device_pointer(operation, names[k], arrays[k], device);
-  }
-  expect_workspace(operation, workspace, workspace_bytes, l.total, device);
-  check_no_overlap(input, output, operation, workspace, l.total);
+void TcDenseStrategy<T>::bind(int device, bool prepare, const char* operation) {
+  expect_shared_memory(
+      operation, "the tensor-core attention", tc_shared_bytes(tc_type<T>(), dim_), device,
+      shared_memory_limit(device, operation),
+      std::is_same_v<T, float> ? "use Precision::fp32 (the float32 kernels)" : "use device 'cpu'");
+  if (prepare) prepare_tc_attention(tc_type<T>(), dim_, operation);
+}
 
-  const int B = static_cast<int>(input.batch), N = static_cast<int>(input.tokens);
-  const int Nq = static_cast<int>(query_count(input)), d = static_cast<int>(input.dim);
-  const int H = static_cast<int>(input.layer.heads);
-  auto* const base = static_cast<unsigned char*>(workspace);
-  T* const r = reinterpret_cast<T*>(base + l.query);
-  T* const c = reinterpret_cast<T*>(base + l.value);
-  float* const bias =
-      input.layer.key_bias != nullptr ? reinterpret_cast<float*>(base + l.bias) : nullptr;
-  float* const heads_out = reinterpret_cast<float*>(base + l.heads_out);
-  float* const lse = reinterpret_cast<float*>(base + l.lse);
-  float* const entropy =
-      output.entropy != nullptr ? reinterpret_cast<float*>(base + l.entropy) : nullptr;
+template <class T>
+void TcDenseStrategy<T>::run(const PlanCall<T>& call, unsigned char* base, cudaStream_t stream,
+                             const char* operation) const {
+  const AttentionInput<T>& input = *call.input;
+  const AttentionOutput<T>& output = *call.output;
+  const int B = batch_, N = tokens_, Nq = queries_, d = dim_, H = heads_;
+  T* const r = reinterpret_cast<T*>(base + query_);
+  T* const c = reinterpret_cast<T*>(base + value_);
+  float* const bias = key_bias_ ? reinterpret_cast<float*>(base + bias_) : nullptr;
+  float* const heads_out = reinterpret_cast<float*>(base + heads_out_);
+  float* const lse = reinterpret_cast<float*>(base + lse_);
+  float* const entropy = entropy_out_ ? reinterpret_cast<float*>(base + entropy_) : nullptr;
   const T* const queries = input.queries != nullptr ? input.queries : input.cloud;
 
   launch_tc_project(input.layer.relevance, TcWeights::transposed, queries, r, H, B * Nq, d, d,
@@ -159,9 +105,7 @@ void tc_dense_attend_async(const AttentionInput<T>& input, const AttentionOutput
   const std::size_t key_rows = static_cast<std::size_t>(B) * N;
   for (int h = 0; h < H; ++h) {
     TcAttentionArgs args;
-    args.type = std::is_same_v<T, float>      ? TcType::tf32
-                : std::is_same_v<T, bfloat16> ? TcType::bf16
-                                              : TcType::f16;
+    args.type = tc_type<T>();
     args.query = r + h * query_rows * d;
     args.key = input.cloud;
     args.value = c + h * key_rows * d;
@@ -183,15 +127,8 @@ void tc_dense_attend_async(const AttentionInput<T>& input, const AttentionOutput
                        input.layer.offset, output.update, stream, operation);
 }
 
-#define EMFLOW_INSTANTIATE(T)                                                                 \
-  template std::size_t tc_dense_workspace_size<T>(                                            \
-      const AttentionInput<T>&, const AttentionOutput<T>&, cuda::Algorithm, const char*);     \
-  template void tc_dense_attend_async<T>(const AttentionInput<T>&, const AttentionOutput<T>&, \
-                                         void*, std::size_t, cuda::Stream, cuda::Algorithm,   \
-                                         const char*);
-EMFLOW_INSTANTIATE(bfloat16)
-EMFLOW_INSTANTIATE(float16)
-EMFLOW_INSTANTIATE(float)
-#undef EMFLOW_INSTANTIATE
+template class TcDenseStrategy<bfloat16>;
+template class TcDenseStrategy<float16>;
+template class TcDenseStrategy<float>;
 
 }  // namespace emflow::detail

@@ -1,26 +1,41 @@
-// The dense EMF form on the tensor cores (tc_dense.cpp): what cuda::attend_workspace_size and
-// cuda::attend_async (emflow/cuda.hpp, attend_async.cpp) run for 16-bit T, and for float with
-// precision tf32. T is bfloat16, float16 or float (TF32 operands).
+// The dense EMF form on the tensor cores (tc_dense.cpp), a strategy of cuda::AttentionPlan
+// (plan_strategy.hpp): what route() sends to cuda_tensor_cores for the dense form, bfloat16 and
+// float16 storage and float with Precision::tf32. T is bfloat16, float16 or float (TF32
+// operands).
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <cstddef>
+#include <cstdint>
 
 #include "emflow/attention.hpp"
-#include "emflow/cuda.hpp"
+#include "emflow/capability.hpp"
+#include "plan_strategy.hpp"
 
 namespace emflow::detail {
 
-/// Bytes of workspace tc_dense_attend_async needs (reads no memory, needs no device); throws as
-/// its checks do.
 template <class T>
-std::size_t tc_dense_workspace_size(const AttentionInput<T>& input,
-                                    const AttentionOutput<T>& output, cuda::Algorithm algorithm,
-                                    const char* operation);
+class TcDenseStrategy final : public PlanStrategy<T> {
+ public:
+  /// The strategy of `problem` (the update of a dense layer, validated and routed).
+  TcDenseStrategy(const Problem& problem, const char* operation);
 
-/// Checks the arguments, pointers and workspace, then enqueues the dense form on `stream`.
-template <class T>
-void tc_dense_attend_async(const AttentionInput<T>& input, const AttentionOutput<T>& output,
-                           void* workspace, std::size_t workspace_bytes, cuda::Stream stream,
-                           cuda::Algorithm algorithm, const char* operation);
+  std::size_t workspace_bytes() const noexcept override { return total_; }
+  void bind(int device, bool prepare, const char* operation) override;
+  void run(const PlanCall<T>& call, unsigned char* workspace, cudaStream_t stream,
+           const char* operation) const override;
+
+ private:
+  int batch_ = 0, tokens_ = 0, queries_ = 0, dim_ = 0, heads_ = 0;
+  // Where each array lives in the workspace (byte offsets, each aligned).
+  std::size_t query_ = 0, value_ = 0, bias_ = 0, heads_out_ = 0, lse_ = 0, entropy_ = 0;
+  std::size_t total_ = 0;
+  bool key_bias_ = false, entropy_out_ = false;
+};
+
+extern template class TcDenseStrategy<bfloat16>;
+extern template class TcDenseStrategy<float16>;
+extern template class TcDenseStrategy<float>;
 
 }  // namespace emflow::detail

@@ -1,5 +1,6 @@
-// cuda::attend_factored_async for bfloat16, float16 and float with TF32 products (emflow/cuda.hpp):
-// the factored layer (emflow/factored.hpp) on the tensor-core attention (tc_attention.cu).
+// The factored layer (emflow/factored.hpp) on the tensor-core attention (tc_attention.cu): the
+// strategy of cuda::AttentionPlan for bfloat16 and float16 storage and for float with TF32
+// products (emflow/cuda.hpp), where route() chooses cuda_tensor_cores for the factored form.
 //
 //   1. project: per head, Q_h = A_h Y^T, K_h = B_h X^T, V_h = V_h X^T, accumulated in float32 and
 //      stored in T (rounded for the 16-bit types; the TF32 kernel rounds its operands itself),
@@ -11,22 +12,16 @@
 //      head, are transposed from the kernel's (heads, batch, queries) to the public (batch,
 //      heads, queries).
 //
-// The projections and the combine are tc_projection.cu's, shared with the dense form (tc_dense.cpp).
+// The projections and the combine are tc_projection.cu's, shared with the dense form
+// (tc_dense.cpp).
+#include "tc_factored.hpp"
+
 #include <cuda_runtime.h>
 
-#include <algorithm>
-#include <climits>
-#include <cmath>
 #include <cstdint>
-#include <string>
 #include <type_traits>
 
-#include "attend_plan.hpp"
-#include "core/backends.hpp"
 #include "core/check.hpp"
-#include "core/queries.hpp"
-#include "cuda_support.hpp"
-#include "emflow/cuda.hpp"
 #include "emflow/precision.hpp"
 #include "kernels/tc_attention.hpp"
 #include "kernels/tc_projection.hpp"
@@ -35,138 +30,61 @@ namespace emflow::detail {
 
 namespace {
 
-/// Where each array lives in the workspace (byte offsets, each aligned).
-struct FactoredLayout {
-  std::size_t query = 0, key = 0, value = 0, bias = 0, heads_out = 0, lse = 0, entropy = 0;
-  std::size_t total = 0;
-};
-
 template <class T>
-FactoredLayout factored_layout(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
-                               const AttentionOutput<T>& output) {
-  const auto H = static_cast<std::size_t>(layer.heads), r = static_cast<std::size_t>(layer.rank);
-  const auto B = static_cast<std::size_t>(input.batch);
-  const auto N = static_cast<std::size_t>(input.tokens);
-  const auto Nq = static_cast<std::size_t>(query_count(input));
-  FactoredLayout l;
-  std::size_t at = 0;
-  auto take = [&at](std::size_t bytes) {
-    const std::size_t here = at;
-    at += tc_aligned_bytes(bytes);
-    return here;
-  };
-  l.query = take(H * B * Nq * r * sizeof(T));
-  l.key = take(H * B * N * r * sizeof(T));
-  l.value = take(H * B * N * r * sizeof(T));
-  l.bias = take(layer.key_bias != nullptr ? H * B * N * sizeof(float) : 0);
-  l.heads_out = take(H * B * Nq * r * sizeof(float));
-  l.lse = take(H * B * Nq * sizeof(float));
-  l.entropy = take(output.entropy != nullptr ? H * B * Nq * sizeof(float) : 0);
-  l.total = at;
-  return l;
-}
-
-/// The kernel's type for storage type T and `precision` (cuda.hpp says which pairs run).
-template <class T>
-TcType tc_type(Precision precision, const char* operation) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (precision == Precision::tf32) return TcType::tf32;
-    if (precision == Precision::fp32) {
-      fail(ErrorCode::unsupported, operation,
-           ": precision fp32 for float input is not implemented on the tensor cores (use "
-           "precision tf32 here, or emflow::attend_factored on device 'cuda' or 'cpu' for "
-           "float32 products)");
-    }
-    fail_argument(operation, "precision", to_string(precision), " needs ",
-                  precision == Precision::bf16 ? "bfloat16" : "float16", " input, got float");
-  } else {
-    constexpr bool bf16 = std::is_same_v<T, bfloat16>;
-    if (precision == storage_precision<T>() || precision == Precision::fp32) {
-      return bf16 ? TcType::bf16 : TcType::f16;
-    }
-    if (precision == Precision::tf32) {
-      fail_argument(operation, "precision", "tf32 needs float input, got ",
-                    bf16 ? "bfloat16" : "float16");
-    }
-    fail_argument(operation, "precision", to_string(precision), " needs ",
-                  bf16 ? "float16" : "bfloat16", " input, got ", bf16 ? "bfloat16" : "float16");
-  }
-}
-
-/// The checks that read no device memory: the factored layer's own (with the lengths, which live
-/// on the device, left out), the precision, what this path computes, and the kernels' int limits.
-template <class T>
-void check_factored_async(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
-                          const AttentionOutput<T>& output, Precision precision,
-                          const char* operation, const void* workspace = nullptr,
-                          std::size_t workspace_bytes = 0) {
-  check_factored(input, layer, output, operation, workspace, workspace_bytes, Lengths::device);
-  (void)tc_type<T>(precision, operation);
-  check_tc_outputs(output, operation);
-  if (layer.rank > kTcMaxDim) {
-    fail(ErrorCode::unsupported, operation, ": rank ", layer.rank,
-         " exceeds the tensor-core attention's limit of ", kTcMaxDim);
-  }
-  const std::int64_t longest = std::max(input.tokens, query_count(input));
-  // Sizes fit in int64 (check_shapes); the kernels index rows and tiles in int.
-  if (input.batch * layer.heads * longest * layer.rank > INT_MAX || longest > INT_MAX - 256 ||
-      input.dim > INT_MAX) {
-    fail(ErrorCode::unsupported, operation,
-         ": batch * heads * tokens * rank = ", input.batch * layer.heads * longest * layer.rank,
-         " exceeds the CUDA backend's limit of ", INT_MAX);
-  }
+constexpr TcType tc_type() {
+  return std::is_same_v<T, float>      ? TcType::tf32
+         : std::is_same_v<T, bfloat16> ? TcType::bf16
+                                       : TcType::f16;
 }
 
 }  // namespace
 
-}  // namespace emflow::detail
-
-namespace emflow::cuda {
-
 template <class T>
-std::size_t attend_factored_workspace_size(const AttentionInput<T>& input,
-                                           const FactoredLayer<T>& layer,
-                                           const AttentionOutput<T>& output, Precision precision) {
-  emflow::detail::check_factored_async(input, layer, output, precision,
-                                       "attend_factored_workspace_size");
-  return emflow::detail::factored_layout(input, layer, output).total;
+TcFactoredStrategy<T>::TcFactoredStrategy(const Problem& p, const char* operation)
+    : batch_(static_cast<int>(p.batch)),
+      tokens_(static_cast<int>(p.tokens)),
+      queries_(static_cast<int>(p.query_tokens)),
+      dim_(static_cast<int>(p.dim)),
+      heads_(static_cast<int>(p.heads)),
+      rank_(static_cast<int>(p.rank)),
+      key_bias_(p.key_bias),
+      entropy_out_(p.entropy) {
+  // Every size fits in int64 (the plan's checks) and the rows in int (route()'s index limit).
+  const std::int64_t H = heads_, B = batch_, N = tokens_, Nq = queries_, r = rank_;
+  WorkspaceCursor at(operation);
+  query_ = at.take(H * B * Nq * r, sizeof(T), "queries");
+  key_ = at.take(H * B * N * r, sizeof(T), "keys");
+  value_ = at.take(H * B * N * r, sizeof(T), "values");
+  bias_ = at.take(key_bias_ ? H * B * N : 0, sizeof(float), "key bias terms");
+  heads_out_ = at.take(H * B * Nq * r, sizeof(float), "head outputs");
+  lse_ = at.take(H * B * Nq, sizeof(float), "lse");
+  entropy_ = at.take(entropy_out_ ? H * B * Nq : 0, sizeof(float), "entropy");
+  total_ = at.total();
 }
 
 template <class T>
-void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
-                           const AttentionOutput<T>& output, void* workspace,
-                           std::size_t workspace_bytes, Stream stream, Precision precision) {
-  using namespace emflow::detail;
-  const char* const operation = "attend_factored_async";
-  const FactoredLayout l = factored_layout(input, layer, output);
-  check_factored_async(input, layer, output, precision, operation, workspace, l.total);
-  const int device = current_device(operation);
-  const char* const names[] = {
-      "cloud",        "queries",    "key_lengths", "query_lengths", "query_positions",
-      "query_factor", "key_factor", "content_up",  "content_down",  "key_bias",
-      "offset",       "update",     "lse",         "entropy"};
-  const void* const arrays[] = {input.cloud,         input.queries,         input.key_lengths,
-                                input.query_lengths, input.query_positions, layer.query_factor,
-                                layer.key_factor,    layer.content_up,      layer.content_down,
-                                layer.key_bias,      layer.offset,          output.update,
-                                output.lse,          output.entropy};
-  for (std::size_t k = 0; k < sizeof arrays / sizeof arrays[0]; ++k) {
-    expect_device_pointer(operation, names[k], arrays[k], device);
-  }
-  expect_workspace(operation, workspace, workspace_bytes, l.total, device);
+void TcFactoredStrategy<T>::bind(int device, bool prepare, const char* operation) {
+  expect_shared_memory(
+      operation, "the tensor-core attention", tc_shared_bytes(tc_type<T>(), rank_), device,
+      shared_memory_limit(device, operation),
+      std::is_same_v<T, float> ? "use Precision::fp32 (the expanded layer)" : "use device 'cpu'");
+  if (prepare) prepare_tc_attention(tc_type<T>(), rank_, operation);
+}
 
-  const int B = static_cast<int>(input.batch), N = static_cast<int>(input.tokens);
-  const int Nq = static_cast<int>(query_count(input)), d = static_cast<int>(input.dim);
-  const int H = static_cast<int>(layer.heads), r = static_cast<int>(layer.rank);
-  auto* const base = static_cast<unsigned char*>(workspace);
-  T* const q = reinterpret_cast<T*>(base + l.query);
-  T* const k = reinterpret_cast<T*>(base + l.key);
-  T* const v = reinterpret_cast<T*>(base + l.value);
-  float* const bias = layer.key_bias != nullptr ? reinterpret_cast<float*>(base + l.bias) : nullptr;
-  float* const heads_out = reinterpret_cast<float*>(base + l.heads_out);
-  float* const lse = reinterpret_cast<float*>(base + l.lse);
-  float* const entropy =
-      output.entropy != nullptr ? reinterpret_cast<float*>(base + l.entropy) : nullptr;
+template <class T>
+void TcFactoredStrategy<T>::run(const PlanCall<T>& call, unsigned char* base, cudaStream_t stream,
+                                const char* operation) const {
+  const AttentionInput<T>& input = *call.input;
+  const FactoredLayer<T>& layer = *call.layer;
+  const AttentionOutput<T>& output = *call.output;
+  const int B = batch_, N = tokens_, Nq = queries_, d = dim_, H = heads_, r = rank_;
+  T* const q = reinterpret_cast<T*>(base + query_);
+  T* const k = reinterpret_cast<T*>(base + key_);
+  T* const v = reinterpret_cast<T*>(base + value_);
+  float* const bias = key_bias_ ? reinterpret_cast<float*>(base + bias_) : nullptr;
+  float* const heads_out = reinterpret_cast<float*>(base + heads_out_);
+  float* const lse = reinterpret_cast<float*>(base + lse_);
+  float* const entropy = entropy_out_ ? reinterpret_cast<float*>(base + entropy_) : nullptr;
   const T* const queries = input.queries != nullptr ? input.queries : input.cloud;
 
   launch_tc_project(layer.query_factor, TcWeights::rows, queries, q, H, B * Nq, d, r, stream,
@@ -181,7 +99,7 @@ void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T
   }
 
   TcAttentionArgs args;
-  args.type = tc_type<T>(precision, operation);
+  args.type = tc_type<T>();
   args.query = q;
   args.key = k;
   args.value = v;
@@ -202,15 +120,8 @@ void attend_factored_async(const AttentionInput<T>& input, const FactoredLayer<T
                     layer.content_up, layer.offset, output.update, stream, operation);
 }
 
-#define EMFLOW_INSTANTIATE(T)                                                                   \
-  template std::size_t attend_factored_workspace_size<T>(                                       \
-      const AttentionInput<T>&, const FactoredLayer<T>&, const AttentionOutput<T>&, Precision); \
-  template void attend_factored_async<T>(const AttentionInput<T>&, const FactoredLayer<T>&,     \
-                                         const AttentionOutput<T>&, void*, std::size_t, Stream, \
-                                         Precision);
-EMFLOW_INSTANTIATE(bfloat16)
-EMFLOW_INSTANTIATE(float16)
-EMFLOW_INSTANTIATE(float)
-#undef EMFLOW_INSTANTIATE
+template class TcFactoredStrategy<bfloat16>;
+template class TcFactoredStrategy<float16>;
+template class TcFactoredStrategy<float>;
 
-}  // namespace emflow::cuda
+}  // namespace emflow::detail

@@ -6,7 +6,7 @@
 //   HostOps   (host_ops.hpp): std::vector buffers, emflow::attend, OpenMP loops, observe();
 //   DeviceOps (src/cuda/flow_ops.cpp): cuda::DeviceBuffer, one owned stream, the kernels of
 //             kernels/flow_kernels.hpp, attention plans made once per configuration
-//             (src/cuda/attend_plan.hpp) sharing one workspace sized once.
+//             (cuda::AttentionPlan, emflow/cuda.hpp) sharing one workspace sized once.
 // Both make the same calls in the same order, so the two runs differ by rounding only.
 //
 // What Ops provides (T = Ops::Value; every pointer is memory of Ops' kind; counts in elements):

@@ -122,9 +122,9 @@ template <class T>
 void run_async(Buffers<T>& host, cuda::Algorithm algorithm) {
   CudaStream s;
   DeviceProblem<T> device(host, s.stream);
-  const std::size_t bytes = cuda::attend_workspace_size(device.input, device.output, algorithm);
+  const std::size_t bytes = cuda::attend_workspace_size(device.input, device.output, {algorithm});
   cuda::DeviceBuffer<unsigned char> workspace(bytes);
-  cuda::attend_async(device.input, device.output, workspace.data(), bytes, s.stream, algorithm);
+  cuda::attend_async(device.input, device.output, workspace.data(), bytes, s.stream, {algorithm});
   device.download(host, s.stream);
   ASSERT_EQ(cudaStreamSynchronize(s.stream), cudaSuccess);
 }

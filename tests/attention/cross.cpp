@@ -206,9 +206,9 @@ bool run_cross(const Target& target, CrossBuffers<T>& buffers, std::string* reas
         const cuda::Algorithm algorithm = target.backend == Backend::cuda_fused
                                               ? cuda::Algorithm::fused
                                               : cuda::Algorithm::unfused;
-        const std::size_t bytes = cuda::attend_workspace_size(in, out, algorithm);
+        const std::size_t bytes = cuda::attend_workspace_size(in, out, {algorithm});
         cuda::DeviceBuffer<unsigned char> workspace(bytes);
-        cuda::attend_async(in, out, workspace.data(), bytes, s.stream, algorithm);
+        cuda::attend_async(in, out, workspace.data(), bytes, s.stream, {algorithm});
         update.copy_to_host(buffers.update.data(), buffers.update.size(), s.stream);
         lse.copy_to_host(buffers.lse.data(), buffers.lse.size(), s.stream);
         entropy.copy_to_host(buffers.entropy.data(), buffers.entropy.size(), s.stream);

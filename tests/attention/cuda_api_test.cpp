@@ -53,11 +53,11 @@ TEST(CudaWorkspace, SizeFollowsAlgorithmAndOutputs) {
   Buffers<float> plain(p);
   Buffers<float> with_weights(p, /*with_weights=*/true);
   const std::size_t fused =
-      cuda::attend_workspace_size(plain.input, plain.output, cuda::Algorithm::fused);
+      cuda::attend_workspace_size(plain.input, plain.output, {cuda::Algorithm::fused});
   const std::size_t unfused =
-      cuda::attend_workspace_size(plain.input, plain.output, cuda::Algorithm::unfused);
+      cuda::attend_workspace_size(plain.input, plain.output, {cuda::Algorithm::unfused});
   const std::size_t unfused_weights = cuda::attend_workspace_size(
-      with_weights.input, with_weights.output, cuda::Algorithm::unfused);
+      with_weights.input, with_weights.output, {cuda::Algorithm::unfused});
   const std::size_t scores = 2 * 3 * 100 * 100 * sizeof(float);
   const std::size_t projections = 2 * 3 * 2 * 100 * 16 * sizeof(float);
   EXPECT_GE(fused, projections);
@@ -79,16 +79,18 @@ TEST(CudaWorkspace, FusedRefusesWhatItCannotCompute) {
   expect_unsupported(
       [&] {
         cuda::attend_workspace_size(with_weights.input, with_weights.output,
-                                    cuda::Algorithm::fused);
+                                    {cuda::Algorithm::fused});
       },
       "weights");
   expect_unsupported(
       [&] {
-        cuda::attend_workspace_size(in_double.input, in_double.output, cuda::Algorithm::fused);
+        cuda::attend_workspace_size(in_double.input, in_double.output, {cuda::Algorithm::fused});
       },
-      "float only");
+      "float32 only");
   expect_unsupported(
-      [&] { cuda::attend_workspace_size(too_wide.input, too_wide.output, cuda::Algorithm::fused); },
+      [&] {
+        cuda::attend_workspace_size(too_wide.input, too_wide.output, {cuda::Algorithm::fused});
+      },
       "dim <= 256");
   // Automatic falls back to the unfused path for each of them.
   EXPECT_GT(cuda::attend_workspace_size(too_wide.input, too_wide.output), 0u);

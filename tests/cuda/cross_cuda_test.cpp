@@ -31,8 +31,8 @@
 #if defined(EMFLOW_WITH_CUDA)
 #include <cuda_runtime.h>
 
+#include "cuda/products_strategy.hpp"
 #include "emflow/cuda.hpp"
-#include "cuda/attend_plan.hpp"
 
 namespace emflow::testing {
 namespace {
@@ -213,9 +213,10 @@ void check_async(const Cross& p, Algorithm algorithm, double tolerance, const st
   DeviceBuffer<T> update = poisoned<T>(static_cast<std::size_t>(p.B * p.Nq * p.d));
   DeviceBuffer<T> lse = poisoned<T>(p.rows()), entropy = poisoned<T>(p.rows());
   const AttentionOutput<T> out{update.data(), lse.data(), entropy.data()};
-  const std::size_t bytes = cuda::attend_workspace_size(device.in, out, algorithm);
+  const cuda::PlanOptions options{algorithm};
+  const std::size_t bytes = cuda::attend_workspace_size(device.in, out, options);
   DeviceBuffer<unsigned char> workspace(bytes);
-  cuda::attend_async(device.in, out, workspace.data(), bytes, nullptr, algorithm);
+  cuda::attend_async(device.in, out, workspace.data(), bytes, nullptr, options);
   expect_result(update, lse, entropy, reference(p), tolerance, what + " " + name(p));
 }
 
@@ -285,10 +286,11 @@ void check_splits(const Cross& p, int splits) {
   DeviceBuffer<float> update = poisoned<float>(static_cast<std::size_t>(p.B * p.Nq * p.d));
   DeviceBuffer<float> lse = poisoned<float>(p.rows()), entropy = poisoned<float>(p.rows());
   const AttentionOutput<float> out{update.data(), lse.data(), entropy.data()};
-  const detail::AttentionPlan<float> plan(device.in, out, Algorithm::fused, "test", true, splits);
+  const cuda::AttentionPlan<float> plan(device.in, out,
+                                        {Algorithm::fused, Precision::fp32, splits});
   ASSERT_EQ(plan.key_splits(), splits) << name(p);
-  DeviceBuffer<unsigned char> workspace(plan.workspace_bytes());
-  plan.enqueue(device.in, out, workspace.data(), nullptr);
+  DeviceBuffer<unsigned char> workspace(plan.workspace_size());
+  plan.run(device.in, out, workspace.data(), workspace.size(), nullptr);
   expect_result(update, lse, entropy, reference(p), 1e-5,
                 std::to_string(splits) + " splits " + name(p));
 }
@@ -318,11 +320,15 @@ TEST(CudaKeySplits, PlanSplitsDecodingShapesOnly) {
   const Host<float> h(p);
   std::vector<float> update(16), lse(1);
   const AttentionOutput<float> out{update.data(), lse.data(), nullptr};
-  const detail::AttentionPlan<float> split(h.in, out, Algorithm::fused, "test", false);
-  EXPECT_EQ(split.key_splits(), 16);
-  const detail::AttentionPlan<float> unsplit(h.in, out, Algorithm::fused, "test", false, 1);
-  EXPECT_GT(split.workspace_bytes(), unsplit.workspace_bytes());
-  EXPECT_EQ(cuda::attend_workspace_size(h.in, out), split.workspace_bytes());
+  // Sized without a device: the splits depend on the shapes alone.
+  using Plan = cuda::AttentionPlan<float>;
+  const std::size_t split = Plan::get_workspace_size(h.in, out, {Algorithm::fused});
+  const std::size_t unsplit =
+      Plan::get_workspace_size(h.in, out, {Algorithm::fused, Precision::fp32, 1});
+  EXPECT_GT(split, unsplit);
+  EXPECT_EQ(cuda::attend_workspace_size(h.in, out), split);
+  // 16 splits of 256 keys: the split rows (16 x 16 floats) and their lse and entropy.
+  EXPECT_GE(split - unsplit, std::size_t{16 * 16 * sizeof(float)});
 }
 
 // A partial state on the device (batch, heads, Nq, dim), (batch, heads, Nq) twice.
@@ -374,14 +380,15 @@ void check_blocks(const Cross& p, const std::vector<std::int64_t>& cuts, Algorit
     DeviceState<T> part(p);
     DeviceState<T>& target = k == 0 ? merged : part;
     if (splits > 0) {
-      const detail::AttentionPlan<T> plan(device.in, target.out(), algorithm, "test", true, splits);
-      DeviceBuffer<unsigned char> workspace(plan.workspace_bytes());
-      plan.enqueue(device.in, target.out(), workspace.data(), nullptr);
+      const cuda::AttentionPlan<T> plan(device.in, target.out(),
+                                        {algorithm, Precision::fp32, splits});
+      DeviceBuffer<unsigned char> workspace(plan.workspace_size());
+      plan.run(device.in, target.out(), workspace.data(), workspace.size(), nullptr);
     } else {
-      const std::size_t bytes = cuda::attend_partial_workspace_size(device.in, algorithm);
+      const std::size_t bytes = cuda::attend_partial_workspace_size(device.in, {algorithm});
       DeviceBuffer<unsigned char> workspace(bytes);
       cuda::attend_partial_async(device.in, target.out(), workspace.data(), bytes, nullptr,
-                                 algorithm);
+                                 {algorithm});
     }
     if (k > 0) cuda::merge_partial_async(shape, part.in(), merged.out(), nullptr);
   }
@@ -395,9 +402,9 @@ void check_blocks(const Cross& p, const std::vector<std::int64_t>& cuts, Algorit
   DeviceBuffer<T> one_update = poisoned<T>(static_cast<std::size_t>(p.B * p.Nq * p.d));
   DeviceBuffer<T> one_lse = poisoned<T>(p.rows()), one_entropy = poisoned<T>(p.rows());
   const AttentionOutput<T> one{one_update.data(), one_lse.data(), one_entropy.data()};
-  const std::size_t bytes = cuda::attend_workspace_size(device.in, one, algorithm);
+  const std::size_t bytes = cuda::attend_workspace_size(device.in, one, {algorithm});
   DeviceBuffer<unsigned char> workspace(bytes);
-  cuda::attend_async(device.in, one, workspace.data(), bytes, nullptr, algorithm);
+  cuda::attend_async(device.in, one, workspace.data(), bytes, nullptr, {algorithm});
   const auto widen = [](const DeviceBuffer<T>& buffer) {
     const std::vector<T> values = download(buffer);
     return std::vector<double>(values.begin(), values.end());

@@ -1,7 +1,8 @@
 // The CPU emulation of CUDA (tests/cuda/emulation) is the only execution the kernels get without
 // a GPU, so each rule of the hardware it enforces has a kernel here that breaks the rule and must
 // be caught: shared memory poisoned at every block start, the per-kernel dynamic shared-memory
-// limit, shuffle masks, barriers reached by part of a block, the shuffled order of the blocks,
+// limit, devices that keep their streams, events, memory and kernel attributes apart, shuffle
+// masks, barriers reached by part of a block, the shuffled order of the blocks,
 // and asynchronous work deferred until the host synchronises (a host source freed early is a
 // use-after-free). Built into the emulated test binary only.
 #if defined(EMFLOW_CUDA_EMULATION)
@@ -127,6 +128,69 @@ TEST(EmulationStrictness, DynamicSharedMemoryIs48KiBPerKernelUnlessRaised) {
   // More than 1024 threads is refused as well.
   EXPECT_NE(run(1, 1025, 0, touch_dynamic_shared, seen.data), cudaSuccess);
   cudaGetLastError();
+}
+
+// --- Devices -------------------------------------------------------------------------------------
+
+// Two devices, the second with 64 KiB of opt-in shared memory per block.
+TEST(EmulationStrictness, StreamsEventsMemoryAndKernelAttributesBelongToOneDevice) {
+  constexpr std::size_t kib = 1024;
+  emu::present_devices({emu::DeviceModel{}, emu::DeviceModel{64 * kib}});
+  int count = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  EXPECT_EQ(count, 2);
+  EXPECT_EQ(cudaSetDevice(2), cudaErrorInvalidDevice);
+  cudaGetLastError();
+  int limit = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, 1),
+            cudaSuccess);
+  EXPECT_EQ(limit, static_cast<int>(64 * kib));
+  EXPECT_EQ(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, 2),
+            cudaErrorInvalidDevice);
+  cudaGetLastError();
+
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  cudaStream_t one = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&one, cudaStreamNonBlocking), cudaSuccess);
+  int owner = -1;
+  ASSERT_EQ(cudaStreamGetDevice(one, &owner), cudaSuccess);
+  EXPECT_EQ(owner, 1);
+  {
+    DeviceArray<std::int32_t> seen(1);
+    cudaPointerAttributes attributes{};
+    ASSERT_EQ(cudaPointerGetAttributes(&attributes, seen.data), cudaSuccess);
+    EXPECT_EQ(attributes.type, cudaMemoryTypeDevice);
+    EXPECT_EQ(attributes.device, 1);
+    // The attribute stops at this device's limit, and is this device's.
+    EXPECT_NE(
+        cudaFuncSetAttribute(touch_dynamic_shared, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(64 * kib + 16)),
+        cudaSuccess);
+    cudaGetLastError();
+    ASSERT_EQ(
+        cudaFuncSetAttribute(touch_dynamic_shared, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(64 * kib)),
+        cudaSuccess);
+    emu_launch("test kernel", touch_dynamic_shared, 1, 32, 64 * kib, one, seen.data);
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(one), cudaSuccess);
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+    EXPECT_EQ(run(1, 32, 64 * kib, touch_dynamic_shared, seen.data), cudaErrorInvalidValue);
+    // A launch into a stream of another device, and an event recorded on one, fail.
+    emu_launch("test kernel", touch_dynamic_shared, 1, 32, 0, one, seen.data);
+    EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidResourceHandle);
+    cudaEvent_t event = nullptr;
+    ASSERT_EQ(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), cudaSuccess);
+    EXPECT_EQ(cudaEventRecord(event, one), cudaErrorInvalidResourceHandle);
+    cudaGetLastError();
+    cudaEventDestroy(event);
+    // A reset clears that device's attributes.
+    ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+    ASSERT_EQ(cudaDeviceReset(), cudaSuccess);
+    EXPECT_EQ(run(1, 32, 64 * kib, touch_dynamic_shared, seen.data), cudaErrorInvalidValue);
+  }
+  cudaStreamDestroy(one);
+  emu::present_devices({emu::DeviceModel{}});
 }
 
 // --- Shuffles ----------------------------------------------------------------------------------

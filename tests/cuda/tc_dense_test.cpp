@@ -247,9 +247,10 @@ void check_case(const DenseCase& c) {
                                   c.lse ? dentropy.data() : nullptr};
   constexpr Precision precision = tensor_core_precision<T>();
   constexpr cuda::Algorithm automatic = cuda::Algorithm::automatic;
-  const std::size_t bytes = cuda::attend_workspace_size(input, output, automatic, precision);
+  const cuda::PlanOptions options{automatic, precision};
+  const std::size_t bytes = cuda::attend_workspace_size(input, output, options);
   cuda::DeviceBuffer<unsigned char> workspace(bytes);
-  cuda::attend_async(input, output, workspace.data(), bytes, stream, automatic, precision);
+  cuda::attend_async(input, output, workspace.data(), bytes, stream, options);
   std::vector<T> update(dupdate.size());
   std::vector<float> lse(c.lse ? dlse.size() : 0), entropy(lse.size());
   dupdate.copy_to_host(update.data(), update.size(), stream);
@@ -367,10 +368,10 @@ TEST(TcDenseRefusals, UnsupportedOutputsAlgorithmsAndShapesAreNamed) {
     for (int form = 0; form < 2; ++form) {
       try {
         if (form == 0) {
-          cuda::attend_workspace_size(input, output, algorithm);
+          cuda::attend_workspace_size(input, output, {algorithm});
         } else {
           unsigned char workspace[256];
-          cuda::attend_async(input, output, workspace, sizeof workspace, nullptr, algorithm);
+          cuda::attend_async(input, output, workspace, sizeof workspace, nullptr, {algorithm});
         }
         seen[form] = "accepted";
       } catch (const Error& e) {
@@ -386,24 +387,33 @@ TEST(TcDenseRefusals, UnsupportedOutputsAlgorithmsAndShapesAreNamed) {
   const auto has = [](const std::string& message, const char* part) {
     return message.find(part) != std::string::npos;
   };
+  // The reasons are route()'s (capability.hpp), the same for both calls.
   std::string m = refusal(host.input, {update.data(), nullptr, nullptr, weights.data()});
-  EXPECT_TRUE(has(m, "unsupported") && has(m, "'weights'")) << m;
+  EXPECT_TRUE(has(m, "unsupported") && has(m, "do not form the weights")) << m;
   m = refusal(host.input, {update.data()}, cuda::Algorithm::unfused);
-  EXPECT_TRUE(has(m, "unsupported") && has(m, "Algorithm::unfused")) << m;
+  EXPECT_TRUE(has(m, "unsupported") && has(m, "unfused algorithm (cuBLAS)")) << m;
   AttentionInput<bfloat16> wide = host.input;
   wide.dim = 257;
   std::vector<bfloat16> big(257 * 257 * 3), big_update(257 * 3);
   wide.cloud = wide.layer.relevance = wide.layer.content = big.data();
   m = refusal(wide, {big_update.data()});
-  EXPECT_TRUE(has(m, "unsupported") && has(m, "dim 257")) << m;
+  EXPECT_TRUE(has(m, "unsupported") && has(m, "dim <= 256, got 257")) << m;
   AttentionInput<bfloat16> empty = host.input;
   empty.tokens = 0;
   m = refusal(empty, {update.data()});
   EXPECT_TRUE(has(m, "invalid_argument") && has(m, "'tokens'")) << m;
+  // The size reads shapes only; the call refuses the missing operator by name.
   AttentionInput<bfloat16> no_content = host.input;
   no_content.layer.content = nullptr;
-  m = refusal(no_content, {update.data()});
-  EXPECT_TRUE(has(m, "invalid_argument") && has(m, "'content'")) << m;
+  EXPECT_EQ(cuda::attend_workspace_size(no_content, AttentionOutput<bfloat16>{update.data()}),
+            cuda::attend_workspace_size(host.input, AttentionOutput<bfloat16>{update.data()}));
+  unsigned char workspace[256];
+  EXPECT_TRUE(throws_error(
+      [&] {
+        cuda::attend_async(no_content, AttentionOutput<bfloat16>{update.data()}, workspace,
+                           sizeof workspace, nullptr);
+      },
+      ErrorCode::invalid_argument, {"'content'"}));
   // The blocking form refuses weights on device 'cuda'; Device::automatic computes them on the
   // CPU, as the tensor-core path does not form them.
   try {

@@ -10,7 +10,13 @@
 //   * a launch is checked as the hardware checks it: at most 1024 threads, and at most 48 KiB
 //     of dynamic shared memory unless cudaFuncSetAttribute(MaxDynamicSharedMemorySize) raised
 //     that kernel's limit (227 KiB at most);
-//   * fresh device memory and shared memory at every block start hold all bits set (NaN).
+//   * fresh device memory and shared memory at every block start hold all bits set (NaN);
+//   * devices are distinct (emu::present_devices makes more than one, each with its own opt-in
+//     shared-memory limit): the current device is per host thread (cudaSetDevice), streams,
+//     events, allocations and cuBLAS handles belong to the device current when they were made,
+//     a kernel launched into a stream of another device fails (cudaErrorInvalidResourceHandle),
+//     as does an event recorded on one, and a kernel's dynamic shared-memory attribute is set
+//     per device (cudaDeviceReset clears that device's).
 // Queued work runs in the order it was queued, whatever its stream: one order a GPU may choose.
 #pragma once
 #include <sys/mman.h>
@@ -39,10 +45,12 @@
 
 struct CUstream_st {
   unsigned pending = 0;  // queued operations not yet run
+  int device = 0;        // the device current when it was created
 };
 using cudaStream_t = CUstream_st*;
 struct CUevent_st {
   unsigned long long at = 0;  // the queue position it completes at (0: never recorded)
+  int device = 0;             // the device current when it was created
 };
 using cudaEvent_t = CUevent_st*;
 enum cudaError_t {
@@ -50,6 +58,8 @@ enum cudaError_t {
   cudaErrorInvalidValue = 1,
   cudaErrorMemoryAllocation = 2,
   cudaErrorInvalidConfiguration = 9,
+  cudaErrorInvalidDevice = 101,
+  cudaErrorInvalidResourceHandle = 400,
   cudaErrorNotReady = 600,
   cudaErrorLaunchFailure = 719
 };
@@ -86,18 +96,41 @@ namespace emu {
 constexpr std::size_t kMaxOptinShared = 232448;  // 227 KiB, as an H100 / H200 reports
 constexpr std::size_t kDefaultShared = 48 * 1024;
 
-// Dynamic shared memory each kernel may use: 48 KiB unless cudaFuncSetAttribute raised it (the
-// attribute belongs to the kernel, as on a GPU).
-inline std::map<const void*, std::size_t> dynamic_limits;
-inline std::size_t dynamic_limit(const void* kernel) {
-  const auto it = dynamic_limits.find(kernel);
+// The devices presented: one with an H200's limits, unless a test presents others
+// (present_devices); none when EMU_NO_DEVICE is set.
+struct DeviceModel {
+  std::size_t optin_shared = kMaxOptinShared;  // cudaDevAttrMaxSharedMemoryPerBlockOptin
+};
+inline std::vector<DeviceModel> devices(1);
+inline int device_count() {
+  return std::getenv("EMU_NO_DEVICE") ? 0 : static_cast<int>(devices.size());
+}
+// The current device of each host thread, as the runtime keeps it.
+inline thread_local int current_device = 0;
+
+// Dynamic shared memory each kernel may use on each device: 48 KiB unless cudaFuncSetAttribute
+// raised it there (the attribute belongs to the kernel on the device that was current, as on a
+// GPU).
+inline std::map<std::pair<int, const void*>, std::size_t> dynamic_limits;
+inline std::size_t dynamic_limit(int device, const void* kernel) {
+  const auto it = dynamic_limits.find({device, kernel});
   return it == dynamic_limits.end() ? kDefaultShared : it->second;
+}
+
+// Presents `models` as the devices (for tests of multi-device use): the current device of this
+// thread becomes 0 and every kernel attribute is cleared. Call with one DeviceModel{} to restore
+// the default.
+inline void present_devices(std::vector<DeviceModel> models) {
+  devices = std::move(models);
+  current_device = 0;
+  dynamic_limits.clear();
 }
 
 struct Allocation {
   std::size_t bytes;
   bool mapped;  // a large allocation, mmap'ed without reserving memory
   cudaMemoryType type;
+  int device;  // the device current when it was allocated
 };
 inline std::map<const char*, Allocation, std::less<>> allocations;
 inline std::mutex allocation_mutex;
@@ -116,6 +149,7 @@ inline unsigned null_stream_pending = 0;
 // What the host did, for tests of how a caller uses the stream.
 struct Counters {
   long launches = 0;
+  long allocations = 0;              // cudaMalloc calls
   long pageable_device_to_host = 0;  // cudaMemcpyAsync into pageable host memory
   long pageable_host_to_device = 0;
 };
@@ -158,14 +192,19 @@ inline cudaError_t run_stream(cudaStream_t s) {
   return status;
 }
 
-inline cudaMemoryType memory_type(const void* p) {
+// The allocation holding `p`; for memory the emulation did not allocate, one of type
+// cudaMemoryTypeUnregistered on device -2 (what the runtime reports for it).
+inline Allocation allocation_of(const void* p) {
   std::lock_guard<std::mutex> lock(allocation_mutex);
   const char* c = static_cast<const char*>(p);
   auto it = allocations.upper_bound(c);
-  if (it == allocations.begin()) return cudaMemoryTypeUnregistered;
-  --it;
-  return c < it->first + it->second.bytes ? it->second.type : cudaMemoryTypeUnregistered;
+  if (it != allocations.begin()) {
+    --it;
+    if (c < it->first + it->second.bytes) return it->second;
+  }
+  return {0, false, cudaMemoryTypeUnregistered, -2};
 }
+inline cudaMemoryType memory_type(const void* p) { return allocation_of(p).type; }
 
 }  // namespace emu
 
@@ -173,7 +212,12 @@ template <class... P, class... A>
 void emu_launch(const char* name, void (*kernel)(P...), unsigned grid, unsigned block,
                 std::size_t shared, cudaStream_t stream, A&&... args) {
   ++emu::counters.launches;
-  if (shared > emu::dynamic_limit(reinterpret_cast<const void*>(kernel))) {
+  // A launch into a stream of another device fails, as the runtime's does.
+  if (stream != nullptr && stream->device != emu::current_device) {
+    emu::last_error = cudaErrorInvalidResourceHandle;
+    return;
+  }
+  if (shared > emu::dynamic_limit(emu::current_device, reinterpret_cast<const void*>(kernel))) {
     emu::last_error = cudaErrorInvalidValue;
     return;
   }
@@ -201,6 +245,10 @@ inline const char* cudaGetErrorString(cudaError_t e) {
       return "out of memory";
     case cudaErrorInvalidConfiguration:
       return "invalid configuration argument";
+    case cudaErrorInvalidDevice:
+      return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle:
+      return "invalid resource handle";
     case cudaErrorNotReady:
       return "device not ready";
     default:
@@ -217,6 +265,10 @@ inline const char* cudaGetErrorName(cudaError_t e) {
       return "cudaErrorMemoryAllocation";
     case cudaErrorInvalidConfiguration:
       return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidDevice:
+      return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle:
+      return "cudaErrorInvalidResourceHandle";
     case cudaErrorNotReady:
       return "cudaErrorNotReady";
     default:
@@ -231,28 +283,54 @@ inline cudaError_t cudaGetLastError() {
 // Pending-error checks at every GPU entry point.
 inline cudaError_t cudaPeekAtLastError() { return emu::last_error; }
 inline cudaError_t cudaGetDeviceCount(int* n) {
-  *n = std::getenv("EMU_NO_DEVICE") ? 0 : 1;
+  *n = emu::device_count();
   return cudaSuccess;
 }
 inline cudaError_t cudaGetDevice(int* d) {
-  *d = 0;
+  *d = emu::current_device;
   return cudaSuccess;
 }
-inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) {
-  *v = static_cast<int>(emu::kMaxOptinShared);
+inline cudaError_t cudaSetDevice(int d) {
+  if (d < 0 || d >= emu::device_count()) return emu::last_error = cudaErrorInvalidDevice;
+  emu::current_device = d;
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int device) {
+  if (device < 0 || device >= emu::device_count()) return emu::last_error = cudaErrorInvalidDevice;
+  *v = static_cast<int>(emu::devices[static_cast<std::size_t>(device)].optin_shared);
   return cudaSuccess;
 }
 template <class F>
 cudaError_t cudaFuncSetAttribute(F kernel, cudaFuncAttribute, int bytes) {
-  if (bytes < 0 || static_cast<std::size_t>(bytes) > emu::kMaxOptinShared) {
+  const int device = emu::current_device;
+  if (bytes < 0 || device >= emu::device_count() ||
+      static_cast<std::size_t>(bytes) >
+          emu::devices[static_cast<std::size_t>(device)].optin_shared) {
     return emu::last_error = cudaErrorInvalidValue;
   }
-  emu::dynamic_limits[reinterpret_cast<const void*>(kernel)] = static_cast<std::size_t>(bytes);
+  emu::dynamic_limits[{device, reinterpret_cast<const void*>(kernel)}] =
+      static_cast<std::size_t>(bytes);
+  return cudaSuccess;
+}
+// The current device's queued work completes and its kernel attributes return to their defaults.
+// Not modelled: its allocations, streams, events and cuBLAS handles stay usable (on a GPU they
+// are destroyed with the context).
+inline cudaError_t cudaDeviceReset() {
+  emu::run_all();
+  for (auto it = emu::dynamic_limits.begin(); it != emu::dynamic_limits.end();) {
+    it = it->first.first == emu::current_device ? emu::dynamic_limits.erase(it) : std::next(it);
+  }
   return cudaSuccess;
 }
 
 inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
   *s = new CUstream_st;
+  (*s)->device = emu::current_device;
+  return cudaSuccess;
+}
+// The legacy default stream (nullptr) is the current device's.
+inline cudaError_t cudaStreamGetDevice(cudaStream_t s, int* device) {
+  *device = s != nullptr ? s->device : emu::current_device;
   return cudaSuccess;
 }
 // The stream's queued work still completes, as on a GPU.
@@ -266,6 +344,7 @@ inline cudaError_t cudaDeviceSynchronize() { return emu::run_all(); }
 
 inline cudaError_t cudaEventCreate(cudaEvent_t* e) {
   *e = new CUevent_st;
+  (*e)->device = emu::current_device;
   return cudaSuccess;
 }
 inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) { return cudaEventCreate(e); }
@@ -274,6 +353,10 @@ inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
   return cudaSuccess;
 }
 inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s = nullptr) {
+  // An event and the stream it is recorded on must belong to one device.
+  if ((s != nullptr ? s->device : emu::current_device) != e->device) {
+    return emu::last_error = cudaErrorInvalidResourceHandle;
+  }
   std::lock_guard<std::recursive_mutex> lock(emu::queue_mutex);
   emu::enqueue(s, [] { return true; });
   e->at = emu::queued;
@@ -306,7 +389,7 @@ inline cudaError_t emu_allocate(void** p, std::size_t bytes, cudaMemoryType type
   }
   if (*p == nullptr) return emu::last_error = cudaErrorMemoryAllocation;
   std::lock_guard<std::mutex> lock(emu::allocation_mutex);
-  emu::allocations[static_cast<const char*>(*p)] = {bytes, mapped, type};
+  emu::allocations[static_cast<const char*>(*p)] = {bytes, mapped, type, emu::current_device};
   return cudaSuccess;
 }
 inline cudaError_t emu_release(void* p) {
@@ -324,6 +407,7 @@ inline cudaError_t emu_release(void* p) {
   return cudaSuccess;
 }
 inline cudaError_t cudaMalloc(void** p, std::size_t bytes) {
+  ++emu::counters.allocations;
   return emu_allocate(p, bytes, cudaMemoryTypeDevice);
 }
 inline cudaError_t cudaFree(void* p) { return emu_release(p); }
@@ -334,7 +418,9 @@ inline cudaError_t cudaFreeHost(void* p) { return emu_release(p); }
 
 inline cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const void* p) {
   *a = {};
-  a->type = emu::memory_type(p);
+  const emu::Allocation allocation = emu::allocation_of(p);
+  a->type = allocation.type;
+  a->device = allocation.device;
   return cudaSuccess;
 }
 

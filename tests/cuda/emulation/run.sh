@@ -54,6 +54,11 @@ SMALL+=':Kinds/Mma.*:Cases/TcAttention.*:Cases/TcFactored.*:TcFactoredRefusals.*
 SMALL+=':Cases/TcDense.*:TcDenseRefusals.*'
 # The device decode cache: token by token against the host cache, split keys, refusals.
 SMALL+=':CudaDecode.*'
+# The public plan (cuda::AttentionPlan): every strategy made once and run twice against the
+# one-call form and the reference, its sizes and can_implement, the refusals of a run that is not
+# its plan's, the factored form in float and double, and the device binding on two emulated
+# devices (their shared-memory limits, a device reset, the decode cache on its own device).
+SMALL+=':CudaPlan*:Cases/CudaPlanStrategies.*'
 LARGE='Large/*/cuda_fused_f32_*'
 for c in B2_H2_N200_d16_window5 B1_H1_N300_d130_window70 B3_H2_N300_d64_window1 B1_H1_N1000_d64_none \
   B1_H1_N1000_d128_causal B1_H1_N1000_d255_window300; do

@@ -1,0 +1,39 @@
+// The factored EMF form on the tensor cores (tc_factored.cpp), a strategy of cuda::AttentionPlan
+// (plan_strategy.hpp): what route() sends to cuda_tensor_cores for the factored form, bfloat16
+// and float16 storage and float with Precision::tf32 (rank <= 256, no weights).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "emflow/capability.hpp"
+#include "emflow/factored.hpp"
+#include "plan_strategy.hpp"
+
+namespace emflow::detail {
+
+template <class T>
+class TcFactoredStrategy final : public PlanStrategy<T> {
+ public:
+  /// The strategy of `problem` (the update of a factored layer, validated and routed).
+  TcFactoredStrategy(const Problem& problem, const char* operation);
+
+  std::size_t workspace_bytes() const noexcept override { return total_; }
+  void bind(int device, bool prepare, const char* operation) override;
+  void run(const PlanCall<T>& call, unsigned char* workspace, cudaStream_t stream,
+           const char* operation) const override;
+
+ private:
+  int batch_ = 0, tokens_ = 0, queries_ = 0, dim_ = 0, heads_ = 0, rank_ = 0;
+  // Where each array lives in the workspace (byte offsets, each aligned).
+  std::size_t query_ = 0, key_ = 0, value_ = 0, bias_ = 0, heads_out_ = 0, lse_ = 0;
+  std::size_t entropy_ = 0, total_ = 0;
+  bool key_bias_ = false, entropy_out_ = false;
+};
+
+extern template class TcFactoredStrategy<bfloat16>;
+extern template class TcFactoredStrategy<float16>;
+extern template class TcFactoredStrategy<float>;
+
+}  // namespace emflow::detail
