@@ -8,6 +8,8 @@
 // alone.
 #pragma once
 
+#include <cstdint>
+
 #include "emflow/attention.hpp"
 #include "emflow/capability.hpp"
 #include "emflow/factored.hpp"
@@ -22,6 +24,11 @@ bool inputs_finite(const AttentionInput<T>& input);
 /// The same for attend_factored: the cloud, the queries and the factors (A, B, U, V, u, c).
 template <class T>
 bool inputs_finite(const AttentionInput<T>& input, const FactoredLayer<T>& layer);
+
+/// True when the `count` values at `values` (none when null) are all finite (float and double,
+/// src/core/finite.cpp): the exponent field of none is all ones.
+template <class T>
+bool all_finite(const T* values, std::int64_t count);
 
 /// The route that the last require_route() of this thread answered (supported or not): the
 /// test hook with which tests check that an entry point ran where route() says

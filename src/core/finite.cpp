@@ -50,10 +50,7 @@ void require_finite(const Tensor<T>& array, const std::string& what) {
 
 namespace detail {
 
-namespace {
-
-/// True when the `count` values at `values` (none when null) are all finite: the exponent field
-/// of none is all ones. Integer tests without an early exit, so the loop vectorises.
+// Integer tests of the exponent field without an early exit, so the loop vectorises.
 template <class T>
 bool all_finite(const T* values, std::int64_t count) {
   if (values == nullptr) return true;
@@ -71,6 +68,11 @@ bool all_finite(const T* values, std::int64_t count) {
   }
   return bad == 0;
 }
+
+template bool all_finite<float>(const float*, std::int64_t);
+template bool all_finite<double>(const double*, std::int64_t);
+
+namespace {
 
 template <class T>
 bool clouds_finite(const AttentionInput<T>& in) {

@@ -15,6 +15,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/dispatch.hpp"
 #include "engine_internal.hpp"
 
 namespace emflow::detail::cpu {

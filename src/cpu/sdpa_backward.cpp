@@ -38,6 +38,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/dispatch.hpp"
 #include "engine_internal.hpp"
 #include "sdpa.hpp"
 
