@@ -128,8 +128,7 @@ void run_attention(benchmark::State& state, Algorithm algorithm) {
     const std::size_t bytes = emflow::cuda::attend_workspace_size(input, output, {algorithm});
     DeviceBuffer<unsigned char> workspace(bytes);
     auto enqueue = [&] {
-      emflow::cuda::attend_async(input, output, workspace.data(), bytes, stream,
-                                 {algorithm});
+      emflow::cuda::attend_async(input, output, workspace.data(), bytes, stream, {algorithm});
     };
     if (!warmed_up(state, stream, enqueue)) return;
     std::size_t turn = 0;

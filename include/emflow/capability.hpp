@@ -75,10 +75,12 @@ struct Problem {
   bool lse = false;            ///< outputs asked for
   bool entropy = false;
   bool weights = false;
-  /// Every stored value of the cloud (padding rows included), the queries and the operators is
-  /// finite. The CPU's kernels route on it (non-finite input goes to the reference, which puts
-  /// NaN where docs/MATH.md §6.6 says); describe() reads no array and leaves it true, and the host
-  /// entry points (attend, attend_factored, attend_partial) compute it before they ask route().
+  /// Every key a query can read is finite (the cloud's tokens within the key lengths; for the
+  /// factored form the factors too; for the 16-bit types every value of the cloud, the queries
+  /// and the operators). The CPU's kernels
+  /// route on it (non-finite input goes to the reference, which puts NaN where
+  /// docs/MATH.md §6.6 says); describe() reads no array and leaves it true, and the host entry
+  /// points (attend, attend_factored, attend_partial) compute it before they ask route().
   bool finite = true;
 
   /// Self-attention as it was before queries existed: no queries, query lengths or positions.

@@ -103,6 +103,7 @@ class DecodingStack:
 
 def generate(prompts: Annotated[NDArray, dict(writable=False)], betas: Sequence[float], relevance: object, content: object, layers: int, seed: int, norm: str, pre_norm: bool, norm_eps: float, steps: int, threads: int) -> tuple:
     """emflow::generate: (paths, entropy, seconds). Use emflow.generate."""
+
 class GgufFile:
     """
     emflow::gguf::File: a GGUF file, its metadata and tensor infos read and checked once. Use emflow.gguf.File.
@@ -145,6 +146,8 @@ def gguf_dequantize(type: str, blocks: Annotated[NDArray[numpy.uint8], dict(orde
 def gguf_types() -> list:
     """
     [(code, name, block size, block bytes, dequantized)] for every tensor type emflow knows.
+    """
+
 def route(factored: bool, storage: str, precision: str, batch: int, tokens: int, dim: int, heads: int, rank: int, mask: str, key_lengths: bool, key_bias: bool, offset: bool, lse: bool, entropy: bool, weights: bool, device: str, operation: str) -> tuple:
     """
     emflow::route of the Problem these fields describe: (supported, device, kernel, computes, products, expanded, reason, device_missing). Use emflow.route.

@@ -16,9 +16,9 @@
 
 namespace emflow::detail {
 
-/// Problem::finite of an attend or attend_partial call on validated input: every value of the
-/// cloud (B N d, padding rows included), the queries (B Nq d) and the layer's operators (M, F,
-/// u, c) is finite.
+/// Problem::finite of an attend or attend_partial call on validated input: every key (the
+/// cloud's tokens within the key lengths) is finite; for the 16-bit types every value of the
+/// cloud, the queries and the operators (src/core/finite.cpp says why).
 template <class T>
 bool inputs_finite(const AttentionInput<T>& input);
 /// The same for attend_factored: the cloud, the queries and the factors (A, B, U, V, u, c).

@@ -30,7 +30,8 @@ void attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& lay
     if (route.device != Device::cuda) {
       detail::attend_factored_on_host(input, layer, output, route, options.threads);
     } else if (is_16bit_v<T> && route.expanded) {
-      detail::fail(ErrorCode::internal, op, ": no expanded GPU path for ", to_string(dtype_of<T>()));
+      detail::fail(ErrorCode::internal, op, ": no expanded GPU path for ",
+                   to_string(dtype_of<T>()));
     } else {  // the factored layer's plan on the device: tensor cores, or expanded there
       detail::cuda_attend_factored(input, layer, output, route);
     }

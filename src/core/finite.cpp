@@ -74,26 +74,42 @@ template bool all_finite<double>(const double*, std::int64_t);
 
 namespace {
 
+// The keys of each cloud (its first key_lengths[b] tokens, all without lengths). A NaN in a key
+// reaches, through the products of the CPU engine's tiles, queries that the mask hides it from
+// (0 * NaN), so such a cloud goes to the reference. A padding token takes part in nothing; a NaN
+// in a query, or in a dense operator, reaches exactly the rows docs/MATH.md §6.6 names on every
+// kernel, so neither leaves the fast path. The 16-bit types ask every stored value of the cloud
+// and the queries to be finite: their AVX512-BF16 kernel has no NaN rule of its own.
 template <class T>
-bool clouds_finite(const AttentionInput<T>& in) {
-  return all_finite(in.cloud, in.batch * in.tokens * in.dim) &&
-         all_finite(in.queries, in.queries ? in.batch * in.query_tokens * in.dim : 0);
+bool keys_finite(const AttentionInput<T>& in) {
+  if constexpr (is_16bit_v<T>) {
+    return all_finite(in.cloud, in.batch * in.tokens * in.dim) &&
+           all_finite(in.queries, in.queries ? in.batch * in.query_tokens * in.dim : 0);
+  }
+  for (std::int64_t b = 0; b < in.batch; ++b) {
+    const std::int64_t keys = in.key_lengths ? in.key_lengths[b] : in.tokens;
+    if (!all_finite(in.cloud + b * in.tokens * in.dim, keys * in.dim)) return false;
+  }
+  return true;
 }
 
 }  // namespace
 
 template <class T>
 bool inputs_finite(const AttentionInput<T>& in) {
-  const std::int64_t H = in.layer.heads, d = in.dim;
-  return clouds_finite(in) && all_finite(in.layer.relevance, H * d * d) &&
-         all_finite(in.layer.content, H * d * d) && all_finite(in.layer.key_bias, H * d) &&
-         all_finite(in.layer.offset, d);
+  if constexpr (is_16bit_v<T>) {
+    const std::int64_t H = in.layer.heads, d = in.dim;
+    return keys_finite(in) && all_finite(in.layer.relevance, H * d * d) &&
+           all_finite(in.layer.content, H * d * d) && all_finite(in.layer.key_bias, H * d) &&
+           all_finite(in.layer.offset, d);
+  }
+  return keys_finite(in);
 }
 
 template <class T>
 bool inputs_finite(const AttentionInput<T>& in, const FactoredLayer<T>& f) {
   const std::int64_t factor = f.heads * f.rank * in.dim;
-  return clouds_finite(in) && all_finite(f.query_factor, factor) &&
+  return keys_finite(in) && all_finite(f.query_factor, factor) &&
          all_finite(f.key_factor, factor) && all_finite(f.content_up, factor) &&
          all_finite(f.content_down, factor) && all_finite(f.key_bias, f.heads * in.dim) &&
          all_finite(f.offset, in.dim);

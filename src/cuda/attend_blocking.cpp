@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "core/backends.hpp"
-#include "emflow/capability.hpp"
 #include "core/queries.hpp"
 #include "cuda_support.hpp"
+#include "emflow/capability.hpp"
 #include "emflow/cuda.hpp"
 #include "plan_access.hpp"
 

@@ -460,7 +460,7 @@ TEST(EntryRoutesByBits, FactoredFloatOnTheCpuIsTheRankREngineOrTheExpandedRefere
 TEST(EntryRoutesByBits, PartialFloatOnTheCpuIsTheEngineOrForANaNTheReference) {
   for (const bool nan : {false, true}) {
     Case<float> c;
-    if (nan) c.relevance[7] = NAN;
+    if (nan) c.cloud[7] = NAN;  // a key of the first cloud
     Case<float> direct = c;
     attend_partial(c.input(), c.partial(), {Device::cpu, 1});
     EXPECT_EQ(detail::last_route().kernel, nan ? Kernel::reference : Kernel::cpu_fused);

@@ -167,7 +167,7 @@ TEST(SdpaArguments, ScaleLengthsThreadsDevicesAndPrecisionsAreChecked) {
       [&] {
         call.forward(call.in, call.outputs(), {Device::cpu, -1});
       },
-      ErrorCode::invalid_argument, {"'threads' must be >= 0, got -1"}));
+      ErrorCode::invalid_argument, {"'threads' must be >= 0", "got -1"}));
   EXPECT_TRUE(throws_error(
       [&] {
         call.forward(call.in, call.outputs(), {Device::cuda, 1});

@@ -263,8 +263,7 @@ struct DeviceCase {
                up.data(), down.data(), bias.data(),         offset.data()};
     }
     output = {update.data(), lse.data(), entropy.data(), sh.weights ? weights.data() : nullptr};
-    partial = {heads.data(), reinterpret_cast<T*>(lse.data()),
-               reinterpret_cast<T*>(entropy.data())};
+    partial = {heads.data(), lse.data(), entropy.data()};
   }
 };
 

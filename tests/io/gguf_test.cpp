@@ -350,8 +350,13 @@ TEST_F(Gguf, TheVocabularyIsKept) {
   {
     Builder plain;
     plain.entry("tokenizer.ggml.tokens", ValueType::array,
-                array(ValueType::string, 2, str("\xc4\xa0" "a") + str("b")));
-    EXPECT_EQ(gguf::File(file("plain.gguf", plain.build())).detokenize({0, 1}), "\xc4\xa0" "ab");
+                array(ValueType::string, 2,
+                      str("\xc4\xa0"
+                          "a") +
+                          str("b")));
+    EXPECT_EQ(gguf::File(file("plain.gguf", plain.build())).detokenize({0, 1}),
+              "\xc4\xa0"
+              "ab");
   }
   Builder wrong;
   wrong.entry("tokenizer.ggml.tokens", ValueType::array, array(ValueType::int32, 1, u32(5)));

@@ -90,10 +90,11 @@ std::vector<std::pair<std::string, std::function<void(int)>>> entry_points(Small
          const flow::PhaseSettings s{4, 2, 1.0, 2.0, 2, 0.2, 0.1, 3, 0, 1e-3};
          flow::phase_diagram(s, {Device::cpu, t});
        }},
-      {"phase_diagram_generic",
+      {"phase_diagram (generic)",
        [](int t) {
-         const flow::PhaseSettings s{4, 2, 1.0, 2.0, 2, 0.2, 0.1, 3, 0, 1e-3};
-         flow::phase_diagram_generic(s, {Device::cpu, t});
+         flow::PhaseSettings s{4, 2, 1.0, 2.0, 2, 0.2, 0.1, 3, 0, 1e-3};
+         s.generic = true;
+         flow::phase_diagram(s, {Device::cpu, t});
        }},
       {"phase_counts",
        [](int t) {
