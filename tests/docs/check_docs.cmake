@@ -10,7 +10,8 @@
 #                 kernels/ or a file named on the same row (a word match on each part of a
 #                 qualified name, its namespaces excepted)
 #   links         every relative link of README.md and docs/*.md points at a file or folder
-#                 that exists
+#                 that exists, and so does every path of the tree they name in backticks
+#                 (`src/cpu/engine.cpp`, from the root)
 #
 # A failing check lists everything it found missing, then fails with the page to edit.
 cmake_minimum_required(VERSION 3.25)
@@ -191,8 +192,29 @@ elseif(CHECK STREQUAL "links")
         list(APPEND missing "${shown}: link to `${target}`, which does not exist")
       endif()
     endforeach()
+    # A path of the tree in backticks (`src/cpu/engine.cpp`, `src/io/staged_file.{hpp,cpp}`),
+    # from the root.
+    set(folders "(src|kernels|include|tests|docs|scripts|bench|python|fuzz|cmake|\\.ci)")
+    string(REGEX MATCHALL "`${folders}/[A-Za-z0-9_./{},-]*`" paths "${text}")
+    foreach(token IN LISTS paths)
+      string(REGEX REPLACE "^`(.*)`$" "\\1" token "${token}")
+      set(expanded ${token})
+      if(token MATCHES "^(.*)\\.{([a-z,]+)}$")
+        string(REPLACE "," ";" extensions "${CMAKE_MATCH_2}")
+        set(stem ${CMAKE_MATCH_1})
+        set(expanded "")
+        foreach(extension IN LISTS extensions)
+          list(APPEND expanded ${stem}.${extension})
+        endforeach()
+      endif()
+      foreach(path IN LISTS expanded)
+        if(NOT EXISTS ${ROOT}/${path})
+          list(APPEND missing "${shown}: `${path}` does not exist")
+        endif()
+      endforeach()
+    endforeach()
   endforeach()
-  set(what "broken relative links")
+  set(what "broken relative links or paths")
 else()
   message(FATAL_ERROR "unknown CHECK '${CHECK}' (architecture, math_table or links)")
 endif()
