@@ -162,8 +162,9 @@ elseif(CHECK STREQUAL "math_table")
         endif()
         set(in_type TRUE)
         if(NOT found)
-          list(APPEND missing
-               "${formula}: `${name}` (no `${part}` in include/, src/, kernels/ or its row's files)")
+          string(CONCAT entry "${formula}: `${name}` (no `${part}` in include/, src/, kernels/ "
+                 "or its row's files)")
+          list(APPEND missing "${entry}")
         endif()
       endforeach()
     endforeach()
