@@ -190,6 +190,9 @@ template const float* optional_input<float>(const Placement&, const char*,
                                             const std::optional<InArray>&, const Shape&);
 template const double* optional_input<double>(const Placement&, const char*,
                                               const std::optional<InArray>&, const Shape&);
+template const std::int64_t* optional_input<std::int64_t>(const Placement&, const char*,
+                                                          const std::optional<InArray>&,
+                                                          const Shape&);
 template float* optional_output<float>(const Placement&, const char*,
                                        const std::optional<OutArray>&, const Shape&);
 template double* optional_output<double>(const Placement&, const char*,

@@ -1,4 +1,5 @@
-// emflow Python module: emflow.attend and emflow.attend_factored on the caller's arrays.
+// emflow Python module: emflow.attend and emflow.attend_factored on the caller's arrays, and
+// their backward passes (emflow/backward.hpp) on host arrays.
 //
 // The Python layer (emflow/__init__.py) parses the keyword arguments, makes copies when asked
 // (copy=True) and allocates the outputs with the caller's framework; these functions check every
@@ -13,6 +14,7 @@
 #include "arrays.hpp"
 #include "bindings.hpp"
 #include "emflow/attention.hpp"
+#include "emflow/backward.hpp"
 #include "emflow/factored.hpp"
 #ifdef EMFLOW_WITH_CUDA
 #include "emflow/cuda.hpp"
@@ -196,6 +198,116 @@ void attend_factored_host(const Placement& place, const InArray& x, const InArra
   attend_factored(in, layer, out, options);
 }
 
+/// The upstream gradients of a layer's outputs: dDelta (the update's shape), dlse and dH
+/// (per head), each optional.
+template <class T>
+UpstreamGradients<T> upstream_of(const Placement& place, const Dims& dims, const OptIn& d_update,
+                                 const OptIn& d_lse, const OptIn& d_entropy) {
+  const Shape cloud =
+      dims.batched ? Shape{dims.batch, dims.tokens, dims.dim} : Shape{dims.tokens, dims.dim};
+  UpstreamGradients<T> upstream;
+  upstream.update = optional_input<T>(place, "d_update", d_update, cloud);
+  upstream.lse = optional_input<T>(place, "d_lse", d_lse, dims.per_head(0));
+  upstream.entropy = optional_input<T>(place, "d_entropy", d_entropy, dims.per_head(0));
+  return upstream;
+}
+
+void host_only(const Placement& place) {
+  if (place.device_type == nb::device::cuda::value) {
+    throw Error(ErrorCode::unsupported, std::string(place.operation) +
+                                            ": CUDA arrays: no GPU path computes the backward "
+                                            "pass yet (host arrays only)");
+  }
+  if (place.device_type != nb::device::cpu::value)
+    refuse(place.operation, "x", "is not in host memory");
+}
+
+template <class T>
+double attend_backward_host(const Placement& place, const InArray& x, const InArray& relevance,
+                            const InArray& content, const OptIn& key_bias, const OptIn& offset,
+                            double beta, const std::string& mask, const OptIn& lengths,
+                            const OptIn& d_update, const OptIn& d_lse, const OptIn& d_entropy,
+                            const OptOut& d_x, const OptOut& d_relevance, const OptOut& d_content,
+                            const OptOut& d_key_bias, const OptOut& d_offset,
+                            const std::string& device, std::int64_t threads) {
+  host_only(place);
+  const Dims dims = dims_of(place.operation, x, relevance, "relevance", 2);
+  AttentionInput<T> in = cloud_input<T>(place, dims, x, beta, mask, lengths);
+  in.layer.heads = dims.heads;
+  in.layer.relevance = input<T>(place, "relevance", relevance, dims.op(dims.dim, dims.dim));
+  in.layer.content = input<T>(place, "content", content, dims.op(dims.dim, dims.dim));
+  in.layer.key_bias = optional_input<T>(place, "key_bias", key_bias, dims.bias());
+  in.layer.offset = optional_input<T>(place, "offset", offset, Shape{dims.dim});
+  const UpstreamGradients<T> upstream = upstream_of<T>(place, dims, d_update, d_lse, d_entropy);
+  const Shape cloud =
+      dims.batched ? Shape{dims.batch, dims.tokens, dims.dim} : Shape{dims.tokens, dims.dim};
+  double d_beta = 0.0;
+  LayerGradientOutput<T> gradients;
+  gradients.cloud = optional_output<T>(place, "d_x", d_x, cloud);
+  gradients.relevance =
+      optional_output<T>(place, "d_relevance", d_relevance, dims.op(dims.dim, dims.dim));
+  gradients.content =
+      optional_output<T>(place, "d_content", d_content, dims.op(dims.dim, dims.dim));
+  gradients.key_bias = optional_output<T>(place, "d_key_bias", d_key_bias, dims.bias());
+  gradients.offset = optional_output<T>(place, "d_offset", d_offset, Shape{dims.dim});
+  gradients.beta = &d_beta;
+  const ExecutionOptions options{parse_device(device), check_threads(threads, place.operation)};
+  {
+    nb::gil_scoped_release release;
+    attend_backward(in, upstream, gradients, options);
+  }
+  return d_beta;
+}
+
+template <class T>
+double factored_backward_host(const Placement& place, const InArray& x, const InArray& query_factor,
+                              const InArray& key_factor, const InArray& content_up,
+                              const InArray& content_down, const OptIn& key_bias,
+                              const OptIn& offset, double beta, const std::string& mask,
+                              const OptIn& lengths, const OptIn& d_update, const OptIn& d_lse,
+                              const OptIn& d_entropy, const OptOut& d_x,
+                              const OptOut& d_query_factor, const OptOut& d_key_factor,
+                              const OptOut& d_content_up, const OptOut& d_content_down,
+                              const OptOut& d_key_bias, const OptOut& d_offset,
+                              const std::string& device, std::int64_t threads) {
+  host_only(place);
+  const Dims dims = dims_of(place.operation, x, query_factor, "query_factor", 2);
+  const auto rank = static_cast<std::int64_t>(query_factor.shape(query_factor.ndim() - 2));
+  const AttentionInput<T> in = cloud_input<T>(place, dims, x, beta, mask, lengths);
+  FactoredLayer<T> layer;
+  layer.heads = dims.heads;
+  layer.rank = rank;
+  layer.query_factor = input<T>(place, "query_factor", query_factor, dims.op(rank, dims.dim));
+  layer.key_factor = input<T>(place, "key_factor", key_factor, dims.op(rank, dims.dim));
+  layer.content_up = input<T>(place, "content_up", content_up, dims.op(dims.dim, rank));
+  layer.content_down = input<T>(place, "content_down", content_down, dims.op(rank, dims.dim));
+  layer.key_bias = optional_input<T>(place, "key_bias", key_bias, dims.bias());
+  layer.offset = optional_input<T>(place, "offset", offset, Shape{dims.dim});
+  const UpstreamGradients<T> upstream = upstream_of<T>(place, dims, d_update, d_lse, d_entropy);
+  const Shape cloud =
+      dims.batched ? Shape{dims.batch, dims.tokens, dims.dim} : Shape{dims.tokens, dims.dim};
+  double d_beta = 0.0;
+  FactoredGradientOutput<T> gradients;
+  gradients.cloud = optional_output<T>(place, "d_x", d_x, cloud);
+  gradients.query_factor =
+      optional_output<T>(place, "d_query_factor", d_query_factor, dims.op(rank, dims.dim));
+  gradients.key_factor =
+      optional_output<T>(place, "d_key_factor", d_key_factor, dims.op(rank, dims.dim));
+  gradients.content_up =
+      optional_output<T>(place, "d_content_up", d_content_up, dims.op(dims.dim, rank));
+  gradients.content_down =
+      optional_output<T>(place, "d_content_down", d_content_down, dims.op(rank, dims.dim));
+  gradients.key_bias = optional_output<T>(place, "d_key_bias", d_key_bias, dims.bias());
+  gradients.offset = optional_output<T>(place, "d_offset", d_offset, Shape{dims.dim});
+  gradients.beta = &d_beta;
+  const ExecutionOptions options{parse_device(device), check_threads(threads, place.operation)};
+  {
+    nb::gil_scoped_release release;
+    attend_factored_backward(in, layer, upstream, gradients, options);
+  }
+  return d_beta;
+}
+
 /// Seconds per emflow::attend call on host arrays, timed in C++ over `repeats` calls: the
 /// baseline of bench/python_overhead.py.
 double time_attend(const InArray& x, const InArray& relevance, const InArray& content,
@@ -265,6 +377,60 @@ void bind_attend(nb::module_& m) {
       nb::arg("device"), nb::arg("threads"),
       "emflow::attend_factored on the given host arrays, written into the given outputs. Use "
       "emflow.attend_factored.");
+  m.def(
+      "attend_backward",
+      [](const InArray& x, const InArray& relevance, const InArray& content, const OptIn& key_bias,
+         const OptIn& offset, double beta, const std::string& mask, const OptIn& lengths,
+         const OptIn& d_update, const OptIn& d_lse, const OptIn& d_entropy, const OptOut& d_x,
+         const OptOut& d_relevance, const OptOut& d_content, const OptOut& d_key_bias,
+         const OptOut& d_offset, const std::string& device, std::int64_t threads) {
+        const Placement place = placement_of("attend_backward", x);
+        if (place.dtype == nb::dtype<float>()) {
+          return attend_backward_host<float>(
+              place, x, relevance, content, key_bias, offset, beta, mask, lengths, d_update, d_lse,
+              d_entropy, d_x, d_relevance, d_content, d_key_bias, d_offset, device, threads);
+        }
+        return attend_backward_host<double>(
+            place, x, relevance, content, key_bias, offset, beta, mask, lengths, d_update, d_lse,
+            d_entropy, d_x, d_relevance, d_content, d_key_bias, d_offset, device, threads);
+      },
+      nb::arg("x"), nb::arg("relevance"), nb::arg("content"), nb::arg("key_bias").none(),
+      nb::arg("offset").none(), nb::arg("beta"), nb::arg("mask"), nb::arg("key_lengths").none(),
+      nb::arg("d_update").none(), nb::arg("d_lse").none(), nb::arg("d_entropy").none(),
+      nb::arg("d_x").none(), nb::arg("d_relevance").none(), nb::arg("d_content").none(),
+      nb::arg("d_key_bias").none(), nb::arg("d_offset").none(), nb::arg("device"),
+      nb::arg("threads"),
+      "emflow::attend_backward on the given host arrays: the gradients asked for (each output "
+      "optional) from the upstream gradients of the update, lse and entropy (each optional); "
+      "returns dL/dbeta.");
+  m.def(
+      "attend_factored_backward",
+      [](const InArray& x, const InArray& a, const InArray& b, const InArray& u, const InArray& v,
+         const OptIn& key_bias, const OptIn& offset, double beta, const std::string& mask,
+         const OptIn& lengths, const OptIn& d_update, const OptIn& d_lse, const OptIn& d_entropy,
+         const OptOut& d_x, const OptOut& d_a, const OptOut& d_b, const OptOut& d_u,
+         const OptOut& d_v, const OptOut& d_key_bias, const OptOut& d_offset,
+         const std::string& device, std::int64_t threads) {
+        const Placement place = placement_of("attend_factored_backward", x);
+        if (place.dtype == nb::dtype<float>()) {
+          return factored_backward_host<float>(place, x, a, b, u, v, key_bias, offset, beta, mask,
+                                               lengths, d_update, d_lse, d_entropy, d_x, d_a, d_b,
+                                               d_u, d_v, d_key_bias, d_offset, device, threads);
+        }
+        return factored_backward_host<double>(place, x, a, b, u, v, key_bias, offset, beta, mask,
+                                              lengths, d_update, d_lse, d_entropy, d_x, d_a, d_b,
+                                              d_u, d_v, d_key_bias, d_offset, device, threads);
+      },
+      nb::arg("x"), nb::arg("query_factor"), nb::arg("key_factor"), nb::arg("content_up"),
+      nb::arg("content_down"), nb::arg("key_bias").none(), nb::arg("offset").none(),
+      nb::arg("beta"), nb::arg("mask"), nb::arg("key_lengths").none(), nb::arg("d_update").none(),
+      nb::arg("d_lse").none(), nb::arg("d_entropy").none(), nb::arg("d_x").none(),
+      nb::arg("d_query_factor").none(), nb::arg("d_key_factor").none(),
+      nb::arg("d_content_up").none(), nb::arg("d_content_down").none(),
+      nb::arg("d_key_bias").none(), nb::arg("d_offset").none(), nb::arg("device"),
+      nb::arg("threads"),
+      "emflow::attend_factored_backward on the given host arrays, as attend_backward; returns "
+      "dL/dbeta.");
   m.def("time_attend", &time_attend, nb::arg("x"), nb::arg("relevance"), nb::arg("content"),
         nb::arg("update"), nb::arg("threads") = 0, nb::arg("repeats") = 1,
         "Seconds per emflow::attend call (Device::cpu, float32), timed in C++: the baseline "

@@ -82,6 +82,7 @@ NB_MODULE(_emflow, m) {
       "'cuda' when a device is present and emflow was built with CUDA, else 'cpu'.");
 
   emflow::python::bind_attend(m);
+  emflow::python::bind_sdpa(m);
   emflow::python::bind_reference(m);
   emflow::python::bind_flow(m);
   emflow::python::bind_generate(m);

@@ -1,0 +1,197 @@
+// emflow Python module: the SDPA-shaped operator (include/emflow/sdpa.hpp), forward and backward,
+// on the caller's host arrays.
+//
+// Queries (B, Hq, Nq, r), keys (B, Hkv, Nk, r) and values (B, Hkv, Nk, rv), float32 or float64,
+// every array checked as arrays.cpp checks them (dtype of 'query', host memory, C-contiguous,
+// the shape the three imply) and the C++ call run on their memory with the GIL released. The
+// Python layer (emflow.sdpa_attend, emflow.torch) allocates the outputs and the gradients. No GPU
+// path computes this operator yet: CUDA arrays are refused as unsupported.
+#include "emflow/sdpa.hpp"
+
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <optional>
+#include <string>
+
+#include "arrays.hpp"
+#include "bindings.hpp"
+
+namespace emflow::python {
+namespace {
+
+using OptIn = std::optional<InArray>;
+using OptOut = std::optional<OutArray>;
+
+Placement placement_of(const char* operation, const InArray& query) {
+  Placement place{operation, query.dtype(), query.device_type(), query.device_id()};
+  if (query.dtype() != nb::dtype<float>() && query.dtype() != nb::dtype<double>()) {
+    refuse(operation, "query",
+           "has dtype " + dtype_name(query.dtype()) + ", expected float32 or float64");
+  }
+  if (place.device_type == nb::device::cuda::value) {
+    throw Error(ErrorCode::unsupported, std::string(operation) +
+                                            ": CUDA arrays: no GPU path computes the "
+                                            "SDPA-shaped operator yet (host arrays only)");
+  }
+  if (place.device_type != nb::device::cpu::value) {
+    refuse(operation, "query", "is not in host memory");
+  }
+  return place;
+}
+
+std::int64_t extent(const InArray& a, std::size_t axis) {
+  return static_cast<std::int64_t>(a.shape(axis));
+}
+
+/// The operator's input from the three arrays: (B, Hq, Nq, r), (B, Hkv, Nk, r), (B, Hkv, Nk, rv).
+template <class T>
+SdpaInput<T> sdpa_input(const Placement& place, const InArray& query, const InArray& key,
+                        const InArray& value, double scale, const std::string& mask,
+                        const OptIn& key_lengths, const OptIn& query_lengths,
+                        std::int64_t key_position,
+                        const std::optional<std::int64_t>& query_position) {
+  const char* op = place.operation;
+  if (query.ndim() != 4) {
+    refuse(op, "query", "has shape " + shape_string(query) + ", expected (B, Hq, Nq, r)");
+  }
+  if (key.ndim() != 4) {
+    refuse(op, "key", "has shape " + shape_string(key) + ", expected (B, Hkv, Nk, r)");
+  }
+  if (value.ndim() != 4) {
+    refuse(op, "value", "has shape " + shape_string(value) + ", expected (B, Hkv, Nk, rv)");
+  }
+  SdpaInput<T> in;
+  in.batch = extent(query, 0);
+  in.query_heads = extent(query, 1);
+  in.query_tokens = extent(query, 2);
+  in.rank = extent(query, 3);
+  in.kv_heads = extent(key, 1);
+  in.tokens = extent(key, 2);
+  in.value_rank = extent(value, 3);
+  in.queries = input<T>(place, "query", query, shape_of(query));
+  in.keys = input<T>(place, "key", key, Shape{in.batch, in.kv_heads, in.tokens, in.rank});
+  in.values =
+      input<T>(place, "value", value, Shape{in.batch, in.kv_heads, in.tokens, extent(value, 3)});
+  in.scale = scale;
+  in.mask = parse_mask(mask, "mask");
+  in.key_lengths = optional_input<std::int64_t>(place, "key_lengths", key_lengths, Shape{in.batch});
+  in.query_lengths =
+      optional_input<std::int64_t>(place, "query_lengths", query_lengths, Shape{in.batch});
+  in.key_position = key_position;
+  in.query_position = query_position ? *query_position : kAlignToEnd;
+  return in;
+}
+
+template <class T>
+void attend_host(const Placement& place, const InArray& query, const InArray& key,
+                 const InArray& value, double scale, const std::string& mask,
+                 const OptIn& key_lengths, const OptIn& query_lengths, std::int64_t key_position,
+                 const std::optional<std::int64_t>& query_position, OutArray& output,
+                 const OptOut& lse, const OptOut& entropy, const std::string& device,
+                 std::int64_t threads) {
+  const SdpaInput<T> in = sdpa_input<T>(place, query, key, value, scale, mask, key_lengths,
+                                        query_lengths, key_position, query_position);
+  const Shape stats{in.batch, in.query_heads, in.query_tokens};
+  SdpaOutput<T> out;
+  out.output = optional_output<T>(place, "output", output,
+                                  Shape{in.batch, in.query_heads, in.query_tokens, in.value_rank});
+  out.lse = optional_output<T>(place, "lse", lse, stats);
+  out.entropy = optional_output<T>(place, "entropy", entropy, stats);
+  const ExecutionOptions options{parse_device(device), check_threads(threads, place.operation)};
+  nb::gil_scoped_release release;
+  sdpa_attend(in, out, options);
+}
+
+template <class T>
+double backward_host(const Placement& place, const InArray& query, const InArray& key,
+                     const InArray& value, double scale, const std::string& mask,
+                     const OptIn& key_lengths, const OptIn& query_lengths,
+                     std::int64_t key_position, const std::optional<std::int64_t>& query_position,
+                     const OptIn& output, const InArray& lse, const OptIn& entropy,
+                     const OptIn& d_output, const OptIn& d_lse, const OptIn& d_entropy,
+                     OutArray& d_query, OutArray& d_key, OutArray& d_value,
+                     const std::string& device, std::int64_t threads) {
+  const SdpaInput<T> in = sdpa_input<T>(place, query, key, value, scale, mask, key_lengths,
+                                        query_lengths, key_position, query_position);
+  const Shape stats{in.batch, in.query_heads, in.query_tokens};
+  const Shape out_shape{in.batch, in.query_heads, in.query_tokens, in.value_rank};
+  SdpaSaved<T> saved;
+  saved.output = optional_input<T>(place, "output", output, out_shape);
+  saved.lse = input<T>(place, "lse", lse, stats);
+  saved.entropy = optional_input<T>(place, "entropy", entropy, stats);
+  UpstreamGradients<T> upstream;
+  upstream.update = optional_input<T>(place, "d_output", d_output, out_shape);
+  upstream.lse = optional_input<T>(place, "d_lse", d_lse, stats);
+  upstream.entropy = optional_input<T>(place, "d_entropy", d_entropy, stats);
+  double d_scale = 0.0;
+  SdpaGradientOutput<T> gradients;
+  gradients.queries = optional_output<T>(place, "d_query", d_query, shape_of(query));
+  gradients.keys = optional_output<T>(place, "d_key", d_key, shape_of(key));
+  gradients.values = optional_output<T>(place, "d_value", d_value, shape_of(value));
+  gradients.scale = &d_scale;
+  const ExecutionOptions options{parse_device(device), check_threads(threads, place.operation)};
+  {
+    nb::gil_scoped_release release;
+    sdpa_backward(in, saved, upstream, gradients, options);
+  }
+  return d_scale;
+}
+
+}  // namespace
+
+void bind_sdpa(nb::module_& m) {
+  m.def(
+      "sdpa_attend",
+      [](const InArray& query, const InArray& key, const InArray& value, double scale,
+         const std::string& mask, const OptIn& key_lengths, const OptIn& query_lengths,
+         std::int64_t key_position, const std::optional<std::int64_t>& query_position,
+         OutArray output, const OptOut& lse, const OptOut& entropy, const std::string& device,
+         std::int64_t threads) {
+        const Placement place = placement_of("sdpa_attend", query);
+        if (place.dtype == nb::dtype<float>()) {
+          attend_host<float>(place, query, key, value, scale, mask, key_lengths, query_lengths,
+                             key_position, query_position, output, lse, entropy, device, threads);
+        } else {
+          attend_host<double>(place, query, key, value, scale, mask, key_lengths, query_lengths,
+                              key_position, query_position, output, lse, entropy, device, threads);
+        }
+      },
+      nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("scale"), nb::arg("mask"),
+      nb::arg("key_lengths").none(), nb::arg("query_lengths").none(), nb::arg("key_position"),
+      nb::arg("query_position").none(), nb::arg("output"), nb::arg("lse").none(),
+      nb::arg("entropy").none(), nb::arg("device"), nb::arg("threads"),
+      "emflow::sdpa_attend on the given host arrays, written into the given outputs "
+      "(query_position None: aligned to the end of the real keys). Use emflow.sdpa_attend.");
+  m.def(
+      "sdpa_backward",
+      [](const InArray& query, const InArray& key, const InArray& value, double scale,
+         const std::string& mask, const OptIn& key_lengths, const OptIn& query_lengths,
+         std::int64_t key_position, const std::optional<std::int64_t>& query_position,
+         const OptIn& output, const InArray& lse, const OptIn& entropy, const OptIn& d_output,
+         const OptIn& d_lse, const OptIn& d_entropy, OutArray d_query, OutArray d_key,
+         OutArray d_value, const std::string& device, std::int64_t threads) {
+        const Placement place = placement_of("sdpa_backward", query);
+        if (place.dtype == nb::dtype<float>()) {
+          return backward_host<float>(place, query, key, value, scale, mask, key_lengths,
+                                      query_lengths, key_position, query_position, output, lse,
+                                      entropy, d_output, d_lse, d_entropy, d_query, d_key, d_value,
+                                      device, threads);
+        }
+        return backward_host<double>(place, query, key, value, scale, mask, key_lengths,
+                                     query_lengths, key_position, query_position, output, lse,
+                                     entropy, d_output, d_lse, d_entropy, d_query, d_key, d_value,
+                                     device, threads);
+      },
+      nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("scale"), nb::arg("mask"),
+      nb::arg("key_lengths").none(), nb::arg("query_lengths").none(), nb::arg("key_position"),
+      nb::arg("query_position").none(), nb::arg("output").none(), nb::arg("lse"),
+      nb::arg("entropy").none(), nb::arg("d_output").none(), nb::arg("d_lse").none(),
+      nb::arg("d_entropy").none(), nb::arg("d_query"), nb::arg("d_key"), nb::arg("d_value"),
+      nb::arg("device"), nb::arg("threads"),
+      "emflow::sdpa_backward on the given host arrays: dQ, dK and dV written into d_query, "
+      "d_key and d_value from the saved output, lse (and entropy) and the upstream gradients "
+      "(each optional); returns dL/dscale.");
+}
+
+}  // namespace emflow::python

@@ -1,0 +1,252 @@
+"""Gradients through emflow.torch: the SDPA drop-in against torch's own scaled_dot_product_attention
+(forward and gradients, float32 and float64, causal or not, grouped heads, Nq != Nk), gradcheck in
+float64 of every operator under every mask, zero gradients for queries that see no key, the
+refusals by name, and a compiled training step (torch.compile fullgraph, aot_eager) whose graphs
+hold the backward operators."""
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import emflow  # noqa: E402
+import emflow.torch  # noqa: E402
+
+sdpa = torch.nn.functional.scaled_dot_product_attention
+drop_in = emflow.torch.scaled_dot_product_attention
+
+MASKS = [None, "causal", ("window", 2)]
+
+
+def randn(*shape, dtype=torch.float64, seed=0, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen, dtype=dtype) * scale).requires_grad_(True)
+
+
+def qkv(batch, heads, kv_heads, nq, nk, rank=4, value_rank=3, dtype=torch.float64):
+    return (randn(batch, heads, nq, rank, dtype=dtype, seed=1),
+            randn(batch, kv_heads, nk, rank, dtype=dtype, seed=2),
+            randn(batch, kv_heads, nk, value_rank, dtype=dtype, seed=3))
+
+
+def gradients(out, inputs, seed=4):
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed),
+                           dtype=torch.float64).to(out.dtype)
+    return torch.autograd.grad(out, inputs, upstream)
+
+
+# shapes (batch, Hq, Hkv, Nq, Nk): plain heads, grouped heads with Nq < Nk, multi-query Nq > Nk
+SHAPES = [(2, 2, 2, 6, 6), (2, 4, 2, 3, 7), (1, 3, 1, 7, 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_drop_in_matches_torch(dtype, is_causal, shape):
+    batch, heads, kv_heads, nq, nk = shape
+    inputs = qkv(batch, heads, kv_heads, nq, nk, dtype=dtype)
+    gqa = heads != kv_heads
+    got = drop_in(*inputs, is_causal=is_causal, enable_gqa=gqa)
+    want = sdpa(*inputs, is_causal=is_causal, enable_gqa=gqa)
+    # float32: the same sums in another order, a few ulps of values of order 1
+    tol = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(got, want, **tol)
+    for g, w in zip(gradients(got, inputs), gradients(want, inputs)):
+        assert w.abs().max() > 0.05  # the gradient is not vacuous
+        torch.testing.assert_close(g, w, **tol)
+
+
+def test_drop_in_scale_and_unbatched():
+    q, k, v = (a.detach()[0] for a in qkv(1, 2, 2, 5, 6))  # (H, N, E)
+    torch.testing.assert_close(drop_in(q, k, v, scale=0.3, is_causal=True),
+                               sdpa(q, k, v, scale=0.3, is_causal=True), rtol=1e-12, atol=1e-13)
+
+
+def test_drop_in_refuses_by_name():
+    q, k, v = (a.detach() for a in qkv(1, 2, 1, 4, 4, dtype=torch.float32))
+    with pytest.raises(NotImplementedError, match="'dropout_p' is 0.1"):
+        drop_in(q, k, v, dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="'attn_mask' is given"):
+        drop_in(q, k, v, attn_mask=torch.ones(4, 4, dtype=torch.bool), enable_gqa=True)
+    with pytest.raises(ValueError, match="'query' has 2 heads and 'key' 1.*enable_gqa"):
+        drop_in(q, k, v)
+    with pytest.raises(ValueError, match="'query' has 3 heads, expected a multiple of the 2"):
+        drop_in(torch.zeros(1, 3, 4, 4), torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 4),
+                enable_gqa=True)
+    with pytest.raises(ValueError, match="argument 'key' is \\(4, 4\\)"):
+        drop_in(q, k[0, 0], v)
+    with pytest.raises(ValueError, match="sdpa_attend: argument 'query' has dtype float16"):
+        drop_in(q.half(), k.half(), v.half(), enable_gqa=True)
+    with pytest.raises(ValueError, match="argument 'key' has dtype float64"):
+        drop_in(q, k.double(), v, enable_gqa=True)
+
+
+def finite(lse):
+    # lse is -inf for a query that sees no key: a loss reads it where it is finite
+    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("lengths", [None, [5, 0]])
+def test_gradcheck_sdpa(mask, lengths):
+    inputs = qkv(2, 2, 1, 4, 5)
+
+    def f(q, k, v):
+        out, lse = emflow.torch.sdpa_attend(q, k, v, scale=0.7, mask=mask, key_lengths=lengths,
+                                            lse=True)
+        return out, finite(lse)
+
+    assert torch.autograd.gradcheck(f, inputs)
+
+
+def dense_layer(seed=0, batch=2, tokens=5, dim=3, heads=2):
+    return (randn(batch, tokens, dim, seed=seed), randn(heads, dim, dim, seed=seed + 1, scale=0.6),
+            randn(heads, dim, dim, seed=seed + 2, scale=0.6), randn(heads, dim, seed=seed + 3),
+            randn(dim, seed=seed + 4))
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("lengths", [None, [5, 2]])
+def test_gradcheck_attend(mask, lengths):
+    def f(x, m, c, u, offset):
+        r = emflow.torch.attend(x, m, c, key_bias=u, offset=offset, beta=0.8, mask=mask,
+                                key_lengths=lengths, lse=True, entropy=True)
+        return r.update, finite(r.lse), r.entropy
+
+    assert torch.autograd.gradcheck(f, dense_layer())
+
+
+def factored_layer(seed=0, batch=2, tokens=5, dim=3, heads=2, rank=2):
+    return (randn(batch, tokens, dim, seed=seed), randn(heads, rank, dim, seed=seed + 1),
+            randn(heads, rank, dim, seed=seed + 2), randn(heads, dim, rank, seed=seed + 3),
+            randn(heads, rank, dim, seed=seed + 4), randn(heads, dim, seed=seed + 5),
+            randn(dim, seed=seed + 6))
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("lengths", [None, [5, 2]])
+def test_gradcheck_attend_factored(mask, lengths):
+    def f(x, a, b, u, v, bias, offset):
+        r = emflow.torch.attend_factored(x, a, b, u, v, key_bias=bias, offset=offset, beta=0.8,
+                                         mask=mask, key_lengths=lengths, lse=True)
+        return r.update, finite(r.lse)
+
+    assert torch.autograd.gradcheck(f, factored_layer())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_queries_without_keys_get_zero_gradient(dtype):
+    q, k, v = qkv(2, 2, 2, 4, 5, dtype=dtype)
+    out, lse = emflow.torch.sdpa_attend(q, k, v, key_lengths=[3, 0], lse=True)
+    loss = out.sum() + finite(lse).sum()
+    dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
+    for g in (dq, dk, dv):
+        assert torch.isfinite(g).all()
+        assert torch.all(g[1] == 0)  # cloud 1 has no key
+        assert g[0].abs().max() > 0.05
+    assert torch.all(dk[0, :, 3:] == 0) and torch.all(dv[0, :, 3:] == 0)  # hidden keys
+    # a layer whose padding tokens are neither queries nor visible keys
+    x, m, f, _, _ = (a.to(dtype).detach().requires_grad_(True) for a in dense_layer())
+    r = emflow.torch.attend(x, m, f, mask="causal", key_lengths=[5, 2], lse=True)
+    dx, = torch.autograd.grad(r.update.sum() + finite(r.lse).sum(), (x,))
+    assert torch.isfinite(dx).all() and torch.all(dx[1, 2:] == 0) and dx[1, :2].abs().max() > 0
+
+
+def test_float32_layer_gradient_matches_float64():
+    inputs64 = dense_layer(seed=3)
+    inputs32 = [a.detach().float().requires_grad_(True) for a in inputs64]
+
+    def grads(inputs):
+        y = emflow.torch.attend(*inputs[:3], key_bias=inputs[3], offset=inputs[4],
+                                mask="causal")
+        return gradients(y, inputs)
+
+    for g32, g64 in zip(grads(inputs32), grads(inputs64)):
+        torch.testing.assert_close(g32.double(), g64, rtol=1e-5, atol=1e-5)
+
+
+def test_weights_gradient_is_refused():
+    x, m, f, _, _ = dense_layer()
+    r = emflow.torch.attend(x, m, f, weights=True)
+    with pytest.raises(NotImplementedError, match="gradient through 'weights'"):
+        r.weights.sum().backward()
+    r = emflow.torch.attend(x, m, f, weights=True)
+    r.update.sum().backward()  # weights returned but not in the loss: fine
+    assert m.grad is not None and m.grad.abs().max() > 0
+
+
+def test_backward_on_cuda_device_is_refused():
+    q, k, v = (a.detach() for a in qkv(1, 1, 1, 3, 3))
+    out, lse = torch.empty(1, 1, 3, 3, dtype=q.dtype), torch.empty(1, 1, 3, dtype=q.dtype)
+    emflow._emflow.sdpa_attend(q, k, v, 1.0, "none", None, None, 0, None, out, lse, None, "cpu",
+                               0)
+    grads = [torch.empty_like(a) for a in (q, k, v)]
+    with pytest.raises(NotImplementedError, match="sdpa_backward"):
+        emflow._emflow.sdpa_backward(q, k, v, 1.0, "none", None, None, 0, None, out, lse, None,
+                                     torch.ones_like(out), None, None, *grads, "cuda", 0)
+    with pytest.raises(ValueError, match="sdpa_backward: argument 'd_key' has shape"):
+        emflow._emflow.sdpa_backward(q, k, v, 1.0, "none", None, None, 0, None, out, lse, None,
+                                     torch.ones_like(out), None, None, grads[0], grads[2],
+                                     grads[1], "cpu", 0)
+
+
+class Model(torch.nn.Module):
+    """One layer of each kind: a dense EMF layer, a factored one and the SDPA drop-in."""
+
+    def __init__(self, dim=4, heads=2, rank=2):
+        super().__init__()
+        p = lambda *shape, seed: torch.nn.Parameter(randn(*shape, seed=seed, scale=0.5).detach())
+        self.m, self.f = p(heads, dim, dim, seed=1), p(heads, dim, dim, seed=2)
+        self.a, self.b = p(heads, rank, dim, seed=3), p(heads, rank, dim, seed=4)
+        self.u, self.v = p(heads, dim, rank, seed=5), p(heads, rank, dim, seed=6)
+        self.w = p(3, heads * rank, dim, seed=7)
+
+    def forward(self, x):
+        x = x + emflow.torch.attend(x, self.m, self.f, mask="causal")
+        x = x + emflow.torch.attend_factored(x, self.a, self.b, self.u, self.v, mask="causal")
+        batch, tokens, _ = x.shape
+        q, k, v = (torch.einsum("bnd,ed->bne", x, w).reshape(batch, tokens, 2, -1).transpose(1, 2)
+                   for w in self.w)
+        return drop_in(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, tokens, -1)
+
+
+def train_step(model, x, target, lr=0.05):
+    loss = ((model(x) - target) ** 2).mean()
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(lr * p.grad)
+            p.grad = None
+    return loss.detach()
+
+
+def test_compiled_training_step_has_no_graph_break(monkeypatch):
+    import torch._dynamo
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    # Dynamo traces Tensor.backward() into the graph only with this option.
+    monkeypatch.setattr(torch._dynamo.config, "trace_autograd_ops", True)
+    torch._dynamo.reset()
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(str(gm.graph))
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)  # aot_eager, graphs kept
+    x, target = randn(2, 6, 4, seed=8).detach(), randn(2, 6, 4, seed=9).detach()
+    eager, compiled = Model(), Model()
+    step = torch.compile(train_step, fullgraph=True, backend=backend)
+    losses = []
+    for _ in range(3):
+        losses.append(step(compiled, x, target))
+        torch.testing.assert_close(losses[-1], train_step(eager, x, target), rtol=1e-12,
+                                   atol=1e-14)
+    assert losses[-1] < losses[0]
+    for p, q in zip(compiled.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    text = "\n".join(graphs)
+    for op in ("attend_backward", "attend_factored_backward", "sdpa_backward"):
+        assert f"emflow.{op}" in text, op
+    assert math.isfinite(float(losses[-1]))
