@@ -37,7 +37,7 @@ __all__ = [
     "Attention", "Decoded", "DecodingStack", "FlowResult", "Generation", "PhaseDiagram", "Route",
     "attend", "attend_factored", "cuda_available", "flow", "generate", "initial_clouds",
     "max_threads", "mha_reference", "mha_to_emf", "phase", "resolve_device", "route",
-    "route_factored", "with_cuda",
+    "route_factored", "Sdpa", "sdpa_attend", "with_cuda",
 ]
 
 Mask = Union[None, str, tuple]
@@ -52,6 +52,15 @@ class Attention(NamedTuple):
     lse: Any = None
     entropy: Any = None
     weights: Any = None
+
+
+class Sdpa(NamedTuple):
+    """What ``sdpa_attend(..., lse=True / entropy=True)`` returns; None where not requested:
+    output (B, Hq, Nq, rv), lse and entropy (B, Hq, Nq)."""
+
+    output: Any
+    lse: Any = None
+    entropy: Any = None
 
 
 class Route(NamedTuple):
@@ -430,6 +439,60 @@ def route_factored(x: Any, query_factor: Any, key_factor: Any, content_up: Any,
     """``route`` for ``attend_factored`` (rank r from query_factor's shape (H, r, d))."""
     return _route(True, x, (query_factor, key_factor, content_up, content_down), key_bias,
                   offset, mask, key_lengths, lse, entropy, weights, device, "attend_factored")
+
+
+def sdpa_attend(query: Any, key: Any, value: Any, *, scale: Optional[float] = None,
+                mask: Mask = None, key_lengths: Any = None, query_lengths: Any = None,
+                key_position: int = 0, query_position: Optional[int] = None, lse: bool = False,
+                entropy: bool = False, device: str = "auto", threads: int = 0) -> Any:
+    """The SDPA-shaped operator (emflow::sdpa_attend, include/emflow/sdpa.hpp, docs/MATH.md
+    §8.1): queries, keys and values already projected, the shape of torch's
+    scaled_dot_product_attention::
+
+        s_ij = scale <q_i, k_j>   (j visible to i)     o_i = sum_j softmax_j(s_ij) v_j
+
+    query (B, Hq, Nq, r), key (B, Hkv, Nk, r), value (B, Hkv, Nk, rv): NumPy arrays (or CPU
+    torch tensors) of float32 or float64, read without a copy; Hq a multiple of Hkv (grouped
+    heads: query head h reads key and value head h // (Hq // Hkv)). scale: 1 / sqrt(r) by
+    default. mask: None, "causal" or ("window", w) on sequence positions: key j at
+    ``key_position + j``, query i at ``query_position + i``, or by default (None) aligned
+    bottom-right, at key_position + Lk_b - Lq_b + i (torch's is_causal is query_position=0).
+    key_lengths, query_lengths: one length per cloud (keys j >= Lk_b hidden, queries i >= Lq_b
+    padding). A query that sees no key gets output 0, lse -inf and entropy 0.
+
+    Returns the output, or an ``Sdpa`` (output, lse, entropy) when lse or entropy is requested.
+    Host memory only (no GPU path computes this operator yet); gradients:
+    ``emflow.torch.sdpa_attend``.
+    """
+    operation = "sdpa_attend"
+    arrays = [_as_array(a) for a in (query, key, value)]
+    for name, a in zip(("query", "key", "value"), arrays):
+        _check_passable(operation, name, a, "float32 or float64")
+        if getattr(a, "ndim", None) != 4:
+            raise ValueError(f"{operation}: argument '{name}' has shape "
+                             f"{tuple(np.shape(a))}, expected 4 axes (B, H, N, E)")
+    query, key, value = arrays
+    if scale is None:
+        scale = 1.0 / float(np.sqrt(query.shape[-1]))
+    is_torch = _torch_tensor(query)
+    if is_torch:
+        import torch
+
+        empty = partial(torch.empty, dtype=query.dtype, device=query.device)
+    else:
+        empty = partial(np.empty, dtype=query.dtype)
+    output = empty(tuple(query.shape[:-1]) + (value.shape[-1],))
+    stats = tuple(query.shape[:-1])
+    lse_out = empty(stats) if lse else None
+    entropy_out = empty(stats) if entropy else None
+    position = None if query_position is None else _integer(operation, "query_position",
+                                                            query_position)
+    _emflow.sdpa_attend(query, key, value, float(scale), _mask(mask),
+                        _lengths(operation, key_lengths, query, False),
+                        _lengths(operation, query_lengths, query, False),
+                        _integer(operation, "key_position", key_position), position, output,
+                        lse_out, entropy_out, device, _integer(operation, "threads", threads))
+    return Sdpa(output, lse_out, entropy_out) if lse or entropy else output
 
 
 def _double(a: Any) -> Any:

@@ -30,9 +30,29 @@ def attend_factored(x: Annotated[NDArray, dict(writable=False)], query_factor: A
     emflow::attend_factored on the given host arrays, written into the given outputs. Use emflow.attend_factored.
     """
 
+def attend_backward(x: Annotated[NDArray, dict(writable=False)], relevance: Annotated[NDArray, dict(writable=False)], content: Annotated[NDArray, dict(writable=False)], key_bias: Annotated[NDArray, dict(writable=False)] | None, offset: Annotated[NDArray, dict(writable=False)] | None, beta: float, mask: str, key_lengths: Annotated[NDArray, dict(writable=False)] | None, d_update: Annotated[NDArray, dict(writable=False)] | None, d_lse: Annotated[NDArray, dict(writable=False)] | None, d_entropy: Annotated[NDArray, dict(writable=False)] | None, d_x: NDArray | None, d_relevance: NDArray | None, d_content: NDArray | None, d_key_bias: NDArray | None, d_offset: NDArray | None, device: str, threads: int) -> float:
+    """
+    emflow::attend_backward on the given host arrays: the gradients asked for (each output optional) from the upstream gradients of the update, lse and entropy (each optional); returns dL/dbeta.
+    """
+
+def attend_factored_backward(x: Annotated[NDArray, dict(writable=False)], query_factor: Annotated[NDArray, dict(writable=False)], key_factor: Annotated[NDArray, dict(writable=False)], content_up: Annotated[NDArray, dict(writable=False)], content_down: Annotated[NDArray, dict(writable=False)], key_bias: Annotated[NDArray, dict(writable=False)] | None, offset: Annotated[NDArray, dict(writable=False)] | None, beta: float, mask: str, key_lengths: Annotated[NDArray, dict(writable=False)] | None, d_update: Annotated[NDArray, dict(writable=False)] | None, d_lse: Annotated[NDArray, dict(writable=False)] | None, d_entropy: Annotated[NDArray, dict(writable=False)] | None, d_x: NDArray | None, d_query_factor: NDArray | None, d_key_factor: NDArray | None, d_content_up: NDArray | None, d_content_down: NDArray | None, d_key_bias: NDArray | None, d_offset: NDArray | None, device: str, threads: int) -> float:
+    """
+    emflow::attend_factored_backward on the given host arrays, as attend_backward; returns dL/dbeta.
+    """
+
 def time_attend(x: Annotated[NDArray, dict(writable=False)], relevance: Annotated[NDArray, dict(writable=False)], content: Annotated[NDArray, dict(writable=False)], update: NDArray, threads: int = 0, repeats: int = 1) -> float:
     """
     Seconds per emflow::attend call (Device::cpu, float32), timed in C++: the baseline that bench/python_overhead.py compares emflow.attend with.
+    """
+
+def sdpa_attend(query: Annotated[NDArray, dict(writable=False)], key: Annotated[NDArray, dict(writable=False)], value: Annotated[NDArray, dict(writable=False)], scale: float, mask: str, key_lengths: Annotated[NDArray, dict(writable=False)] | None, query_lengths: Annotated[NDArray, dict(writable=False)] | None, key_position: int, query_position: int | None, output: NDArray, lse: NDArray | None, entropy: NDArray | None, device: str, threads: int) -> None:
+    """
+    emflow::sdpa_attend on the given host arrays, written into the given outputs (query_position None: aligned to the end of the real keys). Use emflow.sdpa_attend.
+    """
+
+def sdpa_backward(query: Annotated[NDArray, dict(writable=False)], key: Annotated[NDArray, dict(writable=False)], value: Annotated[NDArray, dict(writable=False)], scale: float, mask: str, key_lengths: Annotated[NDArray, dict(writable=False)] | None, query_lengths: Annotated[NDArray, dict(writable=False)] | None, key_position: int, query_position: int | None, output: Annotated[NDArray, dict(writable=False)] | None, lse: Annotated[NDArray, dict(writable=False)], entropy: Annotated[NDArray, dict(writable=False)] | None, d_output: Annotated[NDArray, dict(writable=False)] | None, d_lse: Annotated[NDArray, dict(writable=False)] | None, d_entropy: Annotated[NDArray, dict(writable=False)] | None, d_query: NDArray, d_key: NDArray, d_value: NDArray, device: str, threads: int) -> float:
+    """
+    emflow::sdpa_backward on the given host arrays: dQ, dK and dV written into d_query, d_key and d_value from the saved output, lse (and entropy) and the upstream gradients (each optional); returns dL/dscale.
     """
 
 def ref_relevance_gradients(cloud: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)], relevance: Annotated[NDArray[numpy.float64], dict(order='C', device='cpu', writable=False)]) -> object: ...

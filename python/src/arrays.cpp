@@ -62,17 +62,19 @@ template <class T, class A>
 void check(const Placement& place, const char* name, const A& array, const Shape& expected) {
   if (array.dtype() != nb::dtype<T>()) {
     std::string want = dtype_name(nb::dtype<T>());
-    if (!std::is_same_v<T, std::int64_t>) want += " (the dtype of 'x')";
+    if (!std::is_same_v<T, std::int64_t>)
+      want += std::string(" (the dtype of '") + place.like + "')";
     refuse(place.operation, name,
            "has dtype " + dtype_name(array.dtype()) + ", expected " + want +
-               "; pass copy=True to convert");
+               (place.copy ? "; pass copy=True to convert" : ""));
   }
   if (array.device_type() != place.device_type ||
       (place.device_type == nb::device::cuda::value && array.device_id() != place.device_id)) {
     refuse(place.operation, name,
            std::string("is on ") + device_name(array.device_type()) + ":" +
-               std::to_string(array.device_id()) + ", expected the device of 'x' (" +
-               device_name(place.device_type) + ":" + std::to_string(place.device_id) + ")");
+               std::to_string(array.device_id()) + ", expected the device of '" + place.like +
+               "' (" + device_name(place.device_type) + ":" + std::to_string(place.device_id) +
+               ")");
   }
   bool same = array.ndim() == expected.size();
   for (std::size_t i = 0; same && i < array.ndim(); ++i)
@@ -93,7 +95,7 @@ void check(const Placement& place, const char* name, const A& array, const Shape
     }
     refuse(place.operation, name,
            "of shape " + shape_text(array) + " is not C-contiguous (strides " + text + ")" +
-               " in elements); pass copy=True to copy it");
+               " in elements)" + (place.copy ? "; pass copy=True to copy it" : ""));
   }
 }
 }  // namespace

@@ -47,6 +47,8 @@ struct Placement {
   nb::dlpack::dtype dtype{};  ///< the element type of 'x'
   std::int32_t device_type = nb::device::cpu::value;
   std::int32_t device_id = 0;
+  const char* like = "x";  ///< the argument whose dtype and device the others must share
+  bool copy = true;        ///< whether the call takes copy=True (the messages suggest it)
 };
 
 /// Checks dtype, device, layout and shape of an input; returns its data.

@@ -24,7 +24,7 @@ using OptIn = std::optional<InArray>;
 using OptOut = std::optional<OutArray>;
 
 Placement placement_of(const char* operation, const InArray& query) {
-  Placement place{operation, query.dtype(), query.device_type(), query.device_id()};
+  Placement place{operation, query.dtype(), query.device_type(), query.device_id(), "query", false};
   if (query.dtype() != nb::dtype<float>() && query.dtype() != nb::dtype<double>()) {
     refuse(operation, "query",
            "has dtype " + dtype_name(query.dtype()) + ", expected float32 or float64");
