@@ -1,9 +1,15 @@
 """Gradients through emflow.torch: the SDPA drop-in against torch's own scaled_dot_product_attention
 (forward and gradients, float32 and float64, causal or not, grouped heads, Nq != Nk), gradcheck in
 float64 of every operator under every mask, zero gradients for queries that see no key, the
-refusals by name, and a compiled training step (torch.compile fullgraph, aot_eager) whose graphs
-hold the backward operators."""
+refusals by name, a compiled training step (torch.compile fullgraph, aot_eager) whose graphs
+hold the backward operators, and the example python/examples/fit_clustering.py run as a user runs
+it (here rather than in a file of its own: a process of its own would import torch again)."""
 import math
+import os
+import pathlib
+import re
+import runpy
+import sys
 
 import pytest
 
@@ -250,3 +256,20 @@ def test_compiled_training_step_has_no_graph_break(monkeypatch):
     for op in ("attend_backward", "attend_factored_backward", "sdpa_backward"):
         assert f"emflow.{op}" in text, op
     assert math.isfinite(float(losses[-1]))
+
+
+EXAMPLES = pathlib.Path(os.environ.get("EMFLOW_SOURCE_DIR",
+                                       pathlib.Path(__file__).resolve().parents[2]))
+EXAMPLES = EXAMPLES / "python" / "examples"
+
+
+def test_example_fit_clustering(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["fit_clustering.py", "30"])
+    runpy.run_path(str(EXAMPLES / "fit_clustering.py"), run_name="__main__")
+    printed = capsys.readouterr().out
+    losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", printed)]
+    assert len(losses) == 7  # steps 0, 5, ..., 25 and 29
+    # M = F = I pulls every cloud towards one cluster, far from the target; the fit separates it
+    assert losses[0] > 0.3 and losses[-1] < 0.1 * losses[0]
+    reached = int(re.search(r"within 30 degrees of their target: (\d+)%", printed).group(1))
+    assert reached >= 90
