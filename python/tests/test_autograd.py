@@ -41,16 +41,17 @@ def gradients(out, inputs, seed=4):
     return torch.autograd.grad(out, inputs, upstream)
 
 
-# shapes (batch, Hq, Hkv, Nq, Nk): plain heads, grouped heads with Nq < Nk, multi-query Nq > Nk
-SHAPES = [(2, 2, 2, 6, 6), (2, 4, 2, 3, 7), (1, 3, 1, 7, 4)]
+# shapes (batch, Hq, Hkv, Nq, Nk, E): plain heads, grouped heads with Nq < Nk, multi-query with
+# Nq > Nk, and one long enough to span several blocks of the fused engine
+SHAPES = [(2, 2, 2, 6, 6, 4), (2, 4, 2, 3, 7, 4), (1, 3, 1, 7, 4, 4), (1, 4, 2, 70, 133, 16)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_drop_in_matches_torch(dtype, is_causal, shape):
-    batch, heads, kv_heads, nq, nk = shape
-    inputs = qkv(batch, heads, kv_heads, nq, nk, dtype=dtype)
+    batch, heads, kv_heads, nq, nk, rank = shape
+    inputs = qkv(batch, heads, kv_heads, nq, nk, rank=rank, dtype=dtype)
     gqa = heads != kv_heads
     got = drop_in(*inputs, is_causal=is_causal, enable_gqa=gqa)
     want = sdpa(*inputs, is_causal=is_causal, enable_gqa=gqa)
@@ -156,6 +157,17 @@ def test_queries_without_keys_get_zero_gradient(dtype):
     r = emflow.torch.attend(x, m, f, mask="causal", key_lengths=[5, 2], lse=True)
     dx, = torch.autograd.grad(r.update.sum() + finite(r.lse).sum(), (x,))
     assert torch.isfinite(dx).all() and torch.all(dx[1, 2:] == 0) and dx[1, :2].abs().max() > 0
+    # NaN in the padding tokens reaches nothing (they are never read), in either form
+    x_nan = x.detach().clone()
+    x_nan[1, 2:] = float("nan")
+    x_nan.requires_grad_(True)
+    factored = [a.to(dtype).detach().requires_grad_(True) for a in factored_layer()[1:5]]
+    for y, operators in ((emflow.torch.attend(x_nan, m, f, key_lengths=[5, 2]), (m, f)),
+                         (emflow.torch.attend_factored(x_nan, *factored, key_lengths=[5, 2]),
+                          factored)):
+        grads = torch.autograd.grad(y.sum(), (x_nan, *operators))
+        assert all(torch.isfinite(g).all() for g in grads)
+        assert torch.all(grads[0][1, 2:] == 0) and grads[0][1, :2].abs().max() > 0
 
 
 def test_float32_layer_gradient_matches_float64():
