@@ -120,6 +120,7 @@ def _attend_factored_fake(x, query_factor, key_factor, content_up, content_down,
 # it as one node (its fake implementation gives the shapes). Gradients of absent optional inputs
 # come back as empty tensors (an operator's outputs cannot be None) and are dropped again below.
 
+
 def _new(a: Tensor) -> Tensor:
     # Dense row-major whatever the layout of `a` (torch.empty_like keeps a transposed layout).
     return torch.empty(a.shape, dtype=a.dtype, device=a.device)
@@ -133,10 +134,11 @@ def _empty_or(a: Optional[Tensor], like: Optional[Tensor], x: Tensor) -> Tensor:
     return x.new_empty(0) if like is None else a
 
 
-def _refuse_weights(operation: str, d_weights: Optional[Tensor], want_weights: bool) -> None:
+def _refuse_weights(operation: str, d_weights: Optional[Tensor]) -> None:
     # The forward pass may return the weights, but no backward pass reads their gradient: a loss
-    # that depends on them would get a silently wrong gradient, so it is refused.
-    if want_weights and d_weights is not None and bool(torch.any(d_weights != 0)):
+    # that depends on them would get a silently wrong gradient, so it is refused (d_weights is
+    # given only when the weights were requested; torch passes zeros when the loss ignores them).
+    if d_weights is not None and bool(torch.any(d_weights != 0)):
         raise NotImplementedError(f"emflow.torch.{operation}: the gradient through 'weights' is "
                                   "not computed; use the update, lse or entropy in the loss")
 
@@ -148,7 +150,7 @@ def _attend_backward_op(d_update: Optional[Tensor], d_lse: Optional[Tensor],
                         offset: Optional[Tensor], key_lengths: Optional[Tensor], beta: float,
                         mask: str, device: str, threads: int
                         ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    _refuse_weights("attend", d_weights, d_weights is not None)
+    _refuse_weights("attend", d_weights)
     d_x, d_m, d_f = _new(x), _new(relevance), _new(content)
     d_u = None if key_bias is None else _new(key_bias)
     d_c = None if offset is None else _new(offset)
@@ -177,9 +179,8 @@ def _attend_factored_backward_op(d_update: Optional[Tensor], d_lse: Optional[Ten
                                  device: str, threads: int
                                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                             Tensor]:
-    _refuse_weights("attend_factored", d_weights, d_weights is not None)
-    grads = [_new(a) for a in (x, query_factor, key_factor, content_up,
-                                           content_down)]
+    _refuse_weights("attend_factored", d_weights)
+    grads = [_new(a) for a in (x, query_factor, key_factor, content_up, content_down)]
     d_u = None if key_bias is None else _new(key_bias)
     d_c = None if offset is None else _new(offset)
     _emflow._emflow.attend_factored_backward(
@@ -290,6 +291,7 @@ def _sdpa_backward(ctx, d_output, d_lse):
 
 
 torch.library.register_autograd("emflow::sdpa", _sdpa_backward, setup_context=_setup_sdpa)
+
 
 def _key_lengths(key_lengths: Any, x: Tensor, operation: str) -> Optional[Tensor]:
     if key_lengths is None or isinstance(key_lengths, torch.Tensor):
