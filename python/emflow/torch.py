@@ -408,8 +408,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                          f"have {dims[0]}, {dims[1]} and {dims[2]} axes, expected the same")
     if query.device.type != "cpu":
         raise NotImplementedError("scaled_dot_product_attention: argument 'query' is on "
-                                  f"{query.device}: no GPU path computes emflow's SDPA-shaped "
-                                  "operator yet (CPU tensors only)")
+                                  f"{query.device}, expected a CPU tensor (no GPU path computes "
+                                  "emflow's SDPA-shaped operator yet)")
     if query.dim() == 4 and not (query.shape[0] == key.shape[0] == value.shape[0]):
         raise ValueError("scaled_dot_product_attention: the batch axes of 'query', 'key' and "
                          f"'value' are {query.shape[0]}, {key.shape[0]} and {value.shape[0]}, "

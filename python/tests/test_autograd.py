@@ -86,6 +86,8 @@ def test_drop_in_refuses_by_name():
         drop_in(q.half(), k.half(), v.half(), enable_gqa=True)
     with pytest.raises(ValueError, match="argument 'key' has dtype float64"):
         drop_in(q, k.double(), v, enable_gqa=True)
+    with pytest.raises(NotImplementedError, match="'query' is on meta, expected a CPU tensor"):
+        drop_in(*(a.to("meta") for a in (q, k, v)), enable_gqa=True)
 
 
 def finite(lse):
@@ -206,6 +208,21 @@ def test_backward_on_cuda_device_is_refused():
         emflow._emflow.sdpa_backward(q, k, v, 1.0, "none", None, None, 0, None, out, lse, None,
                                      torch.ones_like(out), None, None, grads[0], grads[2],
                                      grads[1], "cpu", 0)
+
+
+def cuda_ready():
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    available, reason = emflow.cuda_available()
+    return None if available else f"emflow cannot use CUDA: {reason}"
+
+
+@pytest.mark.skipif(cuda_ready() is not None, reason=str(cuda_ready()))
+def test_gradient_through_cuda_tensors_is_refused():
+    x, m, f, _, _ = (a.detach().float().cuda().requires_grad_(True) for a in dense_layer())
+    y = emflow.torch.attend(x, m, f)  # the forward pass runs on the GPU
+    with pytest.raises(NotImplementedError, match="attend_backward: CUDA arrays: no GPU path"):
+        y.sum().backward()
 
 
 class Model(torch.nn.Module):
