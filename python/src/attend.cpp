@@ -56,12 +56,12 @@ Dims dims_of(const char* operation, const InArray& x, const InArray& op, const c
   dims.tokens = static_cast<std::int64_t>(x.shape(x.ndim() - 2));
   dims.dim = static_cast<std::int64_t>(x.shape(x.ndim() - 1));
   if (op.ndim() != static_cast<std::size_t>(op_rank) &&
-      op.ndim() != static_cast<std::size_t>(op_rank + 1)) {
+      op.ndim() != static_cast<std::size_t>(op_rank) + 1) {
     refuse(operation, op_name,
            "has shape " + shape_string(op) + ", expected " + std::to_string(op_rank) +
                " axes, or " + std::to_string(op_rank + 1) + " with the heads first");
   }
-  dims.multihead = op.ndim() == static_cast<std::size_t>(op_rank + 1);
+  dims.multihead = op.ndim() == static_cast<std::size_t>(op_rank) + 1;
   dims.heads = dims.multihead ? static_cast<std::int64_t>(op.shape(0)) : 1;
   return dims;
 }
