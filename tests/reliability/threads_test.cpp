@@ -15,6 +15,7 @@
 #include "emflow/factored.hpp"
 #include "emflow/flow.hpp"
 #include "emflow/partial.hpp"
+#include "emflow/sdpa.hpp"
 #include "emflow/types.hpp"
 
 namespace emflow {
@@ -66,6 +67,15 @@ std::vector<std::pair<std::string, std::function<void(int)>>> entry_points(Small
          attend_partial(p.input(),
                         PartialOutput<float>{p.heads.data(), p.lse.data(), p.entropy.data()},
                         {Device::cpu, t});
+       }},
+      {"sdpa_attend",
+       [&p](int t) {
+         SdpaInput<float> in;
+         in.queries = in.keys = in.values = p.cloud.data();
+         in.query_tokens = in.tokens = 6;
+         in.rank = in.value_rank = 2;
+         in.mask = Mask::causal();
+         sdpa_attend(in, SdpaOutput<float>{p.update.data()}, {Device::cpu, t});
        }},
       {"DecodeCache::attend",
        [&p](int t) {
