@@ -218,17 +218,16 @@ Stored make_problem(const Case& c, Form form, Storage storage, Op op) {
 /// float dot products rounded to the storage type (dense: R_h = Q M_h with the key bias folded
 /// in, C_h = X F_h^T; factored: A_h q, B_h x, V_h x), float scores, softmax and sums, the
 /// probabilities rounded to the storage type before the product with the contents, the heads and
-/// the offset summed in float and the update rounded once. For TF32 the operands are rounded to
-/// TF32 where the products read them and the update stays float.
+/// the offset summed in float and the update rounded once. For TF32 (tests/cuda/tc_reference.hpp's
+/// naive TF32 model) the projections are float products of the float inputs rounded to TF32, the
+/// scores read the keys rounded to TF32, and the update stays float.
 CrossResult naive(const Stored& s, Form form, Storage storage) {
   const CrossProblem& p = s.p;
   const bool tf32 = storage == Storage::tf32;
   const auto rnd = [&](float v) {
     return tf32 ? round_to_tf32(v) : static_cast<float>(round_to(storage, v));
   };
-  const auto op = [&](double v) {
-    return tf32 ? round_to_tf32(static_cast<float>(v)) : static_cast<float>(v);
-  };
+  const auto op = [](double v) { return static_cast<float>(v); };
   const std::int64_t B = p.batch, H = p.heads, N = p.tokens, Nq = p.rows(), d = p.dim;
   const std::int64_t r =
       form == Form::factored ? static_cast<std::int64_t>(s.A.size()) / (H * d) : 0;
@@ -267,7 +266,9 @@ CrossResult naive(const Stored& s, Form form, Storage storage) {
           }
           for (std::int64_t j : visible) {
             float dot = 0.f;
-            for (std::int64_t a = 0; a < d; ++a) dot += t[static_cast<std::size_t>(a)] * x(j, a);
+            for (std::int64_t a = 0; a < d; ++a) {
+              dot += t[static_cast<std::size_t>(a)] * (tf32 ? round_to_tf32(x(j, a)) : x(j, a));
+            }
             score.push_back(static_cast<float>(p.beta) * dot);
             for (std::int64_t a = 0; a < d; ++a) {
               float c = 0.f;
@@ -618,6 +619,8 @@ U* or_null(cuda::DeviceBuffer<U>& device, const void* host) {
 /// The arrays of an input on the device, and the input over them.
 template <class T>
 struct DeviceInput {
+  // The host copy a stream-ordered upload reads until the stream is synchronised.
+  std::vector<std::int64_t> host_key_lengths;
   cuda::DeviceBuffer<T> cloud, queries, relevance, content, bias, shift, A, B, U, V;
   cuda::DeviceBuffer<std::int64_t> key_lengths, query_lengths, query_positions;
   AttentionInput<T> input;
@@ -625,7 +628,11 @@ struct DeviceInput {
 
   DeviceInput(const Arrays<T>& a, const AttentionInput<T>& host, const std::vector<T>& host_cloud,
               const std::vector<std::int64_t>& host_query_positions, cudaStream_t s)
-      : cloud(upload(host_cloud, s)),
+      : host_key_lengths(
+            host.key_lengths != nullptr
+                ? std::vector<std::int64_t>(host.key_lengths, host.key_lengths + host.batch)
+                : std::vector<std::int64_t>{}),
+        cloud(upload(host_cloud, s)),
         queries(upload(a.queries, s)),
         relevance(upload(a.relevance, s)),
         content(upload(a.content, s)),
@@ -635,11 +642,7 @@ struct DeviceInput {
         B(upload(a.B, s)),
         U(upload(a.U, s)),
         V(upload(a.V, s)),
-        key_lengths(
-            upload(host.key_lengths != nullptr
-                       ? std::vector<std::int64_t>(host.key_lengths, host.key_lengths + host.batch)
-                       : std::vector<std::int64_t>{},
-                   s)),
+        key_lengths(upload(host_key_lengths, s)),
         query_lengths(upload(a.query_lengths, s)),
         query_positions(upload(host_query_positions, s)) {
     input = host;
