@@ -3,9 +3,9 @@
 // bf16, f16) and every operation (self-attention, cross-attention, the partial states of two
 // blocks of keys merged and finished, the decode cache), on a few small problems.
 //
-// A target is device x entry x form x storage x operation: the blocking calls (attend,
-// attend_factored, attend_partial with merge_partial and finish_partial, BasicDecodeCache) on
-// Device::reference, cpu and cuda, and on Device::cuda the stream-ordered calls on device
+// A target (MatrixTarget) is device x entry x form x storage x operation: the blocking calls
+// (attend, attend_factored, attend_partial with merge_partial and finish_partial, BasicDecodeCache)
+// on Device::reference, cpu and cuda, and on Device::cuda the stream-ordered calls on device
 // buffers (cuda::attend_async, attend_factored_async, attend_partial_async with
 // merge_partial_async and finish_partial_async) and the plan (cuda::AttentionPlan, made once and
 // run). What each target x case must do is read from route() (capability.hpp) for the call's
@@ -101,7 +101,7 @@ double round_to(Storage s, double v) {
   }
 }
 
-struct Target {
+struct MatrixTarget {
   Device device;
   Entry entry;
   Form form;
@@ -136,7 +136,7 @@ struct Case {
 };
 
 struct Param {
-  Target target;
+  MatrixTarget target;
   Case c;
 };
 
@@ -502,7 +502,7 @@ struct PartialArrays {
 /// The Problem of the target's first call (for the partial operation: the first block's
 /// attend_partial; for the decode cache: its constructor).
 template <class T>
-emflow::Problem problem_of(const Target& t, Arrays<T>& a, const Block<T>* first) {
+emflow::Problem problem_of(const MatrixTarget& t, Arrays<T>& a, const Block<T>* first) {
   const ExecutionOptions options{t.device, 0, precision_of(t.storage)};
   switch (t.op) {
     case Op::self:
@@ -536,7 +536,7 @@ std::string reason_body(const std::string& reason) {
 // ---- Running a target ---------------------------------------------------------------------
 
 template <class T>
-void run_blocking(const Target& t, const CrossProblem& p, Arrays<T>& a) {
+void run_blocking(const MatrixTarget& t, const CrossProblem& p, Arrays<T>& a) {
   const ExecutionOptions options{t.device, 2, precision_of(t.storage)};
   switch (t.op) {
     case Op::self:
@@ -670,7 +670,7 @@ struct DeviceInput {
 
 /// The stream-ordered calls (Entry::async) or the plan (Entry::plan) on device buffers.
 template <class T>
-void run_on_device(const Target& t, const CrossProblem& p, Arrays<T>& a) {
+void run_on_device(const MatrixTarget& t, const CrossProblem& p, Arrays<T>& a) {
   using S = Stat<T>;
   CudaStream stream;
   const cudaStream_t s = stream.stream;
@@ -793,13 +793,13 @@ void expect_meets_contract(const Got& got, const CrossResult& exact, const Cross
 }
 
 /// Whether a case asks for the weights of a target (self- and cross-attention return them).
-bool asks_weights(const Target& t, const Case& c) {
+bool asks_weights(const MatrixTarget& t, const Case& c) {
   return c.weights && (t.op == Op::self || t.op == Op::cross);
 }
 
 /// route()'s answer for the target's first call on `machine`.
 template <class T>
-Route route_of(const Target& t, const CrossProblem& p, Arrays<T>& a, const Machine& machine) {
+Route route_of(const MatrixTarget& t, const CrossProblem& p, Arrays<T>& a, const Machine& machine) {
   const Block<T> first(a, p, 0, p.tokens / 2);
   const Device device = t.entry == Entry::blocking ? t.device : Device::cuda;
   const char* operation = t.op == Op::partial        ? "attend_partial"
@@ -810,7 +810,7 @@ Route route_of(const Target& t, const CrossProblem& p, Arrays<T>& a, const Machi
 }
 
 template <class T>
-void check(const Target& t, const Case& c) {
+void check(const MatrixTarget& t, const Case& c) {
   const std::string what = t.name() + "_" + c.name();
   const Stored s = make_problem(c, t.form, t.storage, t.op);
   Arrays<T> a(s, t.form, asks_weights(t, c));
@@ -866,8 +866,8 @@ TEST_P(Matrix, RunsWhereRouteSaysAndMeetsTheContract) {
 
 /// Every target that has an entry point: decode for float and double storage only, the
 /// partial state in the dense form only and, stream-ordered, for float and double only.
-std::vector<Target> all_matrix_targets() {
-  std::vector<Target> out;
+std::vector<MatrixTarget> all_matrix_targets() {
+  std::vector<MatrixTarget> out;
   for (Device device : {Device::reference, Device::cpu, Device::cuda}) {
     for (Entry entry : {Entry::blocking, Entry::async, Entry::plan}) {
       if (entry != Entry::blocking && device != Device::cuda) continue;
@@ -892,7 +892,7 @@ std::vector<Target> all_matrix_targets() {
 /// Every target crossed with every case (the partial operation needs two keys for two blocks).
 std::vector<Param> every(const std::vector<Case>& cases) {
   std::vector<Param> out;
-  for (const Target& t : all_matrix_targets()) {
+  for (const MatrixTarget& t : all_matrix_targets()) {
     for (const Case& c : cases) {
       if (t.op != Op::partial || c.tokens >= 2) out.push_back({t, c});
     }
@@ -925,7 +925,7 @@ INSTANTIATE_TEST_SUITE_P(MatrixWide, Matrix, ::testing::ValuesIn(every(wide_case
 
 /// Whether route() runs the target x case on a machine with a CUDA device.
 template <class T>
-bool supported_with_device(const Target& t, const Case& c, const Machine& machine) {
+bool supported_with_device(const MatrixTarget& t, const Case& c, const Machine& machine) {
   const Stored s = make_problem(c, t.form, t.storage, t.op);
   Arrays<T> a(s, t.form, asks_weights(t, c));
   return route_of(t, s.p, a, machine).supported;
@@ -942,7 +942,7 @@ TEST(MatrixCoverage, EveryPairRouteAllowsRunsInTheMatrix) {
   std::vector<Param> params = every(small_cases());
   for (const Param& p : every(wide_cases())) params.push_back(p);
   for (const Param& p : params) {
-    const Target& t = p.target;
+    const MatrixTarget& t = p.target;
     bool ok = false;
     switch (t.storage) {
       case Storage::f64:
