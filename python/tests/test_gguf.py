@@ -1,6 +1,6 @@
 """emflow.gguf on files written here byte by byte: values come back as Python values of their
 type, tensors as float32 arrays of their row-major shape, and the library's refusals as
-RuntimeError / ValueError with its message. (tests/models/test_gguf_parity.py holds the reader
+RuntimeError / ValueError with its message. (tests/model_parity/test_gguf_parity.py holds the reader
 to the gguf package.)"""
 import struct
 

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "common/accuracy.hpp"
 #include "common/testing.hpp"
 #include "emflow/attention.hpp"
 #include "emflow/error.hpp"
@@ -216,35 +217,8 @@ Result naive(const Problem<T>& p, Accumulate accumulate = Accumulate::fp32) {
   return r;
 }
 
-/// max |a - b|; equal infinities count 0, a NaN on one side only counts infinity.
-double max_error(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0.0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if (a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i]))) continue;
-    const double e = std::abs(a[i] - b[i]);
-    worst = std::max(worst, std::isnan(e) ? std::numeric_limits<double>::infinity() : e);
-  }
-  return worst;
-}
-
-double max_magnitude(const std::vector<double>& a) {
-  double m = 0.0;
-  for (double v : a) {
-    if (std::isfinite(v)) m = std::max(m, std::abs(v));
-  }
-  return m;
-}
-
-/// The rule for one output; an empty string when it holds, else what failed.
-std::string check_rule(const char* name, const std::vector<double>& ours,
-                       const std::vector<double>& base, const std::vector<double>& exact) {
-  const double ours_error = max_error(ours, exact), naive_error = max_error(base, exact);
-  const double bound =
-      naive_error > 0.0 ? 2.0 * naive_error : std::ldexp(1.0 + max_magnitude(exact), -20);
-  if (ours_error <= bound) return {};
-  return std::string(name) + ": error " + std::to_string(ours_error) + " > bound " +
-         std::to_string(bound) + " (naive " + std::to_string(naive_error) + ")";
-}
+// The rule of one output (common/accuracy.hpp, shared with the test matrix).
+using testing::check_rule;
 
 std::string check_rule(const Result& ours, const Result& base, const Result& exact) {
   std::string failures;
