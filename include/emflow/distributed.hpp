@@ -100,7 +100,7 @@ class AgreedError : public Error {
 /// rank stops at the same point with the same error and none waits for a partner that has given up.
 /// Costs one integer allreduce, plus one broadcast when a rank failed. Host communicators only
 /// need host memory for it; NCCL communicators use their stream.
-void agree(Communicator& comm, std::exception_ptr local);
+void agree(Communicator& comm, const std::exception_ptr& local);
 
 /// Runs `body` and agrees on its outcome (agree()): returns its result on every rank when it
 /// succeeded everywhere, throws the same error on every rank otherwise.

@@ -2,9 +2,11 @@
 // (docs/MATH.md §4, §5): for each inverse temperature beta, many random clouds flow on the sphere
 // with Q = K = V = I, and the fraction of clustered pairs is drawn over (time, beta). The
 // defaults are theirs: 90 betas in [0.1, 9], n = 32, d = 2, dt = 0.1, T = 30, 2048 clouds.
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <iomanip>
 #include <iostream>
 #include <memory>
@@ -37,10 +39,24 @@ struct PhaseArguments {
 void parse_beta_range(const std::string& text, flow::PhaseSettings& s) {
   double start = 0, stop = 0;
   long long count = 0;
-  char tail = 0;
-  if (std::sscanf(text.c_str(), "%lf:%lf:%lld%c", &start, &stop, &count, &tail) != 3 ||
-      !std::isfinite(start) || !std::isfinite(stop) || start <= 0 || stop < start || count < 1 ||
-      (count == 1 && stop != start)) {
+  // Three fields, each read whole (strtod and strtoll with their end and range checked).
+  bool parsed = false;
+  const std::size_t first = text.find(':');
+  const std::size_t second = first == std::string::npos ? first : text.find(':', first + 1);
+  if (second != std::string::npos) {
+    const std::string a = text.substr(0, first), b = text.substr(first + 1, second - first - 1);
+    const std::string c = text.substr(second + 1);
+    char* end = nullptr;
+    errno = 0;
+    start = std::strtod(a.c_str(), &end);
+    parsed = !a.empty() && *end == '\0' && errno == 0;
+    stop = std::strtod(b.c_str(), &end);
+    parsed = parsed && !b.empty() && *end == '\0' && errno == 0;
+    count = std::strtoll(c.c_str(), &end, 10);
+    parsed = parsed && !c.empty() && *end == '\0' && errno == 0;
+  }
+  if (!parsed || !std::isfinite(start) || !std::isfinite(stop) || start <= 0 || stop < start ||
+      count < 1 || (count == 1 && stop != start)) {
     fail_option("--betas",
                 "expects START:STOP:COUNT with 0 < START <= STOP and COUNT >= 1 "
                 "(COUNT = 1 needs START = STOP), got '",

@@ -10,7 +10,7 @@
 #include "emflow/error.hpp"
 #include "job.hpp"
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   CLI::App app{"emflow: EMF attention and the flow of token clouds", "emflow"};
   app.set_version_flag("--version", std::string("emflow ") + EMFLOW_CLI_VERSION);
   app.require_subcommand(1);
@@ -58,4 +58,8 @@ int main(int argc, char** argv) {
   }
   emflow::cli::end_job();
   return 0;
+} catch (...) {
+  // Only what fails before or after the command (making the tool's options): one line as well.
+  std::cerr << "emflow: error: could not start (out of memory?)\n";
+  return 1;
 }

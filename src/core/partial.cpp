@@ -32,17 +32,21 @@ void attend_partial(const AttentionInput<T>& input, const PartialOutput<T>& outp
     problem.finite = detail::inputs_finite(input);
     const Route route = require_route(problem, options.device, op);
     // Partial states are float or double: route() refuses the 16-bit types.
-    if constexpr (is_16bit_v<T>) {
-      detail::fail(ErrorCode::internal, op, ": no kernel for ", to_string(route));
-    } else if (route.device == Device::cuda) {
-      detail::cuda_attend_partial(input, output, route);
-    } else if (route.kernel == Kernel::reference) {
-      detail::reference_partial(input, output);
-    } else if constexpr (std::is_same_v<T, float>) {
-      detail::cpu_partial(input, output, options.threads);
-    } else {
-      detail::fail(ErrorCode::internal, op, ": no kernel for ", to_string(route));
+    if constexpr (!is_16bit_v<T>) {
+      if (route.device == Device::cuda) {
+        detail::cuda_attend_partial(input, output, route);
+        return;
+      }
+      if (route.kernel == Kernel::reference) {
+        detail::reference_partial(input, output);
+        return;
+      }
+      if constexpr (std::is_same_v<T, float>) {
+        detail::cpu_partial(input, output, options.threads);
+        return;
+      }
     }
+    detail::fail(ErrorCode::internal, op, ": no kernel for ", to_string(route));
   });
 }
 

@@ -125,10 +125,10 @@ bool layer_backward(const BackwardClouds& cl, const BackwardLayer& L, const Laye
   for (std::int64_t b = 0; b < B; ++b) {
     const QueryRule& rule = cl.rules[b];
     for (std::int64_t i = 0; i < Nq; ++i) {
-      query_part[static_cast<std::size_t>(b * Nq + i)] = !rule.keys(i).empty();
+      query_part[static_cast<std::size_t>(b * Nq + i)] = static_cast<char>(!rule.keys(i).empty());
     }
     for (std::int64_t j = 0; j < N; ++j) {
-      key_part[static_cast<std::size_t>(b * N + j)] = j < rule.key_length;
+      key_part[static_cast<std::size_t>(b * N + j)] = static_cast<char>(j < rule.key_length);
     }
   }
   Panel Xk(B * N, d), Xq(cl.self_attention ? 0 : B * Nq, d), dDelta(up.update ? B * Nq : 0, d);

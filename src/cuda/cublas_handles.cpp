@@ -57,7 +57,7 @@ struct ThreadHandles {
           CublasPool::instance().give_back(static_cast<int>(device), by_device[device]);
         }
       }
-    } catch (...) {
+    } catch (...) {  // NOLINT(bugprone-empty-catch): nothing to do but not reuse the handle
       // Out of memory while pooling: the handle is then simply not reused.
     }
   }

@@ -205,7 +205,7 @@ std::unique_ptr<PlanStrategy<T>> make_strategy(const Problem& p, const Route& r,
 // The route of `p`: what the problem needs first (so that a refusal reads the same with and
 // without a device), then, unless the plan is only sized, the device itself, as route() says it.
 Route route_for(const Problem& p, Purpose purpose, const char* operation) {
-  const Route r = route(p, Device::cuda, with_device(), operation);
+  Route r = route(p, Device::cuda, with_device(), operation);
   if (!r.supported || purpose == Purpose::size || this_machine().cuda_device) return r;
   return route(p, Device::cuda, this_machine(), operation);
 }
@@ -439,8 +439,12 @@ bool AttentionPlan<T>::matches(const AttentionInput<T>& input,
                                const AttentionOutput<T>& output) const noexcept {
   if (!state_) return false;
   const Problem& planned = state_->problem;
-  return planned.operation == Operation::update && planned.form == Form::dense &&
-         output.update != nullptr && same_problem(planned, describe(input, output), "", false);
+  try {  // describe() reads no array; an allocation failure of its strings reads as no match
+    return planned.operation == Operation::update && planned.form == Form::dense &&
+           output.update != nullptr && same_problem(planned, describe(input, output), "", false);
+  } catch (...) {
+    return false;
+  }
 }
 
 template <class T>
@@ -448,9 +452,13 @@ bool AttentionPlan<T>::matches(const AttentionInput<T>& input, const FactoredLay
                                const AttentionOutput<T>& output) const noexcept {
   if (!state_) return false;
   const Problem& planned = state_->problem;
-  return planned.operation == Operation::update && planned.form == Form::factored &&
-         output.update != nullptr &&
-         same_problem(planned, describe(input, layer, output), "", false);
+  try {  // as above
+    return planned.operation == Operation::update && planned.form == Form::factored &&
+           output.update != nullptr &&
+           same_problem(planned, describe(input, layer, output), "", false);
+  } catch (...) {
+    return false;
+  }
 }
 
 template <class T>
@@ -458,9 +466,13 @@ bool AttentionPlan<T>::matches(const AttentionInput<T>& input,
                                const PartialOutput<T>& output) const noexcept {
   if (!state_) return false;
   const Problem& planned = state_->problem;
-  return planned.operation == Operation::partial && output.heads != nullptr &&
-         output.lse != nullptr && output.entropy != nullptr &&
-         same_problem(planned, describe(input, output), "", false);
+  try {  // as above
+    return planned.operation == Operation::partial && output.heads != nullptr &&
+           output.lse != nullptr && output.entropy != nullptr &&
+           same_problem(planned, describe(input, output), "", false);
+  } catch (...) {
+    return false;
+  }
 }
 
 // Each run: its form, its match with the plan, and the validator of emflow::attend (or

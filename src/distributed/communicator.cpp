@@ -64,7 +64,7 @@ void SingleProcess::gather(const void* send, void* recv, const std::vector<std::
   if (counts[0] > 0 && send != recv) std::memcpy(recv, send, counts[0]);
 }
 
-void agree(Communicator& comm, std::exception_ptr local) {
+void agree(Communicator& comm, const std::exception_ptr& local) {
   const int ranks = comm.size();
   // The lowest failing rank, or `ranks` when none failed: one integer reduction.
   std::int64_t first = local ? comm.rank() : ranks;

@@ -262,6 +262,7 @@ flow::FlowResult<T> run_flow(Communicator& comm, const T* shard_rows, std::int64
     if (comm.rank() == 0) whole = Tensor<T>(Shape{run->records(), batch, tokens, dim});
     ops.emplace(comm, host, batch, tokens, dim, run->betas(), settings.cluster_eps, &whole);
   });
+  if (!run || !ops) detail::fail(ErrorCode::internal, op, ": the run was not prepared");
   flow::FlowResult<T> result = run->run(*ops, shard_rows, progress);
   if (comm.rank() == 0) result.trajectory = std::move(whole);
   return result;

@@ -162,6 +162,7 @@ Tensor<T> initial_clouds(InitialCloud kind, std::int64_t batch, std::int64_t tok
       op,
       emflow::detail::concat("argument '", largest, "' (", size, " of ", sizeof(T), " bytes, and ",
                              tokens * dim, " of scratch)"),
+      // NOLINTNEXTLINE(bugprone-sizeof-expression): a double of scratch, counted in T's elements
       values + tokens * dim * static_cast<std::int64_t>(sizeof(double) / sizeof(T)), sizeof(T));
   return emflow::detail::reporting_out_of_memory(op, "", [&] {
     Tensor<T> clouds({batch, tokens, dim});

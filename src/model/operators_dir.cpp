@@ -4,11 +4,11 @@
 // failed conversion leaves no folder behind; an earlier operator folder is replaced only when it
 // holds nothing but the files its manifest lists, and the staging folders of a killed conversion
 // are removed (or an old folder it had moved aside is put back) by the next one.
-#include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>

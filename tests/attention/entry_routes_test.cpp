@@ -480,7 +480,7 @@ template <class T>
 void sixteen_bit_is_the_widened_engine() {
   Case<T> c;
   attend(c.input(), c.output(), {Device::cpu, 1});
-  const Route taken = detail::last_route();
+  const Route& taken = detail::last_route();
   if (taken.kernel == Kernel::cpu_bf16) return;  // the AVX512-BF16 products: its own suite
   ASSERT_EQ(taken.kernel, Kernel::cpu_fused) << to_string(taken);
   Case<float> wide;

@@ -2,12 +2,12 @@
 // a folder where an output should go, and a kill between staging and commit: nothing is lost
 // and nothing is silently wrong.
 #include <gtest/gtest.h>
-#include <signal.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
