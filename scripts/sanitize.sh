@@ -43,7 +43,9 @@ cat >"$build/lsan.supp" <<'SUPPRESSIONS'
 leak:libfontconfig.so
 SUPPRESSIONS
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:strict_string_checks=1}
-export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$build/lsan.supp}
+# print_suppressions=0: the list of suppressions used would land on the stderr that the CLI
+# tests read.
+export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$build/lsan.supp:print_suppressions=0}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 labels="^($(IFS='|'; echo "${suites[*]}"))\$"
 ctest --test-dir "$build" --output-on-failure -j "$jobs" -L "$labels" "$@"

@@ -21,8 +21,9 @@ Device resolve_device(Device requested) {
     case Device::cuda:
       if (!machine.cuda_device) {
         detail::fail(ErrorCode::unsupported, "device 'cuda' requested but unavailable: ",
-                     machine.cuda_built ? machine.cuda_reason
-                                        : std::string("emflow was built without CUDA"));
+                     machine.cuda_built
+                         ? machine.cuda_reason
+                         : std::string("emflow was built without CUDA (EMFLOW_WITH_CUDA=OFF)"));
       }
       return Device::cuda;
     case Device::cpu:

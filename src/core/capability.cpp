@@ -182,9 +182,10 @@ Route cuda_dense_products(const Problem& p, const char* op, bool expanded) {
 
 Route on_cuda(const Problem& p, const Machine& machine, const char* op) {
   if (!machine.cuda_built || !machine.cuda_device) {
-    Route r = refused(
-        Device::cuda, op, "device 'cuda' requested but unavailable: ",
-        machine.cuda_built ? machine.cuda_reason : std::string("emflow was built without CUDA"));
+    Route r = refused(Device::cuda, op, "device 'cuda' requested but unavailable: ",
+                      machine.cuda_built
+                          ? machine.cuda_reason
+                          : std::string("emflow was built without CUDA (EMFLOW_WITH_CUDA=OFF)"));
     r.device_missing = true;
     return r;
   }
