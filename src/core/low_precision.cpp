@@ -29,19 +29,6 @@ U widen(T value) {
   }
 }
 
-/// A kernel's value in the storage type T, rounded to nearest even once (through float for the
-/// 16-bit types).
-template <class T, class U>
-T narrow(U value) {
-  if constexpr (std::is_same_v<T, bfloat16>) {
-    return to_bfloat16(static_cast<float>(value));
-  } else if constexpr (std::is_same_v<T, float16>) {
-    return to_float16(static_cast<float>(value));
-  } else {
-    return static_cast<T>(value);
-  }
-}
-
 /// `count` stored values as U, or `values` itself when T is U; null for null.
 template <class U, class T>
 class Widened {

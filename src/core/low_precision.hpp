@@ -7,14 +7,29 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "backends.hpp"
 #include "emflow/attention.hpp"
 #include "emflow/capability.hpp"
 #include "emflow/factored.hpp"
+#include "emflow/precision.hpp"
 
 namespace emflow::detail {
+
+/// A kernel's value in the storage type T, rounded to nearest even once (through float for the
+/// 16-bit types).
+template <class T, class U>
+T narrow(U value) {
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    return to_bfloat16(static_cast<float>(value));
+  } else if constexpr (std::is_same_v<T, float16>) {
+    return to_float16(static_cast<float>(value));
+  } else {
+    return static_cast<T>(value);
+  }
+}
 
 /// emflow::attend on validated input for a supported host route (Kernel::reference, cpu_fused or
 /// cpu_bf16).

@@ -36,18 +36,6 @@ double widen(T value) {
   }
 }
 
-/// double -> T, rounded once (16-bit through float, as the reference of attend rounds).
-template <class T>
-T narrow(double value) {
-  if constexpr (std::is_same_v<T, bfloat16>) {
-    return to_bfloat16(static_cast<float>(value));
-  } else if constexpr (std::is_same_v<T, float16>) {
-    return to_float16(static_cast<float>(value));
-  } else {
-    return static_cast<T>(value);
-  }
-}
-
 /// `count` values from `data` as a tensor of `shape` in double; absent for null.
 template <class T>
 Tensor<double> tensor_of(const T* data, const Shape& shape) {

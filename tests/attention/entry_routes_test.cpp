@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/stored.hpp"
 #include "common/testing.hpp"
 #include "core/backends.hpp"
 #include "core/dispatch.hpp"
@@ -38,41 +39,9 @@ using testing::throws_error;
 
 constexpr Device kDevices[] = {Device::automatic, Device::cpu, Device::reference, Device::cuda};
 
-/// `value` stored in T (rounded to nearest even for the 16-bit types).
-template <class T>
-T stored(double value) {
-  if constexpr (std::is_same_v<T, bfloat16>) {
-    return to_bfloat16(static_cast<float>(value));
-  } else if constexpr (std::is_same_v<T, float16>) {
-    return to_float16(static_cast<float>(value));
-  } else {
-    return static_cast<T>(value);
-  }
-}
-
-/// The value a stored T holds, exactly.
-template <class T>
-double value_of(T v) {
-  if constexpr (is_16bit_v<T>) {
-    return to_float(v);
-  } else {
-    return static_cast<double>(v);
-  }
-}
-
-template <class T>
-std::vector<T> stored(const std::vector<double>& values) {
-  std::vector<T> out;
-  for (double v : values) out.push_back(stored<T>(v));
-  return out;
-}
-
-template <class T>
-std::vector<double> values_of(const std::vector<T>& values) {
-  std::vector<double> out;
-  for (const T& v : values) out.push_back(value_of(v));
-  return out;
-}
+using testing::stored;
+using testing::value_of;
+using testing::values_of;
 
 /// The precisions T may be asked for: fp32, its own, and tf32 for float.
 template <class T>

@@ -39,6 +39,7 @@
 #include "attention/backends.hpp"
 #include "attention/cross.hpp"
 #include "common/accuracy.hpp"
+#include "common/stored.hpp"
 #include "common/testing.hpp"
 #include "emflow/attention.hpp"
 #include "emflow/capability.hpp"
@@ -346,42 +347,6 @@ CrossResult naive(const Stored& s, Form form, Storage storage) {
 }
 
 // ---- The call's arrays in T -------------------------------------------------------------
-
-template <class T>
-T stored(double v) {
-  if constexpr (std::is_same_v<T, bfloat16>) {
-    return to_bfloat16(static_cast<float>(v));
-  } else if constexpr (std::is_same_v<T, float16>) {
-    return to_float16(static_cast<float>(v));
-  } else {
-    return static_cast<T>(v);
-  }
-}
-
-template <class T>
-double value_of(T v) {
-  if constexpr (is_16bit_v<T>) {
-    return to_float(v);
-  } else {
-    return static_cast<double>(v);
-  }
-}
-
-template <class T>
-std::vector<T> stored(const std::vector<double>& values) {
-  std::vector<T> out;
-  out.reserve(values.size());
-  for (double v : values) out.push_back(stored<T>(v));
-  return out;
-}
-
-template <class T>
-std::vector<double> values_of(const std::vector<T>& values) {
-  std::vector<double> out;
-  out.reserve(values.size());
-  for (const T& v : values) out.push_back(value_of(v));
-  return out;
-}
 
 /// The inputs in T, the outputs (poisoned), and AttentionInput / AttentionOutput over them.
 template <class T>

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/stored.hpp"
 #include "common/testing.hpp"
 #include "emflow/attention.hpp"
 #include "emflow/capability.hpp"
@@ -47,26 +48,6 @@ struct Sizes {
   Mask mask = Mask::causal();
   bool lengths = true, weights = false;
 };
-
-template <class T>
-T stored(double value) {
-  if constexpr (std::is_same_v<T, bfloat16>) {
-    return to_bfloat16(static_cast<float>(value));
-  } else if constexpr (std::is_same_v<T, float16>) {
-    return to_float16(static_cast<float>(value));
-  } else {
-    return static_cast<T>(value);
-  }
-}
-
-template <class T>
-double widened(T value) {
-  if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>) {
-    return to_float(value);
-  } else {
-    return static_cast<double>(value);
-  }
-}
 
 template <class T>
 std::vector<T> random_of(std::size_t count, std::uint64_t seed, double scale) {
@@ -141,7 +122,7 @@ template <class T>
 std::vector<double> widen_all(const std::vector<T>& values) {
   std::vector<double> out;
   out.reserve(values.size());
-  for (const T& v : values) out.push_back(widened(v));
+  for (const T& v : values) out.push_back(value_of(v));
   return out;
 }
 
