@@ -73,19 +73,19 @@ check_tidy() {
   fi
   local units=("$@")
   if [[ ${#units[@]} -eq 0 ]]; then
-    # The tree's C++ translation units in the database (nanobind's own sources, which the Python
-    # module compiles, are outside the tree).
-    mapfile -t units < <(python3 - "$database" "$root" <<'PYTHON'
+    # The tree's C++ translation units in the database: the .cpp files git tracks. Not a path
+    # prefix: the Python environment (.venv) sits inside the tree, and nanobind's own sources,
+    # which the Python module compiles from it, are not ours to lint.
+    mapfile -t units < <(git ls-files -z -- '*.cpp' | python3 -c '
 import json, os, sys
 database, root = sys.argv[1], os.path.realpath(sys.argv[2])
+tracked = {os.path.realpath(os.path.join(root, f)) for f in sys.stdin.read().split("\0") if f}
 seen = set()
 for entry in json.load(open(database)):
     path = os.path.realpath(os.path.join(entry["directory"], entry["file"]))
-    if path.startswith(root + "/") and path.endswith(".cpp") and path not in seen:
+    if path in tracked and path not in seen:
         seen.add(path)
-        print(path)
-PYTHON
-    )
+        print(path)' "$database" "$root")
   fi
   # The database holds GCC's command lines, which clang reads: GCC's warning flags it does not
   # know (-Wno-psabi) are let pass, and GCC's own omp.h is found after clang's headers (clang
