@@ -16,7 +16,8 @@
 // Rotary positions (docs/MATH.md §2.4, FactoredLayer::rotary): the projected query and key are
 // rotated by their sequence positions p_i, p_j before they meet,
 //
-//   s_ij = beta (<R(p_i) A_h x_i, R(p_j) B_h x_j> + u_h^T x_j),   <., .> = x_i^T A_h^T R(p_j - p_i) B_h x_j
+//   s_ij = beta (<R(p_i) A_h x_i, R(p_j) B_h x_j> + u_h^T x_j)
+//        = beta (x_i^T A_h^T R(p_j - p_i) B_h x_j + u_h^T x_j)
 //
 // still a bilinear form, M_h(p_j - p_i) = A_h^T R(p_j - p_i) B_h, but one per offset: a rotary
 // layer has no single M_h and is computed in the factored form only (O(r) more work per token).
@@ -57,11 +58,11 @@ enum class RotaryScaling {
 /// alignment), the positions the masks use; key_positions and query_positions replace them for
 /// the rotation only (the masks keep theirs), as a model's position_ids do.
 struct Rotary {
-  std::int64_t dim = 0;  ///< rotated coordinates: 0 (none), or even and <= rank
+  std::int64_t dim = 0;   ///< rotated coordinates: 0 (none), or even and <= rank
   double base = 10000.0;  ///< theta > 1, finite (rope_theta)
   RotaryPairing pairing = RotaryPairing::half_split;
   RotaryScaling scaling = RotaryScaling::none;
-  double factor = 1.0;  ///< linear, dynamic_ntk, llama3: >= 1
+  double factor = 1.0;            ///< linear, dynamic_ntk, llama3: >= 1
   double low_freq_factor = 1.0;   ///< llama3: > 0
   double high_freq_factor = 4.0;  ///< llama3: > low_freq_factor
   /// dynamic_ntk, llama3: the context the model was trained for (>= 1): dynamic_ntk's

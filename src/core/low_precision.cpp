@@ -90,8 +90,8 @@ struct WideFactors {
         V(f.content_down, f.key_heads() * f.rank * d),
         key_bias(f.key_bias, f.heads * d),
         offset(f.offset, d),
-        layer{f.heads,    f.rank,   A.data(),        B.data(),     Up.data(),
-              V.data(),   key_bias.data(), offset.data(), f.kv_heads, f.rotary} {}
+        layer{f.heads,  f.rank,          A.data(),      B.data(),   Up.data(),
+              V.data(), key_bias.data(), offset.data(), f.kv_heads, f.rotary} {}
 };
 
 /// Outputs in U for a call whose outputs are T: `output` itself when U is T; else the update

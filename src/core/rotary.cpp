@@ -75,9 +75,9 @@ std::vector<double> frequencies(const Rotary& r, std::int64_t sequence_length, c
       needs_factor();
       needs_original();
       if (r.dim < 4) {
-        fail_argument(op, "rotary.dim",
-                      "must be >= 4 for the dynamic scaling (its exponent is dim / (dim - 2)), got ",
-                      r.dim);
+        fail_argument(
+            op, "rotary.dim",
+            "must be >= 4 for the dynamic scaling (its exponent is dim / (dim - 2)), got ", r.dim);
       }
       // _compute_dynamic_ntk_parameters: seq_len = max(seq_len, max_position_embeddings),
       // base *= (factor seq_len / max_position_embeddings - (factor - 1))^(dim / (dim - 2)).
@@ -119,8 +119,8 @@ std::vector<double> frequencies(const Rotary& r, std::int64_t sequence_length, c
       if (wavelen > low_freq_wavelen) {
         f /= r.factor;
       } else if (!(wavelen < high_freq_wavelen)) {
-        const double smooth = (old_context / wavelen - r.low_freq_factor) /
-                              (r.high_freq_factor - r.low_freq_factor);
+        const double smooth =
+            (old_context / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
         f = (1.0 - smooth) * f / r.factor + smooth * f;
       }
     }
@@ -140,8 +140,7 @@ void check_positions(const char* op, const char* argument, const std::int64_t* p
 
 }  // namespace
 
-std::vector<double> rotary_inverse_frequencies(const Rotary& rotary,
-                                               std::int64_t sequence_length) {
+std::vector<double> rotary_inverse_frequencies(const Rotary& rotary, std::int64_t sequence_length) {
   return frequencies(rotary, sequence_length, "rotary_inverse_frequencies", true);
 }
 

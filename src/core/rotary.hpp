@@ -20,8 +20,7 @@ namespace emflow::detail {
 /// value). The values of the explicit frequencies and positions are read for Lengths::host only.
 void check_grouping_and_rotary(std::int64_t heads, std::int64_t rank, std::int64_t kv_heads,
                                const Rotary& rotary, std::int64_t batch, std::int64_t tokens,
-                               std::int64_t query_tokens, const char* operation,
-                               Lengths lengths);
+                               std::int64_t query_tokens, const char* operation, Lengths lengths);
 
 /// A rotary embedding resolved for one validated call: its frequencies and where its rows sit.
 struct RotaryCall {

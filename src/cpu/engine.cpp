@@ -249,8 +249,8 @@ void fused_attend(const EngineClouds& clouds, const EngineLayer& layer, const En
           }
         } else if (h % key_group == 0) {
           project(X, tokens, g.dim, row0, kTokenAlign,
-                  layer.key_map + (h / key_group) * g.dim * g.score_stride, g.score_stride,
-                  nullptr, s.projected.data(), s.rows.data());
+                  layer.key_map + (h / key_group) * g.dim * g.score_stride, g.score_stride, nullptr,
+                  s.projected.data(), s.rows.data());
           if (rotary != nullptr) {
             rotate_rows(s.projected.data(), g.score_stride, row0, valid,
                         [&](std::int64_t j) { return key_angles(c, j); });

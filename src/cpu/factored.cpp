@@ -59,14 +59,16 @@ void cpu_attend_factored(const AttentionInput<float>& input, const FactoredLayer
   for (std::int64_t set = 0; set < key_sets; ++set) {
     const float* B = f.key_factor + (bias ? set / group : set) * r * d;
     for (std::int64_t k = 0; k < d; ++k) {
-      for (std::int64_t c = 0; c < r; ++c) at(key_map, (set * d + k) * score_stride + c) = B[c * d + k];
+      for (std::int64_t c = 0; c < r; ++c)
+        at(key_map, (set * d + k) * score_stride + c) = B[c * d + k];
       if (bias) at(key_map, (set * d + k) * score_stride + r) = beta * f.key_bias[set * d + k];
     }
   }
   for (std::int64_t g = 0; g < K; ++g) {
     const float* V = f.content_down + g * r * d;
     for (std::int64_t k = 0; k < d; ++k) {
-      for (std::int64_t c = 0; c < r; ++c) at(value_map, (g * d + k) * value_stride + c) = V[c * d + k];
+      for (std::int64_t c = 0; c < r; ++c)
+        at(value_map, (g * d + k) * value_stride + c) = V[c * d + k];
     }
   }
   const RotaryCall rotary = rotary_call(input, f.rotary);

@@ -20,8 +20,8 @@ namespace {
 /// weights row when given, and sets lse and entropy (docs/MATH.md §1.4, §6.6).
 template <class T>
 void weigh_row(const std::vector<double>& s, double m, KeyRange keys, const double* C,
-               std::int64_t N, std::int64_t d, bool partial, T* weights_row, double* o,
-               double& lse, double& entropy) {
+               std::int64_t N, std::int64_t d, bool partial, T* weights_row, double* o, double& lse,
+               double& entropy) {
   const double inf = std::numeric_limits<double>::infinity();
   const double nan = std::numeric_limits<double>::quiet_NaN();
   if (keys.empty()) {  // no visible key: delta_i = 0, lse_i = -inf, H_i = 0, p_i = 0
@@ -232,7 +232,8 @@ void reference_attend_factored(const AttentionInput<double>& in, const FactoredL
             continue;
           }
           double score = 0.0;
-          for (std::int64_t c = 0; c < r; ++c) score += queries[count(i * r + c)] * keys[count(j * r + c)];
+          for (std::int64_t c = 0; c < r; ++c)
+            score += queries[count(i * r + c)] * keys[count(j * r + c)];
           const double sj = in.beta * (score + bias[count(j)]);
           s[count(j)] = sj;
           if (sj > m || std::isnan(sj)) m = sj;  // m stays NaN once it is NaN

@@ -82,8 +82,8 @@ std::vector<double> default_frequencies(const Rotary& rotary) {
   for (std::int64_t t = 0; t < rotary.dim / 2; ++t) {
     f.push_back(rotary.inverse_frequencies != nullptr
                     ? rotary.inverse_frequencies[t]
-                    : std::pow(rotary.base, -2.0 * static_cast<double>(t) /
-                                                static_cast<double>(rotary.dim)));
+                    : std::pow(rotary.base,
+                               -2.0 * static_cast<double>(t) / static_cast<double>(rotary.dim)));
   }
   return f;
 }
@@ -338,10 +338,10 @@ TEST(Rotary, ShiftingEveryPositionLeavesTheUpdate) {
                  "explicit positions f32");
     // Moving one key's rotary position changes the update (the positions are read).
     keys[3] += 2;
-    EXPECT_GT(testing::relative_error(
-                  run<double>(p, Device::cpu, explicit_positions, p.kv_heads).update,
-                  at0_f64.update),
-              1e-6);
+    EXPECT_GT(
+        testing::relative_error(run<double>(p, Device::cpu, explicit_positions, p.kv_heads).update,
+                                at0_f64.update),
+        1e-6);
   }
 }
 
@@ -520,8 +520,7 @@ TEST(RotaryFrequencies, DynamicScalingGrowsWithTheCallsLongestSequence) {
   explicit_f.inverse_frequencies = f.data();
   const Outputs want = naive(p, f);
   expect_close(run<double>(p, Device::cpu, p.rotary, p.kv_heads), want, 1e-12, "dynamic f64");
-  expect_close(run<double>(p, Device::cpu, explicit_f, p.kv_heads), want, 1e-12,
-               "explicit f64");
+  expect_close(run<double>(p, Device::cpu, explicit_f, p.kv_heads), want, 1e-12, "explicit f64");
   RotaryProblem rounded = p;
   rounded.round_to<float>();
   expect_close(run<float>(p, Device::cpu, p.rotary, p.kv_heads), naive(rounded, f), 1e-5,
@@ -581,8 +580,7 @@ TEST(RotaryRoutes, HostPathsComputeAndTheGpuRefusesByName) {
   const Route gpu = route(problem, Device::cuda, with_gpu());
   EXPECT_FALSE(gpu.supported);
   EXPECT_NE(gpu.reason.find("rotary positions (rotary.dim 4)"), std::string::npos) << gpu.reason;
-  EXPECT_NE(gpu.reason.find("grouped kv heads (kv_heads 2 of 4)"), std::string::npos)
-      << gpu.reason;
+  EXPECT_NE(gpu.reason.find("grouped kv heads (kv_heads 2 of 4)"), std::string::npos) << gpu.reason;
   const Route automatic = route(problem, Device::automatic, with_gpu());
   EXPECT_EQ(automatic.device, Device::cpu);
   EXPECT_EQ(automatic.kernel, Kernel::cpu_fused);
@@ -743,8 +741,7 @@ TEST(RotaryArguments, EachBadFieldIsNamedWithItsValue) {
     in.batch = p.batch;
     in.tokens = p.tokens;
     in.dim = p.dim;
-    FactoredLayer<double> layer{p.heads,       p.rank, p.A.data(), p.B.data(), p.U.data(),
-                                p.V.data()};
+    FactoredLayer<double> layer{p.heads, p.rank, p.A.data(), p.B.data(), p.U.data(), p.V.data()};
     bad.edit(layer);
     std::vector<double> update(p.cloud.size());
     try {
