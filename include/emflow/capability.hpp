@@ -65,6 +65,10 @@ struct Problem {
   std::int64_t dim = 0;
   std::int64_t heads = 1;
   std::int64_t rank = 0;  ///< r, the factored form only
+  /// The factored form's kv heads (FactoredLayer::kv_heads, 0 resolved to heads); 0 for the
+  /// dense form. Fewer than heads: grouped-query heads.
+  std::int64_t kv_heads = 0;
+  std::int64_t rotary_dim = 0;  ///< FactoredLayer::rotary.dim: rotated coordinates, 0 for none
   Mask mask;
   bool cross = false;          ///< queries of their own (AttentionInput::queries)
   bool query_lengths = false;  ///< per-cloud query lengths
@@ -88,6 +92,8 @@ struct Problem {
   constexpr bool plain_self_attention() const noexcept {
     return !cross && !query_lengths && !positions;
   }
+  /// Grouped-query heads: kv heads fewer than the heads (the factored form).
+  constexpr bool grouped() const noexcept { return kv_heads != 0 && kv_heads != heads; }
   /// dim for the dense form, rank for the factored one: the width of the scores' products.
   constexpr std::int64_t score_width() const noexcept {
     return form == Form::factored ? rank : dim;

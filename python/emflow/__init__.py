@@ -34,8 +34,8 @@ __version__ = _emflow.__version__
 with_cuda: bool = _emflow.built_with_cuda()
 
 __all__ = [
-    "Attention", "Decoded", "DecodingStack", "FlowResult", "Generation", "PhaseDiagram", "Route",
-    "attend", "attend_factored", "cuda_available", "flow", "generate", "initial_clouds",
+    "Attention", "Decoded", "DecodingStack", "FlowResult", "Generation", "PhaseDiagram", "Rotary",
+    "Route", "attend", "attend_factored", "cuda_available", "flow", "generate", "initial_clouds",
     "max_threads", "mha_reference", "mha_to_emf", "phase", "resolve_device", "route",
     "route_factored", "Sdpa", "sdpa_attend", "with_cuda",
 ]
@@ -255,9 +255,41 @@ def _route(factored: bool, x: Any, operators: tuple, key_bias: Any, offset: Any,
     return Route(*answer)
 
 
+class Rotary(NamedTuple):
+    """Rotary positions of a factored layer (emflow::Rotary, docs/MATH.md §2.4): the first
+    ``dim`` coordinates of every projected query and key rotated by its position (key j at j,
+    query i at its mask position). pairing: "half_split" (Hugging Face's rotate_half) or
+    "interleaved" (GPT-J); scaling: a transformers rope_type, "default", "linear", "dynamic" or
+    "llama3" (others are refused by name), with factor, low_freq_factor, high_freq_factor and
+    original_max_positions as the config names them; inverse_frequencies: the dim / 2
+    frequencies themselves (float64), replacing base and scaling."""
+    dim: int
+    base: float = 10000.0
+    pairing: str = "half_split"
+    scaling: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 0
+    inverse_frequencies: Any = None
+
+
+def _rotary_arguments(kv_heads: int, rotary: Optional[Rotary]) -> tuple:
+    """The trailing arguments of _emflow.attend_factored."""
+    r = rotary if rotary is not None else Rotary(0)
+    frequencies = r.inverse_frequencies
+    if frequencies is not None:
+        frequencies = np.ascontiguousarray(np.asarray(frequencies, dtype=np.float64))
+    return (_integer("attend_factored", "kv_heads", kv_heads),
+            _integer("attend_factored", "rotary.dim", r.dim), float(r.base), str(r.pairing),
+            str(r.scaling), float(r.factor), float(r.low_freq_factor), float(r.high_freq_factor),
+            _integer("attend_factored", "rotary.original_max_positions",
+                     r.original_max_positions), frequencies)
+
+
 def _run(dense: bool, x: Any, operators: tuple, key_bias: Any, offset: Any, beta: float,
          mask: Mask, key_lengths: Any, lse: bool, entropy: bool, weights: bool, device: str,
-         threads: int, out: Any, copy: bool, stream: Any) -> Any:
+         threads: int, out: Any, copy: bool, stream: Any, rotary_arguments: tuple = ()) -> Any:
     operation = "attend" if dense else "attend_factored"
     mask_text = _mask(mask)
     threads = _integer(operation, "threads", threads)
@@ -293,6 +325,9 @@ def _run(dense: bool, x: Any, operators: tuple, key_bias: Any, offset: Any, beta
                            entropy, weights, device, operation)
             if not where.supported:
                 raise NotImplementedError(where.reason)
+            if not dense and rotary_arguments and (rotary_arguments[0] or rotary_arguments[1]):
+                raise NotImplementedError(f"{operation}: rotary positions and grouped kv heads "
+                                          "run on the host only (no GPU kernel yet)")
             if not dense:
                 if not where.expanded:
                     raise NotImplementedError(f"{operation}: {where} runs through "
@@ -326,7 +361,8 @@ def _run(dense: bool, x: Any, operators: tuple, key_bias: Any, offset: Any, beta
                        allocate)
     else:
         _emflow.attend_factored(x, *operators, key_bias, offset, beta, mask_text, lengths, update,
-                                lse_out, entropy_out, weights_out, device, threads)
+                                lse_out, entropy_out, weights_out, device, threads,
+                                *rotary_arguments)
     if extras:
         return Attention(update, lse_out, entropy_out, weights_out)
     return update
@@ -394,7 +430,7 @@ def attend_factored(x: Any, query_factor: Any, key_factor: Any, content_up: Any,
                     beta: float = 1.0, mask: Mask = None, key_lengths: Any = None,
                     lse: bool = False, entropy: bool = False, weights: bool = False,
                     device: str = "auto", threads: int = 0, out: Any = None, copy: bool = False,
-                    stream: Any = None) -> Any:
+                    stream: Any = None, kv_heads: int = 0, rotary: Optional[Rotary] = None) -> Any:
     """The update of a layer in factored form (emflow::attend_factored, docs/MATH.md §2).
 
     Per head h with rank r: M_h = A_h^T B_h and F_h = U_h V_h, i.e. s_ij = beta (<A_h x_i,
@@ -405,10 +441,15 @@ def attend_factored(x: Any, query_factor: Any, key_factor: Any, content_up: Any,
     On the CPU, float32 input is computed in float32 in the factored form (2 N^2 r per head
     instead of 2 N^2 d); float64 input is expanded and computed by the double reference. torch
     CUDA tensors are expanded to dense M_h, F_h on the stream and run by the CUDA backend.
+
+    kv_heads (grouped-query heads, §2.4): key_factor and content_down hold (kv_heads, r, d)
+    and query head h reads kv head h // (H // kv_heads); 0 means H. rotary: a ``Rotary``.
+    Both run on the host (float32 in the factored engine, float64 in the double reference of
+    the factored form); CUDA tensors with either are refused (no GPU kernel yet).
     """
     return _run(False, x, (query_factor, key_factor, content_up, content_down), key_bias,
                 offset, beta, mask, key_lengths, lse, entropy, weights, device, threads, out,
-                copy, stream)
+                copy, stream, _rotary_arguments(kv_heads, rotary))
 
 
 def route(x: Any, relevance: Any, content: Any, *, key_bias: Any = None, offset: Any = None,

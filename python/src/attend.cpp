@@ -170,13 +170,27 @@ void attend_dense(const Placement& place, const InArray& x, const InArray& relev
   attend(in, out, options);
 }
 
+/// The rotary positions and kv heads of attend_factored (FactoredLayer::rotary, kv_heads), as
+/// the Python layer passes them.
+struct RotaryArguments {
+  std::int64_t kv_heads = 0;
+  std::int64_t dim = 0;
+  double base = 10000.0;
+  std::string pairing = "half_split";
+  std::string scaling = "default";
+  double factor = 1.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
+  std::int64_t original_max_positions = 0;
+  OptIn inverse_frequencies;
+};
+
 template <class T>
 void attend_factored_host(const Placement& place, const InArray& x, const InArray& query_factor,
                           const InArray& key_factor, const InArray& content_up,
                           const InArray& content_down, const OptIn& key_bias, const OptIn& offset,
                           double beta, const std::string& mask, const OptIn& lengths,
                           OutArray& update, const OptOut& lse, const OptOut& entropy,
-                          const OptOut& weights, const std::string& device, std::int64_t threads) {
+                          const OptOut& weights, const std::string& device, std::int64_t threads,
+                          const RotaryArguments& rotary) {
   const Dims dims = dims_of("attend_factored", x, query_factor, "query_factor", 2);
   const auto rank = static_cast<std::int64_t>(query_factor.shape(query_factor.ndim() - 2));
   if (place.device_type != nb::device::cpu::value) {
@@ -186,10 +200,28 @@ void attend_factored_host(const Placement& place, const InArray& x, const InArra
   FactoredLayer<T> layer;
   layer.heads = dims.heads;
   layer.rank = rank;
+  layer.kv_heads = rotary.kv_heads;
+  // B and V hold the kv heads (the heads when kv_heads is 0; attend_factored checks the count).
+  const std::int64_t kv = rotary.kv_heads > 0 ? rotary.kv_heads : dims.heads;
+  const Shape shared = dims.multihead ? Shape{kv, rank, dims.dim} : Shape{rank, dims.dim};
   layer.query_factor = input<T>(place, "query_factor", query_factor, dims.op(rank, dims.dim));
-  layer.key_factor = input<T>(place, "key_factor", key_factor, dims.op(rank, dims.dim));
+  layer.key_factor = input<T>(place, "key_factor", key_factor, shared);
   layer.content_up = input<T>(place, "content_up", content_up, dims.op(dims.dim, rank));
-  layer.content_down = input<T>(place, "content_down", content_down, dims.op(rank, dims.dim));
+  layer.content_down = input<T>(place, "content_down", content_down, shared);
+  layer.rotary.dim = rotary.dim;
+  layer.rotary.base = rotary.base;
+  layer.rotary.pairing = rotary_pairing_from_string(rotary.pairing);
+  layer.rotary.scaling = rotary_scaling_from_string(rotary.scaling);
+  layer.rotary.factor = rotary.factor;
+  layer.rotary.low_freq_factor = rotary.low_freq_factor;
+  layer.rotary.high_freq_factor = rotary.high_freq_factor;
+  layer.rotary.original_max_positions = rotary.original_max_positions;
+  Placement frequencies = place;
+  frequencies.dtype = nb::dtype<double>();
+  frequencies.like = "float64 (the inverse frequencies are double)";
+  layer.rotary.inverse_frequencies =
+      optional_input<double>(frequencies, "inverse_frequencies", rotary.inverse_frequencies,
+                             Shape{rotary.dim > 0 ? rotary.dim / 2 : 0});
   layer.key_bias = optional_input<T>(place, "key_bias", key_bias, dims.bias());
   layer.offset = optional_input<T>(place, "offset", offset, Shape{dims.dim});
   const AttentionOutput<T> out = outputs<T>(place, dims, update, lse, entropy, weights);
@@ -360,21 +392,33 @@ void bind_attend(nb::module_& m) {
       [](const InArray& x, const InArray& a, const InArray& b, const InArray& u, const InArray& v,
          const OptIn& key_bias, const OptIn& offset, double beta, const std::string& mask,
          const OptIn& lengths, OutArray update, const OptOut& lse, const OptOut& entropy,
-         const OptOut& weights, const std::string& device, std::int64_t threads) {
+         const OptOut& weights, const std::string& device, std::int64_t threads,
+         std::int64_t kv_heads, std::int64_t rotary_dim, double rotary_base,
+         const std::string& rotary_pairing, const std::string& rotary_scaling, double rotary_factor,
+         double low_freq_factor, double high_freq_factor, std::int64_t original_max_positions,
+         const OptIn& inverse_frequencies) {
         const Placement place = placement_of("attend_factored", x);
+        const RotaryArguments rotary{kv_heads,           rotary_dim,       rotary_base,
+                                     rotary_pairing,     rotary_scaling,   rotary_factor,
+                                     low_freq_factor,    high_freq_factor, original_max_positions,
+                                     inverse_frequencies};
         if (place.dtype == nb::dtype<float>()) {
           attend_factored_host<float>(place, x, a, b, u, v, key_bias, offset, beta, mask, lengths,
-                                      update, lse, entropy, weights, device, threads);
+                                      update, lse, entropy, weights, device, threads, rotary);
         } else {
           attend_factored_host<double>(place, x, a, b, u, v, key_bias, offset, beta, mask, lengths,
-                                       update, lse, entropy, weights, device, threads);
+                                       update, lse, entropy, weights, device, threads, rotary);
         }
       },
       nb::arg("x"), nb::arg("query_factor"), nb::arg("key_factor"), nb::arg("content_up"),
       nb::arg("content_down"), nb::arg("key_bias").none(), nb::arg("offset").none(),
       nb::arg("beta"), nb::arg("mask"), nb::arg("key_lengths").none(), nb::arg("update"),
       nb::arg("lse").none(), nb::arg("entropy").none(), nb::arg("weights").none(),
-      nb::arg("device"), nb::arg("threads"),
+      nb::arg("device"), nb::arg("threads"), nb::arg("kv_heads") = 0, nb::arg("rotary_dim") = 0,
+      nb::arg("rotary_base") = 10000.0, nb::arg("rotary_pairing") = "half_split",
+      nb::arg("rotary_scaling") = "default", nb::arg("rotary_factor") = 1.0,
+      nb::arg("low_freq_factor") = 1.0, nb::arg("high_freq_factor") = 4.0,
+      nb::arg("original_max_positions") = 0, nb::arg("inverse_frequencies").none() = nb::none(),
       "emflow::attend_factored on the given host arrays, written into the given outputs. Use "
       "emflow.attend_factored.");
   m.def(

@@ -19,6 +19,16 @@ namespace emflow::detail {
 template <class T>
 void reference_attend(const AttentionInput<T>& input, const AttentionOutput<T>& output);
 
+/// The double reference of the factored form (src/reference/attend.cpp), written as
+/// docs/MATH.md §2.3 and §2.4 read: per head the projected queries A_h q_i and keys
+/// B_{h/g} x_j, each rotated by its position (FactoredLayer::rotary), the scores
+/// beta (<., .> + u_h^T x_j), and the contents U_h V_{h/g} x_j; every other rule (masks, lengths,
+/// non-finite values) as reference_attend's. input.layer is empty, the operators come from
+/// `layer`.
+void reference_attend_factored(const AttentionInput<double>& input,
+                               const FactoredLayer<double>& layer,
+                               const AttentionOutput<double>& output);
+
 /// reference_attend's partial state over the input's keys (partial.hpp): per head, no offset.
 template <class T>
 void reference_partial(const AttentionInput<T>& input, const PartialOutput<T>& output);

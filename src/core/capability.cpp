@@ -22,6 +22,12 @@
 //              weights. The decode cache: float, dense, dim <= kCudaFusedMaxDim, with a capacity.
 //              Index arithmetic is 32-bit: larger problems are refused.
 //   automatic  cuda when a device is usable and computes the problem, else cpu.
+//
+// Rotary positions and grouped kv heads (FactoredLayer::rotary, kv_heads) take the update only
+// (no partial state, no decode cache) and run on the host: a rotary layer has no single M_h, so
+// it is never expanded: float in the engine in rank r (cpu), double and non-finite input in the
+// double reference of the factored form (cpu, reference); grouped heads without rotation expand
+// as before (B and V repeated). cuda refuses both (no GPU kernel yet).
 #include "emflow/capability.hpp"
 
 #include <climits>
@@ -79,6 +85,21 @@ Precision tensor_core_products(const Problem& p) {
   return Precision::tf32;
 }
 
+/// A rotary layer, or one with grouped kv heads.
+bool rotary_or_grouped(const Problem& p) {
+  return p.form == Form::factored && (p.rotary_dim != 0 || p.grouped());
+}
+
+/// What the factored layer is missing on a path that does not compute rotary positions or
+/// grouped heads: "rotary positions (rotary.dim 8)", "grouped kv heads (kv_heads 2 of 8 heads)".
+std::string rotary_or_grouped_names(const Problem& p) {
+  std::ostringstream out;
+  if (p.rotary_dim != 0) out << "rotary positions (rotary.dim " << p.rotary_dim << ")";
+  if (p.rotary_dim != 0 && p.grouped()) out << " and ";
+  if (p.grouped()) out << "grouped kv heads (kv_heads " << p.kv_heads << " of " << p.heads << ")";
+  return out.str();
+}
+
 Route on_reference(const Problem& p, const char* op) {
   if (p.operation == Operation::decode) {
     return refused(Device::reference, op,
@@ -91,8 +112,9 @@ Route on_reference(const Problem& p, const char* op) {
     return refused(Device::reference, op, "partial states are float or double, got ",
                    to_string(p.storage));
   }
+  // A rotary layer has no single M_h: the reference computes it in the factored form.
   return runs(Device::reference, Kernel::reference, Dtype::float64, Precision::fp32,
-              p.form == Form::factored);
+              p.form == Form::factored && p.rotary_dim == 0);
 }
 
 Route on_cpu(const Problem& p, const Machine& machine, const char* op) {
@@ -121,7 +143,8 @@ Route on_cpu(const Problem& p, const Machine& machine, const char* op) {
       break;
   }
   if (p.storage == Dtype::float64 || !p.finite) {
-    return runs(Device::cpu, Kernel::reference, Dtype::float64, Precision::fp32, factored);
+    return runs(Device::cpu, Kernel::reference, Dtype::float64, Precision::fp32,
+                factored && p.rotary_dim == 0);
   }
   if (p.storage == Dtype::bfloat16 && !factored && machine.avx512_bf16 &&
       p.plain_self_attention() && !p.weights) {
@@ -191,6 +214,10 @@ Route on_cuda(const Problem& p, const Machine& machine, const char* op) {
   }
   const std::string limit = cuda_size_limit(p);
   if (!limit.empty()) return refused(Device::cuda, op, limit);
+  if (rotary_or_grouped(p)) {
+    return refused(Device::cuda, op, rotary_or_grouped_names(p),
+                   " have no GPU kernel yet: run on the cpu or the reference");
+  }
   const bool factored = p.form == Form::factored;
   switch (p.operation) {
     case Operation::partial:
@@ -271,6 +298,11 @@ Route route(const Problem& p, Device requested, const Machine& machine, const ch
   if (p.form == Form::factored && p.rank < 1) {
     return refused(named, op, "the factored form needs rank >= 1, got ", p.rank);
   }
+  if (rotary_or_grouped(p) && p.operation != Operation::update) {
+    return refused(named, op, rotary_or_grouped_names(p), " are computed by the update only ",
+                   "(attend_factored), not by ",
+                   p.operation == Operation::decode ? "a decode cache" : "partial states");
+  }
   switch (requested) {
     case Device::reference:
       return on_reference(p, op);
@@ -349,6 +381,8 @@ Problem describe(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
   p.form = Form::factored;
   p.heads = layer.heads;
   p.rank = layer.rank;
+  p.kv_heads = layer.key_heads();
+  p.rotary_dim = layer.rotary.dim;
   p.key_bias = layer.key_bias != nullptr;
   p.offset = layer.offset != nullptr;
   return p;
@@ -385,6 +419,8 @@ Problem describe(const FactoredLayer<T>& layer, std::int64_t dim, const DecodeOp
   Problem p = describe(LayerOperators<T>{layer.heads}, dim, options);
   p.form = Form::factored;
   p.rank = layer.rank;
+  p.kv_heads = layer.key_heads();
+  p.rotary_dim = layer.rotary.dim;
   p.key_bias = layer.key_bias != nullptr;
   p.offset = layer.offset != nullptr;
   return p;

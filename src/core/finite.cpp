@@ -109,9 +109,10 @@ bool inputs_finite(const AttentionInput<T>& in) {
 template <class T>
 bool inputs_finite(const AttentionInput<T>& in, const FactoredLayer<T>& f) {
   const std::int64_t factor = f.heads * f.rank * in.dim;
+  const std::int64_t shared = f.key_heads() * f.rank * in.dim;  // B and V: the kv heads
   return keys_finite(in) && all_finite(f.query_factor, factor) &&
-         all_finite(f.key_factor, factor) && all_finite(f.content_up, factor) &&
-         all_finite(f.content_down, factor) && all_finite(f.key_bias, f.heads * in.dim) &&
+         all_finite(f.key_factor, shared) && all_finite(f.content_up, factor) &&
+         all_finite(f.content_down, shared) && all_finite(f.key_bias, f.heads * in.dim) &&
          all_finite(f.offset, in.dim);
 }
 

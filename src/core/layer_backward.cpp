@@ -355,6 +355,13 @@ void attend_factored_backward(const AttentionInput<T>& input, const FactoredLaye
   detail::reporting_out_of_memory(op, "", [&] {
     T stand_in{};
     detail::check_factored(input, layer, AttentionOutput<T>{&stand_in}, op);
+    if (layer.rotary.dim != 0 || layer.key_heads() != layer.heads) {
+      detail::fail(ErrorCode::unsupported, op,
+                   ": rotary positions (rotary.dim) and grouped kv heads (kv_heads) have no "
+                   "backward pass yet, got rotary.dim ",
+                   layer.rotary.dim, ", kv_heads ", layer.key_heads(), " of ", layer.heads,
+                   " heads");
+    }
     const detail::Sizes s(input, layer.heads);
     const auto H = static_cast<std::size_t>(s.H), d = static_cast<std::size_t>(s.d);
     const auto r = static_cast<std::size_t>(layer.rank);

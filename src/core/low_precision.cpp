@@ -85,13 +85,13 @@ struct WideFactors {
 
   WideFactors(const FactoredLayer<T>& f, std::int64_t d)
       : A(f.query_factor, f.heads * f.rank * d),
-        B(f.key_factor, f.heads * f.rank * d),
+        B(f.key_factor, f.key_heads() * f.rank * d),
         Up(f.content_up, f.heads * d * f.rank),
-        V(f.content_down, f.heads * f.rank * d),
+        V(f.content_down, f.key_heads() * f.rank * d),
         key_bias(f.key_bias, f.heads * d),
         offset(f.offset, d),
-        layer{f.heads,   f.rank,   A.data(),        B.data(),
-              Up.data(), V.data(), key_bias.data(), offset.data()} {}
+        layer{f.heads,  f.rank,          A.data(),      B.data(),   Up.data(),
+              V.data(), key_bias.data(), offset.data(), f.kv_heads, f.rotary} {}
 };
 
 /// Outputs in U for a call whose outputs are T: `output` itself when U is T; else the update
@@ -161,14 +161,20 @@ void run_in(const AttentionInput<T>& in, const LayerOperators<U>& layer,
 template <class U>
 template <class T>
 ExpandedLayer<U>::ExpandedLayer(const FactoredLayer<T>& f, std::int64_t d) : heads(f.heads) {
-  const std::int64_t H = f.heads, r = f.rank;
+  if (f.rotary.dim != 0) {
+    fail(ErrorCode::unsupported,
+         "attend_factored: a rotary layer has no single M_h (M_h(p_j - p_i) = A_h^T R(p_j - p_i) "
+         "B_h depends on the offset), so it has no dense form; use attend_factored");
+  }
+  const std::int64_t H = f.heads, r = f.rank, group = f.heads / f.key_heads();
   relevance.assign(static_cast<std::size_t>(H * d * d), U(0));
   content.assign(relevance.size(), U(0));
   for (std::int64_t h = 0; h < H; ++h) {
+    // Grouped heads: head h reads kv head h / group (B and V repeated, as repeat_kv).
     const T* A = f.query_factor + h * r * d;
-    const T* B = f.key_factor + h * r * d;
+    const T* B = f.key_factor + (h / group) * r * d;
     const T* Up = f.content_up + h * d * r;
-    const T* V = f.content_down + h * r * d;
+    const T* V = f.content_down + (h / group) * r * d;
     U* M = relevance.data() + h * d * d;
     U* F = content.data() + h * d * d;
     for (std::int64_t a = 0; a < d; ++a) {
@@ -236,6 +242,15 @@ void attend_factored_on_host(const AttentionInput<T>& in, const FactoredLayer<T>
     run_in(in, dense.operators(), out,
            [](const AttentionInput<double>& i, const AttentionOutput<double>& o) {
              reference_attend(i, o);
+           });
+    return;
+  }
+  if (route.kernel == Kernel::reference) {
+    // The factored form in double (a rotary layer, which has no dense form).
+    const WideFactors<double, T> factors(layer, in.dim);
+    run_in(in, LayerOperators<double>{layer.heads}, out,
+           [&](const AttentionInput<double>& i, const AttentionOutput<double>& o) {
+             reference_attend_factored(i, factors.layer, o);
            });
     return;
   }

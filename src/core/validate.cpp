@@ -10,6 +10,7 @@
 #include "check.hpp"
 #include "emflow/capability.hpp"
 #include "queries.hpp"
+#include "rotary.hpp"
 
 namespace emflow {
 
@@ -217,22 +218,30 @@ void check_factored(const AttentionInput<T>& input, const FactoredLayer<T>& laye
   shape.layer.relevance = layer.query_factor;
   shape.layer.content = layer.content_down;
   check_arguments(shape, output, op, lengths);
+  check_grouping_and_rotary(layer.heads, layer.rank, layer.kv_heads, layer.rotary, input.batch,
+                            input.tokens, query_count(input), op, lengths);
   // No output may share memory with the factors (sizes fit: checked above).
   const auto B = static_cast<std::size_t>(input.batch);
   const auto N = static_cast<std::size_t>(input.tokens);
   const auto Nq = static_cast<std::size_t>(query_count(input));
   const auto d = static_cast<std::size_t>(input.dim);
   const auto H = static_cast<std::size_t>(layer.heads);
+  const auto K = static_cast<std::size_t>(layer.key_heads());
   const auto r = static_cast<std::size_t>(layer.rank);
+  const Rotary& rotary = layer.rotary;
   const MemoryRange ranges[] = {
       range("cloud", input.cloud, B * N * d, false),
       range("queries", input.queries, B * Nq * d, false),
       range("query_lengths", input.query_lengths, B, false),
       range("query_positions", input.query_positions, B, false),
       range("query_factor", layer.query_factor, H * r * d, false),
-      range("key_factor", layer.key_factor, H * r * d, false),
+      range("key_factor", layer.key_factor, K * r * d, false),
       range("content_up", layer.content_up, H * d * r, false),
-      range("content_down", layer.content_down, H * r * d, false),
+      range("content_down", layer.content_down, K * r * d, false),
+      range("rotary.inverse_frequencies", rotary.inverse_frequencies,
+            static_cast<std::size_t>(rotary.dim / 2), false),
+      range("rotary.key_positions", rotary.key_positions, B * N, false),
+      range("rotary.query_positions", rotary.query_positions, B * Nq, false),
       range("key_bias", layer.key_bias, H * d, false),
       range("offset", layer.offset, d, false),
       range("key_lengths", input.key_lengths, B, false),

@@ -131,9 +131,15 @@ void fused_attend(const EngineClouds& clouds, const EngineLayer& layer, const En
   constexpr double kSmallCallFlop = 4e6;
   const int team = threads > 0 ? threads : work < kSmallCallFlop ? 1 : omp_get_max_threads();
   const std::int64_t H = g.heads;
-  const std::int64_t key_sets = g.shared_keys ? 1 : H;
-  const std::int64_t cloud_floats =
-      H * (g.query_floats() + g.value_floats()) + key_sets * g.key_floats();
+  const std::int64_t key_sets = g.shared_keys ? 1 : layer.key_sets > 0 ? layer.key_sets : H;
+  const std::int64_t value_sets = layer.value_sets > 0 ? layer.value_sets : H;
+  const std::int64_t key_group = H / key_sets, value_group = H / value_sets;
+  // Rotary positions: cos and sin of every query's and key's angles, per cloud of a group.
+  const RotaryCall* rotary = layer.rotary;
+  const std::int64_t angle_floats = rotary != nullptr ? rotary->dim : 0;  // cos, then sin
+  const std::int64_t table_floats = angle_floats * (g.padded_queries + g.padded_tokens);
+  const std::int64_t cloud_floats = H * g.query_floats() + value_sets * g.value_floats() +
+                                    key_sets * g.key_floats() + table_floats;
   const std::int64_t group = std::clamp<std::int64_t>(kGroupBytes / (4 * cloud_floats), 1, batch);
 
   const SpanPlan plan = plan_spans(
@@ -142,7 +148,8 @@ void fused_attend(const EngineClouds& clouds, const EngineLayer& layer, const En
   g.query_block = plan.query_block;
   AlignedBuffer queries(group * H * g.query_floats());
   AlignedBuffer panels(group * key_sets * g.key_floats());
-  AlignedBuffer values(group * H * g.value_floats());
+  AlignedBuffer values(group * value_sets * g.value_floats());
+  AlignedBuffer angles(group * table_floats);
   std::vector<std::unique_ptr<Scratch>> scratch;
   for (int t = 0; t < team; ++t) scratch.push_back(std::make_unique<Scratch>(g));
   SpanStates states(g, group, plan);
@@ -150,10 +157,11 @@ void fused_attend(const EngineClouds& clouds, const EngineLayer& layer, const En
     std::vector<HeadOperands> heads(static_cast<std::size_t>(H));
     for (std::int64_t h = 0; h < H; ++h) {
       const std::int64_t head_set = local_cloud * H + h;
-      const std::int64_t key_set = local_cloud * key_sets + (g.shared_keys ? 0 : h);
+      const std::int64_t key_set = local_cloud * key_sets + h / key_group;
+      const std::int64_t value_set = local_cloud * value_sets + h / value_group;
       heads[static_cast<std::size_t>(h)] = {queries.data() + head_set * g.query_floats(),
                                             panels.data() + key_set * g.key_floats(),
-                                            values.data() + head_set * g.value_floats()};
+                                            values.data() + value_set * g.value_floats()};
     }
     return heads;
   };
@@ -167,6 +175,41 @@ void fused_attend(const EngineClouds& clouds, const EngineLayer& layer, const En
 #pragma omp parallel num_threads(team)
     {
       Scratch& s = *scratch[static_cast<std::size_t>(omp_get_thread_num())];
+      // Phase 0 (rotary positions only): the cos and sin of every row's angles, one 64-row
+      // block of one cloud per task, computed once and read by every head.
+      const auto query_angles = [&](std::int64_t c, std::int64_t i) {
+        return angles.data() + c * table_floats + i * angle_floats;
+      };
+      const auto key_angles = [&](std::int64_t c, std::int64_t j) {
+        return angles.data() + c * table_floats + (g.padded_queries + j) * angle_floats;
+      };
+      if (rotary != nullptr) {
+        const std::int64_t half = rotary->dim / 2;
+#pragma omp for schedule(static)
+        for (std::int64_t task = 0; task < count * projection_blocks; ++task) {
+          const std::int64_t c = task / projection_blocks;
+          const std::int64_t row0 = (task % projection_blocks) * kTokenAlign;
+          const QueryRule& rule = clouds.rules[first + c];
+          for (std::int64_t i = row0; i < std::min(row0 + kTokenAlign, Nq); ++i) {
+            float* angle = query_angles(c, i);
+            rotary->angles(rotary->query_position(first + c, rule, i), angle, angle + half);
+          }
+          for (std::int64_t j = row0; j < std::min(row0 + kTokenAlign, tokens); ++j) {
+            float* angle = key_angles(c, j);
+            rotary->angles(rotary->key_position(first + c, rule, j), angle, angle + half);
+          }
+        }  // the implicit barrier: every table is written before a head reads it
+      }
+      // Rotates `rows` projected rows (row stride `stride`) from row `first_row` by `angle_of`.
+      const auto rotate_rows = [&](float* rows, std::int64_t stride, std::int64_t first_row,
+                                   std::int64_t count_rows, auto angle_of) {
+        const std::int64_t half = rotary->dim / 2;
+        for (std::int64_t k = 0; k < count_rows; ++k) {
+          const float* angle = angle_of(first_row + k);
+          rotary->rotate(rows + k * stride, angle, angle + half);
+        }
+      };
+
       // Phase 1: projections, one 64-row block of one head of one cloud per task (dynamic, so a
       // thread that the OS holds back does not hold back the others).
       const std::int64_t projection_tasks = count * H * projection_blocks;
@@ -180,24 +223,38 @@ void fused_attend(const EngineClouds& clouds, const EngineLayer& layer, const En
         const HeadOperands& op = cloud_operands[static_cast<std::size_t>(c)][h];
         const float* bias = layer.query_bias ? layer.query_bias + h * g.score_stride : nullptr;
         if (row0 < g.padded_queries) {
+          float* rows = op.queries + row0 * g.score_stride;
           project(Q, Nq, g.dim, row0, kTokenAlign, layer.query_map + h * g.dim * g.score_stride,
-                  g.score_stride, bias, op.queries + row0 * g.score_stride, s.rows.data());
+                  g.score_stride, bias, rows, s.rows.data());
+          if (rotary != nullptr && row0 < Nq) {
+            rotate_rows(rows, g.score_stride, row0, std::min(kTokenAlign, Nq - row0),
+                        [&](std::int64_t i) { return query_angles(c, i); });
+          }
         }
         if (row0 >= g.padded_tokens) continue;
         // Values of keys past the key length are never weighted; they stay 0 (or finite from an
         // earlier cloud), so whatever the caller left in the padding cannot turn 0 * v into NaN.
+        // A value set (and a key set) is projected by the first head of the group sharing it.
         const std::int64_t length = clouds.rules[first + c].key_length;
-        project(X, length, g.dim, row0, kTokenAlign, layer.value_map + h * g.dim * g.value_stride,
-                g.value_stride, nullptr, op.values + row0 * g.value_stride, s.rows.data());
+        if (h % value_group == 0) {
+          project(X, length, g.dim, row0, kTokenAlign,
+                  layer.value_map + (h / value_group) * g.dim * g.value_stride, g.value_stride,
+                  nullptr, op.values + row0 * g.value_stride, s.rows.data());
+        }
         const std::int64_t valid = std::min(kTokenAlign, tokens - row0);
         if (valid <= 0) continue;
         if (g.shared_keys) {
           if (h == 0) {
             pack_keys(X + row0 * g.dim, g.dim, g.score_dim, row0, valid, op.panels);
           }
-        } else {
-          project(X, tokens, g.dim, row0, kTokenAlign, layer.key_map + h * g.dim * g.score_stride,
-                  g.score_stride, nullptr, s.projected.data(), s.rows.data());
+        } else if (h % key_group == 0) {
+          project(X, tokens, g.dim, row0, kTokenAlign,
+                  layer.key_map + (h / key_group) * g.dim * g.score_stride, g.score_stride, nullptr,
+                  s.projected.data(), s.rows.data());
+          if (rotary != nullptr) {
+            rotate_rows(s.projected.data(), g.score_stride, row0, valid,
+                        [&](std::int64_t j) { return key_angles(c, j); });
+          }
           pack_keys(s.projected.data(), g.score_stride, g.score_dim, row0, valid, op.panels);
         }
       }

@@ -13,13 +13,16 @@
 //
 // Dense EMF: query_map = beta M_h, query_bias = beta u_h, keys = X, value_map = F_h^T.
 // Factored:  query_map = [beta A_h^T | 0], query_bias = e_r, key_map = [B_h^T | beta u_h],
-//            value_map = V_h^T, output_map = U_h^T.
+//            value_map = V_h^T, output_map = U_h^T; with grouped kv heads the key and value
+//            maps of a kv head serve its group, and with rotary positions the projected queries
+//            and keys are rotated by their positions before they meet.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "core/queries.hpp"
+#include "core/rotary.hpp"
 #include "emflow/attention.hpp"
 #include "emflow/partial.hpp"
 
@@ -38,6 +41,14 @@ struct EngineLayer {
   const float* value_map = nullptr;   ///< (heads, dim, padded(value_dim))
   const float* output_map = nullptr;  ///< (heads, value_dim, padded(dim)), or null: identity
   const float* offset = nullptr;      ///< (dim), or null
+  /// Grouped heads: key_map holds key_sets maps and value_map value_sets, and head h reads set
+  /// h / (heads / key_sets) and h / (heads / value_sets): each set is projected once per cloud
+  /// and shared. 0 means heads. key_sets is ignored when key_map is null.
+  std::int64_t key_sets = 0;
+  std::int64_t value_sets = 0;
+  /// Rotary positions (the factored form, key_map set): the first rotary->dim columns of every
+  /// projected query and key rotated by its position (rotary.hpp); null: none.
+  const RotaryCall* rotary = nullptr;
 };
 
 /// Row length of a padded map with `columns` columns.

@@ -5,50 +5,73 @@
 // V_h x_j in R^r, and the head output mapped back by U_h. The key bias joins the scores as one
 // more coordinate: queries [beta A_h x_i, 1], keys [B_h x_j, beta u_h^T x_j], so
 // s_ij = beta (<A_h x_i, B_h x_j> + u_h^T x_j) in one product. Input holding a non-finite value
-// never reaches it (route() sends it to the expanded reference).
+// never reaches it (route() sends it to the expanded reference, or for a rotary layer to the
+// double reference of the factored form).
+//
+// Grouped kv heads: the keys B_g x_j and values V_g x_j are projected once per kv head g and
+// shared by the heads h / (H / K) = g (with a key bias the keys once per head, since their last
+// column is the head's beta u_h^T x_j). Rotary positions: the engine rotates the first
+// rotary.dim coordinates of every projected query and key by its position (engine.hpp); the
+// bias coordinate is not rotated, and beta commutes with the rotation.
 #include <vector>
 
 #include "core/backends.hpp"
 #include "core/queries.hpp"
+#include "core/rotary.hpp"
 #include "engine.hpp"
 
 namespace emflow::detail {
 
 void cpu_attend_factored(const AttentionInput<float>& input, const FactoredLayer<float>& f,
                          const AttentionOutput<float>& output, int threads) {
-  const std::int64_t H = f.heads, r = f.rank, d = input.dim;
+  const std::int64_t H = f.heads, K = f.key_heads(), r = f.rank, d = input.dim;
   const bool bias = f.key_bias != nullptr;
   const std::int64_t score_dim = r + (bias ? 1 : 0);
   const std::int64_t score_stride = cpu::padded_columns(score_dim);
   const std::int64_t value_stride = cpu::padded_columns(r);
   const std::int64_t dim_stride = cpu::padded_columns(d);
+  const std::int64_t group = H / K;  // query head h reads kv head h / group
+  // Keys: one set per kv head, shared by its group; with a key bias, whose column belongs to the
+  // query head, one per head. Values: one set per kv head.
+  const std::int64_t key_sets = bias ? H : K;
   const float beta = static_cast<float>(input.beta);
   auto at = [](std::vector<float>& v, std::int64_t i) -> float& {
     return v[static_cast<std::size_t>(i)];
   };
 
   std::vector<float> query_map(static_cast<std::size_t>(H * d * score_stride), 0.0f);
-  std::vector<float> key_map(query_map.size(), 0.0f);
-  std::vector<float> value_map(static_cast<std::size_t>(H * d * value_stride), 0.0f);
+  std::vector<float> key_map(static_cast<std::size_t>(key_sets * d * score_stride), 0.0f);
+  std::vector<float> value_map(static_cast<std::size_t>(K * d * value_stride), 0.0f);
   std::vector<float> output_map(static_cast<std::size_t>(H * r * dim_stride), 0.0f);
   std::vector<float> query_bias;
   if (bias) query_bias.assign(static_cast<std::size_t>(H * score_stride), 0.0f);
   for (std::int64_t h = 0; h < H; ++h) {
     const float* A = f.query_factor + h * r * d;
-    const float* B = f.key_factor + h * r * d;
     const float* U = f.content_up + h * d * r;
-    const float* V = f.content_down + h * r * d;
     for (std::int64_t k = 0; k < d; ++k) {
       for (std::int64_t c = 0; c < r; ++c) {
         at(query_map, (h * d + k) * score_stride + c) = beta * A[c * d + k];
-        at(key_map, (h * d + k) * score_stride + c) = B[c * d + k];
-        at(value_map, (h * d + k) * value_stride + c) = V[c * d + k];
         at(output_map, (h * r + c) * dim_stride + k) = U[k * r + c];
       }
-      if (bias) at(key_map, (h * d + k) * score_stride + r) = beta * f.key_bias[h * d + k];
     }
     if (bias) at(query_bias, h * score_stride + r) = 1.0f;
   }
+  for (std::int64_t set = 0; set < key_sets; ++set) {
+    const float* B = f.key_factor + (bias ? set / group : set) * r * d;
+    for (std::int64_t k = 0; k < d; ++k) {
+      for (std::int64_t c = 0; c < r; ++c)
+        at(key_map, (set * d + k) * score_stride + c) = B[c * d + k];
+      if (bias) at(key_map, (set * d + k) * score_stride + r) = beta * f.key_bias[set * d + k];
+    }
+  }
+  for (std::int64_t g = 0; g < K; ++g) {
+    const float* V = f.content_down + g * r * d;
+    for (std::int64_t k = 0; k < d; ++k) {
+      for (std::int64_t c = 0; c < r; ++c)
+        at(value_map, (g * d + k) * value_stride + c) = V[c * d + k];
+    }
+  }
+  const RotaryCall rotary = rotary_call(input, f.rotary);
 
   cpu::EngineLayer layer;
   layer.heads = H;
@@ -61,6 +84,9 @@ void cpu_attend_factored(const AttentionInput<float>& input, const FactoredLayer
   layer.value_map = value_map.data();
   layer.output_map = output_map.data();
   layer.offset = f.offset;
+  layer.key_sets = key_sets;
+  layer.value_sets = K;
+  layer.rotary = rotary.dim != 0 ? &rotary : nullptr;
   std::vector<QueryRule> rules;
   for (std::int64_t b = 0; b < input.batch; ++b) rules.push_back(query_rule(input, b));
   cpu::EngineClouds clouds;

@@ -58,13 +58,14 @@ class Uploads {
   template <class T>
   FactoredLayer<T> layer(const FactoredLayer<T>& layer, std::int64_t dim) {
     const auto H = static_cast<std::size_t>(layer.heads);
+    const auto K = static_cast<std::size_t>(layer.key_heads());  // route(): K == H on cuda
     const auto r = static_cast<std::size_t>(layer.rank);
     const auto d = static_cast<std::size_t>(dim);
     FactoredLayer<T> on_device = layer;
     on_device.query_factor = of(layer.query_factor, H * r * d);
-    on_device.key_factor = of(layer.key_factor, H * r * d);
+    on_device.key_factor = of(layer.key_factor, K * r * d);
     on_device.content_up = of(layer.content_up, H * d * r);
-    on_device.content_down = of(layer.content_down, H * r * d);
+    on_device.content_down = of(layer.content_down, K * r * d);
     on_device.key_bias = of(layer.key_bias, H * d);
     on_device.offset = of(layer.offset, d);
     return on_device;

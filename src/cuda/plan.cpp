@@ -276,12 +276,17 @@ void check_form(const Problem& planned, Operation operation, Form form, const ch
 // The first difference between a run's Problem and its plan's: false, or an invalid_argument
 // naming it when `raise`.
 bool same_problem(const Problem& planned, const Problem& given, const char* op, bool raise) {
-  const std::int64_t planned_sizes[] = {planned.batch, planned.tokens, planned.query_tokens,
-                                        planned.dim,   planned.heads,  planned.rank};
-  const std::int64_t given_sizes[] = {given.batch, given.tokens, given.query_tokens,
-                                      given.dim,   given.heads,  given.rank};
-  const char* const size_names[] = {"batch", "tokens", "query_tokens", "dim", "heads", "rank"};
-  for (int k = 0; k < 6; ++k) {
+  // kv_heads and rotary.dim too: a plan never computes rotary positions or grouped heads
+  // (route() refuses them on cuda), so a layer that has them never matches one.
+  const std::int64_t planned_sizes[] = {planned.batch,    planned.tokens,    planned.query_tokens,
+                                        planned.dim,      planned.heads,     planned.rank,
+                                        planned.kv_heads, planned.rotary_dim};
+  const std::int64_t given_sizes[] = {given.batch,    given.tokens,    given.query_tokens,
+                                      given.dim,      given.heads,     given.rank,
+                                      given.kv_heads, given.rotary_dim};
+  const char* const size_names[] = {"batch", "tokens", "query_tokens", "dim",
+                                    "heads", "rank",   "kv_heads",     "rotary.dim"};
+  for (int k = 0; k < 8; ++k) {
     if (given_sizes[k] == planned_sizes[k]) continue;
     if (!raise) return false;
     fail_argument(op, size_names[k], "is ", given_sizes[k], ", but the plan was made for ",
