@@ -81,9 +81,14 @@ void launch_sum_heads(const float* partial, const float* offset, float* update, 
                       cudaStream_t stream, const char* operation);
 
 /// Merges `splits` partial states (written by the fused kernel with HeadRows over
-/// (split, batch, heads, queries, dim) and (split, batch, heads, queries)) in split order. With
-/// `update`: update = sum_h o_h + offset (offset where the query sees a key), lse and entropy
-/// (either may be null) as attend writes them. Otherwise into the partial state `into`.
+/// (split, batch, heads, queries, dim) and (split, batch, heads, queries), or by the tensor-core
+/// kernel over (split, heads, batch, ...)) in split order. With `update`: update = sum_h o_h +
+/// offset (offset where the query sees a key), lse and entropy (either may be null) as attend
+/// writes them; the rows are then (batch, heads) ordered. Otherwise each state row is merged on
+/// its own into heads_out, lse_out and entropy_out (same layout as a split's slice, whichever
+/// order of batch and heads that is): as a partial state, or with `attend_states` as attend's
+/// per-head result (every visible score -inf makes lse, entropy and the row NaN, as
+/// finish_partial does).
 struct SplitMerge {
   const float* rows = nullptr;
   const float* lse = nullptr;
@@ -91,7 +96,8 @@ struct SplitMerge {
   int splits = 1, batch = 1, heads = 1, queries = 1, dim = 1;
   const float* offset = nullptr;
   float* update = nullptr;  ///< (batch, queries, dim), or null
-  float *heads_out = nullptr, *lse_out = nullptr, *entropy_out = nullptr;  ///< (batch, heads, ..)
+  float *heads_out = nullptr, *lse_out = nullptr, *entropy_out = nullptr;  ///< as a split's slice
+  bool attend_states = false;
 };
 void launch_merge_splits(const SplitMerge& merge, cudaStream_t stream, const char* operation);
 

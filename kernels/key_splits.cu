@@ -10,8 +10,11 @@
 // +inf lse, which makes the merged state NaN. A part with lse = -inf still meets its weight 0,
 // so a NaN among its contents reaches the result, as in one pass.
 //
-//   merge_splits_kernel   one thread per (cloud, query, column): for each head, the splits folded
-//       in split order, then (for an update) the head sum plus the offset, as attend writes it.
+//   merge_splits_kernel   one thread per (cloud, query, column) of an update: for each head, the
+//       splits folded in split order, then the head sum plus the offset, as attend writes it.
+//   merge_split_rows_kernel  one thread per (state row, column): the splits folded in split
+//       order into the per-head state (the fused kernel's partial state, the tensor-core
+//       kernel's per-head result, which its combine then sums over heads).
 //   merge_partial_kernel  one thread per state row (cloud, head, query), into = merge(into, part)
 //       in place; a row reads and writes only its own elements, so in place is safe.
 //   finish_partial_kernel one thread per (cloud, query, column): the sum over heads in head
@@ -65,39 +68,66 @@ __device__ __forceinline__ State<T> merge_state(State<T> a, State<T> b, T* wa, T
   return {lse, entropy};
 }
 
-__global__ void merge_splits_kernel(const SplitMerge m) {
+// The splits of state row `stat`, column a, folded in split order: the merged row element, and
+// its state in *state. Both merge kernels fold with this, so they agree to the bit.
+__device__ __forceinline__ float fold_splits(const SplitMerge& m, std::size_t stat, int a,
+                                             State<float>* state) {
   const std::size_t stats = static_cast<std::size_t>(m.batch) * m.heads * m.queries;
   const std::size_t rows = stats * m.dim;
+  State<float> merged{m.lse[stat], m.entropy[stat]};
+  float o = m.rows[stat * m.dim + a];
+  for (int s = 1; s < m.splits; ++s) {
+    float wa = 0.f, wb = 0.f;
+    merged = merge_state(merged, State<float>{m.lse[s * stats + stat], m.entropy[s * stats + stat]},
+                         &wa, &wb);
+    o = wa * o + wb * m.rows[s * rows + stat * m.dim + a];
+  }
+  *state = merged;
+  return o;
+}
+
+// As finish_partial: lse = -inf with H = NaN (every visible score -inf) is NaN. Returns whether
+// the row saw a key.
+__device__ __forceinline__ bool finish_state(State<float>* state) {
+  const bool none = state->lse == -INFINITY && state->entropy == 0.f;
+  if (state->lse == -INFINITY && !none) state->lse = state->entropy = NAN;
+  return !none;
+}
+
+__global__ void merge_splits_kernel(const SplitMerge m) {
   for_each_token_element(m.batch, m.queries, m.dim, [&](std::size_t index, int b, int i, int a) {
     float total = 0.f;
     bool sees_key = false;
     for (int h = 0; h < m.heads; ++h) {
       const std::size_t stat = (static_cast<std::size_t>(b) * m.heads + h) * m.queries + i;
-      State<float> state{m.lse[stat], m.entropy[stat]};
-      float o = m.rows[stat * m.dim + a];
-      for (int s = 1; s < m.splits; ++s) {
-        float wa = 0.f, wb = 0.f;
-        state = merge_state(
-            state, State<float>{m.lse[s * stats + stat], m.entropy[s * stats + stat]}, &wa, &wb);
-        o = wa * o + wb * m.rows[s * rows + stat * m.dim + a];
-      }
-      if (m.update == nullptr) {
-        m.heads_out[stat * m.dim + a] = o;
-      } else {
-        // As finish_partial: lse = -inf with H = NaN (every visible score -inf) is NaN here.
-        const bool none = state.lse == -INFINITY && state.entropy == 0.f;
-        if (state.lse == -INFINITY && !none) state.lse = state.entropy = NAN;
-        sees_key = sees_key || !none;
-        total += state.lse != state.lse ? NAN : o;
-      }
+      State<float> state{};
+      const float o = fold_splits(m, stat, a, &state);
+      sees_key = finish_state(&state) || sees_key;
+      total += state.lse != state.lse ? NAN : o;
       if (a == 0) {
         if (m.lse_out != nullptr) m.lse_out[stat] = state.lse;
         if (m.entropy_out != nullptr) m.entropy_out[stat] = state.entropy;
       }
     }
-    if (m.update != nullptr) {
-      if (m.offset != nullptr && sees_key) total += m.offset[a];
-      m.update[index] = total;
+    if (m.offset != nullptr && sees_key) total += m.offset[a];
+    m.update[index] = total;
+  });
+}
+
+__global__ void merge_split_rows_kernel(const SplitMerge m) {
+  const int state_rows = m.batch * m.heads;
+  for_each_token_element(state_rows, m.queries, m.dim, [&](std::size_t, int row, int i, int a) {
+    const std::size_t stat = static_cast<std::size_t>(row) * m.queries + i;
+    State<float> state{};
+    float o = fold_splits(m, stat, a, &state);
+    if (m.attend_states) {
+      finish_state(&state);
+      if (state.lse != state.lse) o = NAN;
+    }
+    m.heads_out[stat * m.dim + a] = o;
+    if (a == 0) {
+      if (m.lse_out != nullptr) m.lse_out[stat] = state.lse;
+      if (m.entropy_out != nullptr) m.entropy_out[stat] = state.entropy;
     }
   });
 }
@@ -151,6 +181,13 @@ __global__ void finish_partial_kernel(const T* __restrict__ heads, const T* __re
 }  // namespace
 
 void launch_merge_splits(const SplitMerge& merge, cudaStream_t stream, const char* operation) {
+  if (merge.update == nullptr) {
+    const std::int64_t total =
+        static_cast<std::int64_t>(merge.batch) * merge.heads * merge.queries * merge.dim;
+    launch(operation, "merge_split_rows_kernel", merge_split_rows_kernel, grid_for(total),
+           kElementwiseThreads, 0, stream, merge);
+    return;
+  }
   const std::int64_t total = static_cast<std::int64_t>(merge.batch) * merge.queries * merge.dim;
   launch(operation, "merge_splits_kernel", merge_splits_kernel, grid_for(total),
          kElementwiseThreads, 0, stream, merge);

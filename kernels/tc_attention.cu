@@ -16,6 +16,13 @@
 // t + 4 is key 2t + 1) and V's B fragment is read with the same permutation
 // (mma::accumulator_to_a_tf32, mma::load_b_pairs_tf32), so P needs no shuffle.
 //
+// Grid: one block per (query block, cloud, head, key split), every head and cloud in one launch
+// (the dense form's keys are the cloud X for every head: TcAttentionArgs::shared_keys). Key
+// splits (flash-decoding, the float kernel's rule and merge): a split's blocks see only its keys
+// and write their partial states, which launch_tc_attention merges in split order
+// (launch_merge_splits, key_splits.cu) into the per-head result; the head sum is the combine's,
+// in head order (tc_projection.cu). No atomics: the same bits run to run.
+//
 // Layout of one block (128 threads, 4 warps): warp w owns query rows 16 w ... 16 w + 15 of the
 // block; lane (g = lane / 4, t = lane % 4) holds rows g and g + 8 of them, and per row the keys
 // (or output columns) 8 j + 2 t, 8 j + 2 t + 1 of every 8-wide tile j: a row's statistics are
@@ -35,16 +42,30 @@
 // and its rescale 0 (no -inf - -inf).
 //
 // History: version 1: mma.sync with plain 32-bit fragment loads from shared memory, synchronous
-// tile loads, one key tile in flight. Version 2 (this one) adds the entropy and the TF32 variant
-// (float storage, m16n8k8), D = 64, 128, 256 each. Both checked only under the CPU emulation of
-// CUDA (tests/cuda/emulation, the model of mma.sync in kernels/mma.cuh); never run or timed on a
-// GPU.
+// tile loads, one key tile in flight. Version 2 adds the entropy and the TF32 variant (float
+// storage, m16n8k8), D = 64, 128, 256 each. Version 2.1 (this one): one launch for every head
+// (shared keys for the dense form, which launched once per head before) and key splits. All
+// checked only under the CPU emulation of CUDA (tests/cuda/emulation, the model of mma.sync in
+// kernels/mma.cuh); never run or timed on a GPU.
 // Tuning candidates once it can be timed, in order: cp.async (16-byte) double-buffered K and V
 // tiles, ldmatrix (.trans for V, dropping the transposed tile), Q fragments kept in registers at
 // D = 64, cvt.rn.bf16x2.f32 for P, 128-key tiles at D = 64. ptxas -v (sm_90, nvcc 13), version
 // 1: bf16 132, 172 and 245 registers at D = 64, 128 and 256 (f16 127, 164, 247); version 2: bf16
-// and f16 126, 164, 247, TF32 124, 157, 228; no spills. One block of 128 threads per 64 queries,
-// so occupancy is bound by registers at D = 256 (and by shared memory for TF32 at D = 256).
+// and f16 126, 164, 247, TF32 124, 157, 228; version 2.1: bf16 and f16 128, 166, 248, TF32 125,
+// 157, 228 (the split bounds and the write place recomputed from the block index at the end, so
+// D = 64 stays within 128 registers: a first try kept them live and spilled 12 bytes there); no
+// spills, no stack frame. One block of 128 threads per 64 queries.
+// Occupancy on the H200 (65536 registers and 228 KiB of shared memory an SM; predicted, never
+// measured), blocks an SM (registers / shared memory -> blocks; blocks a wave over 132 SMs):
+//   16-bit  D = 64: 4 / 8 -> 4 (528)   D = 128: 3 / 4 -> 3 (396)   D = 256: 2 / 2 -> 2 (264)
+//   TF32    D = 64: 4 / 4 -> 4 (528)   D = 128: 3 / 2 -> 2 (264)   D = 256: 2 / 1 -> 1 (132)
+// Version 2.1's prediction (never measured): the dense form at B = 1, N = 4096, 8 heads, d = 64
+// was 8 launches of 64 blocks (64 of 132 SMs busy, one 4-warp block each); one launch of 512
+// blocks fills the device (one wave of 528), about 4 times faster for the attention (each SM
+// then overlaps 4 blocks' synchronous loads and MMAs). Decoding (1 query, 8 heads, 32k keys,
+// d = 128) was 8 blocks streaming 512 tiles each, bound by one block's load latency (about 0.8
+// ms); 64 splits of 512 keys give 512 blocks (1.3 waves) and approach the 75 MB of K and V at
+// 4.8 TB/s (16 us): 25 to 40 us with the merge, 20 to 30 times faster.
 //
 // Next version, for Hopper (sm_90a): wgmma + TMA, the FlashAttention-3 plan. One warpgroup
 // (128 threads) per 64 query rows, 2 or 3 consumer warpgroups and one producer warp per block:
@@ -78,8 +99,8 @@ namespace emflow::detail {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kRows = 64;  // queries of a block
-constexpr int kKeys = 64;  // keys of a tile
+constexpr int kRows = kTcBlockQueries;  // queries of a block
+constexpr int kKeys = kTcBlockKeys;     // keys of a tile
 constexpr float kLn2 = 0.693147180559945309f;
 
 // 16-bit: Qs, Ks [64][D + 8] and Vt [D][64 + 8]. TF32 (float storage): Qs, Ks and Vs [64][D + 4]
@@ -129,6 +150,25 @@ __device__ __forceinline__ float group_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
+// Which split, (head, cloud) and query block a block computes. Block order: the query blocks of
+// one (head, cloud) adjacent, the last (which see the most keys under a causal mask) first; then
+// the clouds, the heads, and the splits slowest.
+struct BlockPlace {
+  int split, head_cloud, query_block;
+};
+
+__device__ __forceinline__ BlockPlace block_place(const TcAttentionArgs& args, int query_blocks) {
+  const unsigned per_split = static_cast<unsigned>(query_blocks) *
+                             static_cast<unsigned>(args.heads) * static_cast<unsigned>(args.batch);
+  const unsigned in_split = blockIdx.x % per_split;
+  BlockPlace place;
+  place.split = static_cast<int>(blockIdx.x / per_split);
+  place.head_cloud = static_cast<int>(in_split / static_cast<unsigned>(query_blocks));
+  place.query_block =
+      query_blocks - 1 - static_cast<int>(in_split % static_cast<unsigned>(query_blocks));
+  return place;
+}
+
 template <class T, int D>
 __global__ void __launch_bounds__(kThreads)
     tc_attention_kernel(const TcAttentionArgs args, int query_blocks) {
@@ -142,26 +182,30 @@ __global__ void __launch_bounds__(kThreads)
   T* const Ks = Qs + kRows * kLd;
   T* const Vt = Ks + kKeys * kLd;
 
-  const int query_block = query_blocks - 1 - static_cast<int>(blockIdx.x % query_blocks);
-  const int cloud_head = static_cast<int>(blockIdx.x / query_blocks);
-  const int b = cloud_head % args.batch;
-  const int h = cloud_head / args.batch;
+  const BlockPlace place = block_place(args, query_blocks);
+  const int b = place.head_cloud % args.batch;
   const int N = args.tokens, Nq = args.queries, dim = args.dim;
-  const int m0 = query_block * kRows;
+  const int m0 = place.query_block * kRows;
   const CloudView view = cloud_view(args.mask, b, N, Nq);
   const int length = view.key_length;
-  const std::size_t head_cloud = static_cast<std::size_t>(h) * args.batch + b;
+  const int split_first = args.splits > 1 ? place.split * args.split_keys : 0;
+  const int split_last = args.splits > 1 ? min(N, split_first + args.split_keys) : N;
+  const std::size_t head_cloud = static_cast<std::size_t>(place.head_cloud);
+  const std::size_t key_cloud = args.shared_keys ? static_cast<std::size_t>(b) : head_cloud;
   const T* const query = static_cast<const T*>(args.query) + head_cloud * Nq * dim;
-  const T* const key = static_cast<const T*>(args.key) + head_cloud * N * dim;
+  const T* const key = static_cast<const T*>(args.key) + key_cloud * N * dim;
   const T* const value = static_cast<const T*>(args.value) + head_cloud * N * dim;
   const float* const bias = args.key_bias != nullptr ? args.key_bias + head_cloud * N : nullptr;
 
+  // Key tiles that can hold a visible key of some query of the block, within its split.
   int first_key = 0, last_key = 0;
   if (m0 < view.query_length) {
     int unused = 0;
     visible_keys(args.mask, view, m0, &first_key, &unused);
     visible_keys(args.mask, view, min(view.query_length, m0 + kRows) - 1, &unused, &last_key);
   }
+  first_key = max(first_key, split_first);
+  last_key = min(last_key, split_last);
   first_key = (first_key / kKeys) * kKeys;
 
   const int warp = static_cast<int>(threadIdx.x) >> 5;
@@ -172,13 +216,15 @@ __global__ void __launch_bounds__(kThreads)
   const int k_steps = kTf32 ? (dim + 7) / 8 : (dim + 15) / 16;
   const int out_tiles = (dim + 7) / 8;
 
-  int first[2], last[2];  // visible keys of the lane's rows g and g + 8
+  int first[2], last[2];  // visible keys of the lane's rows g and g + 8, within the split
   // row_moment: sum_j w_j (t_j - reference) over the lane's keys of the row, kept relative to
   // the running reference so that the entropy needs no difference of large terms.
   float row_max[2], row_sum[2], row_moment[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     visible_keys(args.mask, view, m0 + row0 + g + 8 * r, &first[r], &last[r]);
+    first[r] = max(first[r], split_first);
+    last[r] = max(first[r], min(last[r], split_last));
     row_max[r] = -INFINITY;
     row_sum[r] = 0.f;
     row_moment[r] = 0.f;
@@ -306,15 +352,23 @@ __global__ void __launch_bounds__(kThreads)
       row_moment[r] = group_sum(row_moment[r]);
     }
   }
-  const std::size_t stat_base = head_cloud * Nq;
+  // Where the block writes, from the block index again rather than kept in registers through the
+  // key loop: split s writes slice s, heads x batch x queries rows further on.
+  const BlockPlace at = block_place(args, query_blocks);
+  const std::size_t stat_base =
+      (static_cast<std::size_t>(at.split) * args.heads * args.batch + at.head_cloud) * Nq;
+  const int m_first = at.query_block * kRows;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int qi = m0 + row0 + g + 8 * r;
+    const int qi = m_first + row0 + g + 8 * r;
     if (qi >= Nq) continue;
-    // A real query sees a key; a sum that is not > 0 is NaN or comes from -inf scores only.
+    // A real query sees a key; a sum that is not > 0 is NaN or comes from -inf scores only. A
+    // partial state keeps the all -inf case (sum 0) apart, as the float kernel does: a later
+    // merge with a finite score defines it (lse = -inf, H = NaN, the contents times 0).
     const bool any_key = first[r] < last[r];
     const bool defined = row_sum[r] > 0.f;
-    const float inverse = defined ? 1.f / row_sum[r] : NAN;
+    const bool unweighted = args.splits > 1 && row_sum[r] == 0.f;
+    const float inverse = defined ? 1.f / row_sum[r] : (unweighted ? 1.f : NAN);
     float* const out = args.out + (stat_base + qi) * dim;
 #pragma unroll
     for (int n = 0; n < kOutTiles; ++n) {
@@ -326,7 +380,8 @@ __global__ void __launch_bounds__(kThreads)
     }
     const float log2_sum = defined ? log2f(row_sum[r]) : NAN;
     if (t == 0 && args.lse != nullptr) {
-      args.lse[stat_base + qi] = any_key ? (row_max[r] + log2_sum) * kLn2 : -INFINITY;
+      args.lse[stat_base + qi] =
+          any_key && !unweighted ? (row_max[r] + log2_sum) * kLn2 : -INFINITY;
     }
     // H = ln Z - sum_j p_j s_j = ln 2 (log2 of the sum - moment / sum) relative to the reference.
     if (t == 0 && args.entropy != nullptr) {
@@ -340,7 +395,7 @@ void launch_dim(const TcAttentionArgs& args, cudaStream_t stream, const char* op
   const std::size_t bytes = TcLayout<T, D>::bytes;
   const int query_blocks = (args.queries + kRows - 1) / kRows;
   const unsigned blocks = static_cast<unsigned>(query_blocks) * static_cast<unsigned>(args.heads) *
-                          static_cast<unsigned>(args.batch);
+                          static_cast<unsigned>(args.batch) * static_cast<unsigned>(args.splits);
   launch(operation, "tc_attention_kernel", tc_attention_kernel<T, D>, blocks, kThreads, bytes,
          stream, args, query_blocks);
 }
@@ -384,6 +439,21 @@ void launch_type(const TcAttentionArgs& args, cudaStream_t stream, const char* o
   }
 }
 
+// The kernel of args.type, one launch.
+void launch_kernel(const TcAttentionArgs& args, cudaStream_t stream, const char* operation) {
+  switch (args.type) {
+    case TcType::bf16:
+      launch_type<bfloat16>(args, stream, operation);
+      break;
+    case TcType::f16:
+      launch_type<float16>(args, stream, operation);
+      break;
+    case TcType::tf32:
+      launch_type<float>(args, stream, operation);
+      break;
+  }
+}
+
 }  // namespace
 
 std::size_t tc_shared_bytes(TcType type, int dim) {
@@ -413,17 +483,32 @@ void prepare_tc_attention(TcType type, int dim, const char* operation) {
 }
 
 void launch_tc_attention(const TcAttentionArgs& args, cudaStream_t stream, const char* operation) {
-  switch (args.type) {
-    case TcType::bf16:
-      launch_type<bfloat16>(args, stream, operation);
-      break;
-    case TcType::f16:
-      launch_type<float16>(args, stream, operation);
-      break;
-    case TcType::tf32:
-      launch_type<float>(args, stream, operation);
-      break;
+  if (args.splits <= 1) {
+    launch_kernel(args, stream, operation);
+    return;
   }
+  // The kernel writes each split's partial state to the scratch; the merge folds them in split
+  // order into the per-head result, as attend's states (every visible score -inf is NaN).
+  TcAttentionArgs split = args;
+  split.out = args.split_out;
+  split.lse = args.split_lse;
+  split.entropy = args.split_entropy;
+  launch_kernel(split, stream, operation);
+  SplitMerge merge;
+  merge.rows = args.split_out;
+  merge.lse = args.split_lse;
+  merge.entropy = args.split_entropy;
+  merge.splits = args.splits;
+  // The (heads, batch) rows are merged one by one: their order does not matter to the merge.
+  merge.batch = args.batch;
+  merge.heads = args.heads;
+  merge.queries = args.queries;
+  merge.dim = args.dim;
+  merge.heads_out = args.out;
+  merge.lse_out = args.lse;
+  merge.entropy_out = args.entropy;
+  merge.attend_states = true;
+  launch_merge_splits(merge, stream, operation);
 }
 
 }  // namespace emflow::detail

@@ -36,10 +36,20 @@ enum class TcType { bf16, f16, tf32 };
 /// (tf32: float ones, rounded to TF32 as the products read them, as are the probabilities).
 /// A query that sees no key (a padding query) gets out = 0, lse = -inf and entropy = 0; one
 /// whose visible scores give no positive sum (NaN or all -inf) gets NaN lse, entropy and out.
+///
+/// One launch computes every head and cloud (the grid is query blocks x heads x batch x splits).
+/// Key splits (flash-decoding, as the float kernel's, FusedAttentionArgs): with splits > 1 split
+/// s computes the keys [s split_keys, (s + 1) split_keys) and writes the partial state over them
+/// (partial.hpp: no key seen gives out = 0, lse = -inf, entropy = 0; every visible score -inf
+/// gives lse = -inf, entropy = NaN and the contents times 0) to slice s of split_out, split_lse
+/// and split_entropy (slices of heads x batch x queries rows); launch_tc_attention then merges
+/// them in split order (launch_merge_splits, the float kernel's merge) into out, lse and entropy,
+/// which hold the same as without splits up to the order of the sums: deterministic run to run.
 struct TcAttentionArgs {
   TcType type = TcType::bf16;
   const void* query = nullptr;      ///< (heads, batch, queries, dim) of `type` (tf32: float)
-  const void* key = nullptr;        ///< (heads, batch, tokens, dim) of `type` (tf32: float)
+  const void* key = nullptr;        ///< (heads, batch, tokens, dim), or (batch, tokens, dim)
+  bool shared_keys = false;         ///< key is (batch, tokens, dim), every head's (the dense X)
   const void* value = nullptr;      ///< (heads, batch, tokens, dim) of `type` (tf32: float)
   const float* key_bias = nullptr;  ///< (heads, batch, tokens), added to <q_i, k_j>, or null
   float scale = 1.f;
@@ -47,11 +57,23 @@ struct TcAttentionArgs {
   float* lse = nullptr;      ///< (heads, batch, queries), natural log, or null
   float* entropy = nullptr;  ///< (heads, batch, queries), natural log, or null
   int batch = 1, heads = 1, tokens = 1, queries = 1, dim = 1;
+  /// Keys per split (a multiple of kTcBlockKeys) and splits; splits = 1: no split (split_keys is
+  /// then not read).
+  int split_keys = 0, splits = 1;
+  /// With splits > 1: (splits, heads, batch, queries, dim), and (splits, heads, batch, queries)
+  /// each for lse and entropy, floats of scratch.
+  float* split_out = nullptr;
+  float* split_lse = nullptr;
+  float* split_entropy = nullptr;
   KernelMask mask;
 };
 
 /// Largest dim of the tensor-core attention.
 constexpr int kTcMaxDim = 256;
+/// Queries of one block and keys of one tile of the tensor-core attention: the geometry the key
+/// splits' rule assumes (choose_key_splits, src/cuda/products_strategy.hpp), as the float kernel's.
+constexpr int kTcBlockQueries = 64;
+constexpr int kTcBlockKeys = 64;
 
 /// Dynamic shared memory the tensor-core attention of `type` needs at width `dim` (bytes): 27, 53
 /// and 104 KiB for 16-bit storage at dim <= 64, 128, 256; 51, 99 and 195 KiB for TF32.

@@ -41,9 +41,11 @@
 //                 Precision::tf32 (kernels/tc_attention.cu, mma.sync): per head, the projections
 //                 in float32 rounded once to the storage type (float32 kept for TF32), the key
 //                 bias terms u_h^T x_j in float32, the fused attention on the tensor cores (float32
-//                 accumulation, lse and entropy in float32), then the heads' outputs (times U_h
-//                 for the factored form) plus the offset summed in float32 and rounded once
+//                 accumulation, lse and entropy in float32; one launch for every head and cloud,
+//                 key splits as the fused kernel's), then the heads' outputs (times U_h for the
+//                 factored form) plus the offset summed in float32 in head order and rounded once
 //                 (docs/MATH.md §7). dim (dense) or rank (factored) <= 256; never the weights.
+//                 Deterministic, as the fused kernel.
 //   expanded      the factored form in float with fp32 products, in double, or in TF32 where
 //                 the tensor cores do not apply: cuBLAS forms M_h = A_h^T B_h and F_h = U_h V_h
 //                 in the storage type into the workspace (2 H d^2 r multiply-adds, against the
@@ -54,10 +56,10 @@
 //   x tokens x dim beyond 2^31 - 1 is refused.
 //
 // Cross-attention (queries given) projects the queries by M and the keys by F. When the fused
-// grid of a cross-attention would be small (few queries: decoding), the keys are split into
-// blocks of a multiple of 64 keys processed by thread blocks of their own, each writing its
-// partial state (partial.hpp) to the workspace, and a merge kernel combines them in a fixed
-// order (flash-decoding): one query against 128k keys then occupies the whole device. The
+// (or tensor-core) grid of a cross-attention would be small (few queries: decoding), the keys
+// are split into blocks of a multiple of 64 keys processed by thread blocks of their own, each
+// writing its partial state (partial.hpp) to the workspace, and a merge kernel combines them in
+// a fixed order (flash-decoding): one query against 128k keys then occupies the whole device. The
 // choice depends on the shapes only (PlanOptions::key_splits overrides it), so the workspace
 // size needs no device.
 //
@@ -131,8 +133,9 @@ struct PlanOptions {
   /// float32 elsewhere, which meets the TF32 accuracy rule (docs/MATH.md §7). Another pair is
   /// ErrorCode::invalid_argument.
   Precision precision = Precision::fp32;
-  /// The fused kernel's key splits (see the header comment): 0 chooses from the shapes, n > 0
-  /// asks for n (at most one per 64-key tile), 1 for none. The other kernels ignore it.
+  /// The key splits of the fused and the tensor-core kernels (see the header comment): 0 chooses
+  /// from the shapes, n > 0 asks for n (at most one per 64-key tile), 1 for none. The other
+  /// kernels ignore it.
   int key_splits = 0;
 };
 
@@ -205,7 +208,7 @@ class AttentionPlan {
   const Route& route() const noexcept;
   /// The device the plan was made on, which run() makes current.
   int device() const noexcept;
-  /// The fused kernel's key splits (1: none, and always 1 on the other kernels).
+  /// The key splits of the fused or tensor-core kernel (1: none, and always 1 on the others).
   int key_splits() const noexcept;
 
   /// True when run() would accept this call's shapes, mask, optional inputs and outputs (the

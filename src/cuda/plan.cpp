@@ -182,8 +182,10 @@ std::unique_ptr<PlanStrategy<T>> make_strategy(const Problem& p, const Route& r,
   constexpr bool tensor_cores = !std::is_same_v<T, double>;
   if (r.kernel == Kernel::cuda_tensor_cores && !r.expanded) {
     if constexpr (tensor_cores) {
-      if (p.form == Form::factored) return std::make_unique<TcFactoredStrategy<T>>(p, operation);
-      return std::make_unique<TcDenseStrategy<T>>(p, operation);
+      if (p.form == Form::factored) {
+        return std::make_unique<TcFactoredStrategy<T>>(p, key_splits, operation);
+      }
+      return std::make_unique<TcDenseStrategy<T>>(p, key_splits, operation);
     }
   } else if (r.expanded) {
     if constexpr (wide) {

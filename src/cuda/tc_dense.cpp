@@ -15,9 +15,13 @@
 //      for a query that sees a key; 0 for a padding query (the factored path's combine with the
 //      identity for its output projection). lse and entropy are transposed to (batch, heads,
 //      queries).
-// The keys are the same cloud for every head: one attention launch per head reads X in place
-// (a head stride of 0 for the keys in the kernel would make it one launch), so the workspace
-// holds R, C, the bias terms and the float32 head outputs, lse and entropy, never H copies of X.
+// The keys are the same cloud for every head: one attention launch for every head and cloud reads
+// X in place (TcAttentionArgs::shared_keys), so the workspace holds R, C, the bias terms and the
+// float32 head outputs, lse and entropy, never H copies of X. The heads' outputs go to
+// per-head rows and the combine sums them in head order, so the result is the same run to run.
+// Key splits: as the float kernel's (choose_key_splits: a cross-attention of few query blocks,
+// decoding), each split's partial state in the workspace, merged in split order by the float
+// path's merge (launch_merge_splits, through launch_tc_attention) before the combine.
 // route() sends Algorithm::automatic and fused here; unfused (cuBLAS) never.
 #include "tc_dense.hpp"
 
@@ -37,6 +41,9 @@ namespace {
 
 // The kernel's limit is the capability function's (route() decides on kTensorCoreMaxDim).
 static_assert(kTcMaxDim == kTensorCoreMaxDim, "the tensor cores' width is route()'s rule");
+// The key splits' rule (choose_key_splits) is the float kernel's, for its tile geometry.
+static_assert(kTcBlockQueries == kFusedBlockQueries && kTcBlockKeys == kFusedBlockKeys,
+              "the tensor-core tiles are the float kernel's");
 
 template <class T>
 constexpr TcType tc_type() {
@@ -48,7 +55,7 @@ constexpr TcType tc_type() {
 }  // namespace
 
 template <class T>
-TcDenseStrategy<T>::TcDenseStrategy(const Problem& p, const char* operation)
+TcDenseStrategy<T>::TcDenseStrategy(const Problem& p, int key_splits, const char* operation)
     : batch_(static_cast<int>(p.batch)),
       tokens_(static_cast<int>(p.tokens)),
       queries_(static_cast<int>(p.query_tokens)),
@@ -65,6 +72,15 @@ TcDenseStrategy<T>::TcDenseStrategy(const Problem& p, const char* operation)
   heads_out_ = at.take(H * B * Nq * d, sizeof(float), "head outputs");
   lse_ = at.take(H * B * Nq, sizeof(float), "lse");
   entropy_ = at.take(entropy_out_ ? H * B * Nq : 0, sizeof(float), "entropy");
+  // The float kernel's rule (a cross-attention of few query blocks is split), on the same tile
+  // geometry; the splits' states are float32 whatever T is.
+  splits_ = choose_key_splits(B, H, Nq, N, p.cross, key_splits);
+  if (splits_.splits > 1) {
+    const std::int64_t S = splits_.splits;
+    split_rows_ = at.take(S * H * B * Nq * d, sizeof(float), "split rows");
+    split_lse_ = at.take(S * H * B * Nq, sizeof(float), "split lse");
+    split_entropy_ = at.take(S * H * B * Nq, sizeof(float), "split entropy");
+  }
   total_ = at.total();
 }
 
@@ -100,28 +116,34 @@ void TcDenseStrategy<T>::run(const PlanCall<T>& call, unsigned char* base, cudaS
                       stream, operation);
   }
 
-  const KernelMask mask = tc_kernel_mask(input);
-  const std::size_t query_rows = static_cast<std::size_t>(B) * Nq;
-  const std::size_t key_rows = static_cast<std::size_t>(B) * N;
-  for (int h = 0; h < H; ++h) {
-    TcAttentionArgs args;
-    args.type = tc_type<T>();
-    args.query = r + h * query_rows * d;
-    args.key = input.cloud;
-    args.value = c + h * key_rows * d;
-    args.key_bias = bias != nullptr ? bias + h * key_rows : nullptr;
-    args.scale = static_cast<float>(input.beta * 1.4426950408889634);
-    args.out = heads_out + h * query_rows * d;
-    args.lse = lse + h * query_rows;
-    args.entropy = entropy != nullptr ? entropy + h * query_rows : nullptr;
-    args.batch = B;
-    args.heads = 1;
-    args.tokens = N;
-    args.queries = Nq;
-    args.dim = d;
-    args.mask = mask;
-    launch_tc_attention(args, stream, operation);
+  // Every head and cloud in one launch: the keys are X itself for every head (shared_keys), the
+  // queries, values and bias terms per head. The heads' outputs are summed by the combine, in
+  // head order (deterministic).
+  TcAttentionArgs args;
+  args.type = tc_type<T>();
+  args.query = r;
+  args.key = input.cloud;
+  args.shared_keys = true;
+  args.value = c;
+  args.key_bias = bias;
+  args.scale = static_cast<float>(input.beta * 1.4426950408889634);
+  args.out = heads_out;
+  args.lse = lse;
+  args.entropy = entropy;
+  args.batch = B;
+  args.heads = H;
+  args.tokens = N;
+  args.queries = Nq;
+  args.dim = d;
+  args.split_keys = splits_.keys;
+  args.splits = splits_.splits;
+  if (splits_.splits > 1) {
+    args.split_out = reinterpret_cast<float*>(base + split_rows_);
+    args.split_lse = reinterpret_cast<float*>(base + split_lse_);
+    args.split_entropy = reinterpret_cast<float*>(base + split_entropy_);
   }
+  args.mask = tc_kernel_mask(input);
+  launch_tc_attention(args, stream, operation);
 
   launch_tc_combine<T>(tc_combine_args(heads_out, lse, entropy, output, H, B, Nq, d, d), nullptr,
                        input.layer.offset, output.update, stream, operation);

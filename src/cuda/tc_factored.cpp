@@ -13,7 +13,8 @@
 //      heads, queries).
 //
 // The projections and the combine are tc_projection.cu's, shared with the dense form
-// (tc_dense.cpp).
+// (tc_dense.cpp). Every head and cloud is one attention launch; key splits as the dense form's
+// (tc_dense.cpp): the float kernel's rule and merge.
 #include "tc_factored.hpp"
 
 #include <cuda_runtime.h>
@@ -40,7 +41,7 @@ constexpr TcType tc_type() {
 }  // namespace
 
 template <class T>
-TcFactoredStrategy<T>::TcFactoredStrategy(const Problem& p, const char* operation)
+TcFactoredStrategy<T>::TcFactoredStrategy(const Problem& p, int key_splits, const char* operation)
     : batch_(static_cast<int>(p.batch)),
       tokens_(static_cast<int>(p.tokens)),
       queries_(static_cast<int>(p.query_tokens)),
@@ -59,6 +60,15 @@ TcFactoredStrategy<T>::TcFactoredStrategy(const Problem& p, const char* operatio
   heads_out_ = at.take(H * B * Nq * r, sizeof(float), "head outputs");
   lse_ = at.take(H * B * Nq, sizeof(float), "lse");
   entropy_ = at.take(entropy_out_ ? H * B * Nq : 0, sizeof(float), "entropy");
+  // The float kernel's rule (a cross-attention of few query blocks is split), on the same tile
+  // geometry; the splits' states are float32 whatever T is.
+  splits_ = choose_key_splits(B, H, Nq, N, p.cross, key_splits);
+  if (splits_.splits > 1) {
+    const std::int64_t S = splits_.splits;
+    split_rows_ = at.take(S * H * B * Nq * r, sizeof(float), "split rows");
+    split_lse_ = at.take(S * H * B * Nq, sizeof(float), "split lse");
+    split_entropy_ = at.take(S * H * B * Nq, sizeof(float), "split entropy");
+  }
   total_ = at.total();
 }
 
@@ -113,6 +123,13 @@ void TcFactoredStrategy<T>::run(const PlanCall<T>& call, unsigned char* base, cu
   args.tokens = N;
   args.queries = Nq;
   args.dim = r;
+  args.split_keys = splits_.keys;
+  args.splits = splits_.splits;
+  if (splits_.splits > 1) {
+    args.split_out = reinterpret_cast<float*>(base + split_rows_);
+    args.split_lse = reinterpret_cast<float*>(base + split_lse_);
+    args.split_entropy = reinterpret_cast<float*>(base + split_entropy_);
+  }
   args.mask = tc_kernel_mask(input);
   launch_tc_attention(args, stream, operation);
 

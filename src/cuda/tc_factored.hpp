@@ -10,16 +10,19 @@
 #include "emflow/capability.hpp"
 #include "emflow/factored.hpp"
 #include "plan_strategy.hpp"
+#include "products_strategy.hpp"
 
 namespace emflow::detail {
 
 template <class T>
 class TcFactoredStrategy final : public PlanStrategy<T> {
  public:
-  /// The strategy of `problem` (the update of a factored layer, validated and routed).
-  TcFactoredStrategy(const Problem& problem, const char* operation);
+  /// The strategy of `problem` (the update of a factored layer, validated and routed);
+  /// `key_splits` as PlanOptions::key_splits (the float kernel's rule, choose_key_splits).
+  TcFactoredStrategy(const Problem& problem, int key_splits, const char* operation);
 
   std::size_t workspace_bytes() const noexcept override { return total_; }
+  int key_splits() const noexcept override { return splits_.splits; }
   void bind(int device, bool prepare, const char* operation) override;
   void run(const PlanCall<T>& call, unsigned char* workspace, cudaStream_t stream,
            const char* operation) const override;
@@ -29,6 +32,9 @@ class TcFactoredStrategy final : public PlanStrategy<T> {
   // Where each array lives in the workspace (byte offsets, each aligned).
   std::size_t query_ = 0, key_ = 0, value_ = 0, bias_ = 0, heads_out_ = 0, lse_ = 0;
   std::size_t entropy_ = 0, total_ = 0;
+  // Key splits (one when none) and their partial states before the merge.
+  KeySplits splits_;
+  std::size_t split_rows_ = 0, split_lse_ = 0, split_entropy_ = 0;
   bool key_bias_ = false, entropy_out_ = false;
 };
 

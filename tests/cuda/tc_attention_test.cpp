@@ -6,7 +6,8 @@
 // naive implementation in the same precision (float scores, softmax and sums, the probabilities
 // rounded to the 16-bit type before the product with V; for TF32 the naive kernel's operands
 // and probabilities are rounded to TF32, tc_reference.hpp), plus 1e-6 for cases both compute
-// exactly (entropy: a naive float kernel's -sum p ln p). Outputs are poisoned (NaN) before each
+// exactly (entropy: a naive float kernel's -sum p ln p); with key splits too (each split's
+// partial state merged by the float kernel's merge). Outputs are poisoned (NaN) before each
 // call. Skipped without a device; tests/cuda/emulation runs them on the CPU (the model of mma.sync
 // in kernels/mma.cuh).
 #include <gtest/gtest.h>
@@ -43,6 +44,7 @@ struct Case {
   Mask mask;
   std::vector<std::int64_t> key_lengths;  // empty: all keys; else also the query lengths
   bool bias;
+  int splits = 1;  // key splits asked for (whole 64-key tiles each; fewer when the keys are few)
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -122,6 +124,21 @@ TEST_P(TcAttention, MatchesTheDoubleReferenceWithinTwiceTheNaiveError) {
   if (!c.key_lengths.empty()) {
     args.mask.key_lengths = args.mask.query_lengths = dlengths.data();
   }
+  // Key splits: whole tiles per split and no empty split, as the plans choose them
+  // (choose_key_splits); the partial states in scratch, merged by the launch.
+  const int tiles = (c.tokens + detail::kTcBlockKeys - 1) / detail::kTcBlockKeys;
+  const int tiles_per_split = (tiles + c.splits - 1) / c.splits;
+  args.splits = (tiles + tiles_per_split - 1) / tiles_per_split;
+  args.split_keys = tiles_per_split * detail::kTcBlockKeys;
+  ASSERT_EQ(args.splits, c.splits) << c.name << ": the case's splits are not whole tiles";
+  const std::size_t split_stats = static_cast<std::size_t>(args.splits) * hb * c.queries;
+  cuda::DeviceBuffer<float> split_out(split_stats * c.dim), split_lse(split_stats),
+      split_entropy(split_stats);
+  if (args.splits > 1) {
+    args.split_out = split_out.data();
+    args.split_lse = split_lse.data();
+    args.split_entropy = split_entropy.data();
+  }
   // The kernel's shared memory is allowed on this device first, as a plan does when it is made.
   detail::prepare_tc_attention(args.type, args.dim, "tensor-core attention");
   detail::launch_tc_attention(args, stream, "tensor-core attention");
@@ -163,7 +180,32 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"tf32_N17_d100_causal_len", kTf32, 2, 2, 17, 17, 100, kCausal, {17, 9}, true},
         Case{"tf32_N70_d61_window5_len", kTf32, 2, 1, 70, 70, 61, kWindow5, {70, 0}, true},
         Case{"tf32_N130_d64_none_len", kTf32, 1, 1, 130, 130, 64, kNone, {97}, false},
-        Case{"tf32_N130_q5_d200_causal", kTf32, 1, 1, 130, 5, 200, kCausal, {}, true}),
+        Case{"tf32_N130_q5_d200_causal", kTf32, 1, 1, 130, 5, 200, kCausal, {}, true},
+        // Key splits: three of one tile each, key lengths and a window leaving a split without a
+        // visible key for some rows (partial states of no key merged), a cloud of no key, TF32.
+        Case{"bf16_N130_q3_d64_causal_split3", kBf16, 1, 2, 130, 3, 64, kCausal, {}, true, 3},
+        Case{"f16_N200_d40_window37_len_split4",
+             kF16,
+             2,
+             1,
+             200,
+             200,
+             40,
+             kWindow37,
+             {150, 200},
+             true,
+             4},
+        Case{"tf32_N130_d100_causal_len_split2",
+             kTf32,
+             2,
+             1,
+             130,
+             130,
+             100,
+             kCausal,
+             {130, 0},
+             false,
+             2}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 }  // namespace

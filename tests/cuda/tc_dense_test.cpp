@@ -209,8 +209,12 @@ struct OwnedStream {
   }
 };
 
+// One case through cuda::attend_async with PlanOptions::key_splits = `key_splits` (0: the
+// automatic choice, which the blocking form makes too, so their bits agree; else the blocking
+// form's automatic result is held to the rule's bound instead). *splits_taken: the plan's splits.
+// A split run is run twice: the merge's fixed order gives the same bits.
 template <class T>
-void check_case(const DenseCase& c) {
+void check_case(const DenseCase& c, int key_splits = 0, int* splits_taken = nullptr) {
   const Inputs in = make_inputs(c);
   const HostProblem<T> host(c, in);
   const auto B = static_cast<std::size_t>(c.batch), N = static_cast<std::size_t>(c.tokens);
@@ -247,16 +251,27 @@ void check_case(const DenseCase& c) {
                                   c.lse ? dentropy.data() : nullptr};
   constexpr Precision precision = tensor_core_precision<T>();
   constexpr cuda::Algorithm automatic = cuda::Algorithm::automatic;
-  const cuda::PlanOptions options{automatic, precision};
+  const cuda::PlanOptions options{automatic, precision, key_splits};
+  const int splits = cuda::AttentionPlan<T>(input, output, options).key_splits();
+  if (splits_taken != nullptr) *splits_taken = splits;
   const std::size_t bytes = cuda::attend_workspace_size(input, output, options);
   cuda::DeviceBuffer<unsigned char> workspace(bytes);
-  cuda::attend_async(input, output, workspace.data(), bytes, stream, options);
   std::vector<T> update(dupdate.size());
   std::vector<float> lse(c.lse ? dlse.size() : 0), entropy(lse.size());
-  dupdate.copy_to_host(update.data(), update.size(), stream);
-  if (c.lse) dlse.copy_to_host(lse.data(), lse.size(), stream);
-  if (c.lse) dentropy.copy_to_host(entropy.data(), entropy.size(), stream);
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  for (int run = 0; run < (splits > 1 ? 2 : 1); ++run) {
+    std::vector<T> previous = update;
+    std::vector<float> previous_lse = lse, previous_entropy = entropy;
+    cuda::attend_async(input, output, workspace.data(), bytes, stream, options);
+    dupdate.copy_to_host(update.data(), update.size(), stream);
+    if (c.lse) dlse.copy_to_host(lse.data(), lse.size(), stream);
+    if (c.lse) dentropy.copy_to_host(entropy.data(), entropy.size(), stream);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    if (run > 0) {
+      expect_same_bits(c.name, "update of a second split run", update, previous);
+      expect_same_bits(c.name, "lse of a second split run", lse, previous_lse);
+      expect_same_bits(c.name, "entropy of a second split run", entropy, previous_entropy);
+    }
+  }
 
   // The blocking form on the host arrays: the same kernels, so the same bits.
   std::vector<T> blocking_update(update.size(), poison<T>());
@@ -266,9 +281,11 @@ void check_case(const DenseCase& c) {
          AttentionOutput<T>{blocking_update.data(), c.lse ? blocking_lse.data() : nullptr,
                             c.lse ? blocking_entropy.data() : nullptr},
          {Device::cuda, 0, precision});
-  expect_same_bits(c.name, "update", blocking_update, update);
-  expect_same_bits(c.name, "lse", blocking_lse, lse);
-  expect_same_bits(c.name, "entropy", blocking_entropy, entropy);
+  if (key_splits == 0) {
+    expect_same_bits(c.name, "update", blocking_update, update);
+    expect_same_bits(c.name, "lse", blocking_lse, lse);
+    expect_same_bits(c.name, "entropy", blocking_entropy, entropy);
+  }
 
   const Expected exact = dense_attention(c, in, false);
   const Expected naive = dense_attention(c, in, true);
@@ -293,11 +310,29 @@ void check_case(const DenseCase& c) {
   }
   std::vector<double> got, got_lse(lse.begin(), lse.end());
   for (const T& value : update) got.push_back(as_float(value));
-  expect_accuracy_rule(c.name, {got, got_lse}, {exact.update, exact.lse},
-                       {naive.update, naive.lse});
+  const auto [naive_error, naive_lse_error] = expect_accuracy_rule(
+      c.name, {got, got_lse}, {exact.update, exact.lse}, {naive.update, naive.lse});
+  double naive_entropy_error = 0.0;
   if (c.lse) {
-    expect_entropy_rule(c.name, std::vector<double>(entropy.begin(), entropy.end()), exact.entropy,
-                        naive.entropy, exact.lse, c.tokens > 1);
+    naive_entropy_error =
+        expect_entropy_rule(c.name, std::vector<double>(entropy.begin(), entropy.end()),
+                            exact.entropy, naive.entropy, exact.lse, c.tokens > 1);
+  }
+  if (key_splits != 0) {
+    // Other splits than the automatic choice sum in another order: the two results agree within
+    // the rule's bound.
+    std::vector<double> blocking;
+    for (const T& value : blocking_update) blocking.push_back(as_float(value));
+    EXPECT_LE(max_difference(got, blocking), 2.0 * naive_error + 1e-6)
+        << c.name << ": " << key_splits << " splits against the automatic choice";
+    EXPECT_LE(
+        max_difference(got_lse, std::vector<double>(blocking_lse.begin(), blocking_lse.end())),
+        2.0 * naive_lse_error + 1e-6)
+        << c.name << ": lse, " << key_splits << " splits against the automatic choice";
+    EXPECT_LE(max_difference(std::vector<double>(entropy.begin(), entropy.end()),
+                             std::vector<double>(blocking_entropy.begin(), blocking_entropy.end())),
+              2.0 * naive_entropy_error + 1e-6)
+        << c.name << ": entropy, " << key_splits << " splits against the automatic choice";
   }
   if constexpr (std::is_same_v<T, float>) {
     // The rule alone would also pass the float32 products: TF32 must show (its operands carry 10
@@ -350,8 +385,80 @@ INSTANTIATE_TEST_SUITE_P(
             "tf32_N33_d64_causal_len", kTf32, 2, 2, 33, 0, 64, kCausal, {33, 0}, true, true, true},
         DenseCase{"tf32_N7_q33_d5_window5", kTf32, 1, 1, 7, 33, 5, kWindow5, {}, false, true, true},
         DenseCase{
-            "tf32_N130_d130_none_len", kTf32, 1, 1, 130, 0, 130, kNone, {97}, true, false, true}),
+            "tf32_N130_d130_none_len", kTf32, 1, 1, 130, 0, 130, kNone, {97}, true, false, true},
+        // Few queries against 600 keys: the automatic rule splits the keys in two (TcDenseSplits).
+        DenseCase{"bf16_N600_q3_d64_causal_split",
+                  kBf16,
+                  1,
+                  2,
+                  600,
+                  3,
+                  64,
+                  kCausal,
+                  {},
+                  true,
+                  true,
+                  true},
+        DenseCase{"f16_N600_q17_d40_window37_split",
+                  kF16,
+                  2,
+                  1,
+                  600,
+                  17,
+                  40,
+                  kWindow37,
+                  {},
+                  false,
+                  true,
+                  true},
+        DenseCase{"tf32_N600_q2_d130_none_split",
+                  kTf32,
+                  1,
+                  2,
+                  600,
+                  2,
+                  130,
+                  kNone,
+                  {},
+                  true,
+                  false,
+                  true}),
     [](const ::testing::TestParamInfo<DenseCase>& info) { return std::string(info.param.name); });
+
+// Key splits on the tensor cores (flash-decoding, the float kernel's rule and merge): a few
+// queries against many keys are split by the automatic rule (and then deterministic, checked in
+// check_case), and asking for one split, or for others, gives a result within the rule's bound of
+// the automatic one and of the double result.
+TEST(TcDenseSplits, SplitAndUnsplitKeysAgreeWithinTheRule) {
+  EMFLOW_REQUIRE_CUDA();
+  const DenseCase bf16{
+      "bf16_N600_q3_d64_causal", kBf16, 1, 2, 600, 3, 64, kCausal, {}, true, true, true};
+  int splits = 0;
+  check_case<bfloat16>(bf16, 0, &splits);
+  EXPECT_EQ(splits, 2) << "the automatic rule splits 3 queries against 600 keys";
+  check_case<bfloat16>(bf16, 1, &splits);
+  EXPECT_EQ(splits, 1);
+  check_case<bfloat16>(bf16, 5, &splits);
+  EXPECT_EQ(splits, 5);
+  // Self-attention is never split by the rule; asked for, its splits hold key lengths and the
+  // window's rows that see no key of a split.
+  const DenseCase tf32{"tf32_N130_d40_window37_len",
+                       kTf32,
+                       2,
+                       2,
+                       130,
+                       0,
+                       40,
+                       kWindow37,
+                       {130, 70},
+                       true,
+                       true,
+                       true};
+  check_case<float>(tf32, 0, &splits);
+  EXPECT_EQ(splits, 1) << "self-attention is not split";
+  check_case<float>(tf32, 3, &splits);
+  EXPECT_EQ(splits, 3);
+}
 
 // What the tensor-core path does not compute or cannot run is refused by name, before any
 // device work (these checks read no memory and run without a device).

@@ -198,8 +198,11 @@ std::vector<double> widened(const std::vector<T>& values) {
   return out;
 }
 
+// One case through cuda::attend_factored_async with PlanOptions::key_splits = `key_splits` (0:
+// the automatic choice, which the blocking form makes too, so their bits agree; else the blocking
+// form's result is held to the rule's bound instead, and the plan must take that many splits).
 template <class T>
-void check_case(const FactoredCase& c) {
+void check_case(const FactoredCase& c, int key_splits = 0) {
   const Inputs in = make_inputs(c);
   const HostProblem<T> host(c, in);
   const auto B = static_cast<std::size_t>(c.batch), N = static_cast<std::size_t>(c.tokens);
@@ -245,7 +248,12 @@ void check_case(const FactoredCase& c) {
                                c.bias ? dbias.data() : nullptr,
                                c.offset ? doffset.data() : nullptr};
   const AttentionOutput<T> output{dupdate.data(), dlse.data(), dentropy.data()};
-  const cuda::PlanOptions options{cuda::Algorithm::automatic, tensor_core_precision<T>()};
+  const cuda::PlanOptions options{cuda::Algorithm::automatic, tensor_core_precision<T>(),
+                                  key_splits};
+  if (key_splits != 0) {
+    EXPECT_EQ(cuda::AttentionPlan<T>(input, layer, output, options).key_splits(), key_splits)
+        << c.name;
+  }
   const std::size_t bytes = cuda::attend_factored_workspace_size(input, layer, output, options);
   cuda::DeviceBuffer<unsigned char> workspace(bytes);
   cuda::attend_factored_async(input, layer, output, workspace.data(), bytes, stream, options);
@@ -264,9 +272,11 @@ void check_case(const FactoredCase& c) {
       host.input, host.layer,
       AttentionOutput<T>{blocking_update.data(), blocking_lse.data(), blocking_entropy.data()},
       {Device::cuda, 0, options.precision});
-  expect_same_bits(c.name, "update", blocking_update, update);
-  expect_same_bits(c.name, "lse", blocking_lse, lse);
-  expect_same_bits(c.name, "entropy", blocking_entropy, entropy);
+  if (key_splits == 0) {
+    expect_same_bits(c.name, "update", blocking_update, update);
+    expect_same_bits(c.name, "lse", blocking_lse, lse);
+    expect_same_bits(c.name, "entropy", blocking_entropy, entropy);
+  }
 
   // The CPU's 16-bit path on the same arrays.
   std::vector<T> cpu_update(update.size(), poison<T>());
@@ -290,6 +300,20 @@ void check_case(const FactoredCase& c) {
   const std::vector<double> cpu_entropy_d(cpu_entropy.begin(), cpu_entropy.end());
   EXPECT_LE(max_difference(got_entropy, cpu_entropy_d), 3.0 * naive_entropy_error + 1e-6)
       << c.name << ": entropy against the CPU";
+  if (key_splits != 0) {
+    // The keys split otherwise than the blocking form's automatic choice (none, for
+    // self-attention): another order of the sums, within the rule's bound.
+    EXPECT_LE(max_difference(got, widened(blocking_update)), 2.0 * naive_error + 1e-6)
+        << c.name << ": " << key_splits << " splits against none";
+    EXPECT_LE(
+        max_difference(got_lse, std::vector<double>(blocking_lse.begin(), blocking_lse.end())),
+        2.0 * naive_lse_error + 1e-6)
+        << c.name << ": lse, " << key_splits << " splits against none";
+    EXPECT_LE(max_difference(got_entropy,
+                             std::vector<double>(blocking_entropy.begin(), blocking_entropy.end())),
+              2.0 * naive_entropy_error + 1e-6)
+        << c.name << ": entropy, " << key_splits << " splits against none";
+  }
 }
 
 class TcFactored : public ::testing::TestWithParam<FactoredCase> {};
@@ -320,6 +344,23 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<FactoredCase>& info) {
       return std::string(info.param.name);
     });
+
+// Key splits asked for on the factored form (PlanOptions::key_splits; the rule never splits
+// self-attention): the float kernel's merge of the splits' partial states, within the rule of the
+// double result and of the unsplit one, with key lengths, a window and a cloud of no key.
+TEST(TcFactoredSplits, RequestedSplitsAgreeWithTheUnsplitResultWithinTheRule) {
+  EMFLOW_REQUIRE_CUDA();
+  check_case<bfloat16>(
+      FactoredCase{
+          "bf16_N130_d24_r16_causal_len", kBf16, 2, 2, 130, 24, 16, kCausal, {130, 70}, true, true},
+      3);
+  check_case<float16>(
+      FactoredCase{
+          "f16_N200_d20_r40_window5_len", kF16, 2, 1, 200, 20, 40, kWindow5, {200, 0}, false, true},
+      2);
+  check_case<float>(
+      FactoredCase{"tf32_N130_d16_r36_none", kTf32, 1, 2, 130, 16, 36, kNone, {}, true, false}, 3);
+}
 
 // The tensor-core path does not compute the weights: refused by name before any device work
 // (these checks run without a device).

@@ -52,6 +52,8 @@ SMALL+=':Blocks/*/cuda_f??_B1_H1_N1_*:Blocks/*/cuda_f??_B2_H2_N65_*'
 # 16-bit input, and the blocking forms on the device).
 SMALL+=':Kinds/Mma.*:Cases/TcAttention.*:Cases/TcFactored.*:TcFactoredRefusals.*'
 SMALL+=':Cases/TcDense.*:TcDenseRefusals.*'
+# Key splits on the tensor cores: split against unsplit, asked for and automatic.
+SMALL+=':TcDenseSplits.*:TcFactoredSplits.*'
 # The device decode cache: token by token against the host cache, split keys, refusals.
 SMALL+=':CudaDecode.*'
 # The public plan (cuda::AttentionPlan): every strategy made once and run twice against the
