@@ -45,9 +45,14 @@ toolkit_roots() {
     root=$(sed -n 's|^exec \(/[^ "]*\)/bin/nvcc.*|\1|p' "$nvcc" 2>/dev/null | head -n 1)
     [[ -n "$root" ]] && candidates+=("$root")
   fi
+  # A toolkit holds its headers itself: a folder whose include/cuda_runtime.h is only a link into
+  # one (/usr/local, reached through a wrapper /usr/local/bin/nvcc) is not a root, and hiding it
+  # would hide everything else installed there.
   for root in "${candidates[@]}"; do
-    [[ -d "$root/include" && -f "$root/include/cuda_runtime.h" ]] && readlink -f "$root"
-  done | sort -u
+    [[ -f "$root/include/cuda_runtime.h" && ! -L "$root/include/cuda_runtime.h" ]] &&
+      readlink -f "$root"
+  done | sort -u | awk '{ for (i = 1; i <= n; i++) if (index($0, kept[i] "/") == 1) next
+                          kept[++n] = $0; print }'
 }
 
 # The build the script makes when given no command: the library, the CLI and one test suite,
