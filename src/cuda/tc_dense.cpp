@@ -45,13 +45,6 @@ static_assert(kTcMaxDim == kTensorCoreMaxDim, "the tensor cores' width is route(
 static_assert(kTcBlockQueries == kFusedBlockQueries && kTcBlockKeys == kFusedBlockKeys,
               "the tensor-core tiles are the float kernel's");
 
-template <class T>
-constexpr TcType tc_type() {
-  return std::is_same_v<T, float>      ? TcType::tf32
-         : std::is_same_v<T, bfloat16> ? TcType::bf16
-                                       : TcType::f16;
-}
-
 }  // namespace
 
 template <class T>
@@ -61,26 +54,14 @@ TcDenseStrategy<T>::TcDenseStrategy(const Problem& p, int key_splits, const char
       queries_(static_cast<int>(p.query_tokens)),
       dim_(static_cast<int>(p.dim)),
       heads_(static_cast<int>(p.heads)),
-      key_bias_(p.key_bias),
-      entropy_out_(p.entropy) {
+      key_bias_(p.key_bias) {
   // Every size fits in int64 (check_shapes) and the rows in int (route()'s index limit).
   const std::int64_t H = heads_, B = batch_, N = tokens_, Nq = queries_, d = dim_;
   WorkspaceCursor at(operation);
   query_ = at.take(H * B * Nq * d, sizeof(T), "relevance");
   value_ = at.take(H * B * N * d, sizeof(T), "content");
   bias_ = at.take(key_bias_ ? H * B * N : 0, sizeof(float), "key bias terms");
-  heads_out_ = at.take(H * B * Nq * d, sizeof(float), "head outputs");
-  lse_ = at.take(H * B * Nq, sizeof(float), "lse");
-  entropy_ = at.take(entropy_out_ ? H * B * Nq : 0, sizeof(float), "entropy");
-  // The float kernel's rule (a cross-attention of few query blocks is split), on the same tile
-  // geometry; the splits' states are float32 whatever T is.
-  splits_ = choose_key_splits(B, H, Nq, N, p.cross, key_splits);
-  if (splits_.splits > 1) {
-    const std::int64_t S = splits_.splits;
-    split_rows_ = at.take(S * H * B * Nq * d, sizeof(float), "split rows");
-    split_lse_ = at.take(S * H * B * Nq, sizeof(float), "split lse");
-    split_entropy_ = at.take(S * H * B * Nq, sizeof(float), "split entropy");
-  }
+  state_.take(at, p, d, key_splits);
   total_ = at.total();
 }
 
@@ -102,9 +83,6 @@ void TcDenseStrategy<T>::run(const PlanCall<T>& call, unsigned char* base, cudaS
   T* const r = reinterpret_cast<T*>(base + query_);
   T* const c = reinterpret_cast<T*>(base + value_);
   float* const bias = key_bias_ ? reinterpret_cast<float*>(base + bias_) : nullptr;
-  float* const heads_out = reinterpret_cast<float*>(base + heads_out_);
-  float* const lse = reinterpret_cast<float*>(base + lse_);
-  float* const entropy = entropy_out_ ? reinterpret_cast<float*>(base + entropy_) : nullptr;
   const T* const queries = input.queries != nullptr ? input.queries : input.cloud;
 
   launch_tc_project(input.layer.relevance, TcWeights::transposed, queries, r, H, B * Nq, d, d,
@@ -119,34 +97,10 @@ void TcDenseStrategy<T>::run(const PlanCall<T>& call, unsigned char* base, cudaS
   // Every head and cloud in one launch: the keys are X itself for every head (shared_keys), the
   // queries, values and bias terms per head. The heads' outputs are summed by the combine, in
   // head order (deterministic).
-  TcAttentionArgs args;
-  args.type = tc_type<T>();
-  args.query = r;
-  args.key = input.cloud;
-  args.shared_keys = true;
-  args.value = c;
-  args.key_bias = bias;
-  args.scale = static_cast<float>(input.beta * 1.4426950408889634);
-  args.out = heads_out;
-  args.lse = lse;
-  args.entropy = entropy;
-  args.batch = B;
-  args.heads = H;
-  args.tokens = N;
-  args.queries = Nq;
-  args.dim = d;
-  args.split_keys = splits_.keys;
-  args.splits = splits_.splits;
-  if (splits_.splits > 1) {
-    args.split_out = reinterpret_cast<float*>(base + split_rows_);
-    args.split_lse = reinterpret_cast<float*>(base + split_lse_);
-    args.split_entropy = reinterpret_cast<float*>(base + split_entropy_);
-  }
-  args.mask = tc_kernel_mask(input);
-  launch_tc_attention(args, stream, operation);
-
-  launch_tc_combine<T>(tc_combine_args(heads_out, lse, entropy, output, H, B, Nq, d, d), nullptr,
-                       input.layer.offset, output.update, stream, operation);
+  launch_tc_attention(state_.args(base, input, r, input.cloud, /*shared_keys=*/true, c, bias),
+                      stream, operation);
+  launch_tc_combine<T>(state_.combine_args(base, output, d), nullptr, input.layer.offset,
+                       output.update, stream, operation);
 }
 
 template class TcDenseStrategy<bfloat16>;

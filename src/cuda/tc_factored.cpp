@@ -29,17 +29,6 @@
 
 namespace emflow::detail {
 
-namespace {
-
-template <class T>
-constexpr TcType tc_type() {
-  return std::is_same_v<T, float>      ? TcType::tf32
-         : std::is_same_v<T, bfloat16> ? TcType::bf16
-                                       : TcType::f16;
-}
-
-}  // namespace
-
 template <class T>
 TcFactoredStrategy<T>::TcFactoredStrategy(const Problem& p, int key_splits, const char* operation)
     : batch_(static_cast<int>(p.batch)),
@@ -48,8 +37,7 @@ TcFactoredStrategy<T>::TcFactoredStrategy(const Problem& p, int key_splits, cons
       dim_(static_cast<int>(p.dim)),
       heads_(static_cast<int>(p.heads)),
       rank_(static_cast<int>(p.rank)),
-      key_bias_(p.key_bias),
-      entropy_out_(p.entropy) {
+      key_bias_(p.key_bias) {
   // Every size fits in int64 (the plan's checks) and the rows in int (route()'s index limit).
   const std::int64_t H = heads_, B = batch_, N = tokens_, Nq = queries_, r = rank_;
   WorkspaceCursor at(operation);
@@ -57,18 +45,7 @@ TcFactoredStrategy<T>::TcFactoredStrategy(const Problem& p, int key_splits, cons
   key_ = at.take(H * B * N * r, sizeof(T), "keys");
   value_ = at.take(H * B * N * r, sizeof(T), "values");
   bias_ = at.take(key_bias_ ? H * B * N : 0, sizeof(float), "key bias terms");
-  heads_out_ = at.take(H * B * Nq * r, sizeof(float), "head outputs");
-  lse_ = at.take(H * B * Nq, sizeof(float), "lse");
-  entropy_ = at.take(entropy_out_ ? H * B * Nq : 0, sizeof(float), "entropy");
-  // The float kernel's rule (a cross-attention of few query blocks is split), on the same tile
-  // geometry; the splits' states are float32 whatever T is.
-  splits_ = choose_key_splits(B, H, Nq, N, p.cross, key_splits);
-  if (splits_.splits > 1) {
-    const std::int64_t S = splits_.splits;
-    split_rows_ = at.take(S * H * B * Nq * r, sizeof(float), "split rows");
-    split_lse_ = at.take(S * H * B * Nq, sizeof(float), "split lse");
-    split_entropy_ = at.take(S * H * B * Nq, sizeof(float), "split entropy");
-  }
+  state_.take(at, p, r, key_splits);
   total_ = at.total();
 }
 
@@ -92,9 +69,6 @@ void TcFactoredStrategy<T>::run(const PlanCall<T>& call, unsigned char* base, cu
   T* const k = reinterpret_cast<T*>(base + key_);
   T* const v = reinterpret_cast<T*>(base + value_);
   float* const bias = key_bias_ ? reinterpret_cast<float*>(base + bias_) : nullptr;
-  float* const heads_out = reinterpret_cast<float*>(base + heads_out_);
-  float* const lse = reinterpret_cast<float*>(base + lse_);
-  float* const entropy = entropy_out_ ? reinterpret_cast<float*>(base + entropy_) : nullptr;
   const T* const queries = input.queries != nullptr ? input.queries : input.cloud;
 
   launch_tc_project(layer.query_factor, TcWeights::rows, queries, q, H, B * Nq, d, r, stream,
@@ -108,33 +82,10 @@ void TcFactoredStrategy<T>::run(const PlanCall<T>& call, unsigned char* base, cu
                       operation);
   }
 
-  TcAttentionArgs args;
-  args.type = tc_type<T>();
-  args.query = q;
-  args.key = k;
-  args.value = v;
-  args.key_bias = bias;
-  args.scale = static_cast<float>(input.beta * 1.4426950408889634);
-  args.out = heads_out;
-  args.lse = lse;
-  args.entropy = entropy;
-  args.batch = B;
-  args.heads = H;
-  args.tokens = N;
-  args.queries = Nq;
-  args.dim = r;
-  args.split_keys = splits_.keys;
-  args.splits = splits_.splits;
-  if (splits_.splits > 1) {
-    args.split_out = reinterpret_cast<float*>(base + split_rows_);
-    args.split_lse = reinterpret_cast<float*>(base + split_lse_);
-    args.split_entropy = reinterpret_cast<float*>(base + split_entropy_);
-  }
-  args.mask = tc_kernel_mask(input);
-  launch_tc_attention(args, stream, operation);
-
-  launch_tc_combine(tc_combine_args(heads_out, lse, entropy, output, H, B, Nq, d, r),
-                    layer.content_up, layer.offset, output.update, stream, operation);
+  launch_tc_attention(state_.args(base, input, q, k, /*shared_keys=*/false, v, bias), stream,
+                      operation);
+  launch_tc_combine(state_.combine_args(base, output, d), layer.content_up, layer.offset,
+                    output.update, stream, operation);
 }
 
 template class TcFactoredStrategy<bfloat16>;

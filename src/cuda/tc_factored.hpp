@@ -11,6 +11,7 @@
 #include "emflow/factored.hpp"
 #include "plan_strategy.hpp"
 #include "products_strategy.hpp"
+#include "tc_state.hpp"
 
 namespace emflow::detail {
 
@@ -22,7 +23,7 @@ class TcFactoredStrategy final : public PlanStrategy<T> {
   TcFactoredStrategy(const Problem& problem, int key_splits, const char* operation);
 
   std::size_t workspace_bytes() const noexcept override { return total_; }
-  int key_splits() const noexcept override { return splits_.splits; }
+  int key_splits() const noexcept override { return state_.key_splits(); }
   void bind(int device, bool prepare, const char* operation) override;
   void run(const PlanCall<T>& call, unsigned char* workspace, cudaStream_t stream,
            const char* operation) const override;
@@ -30,12 +31,9 @@ class TcFactoredStrategy final : public PlanStrategy<T> {
  private:
   int batch_ = 0, tokens_ = 0, queries_ = 0, dim_ = 0, heads_ = 0, rank_ = 0;
   // Where each array lives in the workspace (byte offsets, each aligned).
-  std::size_t query_ = 0, key_ = 0, value_ = 0, bias_ = 0, heads_out_ = 0, lse_ = 0;
-  std::size_t entropy_ = 0, total_ = 0;
-  // Key splits (one when none) and their partial states before the merge.
-  KeySplits splits_;
-  std::size_t split_rows_ = 0, split_lse_ = 0, split_entropy_ = 0;
-  bool key_bias_ = false, entropy_out_ = false;
+  std::size_t query_ = 0, key_ = 0, value_ = 0, bias_ = 0, total_ = 0;
+  TcAttentionState state_;  // the head outputs and the key splits' states
+  bool key_bias_ = false;
 };
 
 extern template class TcFactoredStrategy<bfloat16>;
