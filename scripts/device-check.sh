@@ -19,7 +19,8 @@
 #
 # Environment: JOBS (16), BUILD (build-device), PREBUILT (build-device-prebuilt),
 # BENCH_MIN_TIME (0.05 seconds per benchmark), BENCH_FILTER (all), DEPS_PREFIX (none),
-# SANITIZER_LIMIT (210 seconds for each compute-sanitizer tool).
+# SANITIZER_LIMIT (210 seconds for each compute-sanitizer tool). Nsight Compute (ncu) profiles
+# the tensor-core kernel last, where it is installed and time is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -65,6 +66,10 @@ exec > >(tee "$LOG") 2>&1
 START=$(date +%s)
 elapsed() { echo $(($(date +%s) - START)); }
 declare -a TABLE
+# The tensor-core tests' "[margin]" lines (tests/cuda/tc_reference.hpp): each case's error against
+# the naive implementation's, summarised after the table.
+MARGINS="$LOG_DIR/device-check-margins.txt"
+: >"$MARGINS"
 record() { TABLE+=("$(printf '%-22s %-44s %6ss' "$1" "$2" "$3")"); }
 over_budget() { (($(elapsed) > BUDGET_S)); }
 
@@ -117,6 +122,7 @@ run_step() {  # $1 name, $2 timeout seconds, rest: command
   t0=$(elapsed)
   timeout "$limit" "$@" 2>&1 | tee "$LOG_DIR/.step.out"
   status=${PIPESTATUS[0]}
+  grep -E '^\[margin\] ' "$LOG_DIR/.step.out" >>"$MARGINS" || true
   summary=$(grep -E '^\[ +(PASSED|FAILED|SKIPPED) +\] [0-9]+ test' "$LOG_DIR/.step.out" |
     sed -E 's/^\[ *([A-Z]+) *\] ([0-9]+) tests?.*/\2 \1/' | tr '\n' ' ' | tr '[:upper:]' '[:lower:]')
   grep -q "ERROR SUMMARY" "$LOG_DIR/.step.out" &&
@@ -213,12 +219,46 @@ if [[ "$BENCH_FILTER" == "." ]]; then
   run_step "benchmarks: cuDNN bf16" 60 "$BENCH" --benchmark_min_time="$BENCH_MIN_TIME" \
     --benchmark_filter=BM_CudnnSdpa --benchmark_out="$CUDNN_JSON" --benchmark_out_format=json
 fi
+# 5. Nsight Compute on the tensor-core attention kernel, where ncu is installed and time is left:
+#    bf16 at d = 64 and 128 and TF32 at d = 128 (N = 4096, not causal), one launch each: its
+#    throughput against the peaks, occupancy (registers, shared memory, blocks per SM), the
+#    tensor pipe's use, shared-memory bank conflicts of loads and stores, and the warps' stall
+#    reasons, to hold against the predictions in kernels/tc_attention.cu and docs/PERF.md.
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+if [[ ! -x "$NCU" ]]; then
+  record "nsight compute" "skipped (ncu not installed)" 0
+elif [[ ! -x "$BENCH" ]] || over_budget; then
+  record "nsight compute" "skipped (time budget or no binary)" 0
+else
+  for shape in "d:64/causal:0/tf32:0 bf16 d=64" "d:128/causal:0/tf32:0 bf16 d=128" \
+    "d:128/causal:0/tf32:1 tf32 d=128"; do
+    filter=${shape%% *}
+    run_step "ncu: ${shape#* }" 60 "$NCU" --kernel-name regex:tc_attention_kernel \
+      --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
+      --section WarpStateStats --metrics "$(printf '%s,' \
+      sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
+      l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum \
+      l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum \
+      smsp__inst_executed_op_ldsm.sum | sed 's/,$//')" \
+      "$BENCH" --benchmark_filter="BM_TensorCore/N:4096/$filter" --benchmark_min_time=0.01
+  done
+fi
 rm -f "$LOG_DIR/.step.out"
 
-# 5. The table, last.
+# 6. The table, last.
 echo
 echo "== device check summary ($(elapsed) s in all; commit $COMMIT)"
 printf '%s\n' "${TABLE[@]}"
+if [[ -s "$MARGINS" ]]; then
+  # Per suite and quantity: cases, the largest error / naive error (the rule allows 2), and the
+  # worst case's name.
+  echo
+  echo "accuracy rule on the hardware: error / naive error per tensor-core suite (the rule allows 2)"
+  awk '{ key = $2 " " $4; n[key]++
+         if (!(key in worst) || $10 > worst[key]) { worst[key] = $10; name[key] = $3 } }
+       END { for (k in n) printf "  %-44s %4d cases  worst %6.3f  (%s)\n", k, n[k], worst[k], name[k] }' \
+    "$MARGINS" | sort
+fi
 if [[ -s "$BENCH_JSON" ]] && command -v python3 >/dev/null 2>&1; then
   echo
   python3 - "$BENCH_JSON" "$CUDNN_JSON" "$TC_JSON" <<'EOF'

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -252,6 +253,18 @@ inline double max_difference(const std::vector<double>& got, const std::vector<d
   return e;
 }
 
+// One line per checked quantity of a tensor-core case, "[margin] SUITE CASE QUANTITY error E
+// naive N ratio R": how close the case came to the accuracy rule (ratio at most 2, or an error
+// within 1e-6 where the naive one is 0), which scripts/device-check.sh gathers into a table of
+// the rule's margin on the hardware.
+inline void print_margin(const char* name, const char* quantity, double error, double naive) {
+  const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
+  const char* suite = test != nullptr ? test->test_suite_name() : "-";
+  const double ratio = naive > 0.0 ? error / naive : 0.0;
+  std::printf("[margin] %s %s %s error %.3e naive %.3e ratio %.3f\n", suite, name, quantity,
+              error, naive, ratio);
+}
+
 // A result of a 16-bit attention (the update or output, and lse) against the double result of
 // the same rounded inputs and a naive implementation in the same precision.
 struct RuleCheck {
@@ -283,10 +296,12 @@ inline std::pair<double, double> expect_accuracy_rule(const char* name, const Ru
   EXPECT_GT(magnitude, 0.05) << name << ": the outputs must not be near zero";
   const double naive_out = max_difference(naive.out, exact.out);
   const double naive_lse = max_difference(naive.lse, exact.lse);
-  EXPECT_LE(max_difference(got.out, exact.out), 2.0 * naive_out + 1e-6)
-      << name << ": naive error " << naive_out;
-  EXPECT_LE(max_difference(got.lse, exact.lse), 2.0 * naive_lse + 1e-6)
-      << name << ": naive lse error " << naive_lse;
+  const double error_out = max_difference(got.out, exact.out);
+  const double error_lse = max_difference(got.lse, exact.lse);
+  print_margin(name, "update", error_out, naive_out);
+  print_margin(name, "lse", error_lse, naive_lse);
+  EXPECT_LE(error_out, 2.0 * naive_out + 1e-6) << name << ": naive error " << naive_out;
+  EXPECT_LE(error_lse, 2.0 * naive_lse + 1e-6) << name << ": naive lse error " << naive_lse;
   return {naive_out, naive_lse};
 }
 
@@ -311,8 +326,9 @@ inline double expect_entropy_rule(const char* name, const std::vector<double>& g
     EXPECT_GT(largest, 0.1) << name << ": the entropies must not vanish";
   }
   const double naive_error = max_difference(naive, exact);
-  EXPECT_LE(max_difference(got, exact), 2.0 * naive_error + 1e-6)
-      << name << ": naive entropy error " << naive_error;
+  const double error = max_difference(got, exact);
+  print_margin(name, "entropy", error, naive_error);
+  EXPECT_LE(error, 2.0 * naive_error + 1e-6) << name << ": naive entropy error " << naive_error;
   return naive_error;
 }
 
