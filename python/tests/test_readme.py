@@ -1,8 +1,11 @@
-"""The README's Python example is python/tests/example.py verbatim, and it runs."""
+"""The README's Python examples are python/tests/example.py and train_example.py verbatim, and
+they run."""
 import os
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
 EXAMPLE = HERE / "example.py"
@@ -24,3 +27,24 @@ def test_example_runs():
     assert lines[1] == "lse: [1.0, 1.3133, 2.5514]"
     start, end = eval(lines[2].split(":")[1])
     assert start > 50 and 1 <= end < 10
+
+
+TRAIN_EXAMPLE = HERE / "train_example.py"
+
+
+def test_readme_shows_the_training_example_verbatim():
+    assert "```python\n" + TRAIN_EXAMPLE.read_text() + "```" in README.read_text(), (
+        "README.md does not show python/tests/train_example.py verbatim in a ```python block")
+
+
+def test_training_example_fits_the_clustering(tmp_path):
+    pytest.importorskip("torch")
+    svg = tmp_path / "loss.svg"
+    done = subprocess.run([sys.executable, str(TRAIN_EXAMPLE), str(svg)], capture_output=True,
+                          text=True, check=True, timeout=300)
+    start, end = (float(v) for v in done.stdout.split(":")[1].split("->"))
+    # Random clouds start about 1 from their poles (2 - 2 E|x_1| on the sphere); the fitted head
+    # must bring them at least ten times closer.
+    assert 0.5 < start < 1.5 and end < start / 10, done.stdout
+    picture = svg.read_text()
+    assert picture.startswith("<svg") and picture.count(",") >= 200
