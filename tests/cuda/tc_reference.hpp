@@ -261,8 +261,8 @@ inline void print_margin(const char* name, const char* quantity, double error, d
   const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
   const char* suite = test != nullptr ? test->test_suite_name() : "-";
   const double ratio = naive > 0.0 ? error / naive : 0.0;
-  std::printf("[margin] %s %s %s error %.3e naive %.3e ratio %.3f\n", suite, name, quantity,
-              error, naive, ratio);
+  std::printf("[margin] %s %s %s error %.3e naive %.3e ratio %.3f\n", suite, name, quantity, error,
+              naive, ratio);
 }
 
 // A result of a 16-bit attention (the update or output, and lse) against the double result of
