@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "emflow/attention.hpp"
 #include "emflow/decode.hpp"
@@ -126,7 +127,25 @@ struct Machine {
   bool cuda_built = false;   ///< emflow was built with the CUDA backend
   bool cuda_device = false;  ///< and a device is usable
   std::string cuda_reason;   ///< why not, when !cuda_device
-  bool avx512_bf16 = false;  ///< the processor has AVX512-BF16 (cpu_bf16)
+  bool avx512_bf16 = false;  ///< the processor has AVX512-BF16, not disabled (cpu_bf16)
+  /// The processor: its CPUID brand string with family and model ("" where unknown) and the
+  /// extensions found of avx2, fma, f16c, bmi2, avx512f, avx512dq, avx512bw, avx512vl,
+  /// avx512vnni, avx512vbmi, avx512bf16, avx512fp16, amx-tile, amx-bf16, amx-int8 (each only
+  /// where the operating system saves its registers).
+  std::string cpu_name;
+  std::vector<std::string> cpu_features;
+  /// The extensions the environment variable EMFLOW_CPU_DISABLE lists (comma-separated): the
+  /// paths that need them are not taken (cpu_bf16 without avx512bf16), a way to test the others.
+  std::vector<std::string> cpu_disabled;
+  /// What the fused CPU engine (src/cpu) was compiled for, the build host's target by default
+  /// (EMFLOW_NATIVE): its vector width ("avx512", "avx2+fma", "avx", "sse2", "generic") and the
+  /// extensions of the list above that its code may use.
+  std::string cpu_instruction_set;
+  std::vector<std::string> cpu_compiled_for;
+  /// Those of cpu_compiled_for this processor lacks, space-separated ("" when none): the
+  /// engine would stop on an illegal instruction, so its kernels are refused with the reason
+  /// (the double reference still runs on Device::reference).
+  std::string cpu_missing;
 };
 
 /// This process's machine.

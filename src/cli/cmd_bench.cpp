@@ -34,6 +34,7 @@
 #include "emflow/decode.hpp"
 #include "emflow/memory.hpp"
 #include "emflow/precision.hpp"
+#include "machine.hpp"
 #include "storage.hpp"
 #include "tools/blas_baseline.hpp"
 #include "tools/measure.hpp"
@@ -334,7 +335,7 @@ void time_bench(const BenchArguments& args, const Mask& mask,
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const auto iterations = static_cast<std::int64_t>(
         std::max(1.0, std::ceil(static_cast<double>(1 << 20) * 0.3 / std::max(seconds, 1e-6))));
-    measurements.emplace_back("fma_peak", false, isa, [threads, iterations] {
+    measurements.emplace_back("fma_peak", false, isa + machine_json(), [threads, iterations] {
       return tools::fma_peak_work(threads, iterations);
     });
   }

@@ -9,10 +9,12 @@
 #include "emflow/distributed.hpp"
 #include "emflow/error.hpp"
 #include "job.hpp"
+#include "machine.hpp"
 
 int main(int argc, char** argv) try {
   CLI::App app{"emflow: EMF attention and the flow of token clouds", "emflow"};
-  app.set_version_flag("--version", std::string("emflow ") + EMFLOW_CLI_VERSION);
+  // The version, the processor's extensions and the path of each storage type (machine.hpp).
+  app.set_version_flag("--version", [] { return emflow::cli::version_text(); });
   app.require_subcommand(1);
   // Usage errors read like every other error: one line, "emflow: error: ...".
   app.failure_message([](const CLI::App*, const CLI::Error& e) {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "emflow/attention.hpp"
 #include "emflow/capability.hpp"
@@ -49,6 +50,34 @@ void cpu_attend_factored(const AttentionInput<float>& input, const FactoredLayer
 
 /// Whether this processor has AVX512-BF16, which cpu_attend_bf16 needs (Machine::avx512_bf16).
 bool cpu_bf16_available();
+
+/// The processor as src/core/cpu_features.cpp reads it (CPUID, XCR0), in baseline code.
+struct CpuProbe {
+  std::string name;                   ///< the brand string, "" where unknown
+  std::vector<std::string> features;  ///< found, of cpu_feature_names()
+  std::vector<std::string> disabled;  ///< the names `disabled` listed
+};
+/// Every extension the probe looks for, in its order.
+std::vector<std::string> cpu_feature_names();
+/// This processor's extensions, and those whose paths `disabled` (EMFLOW_CPU_DISABLE: a
+/// comma-separated list of cpu_feature_names(); another name is invalid_argument naming it)
+/// asks not to take.
+CpuProbe probe_cpu(const char* disabled);
+/// The names of `required` that `found` lacks, space-separated ("" when none).
+std::string cpu_missing_features(const std::vector<std::string>& required,
+                                 const std::vector<std::string>& found);
+/// The extensions of cpu_feature_names() that src/cpu was compiled to use (its target's macros),
+/// space-separated: src/cpu/compiled_for.cpp, compiled as the engine is. A plain string, so
+/// that no template is instantiated in code built for another target than the caller's.
+const char* cpu_compiled_features();
+/// The engine's vector width: "avx512", "avx2+fma", "avx", "sse2" or "generic".
+const char* cpu_instruction_set();
+/// Why the engine cannot run on this machine (Machine::cpu_missing is not empty).
+std::string cpu_engine_mismatch(const Machine& machine);
+/// Throws ErrorCode::unsupported (naming `operation` and cpu_engine_mismatch) where the engine
+/// cannot run here: for the engine's entry points that are not routed (the SDPA operator, the
+/// layer backward).
+void require_cpu_engine(const char* operation);
 
 /// The AVX512-BF16 CPU path (src/cpu/attend_bf16.cpp), Kernel::cpu_bf16, of bfloat16
 /// self-attention of a dense layer without weights: `input` holds the stored bfloat16 values

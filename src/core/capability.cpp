@@ -11,7 +11,9 @@
 //              (expanded for the factored form), which puts NaN exactly where docs/MATH.md §6.6
 //              says. The partial state: float in the engine (the reference for non-finite
 //              input), double in the reference. The decode cache: float dense in the engine, the
-//              factored form and double in double.
+//              factored form and double in double. Where the processor lacks an extension the
+//              engine was compiled for (Machine::cpu_missing), every engine kernel is refused
+//              with the reason; the reference kernels still run.
 //   cuda       dense float: the tensor cores for tf32 where they compute what is asked (no
 //              weights, dim <= kTensorCoreMaxDim, not Algorithm::unfused), else fused (no
 //              weights, dim <= kCudaFusedMaxDim) or unfused (cuBLAS); double: unfused; bfloat16
@@ -30,8 +32,10 @@
 // as before (B and V repeated). cuda refuses both (no GPU kernel yet).
 #include "emflow/capability.hpp"
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -117,7 +121,7 @@ Route on_reference(const Problem& p, const char* op) {
               p.form == Form::factored && p.rotary_dim == 0);
 }
 
-Route on_cpu(const Problem& p, const Machine& machine, const char* op) {
+Route on_cpu_kernels(const Problem& p, const Machine& machine, const char* op) {
   const bool factored = p.form == Form::factored;
   switch (p.operation) {
     case Operation::partial:
@@ -151,6 +155,15 @@ Route on_cpu(const Problem& p, const Machine& machine, const char* op) {
     return runs(Device::cpu, Kernel::cpu_bf16, Dtype::float32, Precision::bf16);
   }
   return runs(Device::cpu, Kernel::cpu_fused, Dtype::float32, Precision::fp32);
+}
+
+// The engine's kernels only where the processor has what they were compiled for.
+Route on_cpu(const Problem& p, const Machine& machine, const char* op) {
+  Route r = on_cpu_kernels(p, machine, op);
+  if (r.supported && r.kernel != Kernel::reference && !machine.cpu_missing.empty()) {
+    return refused(Device::cpu, op, detail::cpu_engine_mismatch(machine));
+  }
+  return r;
 }
 
 /// The 32-bit index limit of the CUDA kernels: rows of every head and cloud times the width.
@@ -276,7 +289,21 @@ Machine probe_machine() {
   std::string reason;
   m.cuda_device = m.cuda_built && detail::cuda_device_available(&reason);
   m.cuda_reason = reason;
-  m.avx512_bf16 = detail::cpu_bf16_available();
+  const detail::CpuProbe cpu = detail::probe_cpu(std::getenv("EMFLOW_CPU_DISABLE"));
+  m.cpu_name = cpu.name;
+  m.cpu_features = cpu.features;
+  m.cpu_disabled = cpu.disabled;
+  m.cpu_instruction_set = detail::cpu_instruction_set();
+  std::istringstream compiled(detail::cpu_compiled_features());
+  for (std::string name; compiled >> name;) m.cpu_compiled_for.push_back(name);
+  m.cpu_missing = detail::cpu_missing_features(m.cpu_compiled_for, m.cpu_features);
+  const auto usable = [&m](const char* name) {
+    const auto has = [name](const std::vector<std::string>& names) {
+      return std::find(names.begin(), names.end(), name) != names.end();
+    };
+    return has(m.cpu_features) && !has(m.cpu_disabled);
+  };
+  m.avx512_bf16 = usable("avx512bf16") && detail::cpu_bf16_available();
   return m;
 }
 
@@ -325,6 +352,23 @@ Route route(const Problem& problem, Device requested, const char* operation) {
 }
 
 namespace detail {
+
+std::string cpu_engine_mismatch(const Machine& machine) {
+  std::string compiled;
+  for (const std::string& name : machine.cpu_compiled_for) compiled += " " + name;
+  return "the CPU engine was compiled for" + compiled + " (" + machine.cpu_instruction_set +
+         ") and this processor lacks " + machine.cpu_missing +
+         " (rebuild emflow on this machine, or with -DEMFLOW_NATIVE=OFF)";
+}
+
+void require_cpu_engine(const char* operation) {
+  const Machine& machine = this_machine();
+  if (!machine.cpu_missing.empty()) {
+    throw Error(ErrorCode::unsupported,
+                std::string(operation) + ": cpu: " + cpu_engine_mismatch(machine));
+  }
+}
+
 namespace {
 thread_local Route last;
 }  // namespace

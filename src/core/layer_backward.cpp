@@ -220,6 +220,7 @@ bool cpu_dense(const AttentionInput<float>& in, const UpstreamGradients<float>& 
   g.offset = out.offset;
   g.beta = out.beta;
   const Clouds clouds(in);
+  require_cpu_engine("attend_backward");
   if (!cpu::layer_backward(clouds.clouds, layer, upstream_arrays(up), g, threads)) return false;
   if (out.content) {  // dF_h = (dL/d value_map_h)^T
     for (std::int64_t h = 0; h < H; ++h) {
@@ -287,6 +288,7 @@ bool cpu_factored(const AttentionInput<float>& in, const FactoredLayer<float>& f
   g.offset = out.offset;
   g.beta = out.beta;
   const Clouds clouds(in);
+  require_cpu_engine("attend_factored_backward");
   if (!cpu::layer_backward(clouds.clouds, layer, upstream_arrays(up), g, threads)) return false;
   for (std::int64_t h = 0; h < H; ++h) {
     for (std::int64_t k = 0; k < d; ++k) {

@@ -276,6 +276,7 @@ struct FloatInput {
 
 template <class T>
 void cpu_forward(const SdpaInput<T>& in, const SdpaOutput<T>& out, int threads) {
+  require_cpu_engine("sdpa_attend");
   const FloatInput<T> f(in);
   if (!cpu::sdpa_inputs_finite(f.arrays)) {
     reference_forward(in, out);  // NaN exactly where docs/MATH.md §6.6 puts it
@@ -294,6 +295,7 @@ void cpu_forward(const SdpaInput<T>& in, const SdpaOutput<T>& out, int threads) 
 template <class T>
 void cpu_backward(const SdpaInput<T>& in, const SdpaSaved<T>& saved, const UpstreamGradients<T>& up,
                   const SdpaGradientOutput<T>& out, int threads) {
+  require_cpu_engine("sdpa_backward");
   const SdpaShape s(in);
   const FloatInput<T> f(in);
   cpu::SdpaBackwardArrays b;

@@ -65,12 +65,13 @@ class Cli : public ::testing::Test {
   std::string out(const std::string& name) const { return (root_ / "out" / name).string(); }
   std::vector<std::string> outputs() const { return names_in(root_ / "out"); }
 
-  Result run(const std::string& arguments) const {
+  // `environment`: assignments put before the command ("NAME=value ...").
+  Result run(const std::string& arguments, const std::string& environment = "") const {
 #ifdef EMFLOW_CLI_PATH
     const fs::path log = root_ / "log";
-    const std::string command = std::string("'") + EMFLOW_CLI_PATH + "' " + arguments + " >'" +
-                                (log / "stdout").string() + "' 2>'" + (log / "stderr").string() +
-                                "'";
+    const std::string command =
+        environment + (environment.empty() ? "" : " ") + "'" + EMFLOW_CLI_PATH + "' " + arguments +
+        " >'" + (log / "stdout").string() + "' 2>'" + (log / "stderr").string() + "'";
     const int raw = std::system(command.c_str());
     Result result;
     result.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
@@ -79,6 +80,7 @@ class Cli : public ::testing::Test {
     return result;
 #else
     (void)arguments;
+    (void)environment;
     return {};
 #endif
   }
@@ -337,6 +339,23 @@ TEST_F(Cli, HelpAndVersion) {
   Result r = run("--version");
   EXPECT_EQ(r.status, 0);
   EXPECT_EQ(r.out.rfind("emflow ", 0), 0u) << r.out;
+  // The processor, what the engine was compiled for, and the path of every storage type.
+  for (const char* text : {"\ncpu: ", "extensions found: ", "engine compiled for: ", "\ngpu: ",
+                           "\n  float64  cpu reference fp64", "\n  float32  cpu cpu_fused fp32",
+                           "\n  bfloat16 cpu cpu_", "\n  float16  cpu cpu_fused fp32"}) {
+    EXPECT_NE(r.out.find(text), std::string::npos) << text << " missing in\n" << r.out;
+  }
+  // EMFLOW_CPU_DISABLE=avx512bf16 sends bfloat16 to the widening path, and says so.
+  r = run("--version", "EMFLOW_CPU_DISABLE=avx512bf16");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("\n  bfloat16 cpu cpu_fused fp32"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("paths not taken (EMFLOW_CPU_DISABLE): avx512bf16"), std::string::npos)
+      << r.out;
+  r = run("--version", "EMFLOW_CPU_DISABLE=avx9");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("emflow: error: environment variable EMFLOW_CPU_DISABLE names 'avx9'"),
+            std::string::npos)
+      << r.err;
 
   r = run("--help");
   EXPECT_EQ(r.status, 0);

@@ -54,6 +54,12 @@ TEST(BenchCommand, PrintsOneJsonObjectPerMeasurement) {
     for (const char* key : keys) EXPECT_TRUE(has(line, key)) << key << " missing in " << line;
   }
   EXPECT_TRUE(has(r.lines[0], "\"op\": \"fma_peak\""));
+  // The peak line names the processor, its extensions and the path of each storage type.
+  for (const char* key :
+       {"\"cpu\": \"", "\"cpu_features\": [", "\"cpu_compiled_for\": [",
+        "\"paths\": {\"float64\": \"", "\"float32\": \"", "\"bfloat16\": \"", "\"float16\": \""}) {
+    EXPECT_TRUE(has(r.lines[0], key)) << key << " missing in " << r.lines[0];
+  }
   EXPECT_TRUE(has(r.lines[1], "\"op\": \"attend\""));
   EXPECT_TRUE(has(r.lines[1], "\"tokens\": 70"));
   EXPECT_TRUE(has(r.lines[1], "\"mask\": \"causal\""));

@@ -4,9 +4,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
+#include "core/backends.hpp"
 #include "core/validate.hpp"
+#include "emflow/error.hpp"
 
 namespace emflow {
 namespace {
@@ -344,6 +348,77 @@ TEST(Capability, ThisMachineAgreesWithTheBuild) {
     EXPECT_FALSE(m.cuda_reason.empty() && m.cuda_built);
   }
   EXPECT_EQ(&m, &this_machine());
+}
+
+// The tests run here, so the processor has every extension the engine was compiled for; the
+// names come from one list, and the probe finds at least those.
+TEST(Capability, TheProcessorHasWhatTheEngineWasCompiledFor) {
+  const Machine& m = this_machine();
+  EXPECT_TRUE(m.cpu_missing.empty()) << m.cpu_missing;
+  EXPECT_FALSE(m.cpu_instruction_set.empty());
+  const std::vector<std::string> names = detail::cpu_feature_names();
+  for (const std::string& name : m.cpu_compiled_for) {
+    EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
+    EXPECT_NE(std::find(m.cpu_features.begin(), m.cpu_features.end(), name), m.cpu_features.end())
+        << "compiled for " << name << ", not found";
+  }
+  for (const std::string& name : m.cpu_features) {
+    EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
+  }
+#if defined(__x86_64__)
+  EXPECT_FALSE(m.cpu_name.empty());
+  EXPECT_NE(m.cpu_name.find("family "), std::string::npos) << m.cpu_name;
+#endif
+  if (m.cpu_instruction_set == "avx512") {
+    EXPECT_NE(std::find(m.cpu_compiled_for.begin(), m.cpu_compiled_for.end(), "avx512f"),
+              m.cpu_compiled_for.end());
+  }
+}
+
+// On a processor without an extension the engine was compiled for, the engine's kernels are
+// refused with the reason (their code would stop on an illegal instruction), the double
+// reference still runs, and the unrouted entry points refuse too.
+TEST(Capability, AnEngineBuiltForMoreThanTheProcessorHasIsRefused) {
+  Machine m = cpu_only();
+  m.cpu_instruction_set = "avx512";
+  m.cpu_compiled_for = {"avx2", "fma", "avx512f"};
+  m.cpu_features = {"avx2", "fma"};
+  m.cpu_missing = detail::cpu_missing_features(m.cpu_compiled_for, m.cpu_features);
+  ASSERT_EQ(m.cpu_missing, "avx512f");
+  for (const Device device : {Device::cpu, Device::automatic}) {
+    for (const Dtype storage : {Dtype::float32, Dtype::bfloat16, Dtype::float16}) {
+      const Route r = route(dense(storage), device, m, "attend");
+      EXPECT_FALSE(r.supported) << to_string(r);
+      EXPECT_FALSE(r.device_missing);
+      EXPECT_NE(r.reason.find("lacks avx512f"), std::string::npos) << r.reason;
+      EXPECT_NE(r.reason.find("EMFLOW_NATIVE=OFF"), std::string::npos) << r.reason;
+    }
+  }
+  const Route f64 = route(dense(Dtype::float64), Device::cpu, m, "attend");
+  EXPECT_TRUE(f64.supported) << f64.reason;
+  EXPECT_EQ(f64.kernel, Kernel::reference);
+  EXPECT_TRUE(route(dense(Dtype::float32), Device::reference, m, "attend").supported);
+  EXPECT_EQ(detail::cpu_missing_features({"avx2"}, {"avx2", "fma"}), "");
+  EXPECT_EQ(detail::cpu_missing_features({"avx512f", "avx512bw"}, {}), "avx512f avx512bw");
+}
+
+// EMFLOW_CPU_DISABLE's names: listed, not taken out of what was found, and an unknown name is
+// an error naming it and the list.
+TEST(Capability, TheDisableListIsCheckedAndKept) {
+  const detail::CpuProbe plain = detail::probe_cpu(nullptr);
+  const detail::CpuProbe some = detail::probe_cpu("avx512bf16,,amx-tile");
+  EXPECT_EQ(some.features, plain.features);
+  EXPECT_EQ(some.disabled, (std::vector<std::string>{"avx512bf16", "amx-tile"}));
+  EXPECT_TRUE(plain.disabled.empty());
+  try {
+    detail::probe_cpu("avx512bf16,avx9");
+    ADD_FAILURE() << "an unknown name was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    const std::string message = e.what();
+    EXPECT_NE(message.find("EMFLOW_CPU_DISABLE names 'avx9'"), std::string::npos) << message;
+    EXPECT_NE(message.find("avx512fp16"), std::string::npos) << message;
+  }
 }
 
 }  // namespace
