@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""PyTorch's CPU scaled_dot_product_attention (fp32) beside emflow's fused CPU backend.
+"""PyTorch's CPU scaled_dot_product_attention beside emflow's fused CPU backend (fp32, or both in
+bf16 or fp16 storage).
 
 The dense EMF update of one head is SDPA with queries beta X M, keys X, values X F^T and scale 1
 (docs/MATH.md §1, §3), so both compute the same 4 B H N^2 d attention-equivalent FLOP. Torch
@@ -13,6 +14,7 @@ process CPU times, which a loaded machine disturbs less when both run on one thr
 
     python3 bench/torch_sdpa.py --emflow build/emflow --threads 2
     python3 bench/torch_sdpa.py --emflow build/emflow --tokens 1024 4096 8192 --dim 64 128
+    python3 bench/torch_sdpa.py --emflow build/emflow --precision bf16 --mask causal
 """
 import argparse
 import json
@@ -22,7 +24,7 @@ import sys
 import time
 
 
-def time_torch(torch, batch, heads, tokens, dim, causal, repeats):
+def time_torch(torch, batch, heads, tokens, dim, causal, repeats, dtype):
     gen = torch.Generator().manual_seed(2024)
     scale = 2.0 / dim**0.5
     x = torch.rand(batch, 1, tokens, dim, generator=gen) * 2 - 1
@@ -31,6 +33,7 @@ def time_torch(torch, batch, heads, tokens, dim, causal, repeats):
     q = (x @ m).contiguous()  # (B, H, N, d): R = X M
     k = x.expand(batch, heads, tokens, dim).contiguous()
     v = (x @ f.transpose(-1, -2)).contiguous()  # C = X F^T
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     with torch.no_grad():
         sdpa(q, k, v, is_causal=causal, scale=1.0)  # warm-up
@@ -53,6 +56,8 @@ def main():
     parser.add_argument("--mask", choices=["none", "causal"], default="none")
     parser.add_argument("--threads", type=int, default=0, help="0: every core")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                        help="storage of both: emflow bench --precision, torch's tensors' dtype")
     args = parser.parse_args()
 
     try:
@@ -63,22 +68,23 @@ def main():
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
 
     for tokens in args.tokens:
         for dim in args.dim:
             command = [args.emflow, "bench", "--device", "cpu", "--tokens", str(tokens),
                        "--dim", str(dim), "--heads", str(args.heads), "--batch",
                        str(args.batch), "--mask", args.mask, "--repeats", str(args.repeats),
-                       "--threads", str(threads)]
+                       "--threads", str(threads), "--precision", args.precision]
             result = subprocess.run(command, check=True, capture_output=True, text=True)
             ours = json.loads(result.stdout.strip().splitlines()[-1])
             print(json.dumps(ours), flush=True)
-            ms, cpu_ms = time_torch(torch, args.batch, args.heads, tokens, dim, args.mask == "causal",
-                            args.repeats)
+            ms, cpu_ms = time_torch(torch, args.batch, args.heads, tokens, dim,
+                                    args.mask == "causal", args.repeats, dtype)
             flop = 4.0 * args.batch * args.heads * tokens * tokens * dim
             if args.mask == "causal":
                 flop /= 2
-            theirs = {"op": "torch_sdpa", "device": "cpu", "precision": "fp32",
+            theirs = {"op": "torch_sdpa", "device": "cpu", "precision": args.precision,
                       "batch": args.batch, "heads": args.heads, "tokens": tokens, "dim": dim,
                       "mask": args.mask, "ms_median": round(ms, 4),
                       "gflops": round(flop / (ms * 1e6), 4), "threads": threads,
