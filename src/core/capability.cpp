@@ -303,7 +303,8 @@ Machine probe_machine() {
     };
     return has(m.cpu_features) && !has(m.cpu_disabled);
   };
-  m.avx512_bf16 = usable("avx512bf16") && detail::cpu_bf16_available();
+  // cpu_bf16_available is engine code: asked only where the engine can run.
+  m.avx512_bf16 = m.cpu_missing.empty() && usable("avx512bf16") && detail::cpu_bf16_available();
   return m;
 }
 
