@@ -39,6 +39,7 @@ void run(const ModelFlowArguments& args, Dtype dtype) {
   if (!args.attention_out.empty()) outputs.declare("--attention-out", args.attention_out);
   if (!args.metrics.empty()) outputs.declare("--metrics", args.metrics);
   if (!args.plot.empty()) outputs.declare("--plot", args.plot);
+  if (!args.logits.empty()) outputs.declare("--logits", args.logits);
   // Every file the run reads is an input no output may replace: the cloud, the key lengths, the
   // labels and each file of the operator folder (its manifest and every file it lists).
   outputs.declare_input("--cloud", args.cloud);
@@ -85,16 +86,33 @@ void run(const ModelFlowArguments& args, Dtype dtype) {
 
   model::RunSettings settings;
   settings.full_layer = !args.attention_only;
-  if (args.form != "emf" && args.form != "factored") {
-    fail_option("--form", "expects emf or factored, got '", args.form, "'");
+  const bool llama = m.layout == model::Layout::llama;
+  const std::string form = args.form.empty() ? (llama ? "factored" : "emf") : args.form;
+  if (form != "emf" && form != "factored") {
+    fail_option("--form", "expects emf or factored, got '", form, "'");
   }
-  settings.factored = args.form == "factored";
+  if (llama && form != "factored") {
+    fail_option("--form", "is emf, but the llama model '", args.model,
+                "' has rotary positions: its relevance depends on the offset of two positions "
+                "and has no single dense M_h (docs/MATH.md 2.4); use --form factored");
+  }
+  if (!args.logits.empty() && m.vocab_size() == 0) {
+    fail_option("--logits", "needs a model with an unembedding (llama), but '", args.model,
+                "' is of the ", to_string(m.layout), " layout");
+  }
+  settings.factored = form == "factored";
   settings.cluster_eps = args.cluster_eps;
   const model::ModelTrace<T> trace = model::run_model(m, cloud, lengths, settings, options);
   const std::int64_t L = m.layer_count();
 
   if (!args.out.empty()) outputs.stage_npy(args.out, trace.trajectory);
   if (!args.attention_out.empty()) outputs.stage_npy(args.attention_out, trace.attention);
+  if (!args.logits.empty()) {
+    const Tensor<T> last =
+        Tensor<T>(Shape{B, N, d}, std::vector<T>(trace.trajectory.values().end() - B * N * d,
+                                                 trace.trajectory.values().end()));
+    outputs.stage_npy(args.logits, model::next_token_logits(m, last, lengths));
+  }
   if (!args.metrics.empty()) {
     std::ostringstream csv;
     csv << std::setprecision(9)

@@ -128,7 +128,8 @@ def test_unknown_layout_lists_what_it_found(tmp_path):
 
 @pytest.mark.parametrize("extra, phrase", [
     ({"rope_theta": 10000.0}, "rotary position embeddings ('rope_theta'"),
-    ({"model_type": "llama"}, "model_type 'llama' uses rotary"),
+    ({"model_type": "mistral"}, "model_type 'mistral' uses rotary"),
+    ({"model_type": "qwen2"}, "model_type 'qwen2' uses rotary"),
     ({"position_embedding_type": "relative_key"}, "position_embedding_type 'relative_key'"),
 ])
 def test_position_dependent_models_are_refused(tmp_path, extra, phrase):
