@@ -349,8 +349,7 @@ Rotary llama_rotary(const json& config, const std::string& path, std::int64_t he
 }
 
 // A transformers llama checkpoint (model_type "llama"): every tensor by its Hugging Face name.
-Model load_llama(Model model, const json& config, const SafetensorsFile& file,
-                 const ConvertOptions& options) {
+Model load_llama(Model model, const json& config, const ConvertOptions& options) {
   const std::string& path = model.config_file;
   if (!options.names.empty()) {
     fail(ErrorCode::invalid_argument, kOp,
@@ -396,6 +395,7 @@ Model load_llama(Model model, const json& config, const SafetensorsFile& file,
   model.rotary = llama_rotary(config, path, model.head_dim);
   const bool tied = config_bool(config, path, "tie_word_embeddings", false);
 
+  const SafetensorsFile file(model.source_file);  // read once the config is known to be good
   Reader reader{file, checkpoint_roles(Layout::llama)};
   const std::string marker = reader.patterns.at("query.weight");
   if (file.contains(substitute(marker, layers)) || !file.contains(substitute(marker, layers - 1))) {
@@ -481,8 +481,7 @@ Model load_checkpoint(const std::string& model_dir, const ConvertOptions& option
            "model_type 'llama', found '",
            model.model_type, "'");
     }
-    const SafetensorsFile file(model.source_file);
-    return load_llama(std::move(model), config, file, options);
+    return load_llama(std::move(model), config, options);
   }
   refuse_position_dependent(config, model.config_file);
   const SafetensorsFile file(model.source_file);
