@@ -13,7 +13,8 @@
 //         g = RMS_2(h); rotary positions, kv_heads grouped key/value heads, no biases, a final
 //         RMSNorm and the unembedding (tied to the embedding or not) after the last layer
 //         names  model.layers.N.self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj (safetensors,
-//         model_type "llama") or blk.N.attn_q, ... (GGUF, general.architecture "llama")
+//         model_type "llama", or "mistral" with its sliding window) or blk.N.attn_q, ... (GGUF,
+//         general.architecture "llama")
 //
 // A llama layer's relevance depends on the offset of the two positions (docs/MATH.md §2.4): it
 // has no single M_h, so its Model holds no dense operators and runs in the factored form only.
@@ -93,6 +94,8 @@ struct Model {
   std::int64_t kv_heads = 0;
   /// The rotary embedding of every layer (dim, base, pairing, scaling; its pointers null).
   Rotary rotary{};
+  /// Mistral's sliding window w: query i sees keys j with i - w < j <= i; 0: causal only.
+  std::int64_t sliding_window = 0;
   Tensor<double> embedding;    ///< (vocab, d): token id t is row t (the cloud entering layer 0)
   Tensor<double> unembedding;  ///< (vocab, d), or empty when tied to the embedding
   /// The vocabulary (token strings as stored, id i is element i) and its tokenizer's name
@@ -138,10 +141,10 @@ Model load_checkpoint(const std::string& model_dir, const ConvertOptions& option
 /// attention.head_count_kv (absent: head_count), attention.layer_norm_rms_epsilon,
 /// rope.freq_base (absent: 10000), rope.dimension_count (absent: the head size) and
 /// rope.scaling.type / rope.scaling.factor (none or linear; any other scaling, and a
-/// rope_freqs.weight tensor, are refused by name). llama.cpp's converter permutes the rows of
-/// attn_q and attn_k per head for its interleaved rotary; they are permuted back, so that the
-/// model holds transformers' layout and the half-split pairing. The vocabulary is kept.
-/// Errors name the file and the key or tensor (ErrorCode::io), or what is not supported
+/// rope_freqs.weight tensor, are refused by name; so is a sliding window). llama.cpp's converter
+/// permutes the rows of attn_q and attn_k per head for its interleaved rotary; they are permuted
+/// back, so that the model holds transformers' layout and the half-split pairing. The vocabulary is
+/// kept. Errors name the file and the key or tensor (ErrorCode::io), or what is not supported
 /// (ErrorCode::unsupported).
 Model load_gguf(const std::string& path);
 
@@ -210,7 +213,8 @@ struct ModelTrace {
 /// EMF operators in T (float or double), on options.device; the norms, residuals and the
 /// feed-forward block are computed per token, accumulating in double.
 ///
-/// llama: x <- x + Attn(RMS_1(x)) through emflow::attend_factored (the causal mask, the key
+/// llama: x <- x + Attn(RMS_1(x)) through emflow::attend_factored (the causal mask or the
+/// model's sliding window, the key
 /// lengths, kv_heads and the model's rotary embedding at positions 0..N-1; CPU or reference: the
 /// GPU refuses rotary layers), then with full_layer x <- x + down(silu(gate(g)) * up(g)),
 /// g = RMS_2(x). The last record is the cloud after the last layer, before the final norm

@@ -393,6 +393,9 @@ Model load_llama(Model model, const json& config, const ConvertOptions& options)
   model.causal = true;
   model.activation = Activation::silu;
   model.rotary = llama_rotary(config, path, model.head_dim);
+  if (model.model_type == "mistral" && present(config, "sliding_window")) {
+    model.sliding_window = config_int(config, path, {"sliding_window"});
+  }
   const bool tied = config_bool(config, path, "tie_word_embeddings", false);
 
   const SafetensorsFile file(model.source_file);  // read once the config is known to be good
@@ -474,12 +477,12 @@ Model load_checkpoint(const std::string& model_dir, const ConvertOptions& option
   }
   const json config = read_config(model.config_file);
   model.model_type = config_string(config, model.config_file, "model_type", "");
-  if (model.model_type == "llama" || options.layout == "llama") {
-    if (model.model_type != "llama") {
+  const bool llama_like = model.model_type == "llama" || model.model_type == "mistral";
+  if (llama_like || options.layout == "llama") {
+    if (!llama_like) {
       fail(ErrorCode::unsupported, kOp, ": '", model.config_file,
-           "': --layout llama needs "
-           "model_type 'llama', found '",
-           model.model_type, "'");
+           "': --layout llama needs model_type 'llama' or 'mistral', found '", model.model_type,
+           "'");
     }
     return load_llama(std::move(model), config, options);
   }

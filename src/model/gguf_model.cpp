@@ -162,6 +162,11 @@ Model load_gguf(const std::string& path) {
     fail(ErrorCode::unsupported, kOp, ": '", path, "': rotary scaling '", scaling, "' ('",
          scaling_key, "') is not supported (none or linear)");
   }
+  if (file.contains(meta.key("attention.sliding_window"))) {
+    fail(ErrorCode::unsupported, kOp, ": '", path, "': '", meta.key("attention.sliding_window"),
+         "': a sliding window in a GGUF file is not supported (a Mistral checkpoint in "
+         "safetensors is)");
+  }
   if (file.has_tensor("rope_freqs.weight")) {
     fail(ErrorCode::unsupported, kOp, ": '", path,
          "': tensor 'rope_freqs.weight' (per-frequency rotary factors, as llama3's scaling is "

@@ -176,6 +176,7 @@ json manifest_of(const Model& model, const std::map<std::string, std::string>& e
   m["dtype"] = storage_name(storage);
   if (model.layout == Layout::llama) {
     m["kv_heads"] = model.key_heads();
+    m["sliding_window"] = model.sliding_window;
     m["rotary"] = rotary_of(model.rotary);
     m["vocab_size"] = model.vocab_size();
     m["tied_embeddings"] = model.unembedding.size() == 0;
@@ -481,6 +482,11 @@ Model read_operators(const std::string& ops_dir) {
       bad("has inconsistent sizes");
     if (llama) {
       model.kv_heads = count("kv_heads");
+      if (m.contains("sliding_window")) {
+        const json& w = field("sliding_window", &json::is_number_integer, "an integer >= 0");
+        if (w.get<long long>() < 0) bad("'sliding_window' is " + w.dump() + ", expected >= 0");
+        model.sliding_window = w.get<std::int64_t>();
+      }
       if (model.heads % model.kv_heads != 0) {
         bad("'kv_heads' is " + std::to_string(model.kv_heads) + ", which does not divide the " +
             std::to_string(model.heads) + " heads");

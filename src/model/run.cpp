@@ -202,7 +202,9 @@ ModelTrace<T> run_model(const Model& model, const Tensor<T>& clouds,
     in.tokens = N;
     in.dim = d;
     in.layer = {H, M.data(), F.data(), u.data(), c.data()};
-    in.mask = model.causal ? Mask::causal() : Mask::none();
+    in.mask = model.sliding_window > 0 ? Mask::sliding_window(model.sliding_window)
+              : model.causal           ? Mask::causal()
+                                       : Mask::none();
     in.key_lengths = key_lengths.empty() ? nullptr : key_lengths.data();
     AttentionOutput<T> out;
     out.update = update.data();

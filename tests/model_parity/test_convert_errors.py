@@ -129,7 +129,7 @@ def test_unknown_layout_lists_what_it_found(tmp_path):
 
 @pytest.mark.parametrize("extra, phrase", [
     ({"rope_theta": 10000.0}, "rotary position embeddings ('rope_theta'"),
-    ({"model_type": "mistral"}, "model_type 'mistral' uses rotary"),
+    ({"model_type": "gpt_neox"}, "model_type 'gpt_neox' uses rotary"),
     ({"model_type": "qwen2"}, "model_type 'qwen2' uses rotary"),
     ({"position_embedding_type": "relative_key"}, "position_embedding_type 'relative_key'"),
 ])
