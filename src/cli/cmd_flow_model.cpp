@@ -2,6 +2,7 @@
 // the clouds after every layer, each layer's attention output, the observables and a picture.
 // Everything is read and checked and every output declared first; the outputs are written only
 // when the whole run succeeds, all or none.
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "common.hpp"
+#include "emflow/gguf.hpp"
 #include "emflow/io.hpp"
 #include "emflow/model.hpp"
 #include "flow_model.hpp"
@@ -107,11 +109,19 @@ void run(const ModelFlowArguments& args, Dtype dtype) {
 
   if (!args.out.empty()) outputs.stage_npy(args.out, trace.trajectory);
   if (!args.attention_out.empty()) outputs.stage_npy(args.attention_out, trace.attention);
+  // The greedy next token of each cloud, printed after the outputs are written.
+  std::vector<std::int64_t> next_tokens;
   if (!args.logits.empty()) {
     const Tensor<T> last =
         Tensor<T>(Shape{B, N, d}, std::vector<T>(trace.trajectory.values().end() - B * N * d,
                                                  trace.trajectory.values().end()));
-    outputs.stage_npy(args.logits, model::next_token_logits(m, last, lengths));
+    const Tensor<T> logits = model::next_token_logits(m, last, lengths);
+    const std::int64_t V = logits.extent(1);
+    for (std::int64_t b = 0; b < B; ++b) {
+      const T* row = logits.data() + b * V;
+      next_tokens.push_back(std::max_element(row, row + V) - row);
+    }
+    outputs.stage_npy(args.logits, logits);
   }
   if (!args.metrics.empty()) {
     std::ostringstream csv;
@@ -155,6 +165,16 @@ void run(const ModelFlowArguments& args, Dtype dtype) {
             << B << " cloud(s) of " << N << " tokens in d = " << d << "\n"
             << "  cloud 0 after the last layer: clusters " << last.clusters << ", mean <x_i,x_j> "
             << last.mean_inner << ", min <x_i,x_j> " << last.min_inner << "\n";
+  for (std::size_t b = 0; b < next_tokens.size(); ++b) {
+    std::cout << "  cloud " << b << ": greedy next token " << next_tokens[b];
+    if (next_tokens[b] < static_cast<std::int64_t>(m.vocabulary.size())) {
+      std::cout << " '"
+                << gguf::detokenize(m.vocabulary, m.tokenizer_model, {next_tokens[b]},
+                                    args.model + "/vocabulary.json")
+                << "'";
+    }
+    std::cout << "\n";
+  }
 }
 
 }  // namespace

@@ -98,9 +98,10 @@ def test_every_layer_and_the_logits_match_transformers(reference, operators, tmp
     ops = operators / ("ops64" if precision == "float64" else "ops32")
     manifest = (ops / "manifest.json").read_text()
     assert f'"dtype": "{precision}"' in manifest
-    run("flow", "--model", str(ops), "--cloud", str(tmp_path / "x.npy"), "--key-lengths",
-        str(tmp_path / "k.npy"), "--full-layer", "--device", "cpu", "--out",
-        str(tmp_path / "traj.npy"), "--logits", str(tmp_path / "logits.npy"))
+    printed = run("flow", "--model", str(ops), "--cloud", str(tmp_path / "x.npy"),
+                  "--key-lengths", str(tmp_path / "k.npy"), "--full-layer", "--device", "cpu",
+                  "--out", str(tmp_path / "traj.npy"), "--logits",
+                  str(tmp_path / "logits.npy")).stdout
     traj = np.load(tmp_path / "traj.npy")
     logits = np.load(tmp_path / "logits.npy")
     assert traj.dtype == np_dtype and traj.shape == (layers + 1,) + hidden[0].shape
@@ -127,7 +128,9 @@ def test_every_layer_and_the_logits_match_transformers(reference, operators, tmp
           f"final norm rel err {e_norm:.3e}, "
           f"last-token logits rel err {e_logits:.3e}")
     assert e_norm < tol and e_logits < tol
-    # Greedy decoding of the first prompt gives " Paris", as transformers' does.
+    # Greedy decoding of the first prompt gives " Paris", as transformers' does, and the run
+    # prints it with the vocabulary the folder keeps.
+    assert f"cloud 0: greedy next token {reference['paris']} ' Paris'" in printed, printed
     assert int(np.argmax(logits[0])) == reference["paris"] == int(np.argmax(ref["logits"][0]))
     assert [int(np.argmax(row)) for row in logits] == [int(np.argmax(r)) for r in ref["logits"]]
 
