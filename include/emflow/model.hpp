@@ -13,8 +13,8 @@
 //         g = RMS_2(h); rotary positions, kv_heads grouped key/value heads, no biases, a final
 //         RMSNorm and the unembedding (tied to the embedding or not) after the last layer
 //         names  model.layers.N.self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj (safetensors,
-//         model_type "llama", or "mistral" with its sliding window) or blk.N.attn_q, ... (GGUF,
-//         general.architecture "llama")
+//         model_type "llama", "mistral" with its sliding window, "qwen2" with biases on q, k
+//         and v) or blk.N.attn_q, ... (GGUF, general.architecture "llama")
 //
 // A llama layer's relevance depends on the offset of the two positions (docs/MATH.md §2.4): it
 // has no single M_h, so its Model holds no dense operators and runs in the factored form only.
@@ -59,7 +59,9 @@ const char* to_string(Activation activation) noexcept;
 /// One transformer layer. Weights as torch.nn.Linear stores them: (out, in).
 ///
 /// llama: attention.query (H*d_k, d), attention.key and attention.value (K*d_k, d) with K the
-/// model's kv_heads, attention.output (d, H*d_k), no biases (empty tensors); `operators` is empty
+/// model's kv_heads, attention.output (d, H*d_k), no biases (empty tensors) but Qwen2's
+/// query_bias (H*d_k), key_bias and value_bias (K*d_k), which run_model applies by lifting the
+/// cloud to d + 1 coordinates (the last one 1) for the factored layer; `operators` is empty
 /// (a rotary layer has no single M_h); norm1_gain and norm2_gain are the RMSNorm gains (the
 /// biases empty); ffn_gate, ffn_in and ffn_out are gate_proj, up_proj and down_proj (no biases).
 struct ModelLayer {

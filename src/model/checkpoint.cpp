@@ -247,6 +247,9 @@ std::map<std::string, std::string> checkpoint_roles(Layout layout) {
   if (layout == Layout::llama) {
     const std::string l = "model.layers.{layer}.";
     return {{"query.weight", l + "self_attn.q_proj.weight"},
+            {"query.bias", l + "self_attn.q_proj.bias"},
+            {"key.bias", l + "self_attn.k_proj.bias"},
+            {"value.bias", l + "self_attn.v_proj.bias"},
             {"key.weight", l + "self_attn.k_proj.weight"},
             {"value.weight", l + "self_attn.v_proj.weight"},
             {"output.weight", l + "self_attn.o_proj.weight"},
@@ -396,6 +399,20 @@ Model load_llama(Model model, const json& config, const ConvertOptions& options)
   if (model.model_type == "mistral" && present(config, "sliding_window")) {
     model.sliding_window = config_int(config, path, {"sliding_window"});
   }
+  // Qwen2: biases on q, k and v (none on o), and a sliding window only where it is switched on.
+  const bool qkv_bias = model.model_type == "qwen2";
+  if (qkv_bias && config_bool(config, path, "use_sliding_window", false)) {
+    fail(ErrorCode::unsupported, kOp, ": '", path,
+         "': use_sliding_window is true: Qwen2's sliding window is not supported");
+  }
+  if (qkv_bias && present(config, "layer_types")) {
+    for (const json& kind : config["layer_types"]) {
+      if (kind != "full_attention") {
+        fail(ErrorCode::unsupported, kOp, ": '", path, "': layer_types holds ", kind.dump(),
+             ": only full_attention layers are supported");
+      }
+    }
+  }
   const bool tied = config_bool(config, path, "tie_word_embeddings", false);
 
   const SafetensorsFile file(model.source_file);  // read once the config is known to be good
@@ -420,6 +437,11 @@ Model load_llama(Model model, const json& config, const ConvertOptions& options)
     w.key = reader.get(&layer.sources, "key.weight", l, {K * k, d});
     w.value = reader.get(&layer.sources, "value.weight", l, {K * k, d});
     w.output = reader.get(&layer.sources, "output.weight", l, {d, H * k});
+    if (qkv_bias) {
+      w.query_bias = reader.get(&layer.sources, "query.bias", l, {H * k});
+      w.key_bias = reader.get(&layer.sources, "key.bias", l, {K * k});
+      w.value_bias = reader.get(&layer.sources, "value.bias", l, {K * k});
+    }
     layer.norm1_gain = reader.get(&layer.sources, "norm1.weight", l, {d});
     layer.ffn_gate = reader.get(&layer.sources, "ffn_gate.weight", l, {I, d});
     layer.ffn_in = reader.get(&layer.sources, "ffn_in.weight", l, {I, d});
@@ -477,12 +499,13 @@ Model load_checkpoint(const std::string& model_dir, const ConvertOptions& option
   }
   const json config = read_config(model.config_file);
   model.model_type = config_string(config, model.config_file, "model_type", "");
-  const bool llama_like = model.model_type == "llama" || model.model_type == "mistral";
+  const bool llama_like =
+      model.model_type == "llama" || model.model_type == "mistral" || model.model_type == "qwen2";
   if (llama_like || options.layout == "llama") {
     if (!llama_like) {
       fail(ErrorCode::unsupported, kOp, ": '", model.config_file,
-           "': --layout llama needs model_type 'llama' or 'mistral', found '", model.model_type,
-           "'");
+           "': --layout llama needs model_type 'llama', 'mistral' or 'qwen2', found '",
+           model.model_type, "'");
     }
     return load_llama(std::move(model), config, options);
   }

@@ -35,7 +35,7 @@ constexpr int kVersion = 1;
 // Every file of a layer: its name in the folder and the tensor it holds. A llama layer has no
 // dense operators and no biases: its factored weights, RMSNorm gains and gated feed-forward.
 template <class Layer, class Visit>
-void each_part(Layer& layer, Layout layout, Visit&& visit) {
+void each_part(Layer& layer, Layout layout, bool qkv_biases, Visit&& visit) {
   auto& w = layer.attention;
   auto& o = layer.operators;
   if (layout == Layout::llama) {
@@ -43,6 +43,11 @@ void each_part(Layer& layer, Layout layout, Visit&& visit) {
     visit("key", w.key);
     visit("value", w.value);
     visit("output", w.output);
+    if (qkv_biases) {  // Qwen2
+      visit("query_bias", w.query_bias);
+      visit("key_bias", w.key_bias);
+      visit("value_bias", w.value_bias);
+    }
     visit("norm1_gain", layer.norm1_gain);
     visit("ffn_gate", layer.ffn_gate);
     visit("ffn_in", layer.ffn_in);
@@ -189,7 +194,7 @@ json manifest_of(const Model& model, const std::map<std::string, std::string>& e
   for (std::int64_t l = 0; l < model.layer_count(); ++l) {
     const ModelLayer& layer = model.layers[static_cast<std::size_t>(l)];
     json files = json::object();
-    each_part(layer, model.layout,
+    each_part(layer, model.layout, layer.attention.query_bias.size() > 0,
               [&](const char* part, const Tensor<double>&) { files[part] = layer_file(l, part); });
     layers.push_back({{"files", files}, {"sources", layer.sources}});
   }
@@ -352,7 +357,8 @@ void write_operators(const Model& model, const std::string& ops_dir,
       fail(ErrorCode::io, "convert: cannot create '", staging.string(), "'");
     }
     for (std::int64_t l = 0; l < model.layer_count(); ++l) {
-      each_part(model.layers[static_cast<std::size_t>(l)], model.layout,
+      const ModelLayer& layer = model.layers[static_cast<std::size_t>(l)];
+      each_part(layer, model.layout, layer.attention.query_bias.size() > 0,
                 [&](const char* part, const Tensor<double>& t) {
                   write(staging / layer_file(l, part), t);
                 });
@@ -533,7 +539,8 @@ Model read_operators(const std::string& ops_dir) {
     for (std::int64_t l = 0; l < layers; ++l) {
       const json& entry = m.at("layer_files").at(static_cast<std::size_t>(l));
       ModelLayer layer;
-      each_part(layer, model.layout, [&](const char* part, Tensor<double>& t) {
+      const bool qkv_biases = llama && entry.at("files").contains("query_bias");
+      each_part(layer, model.layout, qkv_biases, [&](const char* part, Tensor<double>& t) {
         t = read_npy<double>((dir / entry.at("files").at(part).get<std::string>()).string());
       });
       layer.sources = entry.at("sources").get<std::map<std::string, std::string>>();
@@ -596,6 +603,11 @@ Model read_operators(const std::string& ops_dir) {
       expect(layer.attention.key, {K * k, d}, at + "key");
       expect(layer.attention.value, {K * k, d}, at + "value");
       expect(layer.attention.output, {d, H * k}, at + "output");
+      if (layer.attention.query_bias.size() > 0) {
+        expect(layer.attention.query_bias, {H * k}, at + "query_bias");
+        expect(layer.attention.key_bias, {K * k}, at + "key_bias");
+        expect(layer.attention.value_bias, {K * k}, at + "value_bias");
+      }
       expect(layer.norm1_gain, {d}, at + "norm1_gain");
       expect(layer.norm2_gain, {d}, at + "norm2_gain");
       expect(layer.ffn_gate, {I, d}, at + "ffn_gate");

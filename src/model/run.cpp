@@ -124,6 +124,38 @@ struct Factors {
   }
 };
 
+// The factored form of an attention with biases on q, k and v (Qwen2), in dimension d + 1: the
+// cloud gains a coordinate that is 1, A_h = [W_Q,h | b_Q,h] / sqrt(d_k), B_h = [W_K,h | b_K,h],
+// V_h = [W_V,h | b_V,h] and U_h = [W_O,h ; 0], so that A_h x' = (W_Q,h x + b_Q,h) / sqrt(d_k), the
+// rotary positions rotate the biased queries and keys as the framework does, and the update's
+// last coordinate is 0.
+template <class T>
+struct BiasedFactors {
+  std::vector<T> a, b, up, down;
+
+  BiasedFactors(const MultiHeadAttentionWeights& w, std::int64_t kv_heads) {
+    const std::int64_t H = w.heads, d = w.model_dim, k = w.head_dim, K = kv_heads;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(k));
+    auto rows = [&](std::vector<T>& out, const Tensor<double>& weight, const Tensor<double>& bias,
+                    std::int64_t count, double factor) {
+      for (std::int64_t r = 0; r < count; ++r) {
+        for (std::int64_t c = 0; c < d; ++c)
+          out.push_back(static_cast<T>(weight[r * d + c] * factor));
+        out.push_back(static_cast<T>(bias[r] * factor));
+      }
+    };
+    rows(a, w.query, w.query_bias, H * k, scale);
+    rows(b, w.key, w.key_bias, K * k, 1.0);
+    rows(down, w.value, w.value_bias, K * k, 1.0);
+    for (std::int64_t h = 0; h < H; ++h) {
+      for (std::int64_t r = 0; r < d; ++r)
+        for (std::int64_t c = 0; c < k; ++c)
+          up.push_back(static_cast<T>(w.output[r * H * k + h * k + c]));
+      for (std::int64_t c = 0; c < k; ++c) up.push_back(T(0));
+    }
+  }
+};
+
 template <class T>
 void layer_norm(std::vector<T>& x, std::int64_t rows, std::int64_t d, const Tensor<double>& gain,
                 const Tensor<double>& bias, double eps) {
@@ -209,7 +241,36 @@ ModelTrace<T> run_model(const Model& model, const Tensor<T>& clouds,
     AttentionOutput<T> out;
     out.update = update.data();
     out.entropy = entropy.data();
-    if (settings.factored) {
+    const bool biased = llama && layer.attention.query_bias.size() > 0;
+    if (biased) {
+      // The cloud in d + 1 with a last coordinate 1 (BiasedFactors); the update back in d.
+      const BiasedFactors<T> f(layer.attention, model.key_heads());
+      std::vector<T> lifted(static_cast<std::size_t>(rows * (d + 1)));
+      std::vector<T> lifted_update(lifted.size());
+      for (std::int64_t r = 0; r < rows; ++r) {
+        std::copy(normed.begin() + r * d, normed.begin() + (r + 1) * d,
+                  lifted.begin() + r * (d + 1));
+        lifted[static_cast<std::size_t>(r * (d + 1) + d)] = T(1);
+      }
+      FactoredLayer<T> factored;
+      factored.heads = H;
+      factored.rank = model.head_dim;
+      factored.query_factor = f.a.data();
+      factored.key_factor = f.b.data();
+      factored.content_up = f.up.data();
+      factored.content_down = f.down.data();
+      factored.kv_heads = model.key_heads();
+      factored.rotary = model.rotary;
+      in.cloud = lifted.data();
+      in.dim = d + 1;
+      in.layer = {};
+      out.update = lifted_update.data();
+      attend_factored(in, factored, out, options);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        std::copy(lifted_update.begin() + r * (d + 1), lifted_update.begin() + r * (d + 1) + d,
+                  update.begin() + r * d);
+      }
+    } else if (settings.factored) {
       const Factors<T> f(layer.attention, model.kv_heads);
       FactoredLayer<T> factored;
       factored.heads = H;

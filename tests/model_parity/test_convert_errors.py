@@ -130,7 +130,7 @@ def test_unknown_layout_lists_what_it_found(tmp_path):
 @pytest.mark.parametrize("extra, phrase", [
     ({"rope_theta": 10000.0}, "rotary position embeddings ('rope_theta'"),
     ({"model_type": "gpt_neox"}, "model_type 'gpt_neox' uses rotary"),
-    ({"model_type": "qwen2"}, "model_type 'qwen2' uses rotary"),
+    ({"model_type": "qwen3"}, "model_type 'qwen3' uses rotary"),
     ({"position_embedding_type": "relative_key"}, "position_embedding_type 'relative_key'"),
 ])
 def test_position_dependent_models_are_refused(tmp_path, extra, phrase):
@@ -372,6 +372,9 @@ def test_a_llama_checkpoint_converts(tmp_path):
     (None, {"hidden_act": "gelu"}, ["hidden_act 'gelu'"]),
     (None, {"num_key_value_heads": 3}, ["not a multiple of num_key_value_heads 3"]),
     (None, {"num_hidden_layers": 3}, ["holds 2 layers", "says 3"]),
+    (None, {"model_type": "qwen2", "use_sliding_window": True}, ["use_sliding_window is true"]),
+    (None, {"model_type": "qwen2"},
+     ["tensor 'model.layers.0.self_attn.q_proj.bias' is missing", "query.bias of layer 0"]),
 ])
 def test_bad_llama_checkpoints_are_refused(tmp_path, change, config, phrases):
     tensors = llama_tensors()

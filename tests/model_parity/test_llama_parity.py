@@ -1,8 +1,9 @@
 """The llama layout from a Hugging Face checkpoint (config.json and model.safetensors, the names
 model.layers.N.self_attn.q_proj, ..., mlp.gate_proj, ...): small randomly initialised
 LlamaForCausalLM models built by transformers from a config (grouped kv heads, rotary with the
-default and the linear scaling, tied and untied unembedding) and a MistralForCausalLM (its
-sliding window, narrower than the prompts), converted by `emflow convert` and
+default and the linear scaling, tied and untied unembedding), a MistralForCausalLM (its
+sliding window, narrower than the prompts) and a Qwen2ForCausalLM (biases on q, k and v, which
+emflow runs as a factored layer in d + 1 dimensions), converted by `emflow convert` and
 run by `emflow flow --model --logits` on a right-padded batch, equal the framework's hidden
 states and last-token logits layer by layer.
 """
@@ -21,28 +22,35 @@ CASES = {
     "tied": dict(tie_word_embeddings=True, rope={"rope_type": "default", "rope_theta": 5000.0}),
     "untied-linear": dict(tie_word_embeddings=False,
                           rope={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
-    "mistral-window": dict(tie_word_embeddings=False, sliding_window=4,
+    "mistral-window": dict(kind="mistral", tie_word_embeddings=False, sliding_window=4,
                            rope={"rope_type": "default", "rope_theta": 10000.0}),
+    "qwen2-biases": dict(kind="qwen2", tie_word_embeddings=True,
+                         rope={"rope_type": "default", "rope_theta": 1000000.0}),
 }
+CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+           "mistral": ("MistralConfig", "MistralForCausalLM"),
+           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
 
 
 def make_model(case, folder):
     torch.manual_seed(11)
     settings = CASES[case]
-    mistral = "sliding_window" in settings
-    extra = {"sliding_window": settings["sliding_window"]} if mistral else {}
-    config = (transformers.MistralConfig if mistral else transformers.LlamaConfig)(
+    kind = settings.get("kind", "llama")
+    config_class, model_class = (getattr(transformers, name) for name in CLASSES[kind])
+    extra = {"sliding_window": settings["sliding_window"]} if "sliding_window" in settings else {}
+    config = config_class(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
         max_position_embeddings=64, initializer_range=0.2,
         tie_word_embeddings=settings["tie_word_embeddings"], rope_parameters=settings["rope"],
         bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa", **extra)
-    model_class = transformers.MistralForCausalLM if mistral else transformers.LlamaForCausalLM
     model = model_class(config).eval()
-    with torch.no_grad():  # gains away from 1, so that every norm's gain matters
+    with torch.no_grad():  # gains away from 1 and biases away from 0, so that each matters
         for module in model.modules():
             if isinstance(module, type(model.model.norm)):
                 module.weight.uniform_(0.5, 1.5)
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.uniform_(-0.5, 0.5)
     model.save_pretrained(folder, safe_serialization=True)
     return model
 
@@ -52,14 +60,15 @@ def converted(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("llama")
     model = make_model(request.param, folder / "model")
     saved = json.loads((folder / "model" / "config.json").read_text())
-    mistral = "sliding_window" in CASES[request.param]
-    assert saved["model_type"] == ("mistral" if mistral else "llama")
+    assert saved["model_type"] == CASES[request.param].get("kind", "llama")
     run("convert", str(folder / "model"), "--out", str(folder / "ops"), "--dtype", "float64")
     manifest = json.loads((folder / "ops" / "manifest.json").read_text())
     assert manifest["layout"] == "llama" and manifest["kv_heads"] == 2
     assert manifest["tied_embeddings"] == CASES[request.param]["tie_word_embeddings"]
     assert manifest["rotary"]["scaling"] == CASES[request.param]["rope"]["rope_type"]
     assert manifest["sliding_window"] == CASES[request.param].get("sliding_window", 0)
+    biases = "query_bias" in manifest["layer_files"][0]["files"]
+    assert biases == (CASES[request.param].get("kind") == "qwen2")
     return request.param, model, folder / "ops"
 
 
