@@ -1,8 +1,9 @@
-// The llama layout on a tiny random model: run_model and next_token_logits against a plain double
-// implementation written out here (RMSNorm, rotary half-split queries and keys, grouped kv heads,
-// the causal mask and right padding, SwiGLU, the final norm and the unembedding); the operator
-// folder's round trip in float64 and float32; and the GGUF loader: llama.cpp's permutation of the
-// query and key rows undone, and every bad file refused naming the file and the tensor or key.
+// The llama layout on a tiny random model (also with Qwen2's q/k/v biases and with Mistral's
+// sliding window): run_model and next_token_logits against a plain double implementation written
+// out here (RMSNorm, rotary half-split queries and keys, grouped kv heads, the causal mask and
+// right padding, SwiGLU, the final norm and the unembedding); the operator folder's round trip in
+// float64 and float32; and the GGUF loader: llama.cpp's permutation of the query and key rows
+// undone, and every bad file refused naming the file and the tensor or key.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -41,7 +42,8 @@ Tensor<double> weights(const Shape& shape, std::uint64_t seed, double scale) {
   return t;
 }
 
-Model make_llama(bool tied) {
+// tied: no unembedding of its own; biases: Qwen2's on q, k and v; window: Mistral's (0: none).
+Model make_llama(bool tied, bool biases = false, std::int64_t window = 0) {
   Model m;
   m.layout = Layout::llama;
   m.model_type = "llama";
@@ -56,6 +58,7 @@ Model make_llama(bool tied) {
   m.activation = emflow::model::Activation::silu;
   m.rotary.dim = kHead;
   m.rotary.base = 10000.0;
+  m.sliding_window = window;
   std::uint64_t seed = 700;
   const double s = 1.2 / std::sqrt(static_cast<double>(kDim));
   for (std::int64_t l = 0; l < kLayers; ++l) {
@@ -68,6 +71,11 @@ Model make_llama(bool tied) {
     w.key = weights({kKv * kHead, kDim}, seed++, 3 * s);
     w.value = weights({kKv * kHead, kDim}, seed++, s);
     w.output = weights({kDim, kHeads * kHead}, seed++, s);
+    if (biases) {
+      w.query_bias = weights({kHeads * kHead}, seed++, 0.5);
+      w.key_bias = weights({kKv * kHead}, seed++, 0.5);
+      w.value_bias = weights({kKv * kHead}, seed++, 0.5);
+    }
     layer.norm1_gain = weights({kDim}, seed++, 1.5);
     layer.norm2_gain = weights({kDim}, seed++, 1.5);
     layer.ffn_gate = weights({kFfn, kDim}, seed++, s);
@@ -128,6 +136,13 @@ std::vector<Rows> plain_run(const Model& m, Rows x) {
       q[i] = matvec(layer.attention.query, h);
       key[i] = matvec(layer.attention.key, h);
       val[i] = matvec(layer.attention.value, h);
+      if (layer.attention.query_bias.size() > 0) {
+        for (std::size_t c = 0; c < q[i].size(); ++c) q[i][c] += layer.attention.query_bias[c];
+        for (std::size_t c = 0; c < key[i].size(); ++c) {
+          key[i][c] += layer.attention.key_bias[c];
+          val[i][c] += layer.attention.value_bias[c];
+        }
+      }
       for (std::int64_t hd = 0; hd < m.heads; ++hd) rotate(q[i].data() + hd * k, i, m);
       for (std::int64_t hd = 0; hd < m.kv_heads; ++hd) rotate(key[i].data() + hd * k, i, m);
     }
@@ -138,13 +153,17 @@ std::vector<Rows> plain_run(const Model& m, Rows x) {
         const std::int64_t g = hd / group;
         std::vector<double> s(static_cast<std::size_t>(i + 1));
         double top = -INFINITY, sum = 0;
-        for (std::int64_t j = 0; j <= i; ++j) {  // causal
+        // Causal, and within the window: i - w < j.
+        const std::int64_t first =
+            m.sliding_window > 0 ? std::max<std::int64_t>(0, i - m.sliding_window + 1) : 0;
+        for (std::int64_t j = 0; j < first; ++j) s[j] = -INFINITY;
+        for (std::int64_t j = first; j <= i; ++j) {
           double dot = 0;
           for (std::int64_t c = 0; c < k; ++c) dot += q[i][hd * k + c] * key[j][g * k + c];
           s[j] = dot / std::sqrt(static_cast<double>(k));
           top = std::max(top, s[j]);
         }
-        for (double& v : s) sum += (v = std::exp(v - top));
+        for (double& v : s) sum += (v = std::exp(v - top));  // exp(-inf) = 0
         for (std::int64_t j = 0; j <= i; ++j)
           for (std::int64_t c = 0; c < k; ++c) heads[hd * k + c] += s[j] / sum * val[j][g * k + c];
       }
@@ -171,8 +190,14 @@ TYPED_TEST_SUITE(LlamaModel, emflow::testing::FloatTypes);
 
 TYPED_TEST(LlamaModel, EqualsThePlainImplementationOnAPaddedBatch) {
   using T = TypeParam;
-  for (const bool tied : {true, false}) {
-    const Model m = make_llama(tied);
+  struct Variant {
+    bool tied, biases;
+    std::int64_t window;
+  };
+  for (const Variant v : {Variant{true, false, 0}, Variant{false, false, 0}, Variant{true, true, 0},
+                          Variant{false, false, 3}}) {
+    const bool tied = v.tied;
+    const Model m = make_llama(v.tied, v.biases, v.window);
     const std::int64_t B = 2, N = 6;
     const std::vector<std::int64_t> lengths{6, 4};
     const Tensor<double> x = emflow::testing::random_tensor({B, N, kDim}, 31, -1.0, 1.0);
@@ -201,7 +226,8 @@ TYPED_TEST(LlamaModel, EqualsThePlainImplementationOnAPaddedBatch) {
             scale = std::max(scale, std::abs(expected[r][i][a]));
             worst = std::max(worst, std::abs(got - expected[r][i][a]));
           }
-      EXPECT_LT(worst, tol * scale) << "cloud " << b << (tied ? " tied" : " untied");
+      EXPECT_LT(worst, tol * scale) << "cloud " << b << (tied ? " tied" : " untied")
+                                    << (v.biases ? ", biases" : "") << ", window " << v.window;
       const std::vector<double> h = rms(expected[kLayers][n - 1], m.final_gain, m.norm_eps);
       const std::vector<double> want = matvec(m.output_matrix(), h);
       for (std::int64_t t = 0; t < kVocab; ++t) {
@@ -367,7 +393,7 @@ TEST_F(LlamaFiles, AGgufFileReadsBackTheModelWithQueryAndKeyRowsUnpermuted) {
 }
 
 TEST_F(LlamaFiles, TheOperatorFolderRoundTripsInFloat64AndFloat32) {
-  Model m = make_llama(true);
+  Model m = make_llama(true, true, 3);
   m.vocabulary = {"a", "b", "Ġc"};
   m.tokenizer_model = "gpt2";
   for (const auto storage :
@@ -384,6 +410,7 @@ TEST_F(LlamaFiles, TheOperatorFolderRoundTripsInFloat64AndFloat32) {
     EXPECT_EQ(back.kv_heads, kKv);
     EXPECT_EQ(back.rotary.dim, m.rotary.dim);
     EXPECT_EQ(back.rotary.base, m.rotary.base);
+    EXPECT_EQ(back.sliding_window, 3);
     EXPECT_EQ(back.vocabulary, m.vocabulary);
     EXPECT_EQ(back.tokenizer_model, "gpt2");
     EXPECT_EQ(back.unembedding.size(), 0);
@@ -394,6 +421,9 @@ TEST_F(LlamaFiles, TheOperatorFolderRoundTripsInFloat64AndFloat32) {
       const ModelLayer& a = m.layers[static_cast<std::size_t>(l)];
       const ModelLayer& b = back.layers[static_cast<std::size_t>(l)];
       expect_same(a.attention.key, b.attention.key, "key");
+      expect_same(a.attention.query_bias, b.attention.query_bias, "query_bias");
+      expect_same(a.attention.key_bias, b.attention.key_bias, "key_bias");
+      expect_same(a.attention.value_bias, b.attention.value_bias, "value_bias");
       expect_same(a.ffn_gate, b.ffn_gate, "ffn_gate");
       expect_same(a.norm2_gain, b.norm2_gain, "norm2");
     }
