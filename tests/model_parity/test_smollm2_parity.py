@@ -141,3 +141,16 @@ def test_the_dense_form_is_refused(operators, tmp_path):
                  "--form", "emf", "--out", str(tmp_path / "t.npy"), ok=False)
     assert result.returncode != 0 and "no single dense M_h" in result.stderr
     assert "--form factored" in result.stderr and not (tmp_path / "t.npy").exists()
+
+
+def test_the_float64_reference_is_transformers_to_float32_rounding(reference):
+    """The float64 reference patches transformers' RMSNorm and rotary embedding to compute in
+    float64; it stays within float32 rounding of transformers as it is."""
+    lengths = reference["lengths"]
+    ours, theirs = reference["float64"], reference["float32"]
+    worst = max(relative_error(a, b, lengths) for a, b in zip(ours["hidden"], theirs["hidden"]))
+    logits = float(np.max(np.abs(ours["logits"] - theirs["logits"])) /
+                   np.max(np.abs(theirs["logits"])))
+    print(f"smollm2 float64 reference against float32 transformers: hidden states {worst:.3e}, "
+          f"logits {logits:.3e}")
+    assert worst < 1e-4 and logits < 1e-4
