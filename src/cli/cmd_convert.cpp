@@ -22,7 +22,7 @@ namespace emflow::cli {
 namespace {
 
 struct ConvertArguments {
-  std::string model_dir, out, layout;
+  std::string model_dir, out, layout, dtype;
   std::vector<std::string> names;
   bool report = false;
 };
@@ -103,18 +103,38 @@ void run_convert(const ConvertArguments& args) {
     }
     options.names[item.substr(0, eq)] = item.substr(eq + 1);
   }
+  model::StorageType storage = model::StorageType::automatic;
+  if (args.dtype == "float32") {
+    storage = model::StorageType::float32;
+  } else if (args.dtype == "float64") {
+    storage = model::StorageType::float64;
+  } else if (!args.dtype.empty()) {
+    fail_option("--dtype", "expects float32 or float64, got '", args.dtype, "'");
+  }
   // The target is checked before the conversion's work, and again when it is written.
   model::check_operators_target(args.out);
   const model::Model m = model::load_checkpoint(args.model_dir, options);
+  const bool llama = m.layout == model::Layout::llama;
+  if (args.report && llama) {
+    fail_option("--report", "needs the dense operators M_h, F_h, which the llama model '",
+                args.model_dir,
+                "' has not (its rotary relevance depends on the offset of two "
+                "positions: docs/MATH.md 2.4)");
+  }
   std::map<std::string, std::string> extra;
   if (args.report) extra["spectrum.csv"] = spectrum_report(m);
-  model::write_operators(m, args.out, extra);
+  model::write_operators(m, args.out, extra, storage);
   std::cout << "emflow convert: " << to_string(m.layout) << " model ('" << m.model_type << "'), "
-            << m.layer_count() << " layers, " << m.heads << " heads, d = " << m.dim
-            << ", feed-forward " << m.ffn_dim << ", " << (m.pre_norm ? "pre" : "post")
-            << "-norm (eps " << m.norm_eps << "), " << to_string(m.activation)
-            << (m.causal ? ", causal" : "") << " -> " << args.out
-            << (args.report ? " (spectra in spectrum.csv)" : "") << "\n";
+            << m.layer_count() << " layers, " << m.heads << " heads";
+  if (llama) {
+    std::cout << " (" << m.key_heads() << " kv heads), rotary over " << m.rotary.dim << " of "
+              << m.head_dim << " (base " << m.rotary.base << ", " << to_string(m.rotary.scaling)
+              << "), vocabulary " << m.vocab_size() << (m.unembedding.size() > 0 ? "" : " (tied)");
+  }
+  std::cout << ", d = " << m.dim << ", feed-forward " << m.ffn_dim << ", "
+            << (m.pre_norm ? "pre" : "post") << "-norm (" << (llama ? "rms, " : "") << "eps "
+            << m.norm_eps << "), " << to_string(m.activation) << (m.causal ? ", causal" : "")
+            << " -> " << args.out << (args.report ? " (spectra in spectrum.csv)" : "") << "\n";
 }
 
 }  // namespace
@@ -127,17 +147,26 @@ void add_convert_command(CLI::App& app) {
 their names (BERT-style encoder.layer.N.attention.self.query, GPT-2-style h.N.attn.c_attn,
 optionally prefixed bert., roberta. or transformer.), and writes per layer the exact EMF
 operators M_h, F_h, u_h, c (docs/MATH.md section 3, in float64), the factored Q/K/V/O
-weights, the layer norms and the feed-forward weights, plus manifest.json. The folder is
-written all or nothing. Models with rotary or relative position embeddings are refused.
-docs/MODELS.md has the layouts, the roles of --name and the folder's files.)");
-  command->add_option("MODEL_DIR", args->model_dir, "model folder (config.json, model.safetensors)")
+weights, the layer norms and the feed-forward weights, plus manifest.json. A llama model
+(model_type llama, or a GGUF file MODEL.gguf of the llama architecture) has rotary
+positions and no dense M_h: its folder holds the factored weights, the RMSNorm gains, the
+gated feed-forward, the embedding and the unembedding (float32 by default). The folder is
+written all or nothing. Other models with rotary or relative position embeddings are
+refused. docs/MODELS.md has the layouts, the roles of --name and the folder's files.)");
+  command
+      ->add_option("MODEL_DIR", args->model_dir,
+                   "model folder (config.json, model.safetensors) or a GGUF file (.gguf)")
       ->required();
   command
       ->add_option("--out", args->out,
                    "operator folder to write (must not exist, or be an "
                    "earlier operator folder)")
       ->required();
-  command->add_option("--layout", args->layout, "bert or gpt2 (default: found from the names)");
+  command->add_option("--layout", args->layout,
+                      "bert, gpt2 or llama (default: found from the names and the model_type)");
+  command->add_option("--dtype", args->dtype,
+                      "float32 or float64: the files' element type (default: float64 for bert "
+                      "and gpt2, float32 for llama)");
   command->add_option("--name", args->names,
                       "ROLE=PATTERN: the tensor name of a role, {layer} for the layer index "
                       "(roles: docs/MODELS.md)");

@@ -289,10 +289,14 @@ their observables; outputs are written only when the whole run succeeds.)");
       command->add_flag("--attention-only", args->model.attention_only,
                         "--model: attention, residual and norm only (the EMF flow)"),
       command->add_option("--form", args->model.form,
-                          "--model: the attention from the dense operators M_h, F_h (emf) or "
-                          "from the per-head Q/K/V/O blocks (factored)"),
+                          "--model: the attention from the dense operators M_h, F_h (emf, the "
+                          "default) or from the per-head Q/K/V/O blocks (factored, the default "
+                          "and the only form of a llama model)"),
       command->add_option("--attention-out", args->model.attention_out,
-                          "--model output: each layer's attention output (.npy), (L, B, N, d)")};
+                          "--model output: each layer's attention output (.npy), (L, B, N, d)"),
+      command->add_option("--logits", args->model.logits,
+                          "--model output: the next-token logits of each cloud's last real "
+                          "token (.npy), (B, vocab): the final norm and the unembedding (llama)")};
   model_only[2]->excludes(model_only[3]);
   for (CLI::Option* option : model_only) option->needs(model);
   for (const char* name : {"--tokens",

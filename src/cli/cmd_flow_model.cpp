@@ -2,6 +2,7 @@
 // the clouds after every layer, each layer's attention output, the observables and a picture.
 // Everything is read and checked and every output declared first; the outputs are written only
 // when the whole run succeeds, all or none.
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "common.hpp"
+#include "emflow/gguf.hpp"
 #include "emflow/io.hpp"
 #include "emflow/model.hpp"
 #include "flow_model.hpp"
@@ -39,6 +41,7 @@ void run(const ModelFlowArguments& args, Dtype dtype) {
   if (!args.attention_out.empty()) outputs.declare("--attention-out", args.attention_out);
   if (!args.metrics.empty()) outputs.declare("--metrics", args.metrics);
   if (!args.plot.empty()) outputs.declare("--plot", args.plot);
+  if (!args.logits.empty()) outputs.declare("--logits", args.logits);
   // Every file the run reads is an input no output may replace: the cloud, the key lengths, the
   // labels and each file of the operator folder (its manifest and every file it lists).
   outputs.declare_input("--cloud", args.cloud);
@@ -85,16 +88,41 @@ void run(const ModelFlowArguments& args, Dtype dtype) {
 
   model::RunSettings settings;
   settings.full_layer = !args.attention_only;
-  if (args.form != "emf" && args.form != "factored") {
-    fail_option("--form", "expects emf or factored, got '", args.form, "'");
+  const bool llama = m.layout == model::Layout::llama;
+  const std::string form = args.form.empty() ? (llama ? "factored" : "emf") : args.form;
+  if (form != "emf" && form != "factored") {
+    fail_option("--form", "expects emf or factored, got '", form, "'");
   }
-  settings.factored = args.form == "factored";
+  if (llama && form != "factored") {
+    fail_option("--form", "is emf, but the llama model '", args.model,
+                "' has rotary positions: its relevance depends on the offset of two positions "
+                "and has no single dense M_h (docs/MATH.md 2.4); use --form factored");
+  }
+  if (!args.logits.empty() && m.vocab_size() == 0) {
+    fail_option("--logits", "needs a model with an unembedding (llama), but '", args.model,
+                "' is of the ", to_string(m.layout), " layout");
+  }
+  settings.factored = form == "factored";
   settings.cluster_eps = args.cluster_eps;
   const model::ModelTrace<T> trace = model::run_model(m, cloud, lengths, settings, options);
   const std::int64_t L = m.layer_count();
 
   if (!args.out.empty()) outputs.stage_npy(args.out, trace.trajectory);
   if (!args.attention_out.empty()) outputs.stage_npy(args.attention_out, trace.attention);
+  // The greedy next token of each cloud, printed after the outputs are written.
+  std::vector<std::int64_t> next_tokens;
+  if (!args.logits.empty()) {
+    const Tensor<T> last =
+        Tensor<T>(Shape{B, N, d}, std::vector<T>(trace.trajectory.values().end() - B * N * d,
+                                                 trace.trajectory.values().end()));
+    const Tensor<T> logits = model::next_token_logits(m, last, lengths);
+    const std::int64_t V = logits.extent(1);
+    for (std::int64_t b = 0; b < B; ++b) {
+      const T* row = logits.data() + b * V;
+      next_tokens.push_back(std::max_element(row, row + V) - row);
+    }
+    outputs.stage_npy(args.logits, logits);
+  }
   if (!args.metrics.empty()) {
     std::ostringstream csv;
     csv << std::setprecision(9)
@@ -137,6 +165,16 @@ void run(const ModelFlowArguments& args, Dtype dtype) {
             << B << " cloud(s) of " << N << " tokens in d = " << d << "\n"
             << "  cloud 0 after the last layer: clusters " << last.clusters << ", mean <x_i,x_j> "
             << last.mean_inner << ", min <x_i,x_j> " << last.min_inner << "\n";
+  for (std::size_t b = 0; b < next_tokens.size(); ++b) {
+    std::cout << "  cloud " << b << ": greedy next token " << next_tokens[b];
+    if (next_tokens[b] < static_cast<std::int64_t>(m.vocabulary.size())) {
+      std::cout << " '"
+                << gguf::detokenize(m.vocabulary, m.tokenizer_model, {next_tokens[b]},
+                                    args.model + "/vocabulary.json")
+                << "'";
+    }
+    std::cout << "\n";
+  }
 }
 
 }  // namespace

@@ -12,8 +12,10 @@ struct ModelFlowArguments {
   std::string key_lengths;  ///< optional (B) int32/int64
   std::string labels;       ///< optional text file (--labels): token strings of cloud 0, one a line
   bool attention_only = false;
-  std::string form = "emf";  ///< emf (dense M_h, F_h) or factored (Q/K/V/O blocks)
+  /// emf (dense M_h, F_h) or factored (Q/K/V/O blocks); empty: emf, factored for llama
+  std::string form;
   std::string out, attention_out, metrics, plot;
+  std::string logits;  ///< optional (B, vocab): the last real token's next-token logits
   std::string device = "auto";
   int threads = 0;
   double cluster_eps = 1e-3;

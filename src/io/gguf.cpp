@@ -1063,18 +1063,14 @@ int byte_token(const std::string& token) {
 
 }  // namespace
 
-std::string File::detokenize(const std::vector<std::int64_t>& ids) const {
-  const std::vector<std::string>& vocabulary = tokens();
-  const std::string model =
-      contains("tokenizer.ggml.model") && value("tokenizer.ggml.model").type() == ValueType::string
-          ? value("tokenizer.ggml.model").as_string()
-          : std::string();
-  return detail::reporting_out_of_memory("detokenize", path_, [&] {
+std::string detokenize(const std::vector<std::string>& vocabulary, const std::string& model,
+                       const std::vector<std::int64_t>& ids, const std::string& source) {
+  return detail::reporting_out_of_memory("detokenize", source, [&] {
     std::string text;
     for (const std::int64_t id : ids) {
       if (id < 0 || id >= static_cast<std::int64_t>(vocabulary.size())) {
         detail::fail_argument("detokenize", "ids", "holds the id ", id, "; the vocabulary of '",
-                              path_, "' has ", vocabulary.size(), " tokens");
+                              source, "' has ", vocabulary.size(), " tokens");
       }
       const std::string& token = vocabulary[static_cast<std::size_t>(id)];
       if (model == "gpt2") {
@@ -1108,6 +1104,14 @@ std::string File::detokenize(const std::vector<std::int64_t>& ids) const {
     }
     return text;
   });
+}
+
+std::string File::detokenize(const std::vector<std::int64_t>& ids) const {
+  const std::string model =
+      contains("tokenizer.ggml.model") && value("tokenizer.ggml.model").type() == ValueType::string
+          ? value("tokenizer.ggml.model").as_string()
+          : std::string();
+  return gguf::detokenize(tokens(), model, ids, path_);
 }
 
 bool File::has_tensor(const std::string& name) const { return names_.count(name) != 0; }

@@ -85,7 +85,8 @@ void refuse_position_dependent(const json& config, const std::string& path) {
       "gemma2", "gemma3",  "phi",     "phi3",     "falcon", "roformer", "olmo",  "stablelm"};
   const std::string reason =
       ": the attention scores then depend on the tokens' positions, not on x_i^T M_h x_j alone, "
-      "so the model has no EMF relevance operator (rotary forms are not supported yet)";
+      "so the model has no EMF relevance operator (of the rotary models only model_type 'llama' is "
+      "converted, in the factored form)";
   for (const char* key : kRotaryKeys) {
     if (config.contains(key) && !config[key].is_null()) {
       fail(ErrorCode::unsupported, kOp, ": '", path,
@@ -216,7 +217,17 @@ Tensor<double> slice(const Tensor<double>& v, std::int64_t first, std::int64_t c
 
 }  // namespace
 
-const char* to_string(Layout layout) noexcept { return layout == Layout::gpt2 ? "gpt2" : "bert"; }
+const char* to_string(Layout layout) noexcept {
+  switch (layout) {
+    case Layout::gpt2:
+      return "gpt2";
+    case Layout::llama:
+      return "llama";
+    case Layout::bert:
+      break;
+  }
+  return "bert";
+}
 
 const char* to_string(Activation activation) noexcept {
   switch (activation) {
@@ -224,6 +235,8 @@ const char* to_string(Activation activation) noexcept {
       return "gelu_tanh";
     case Activation::relu:
       return "relu";
+    case Activation::silu:
+      return "silu";
     case Activation::gelu:
       break;
   }
@@ -231,6 +244,24 @@ const char* to_string(Activation activation) noexcept {
 }
 
 std::map<std::string, std::string> checkpoint_roles(Layout layout) {
+  if (layout == Layout::llama) {
+    const std::string l = "model.layers.{layer}.";
+    return {{"query.weight", l + "self_attn.q_proj.weight"},
+            {"query.bias", l + "self_attn.q_proj.bias"},
+            {"key.bias", l + "self_attn.k_proj.bias"},
+            {"value.bias", l + "self_attn.v_proj.bias"},
+            {"key.weight", l + "self_attn.k_proj.weight"},
+            {"value.weight", l + "self_attn.v_proj.weight"},
+            {"output.weight", l + "self_attn.o_proj.weight"},
+            {"norm1.weight", l + "input_layernorm.weight"},
+            {"ffn_gate.weight", l + "mlp.gate_proj.weight"},
+            {"ffn_in.weight", l + "mlp.up_proj.weight"},
+            {"ffn_out.weight", l + "mlp.down_proj.weight"},
+            {"norm2.weight", l + "post_attention_layernorm.weight"},
+            {"final_norm.weight", "model.norm.weight"},
+            {"embedding.weight", "model.embed_tokens.weight"},
+            {"unembedding.weight", "lm_head.weight"}};
+  }
   if (layout == Layout::bert) {
     const std::string l = "encoder.layer.{layer}.";
     return {{"query.weight", l + "attention.self.query.weight"},
@@ -260,7 +291,198 @@ std::map<std::string, std::string> checkpoint_roles(Layout layout) {
           {"final_norm.weight", "ln_f.weight"},        {"final_norm.bias", "ln_f.bias"}};
 }
 
+namespace {
+
+// A number of the config (or of its rope_scaling object `where`): finite and > `above`.
+double config_number(const json& object, const std::string& path, const char* key, double fallback,
+                     double above) {
+  if (!present(object, key)) return fallback;
+  const json& value = object[key];
+  if (!value.is_number() || !std::isfinite(value.get<double>()) || !(value.get<double>() > above)) {
+    fail_config(path, key, value, above == 0.0 ? "a finite number > 0" : "a finite number > 1");
+  }
+  return value.get<double>();
+}
+
+// The rotary embedding of a transformers llama config: rope_theta, partial_rotary_factor and
+// rope_scaling (transformers 5 may write them together as rope_parameters).
+Rotary llama_rotary(const json& config, const std::string& path, std::int64_t head_dim) {
+  Rotary rotary;
+  rotary.pairing = RotaryPairing::half_split;
+  const json none = json::object();
+  const json& params = present(config, "rope_parameters") && config["rope_parameters"].is_object()
+                           ? config["rope_parameters"]
+                           : none;
+  rotary.base = config_number(present(params, "rope_theta") ? params : config, path, "rope_theta",
+                              10000.0, 1.0);
+  double partial = config_number(config, path, "partial_rotary_factor", 1.0, 0.0);
+  if (partial > 1.0)
+    fail_config(path, "partial_rotary_factor", config["partial_rotary_factor"],
+                "a number in (0, 1]");
+  rotary.dim = static_cast<std::int64_t>(static_cast<double>(head_dim) * partial);
+  if (rotary.dim < 2 || rotary.dim % 2 != 0) {
+    fail(ErrorCode::unsupported, kOp, ": '", path, "': partial_rotary_factor ", partial, " gives ",
+         rotary.dim, " rotary dimensions of the head's ", head_dim,
+         " (an even number >= 2 is needed)");
+  }
+  const json* scaling = present(config, "rope_scaling") ? &config["rope_scaling"]
+                        : !params.empty()               ? &params
+                                                        : nullptr;
+  if (scaling == nullptr) return rotary;
+  if (!scaling->is_object()) fail_config(path, "rope_scaling", *scaling, "an object or null");
+  const char* type_key = scaling->contains("rope_type") ? "rope_type" : "type";
+  const std::string type = config_string(*scaling, path, type_key, "default");
+  rotary.scaling = rotary_scaling_from_string(type);  // names an unknown kind (yarn, longrope)
+  if (rotary.scaling == RotaryScaling::none) return rotary;
+  rotary.factor = config_number(*scaling, path, "factor", NAN, 0.0);
+  if (!(rotary.factor >= 1.0)) {
+    fail(ErrorCode::io, kOp, ": '", path, "': rope_scaling '", type,
+         "' needs a 'factor' >= 1, got ",
+         present(*scaling, "factor") ? (*scaling)["factor"].dump() : std::string("none"));
+  }
+  if (rotary.scaling == RotaryScaling::dynamic_ntk) {
+    rotary.original_max_positions = config_int(config, path, {"max_position_embeddings"});
+  } else if (rotary.scaling == RotaryScaling::llama3) {
+    rotary.low_freq_factor = config_number(*scaling, path, "low_freq_factor", 1.0, 0.0);
+    rotary.high_freq_factor = config_number(*scaling, path, "high_freq_factor", 4.0, 0.0);
+    rotary.original_max_positions =
+        config_int(*scaling, path, {"original_max_position_embeddings"});
+  }
+  return rotary;
+}
+
+// A transformers llama checkpoint (model_type "llama"): every tensor by its Hugging Face name.
+Model load_llama(Model model, const json& config, const ConvertOptions& options) {
+  const std::string& path = model.config_file;
+  if (!options.names.empty()) {
+    fail(ErrorCode::invalid_argument, kOp,
+         ": --name is not supported for the llama layout (its "
+         "tensors have the Hugging Face names)");
+  }
+  const std::string act = config_string(config, path, "hidden_act", "silu");
+  if (act != "silu") {
+    fail(ErrorCode::unsupported, kOp, ": '", path, "': hidden_act '", act,
+         "' is not supported for llama (silu)");
+  }
+  for (const char* key : {"attention_bias", "mlp_bias"}) {
+    if (config_bool(config, path, key, false)) {
+      fail(ErrorCode::unsupported, kOp, ": '", path, "': '", key,
+           "' is true: biases are not supported in the llama layout");
+    }
+  }
+  model.layout = Layout::llama;
+  const std::int64_t layers = config_int(config, path, {"num_hidden_layers"});
+  model.heads = config_int(config, path, {"num_attention_heads"});
+  model.dim = config_int(config, path, {"hidden_size"});
+  model.ffn_dim = config_int(config, path, {"intermediate_size"});
+  model.kv_heads = present(config, "num_key_value_heads")
+                       ? config_int(config, path, {"num_key_value_heads"})
+                       : model.heads;
+  if (model.heads % model.kv_heads != 0) {
+    fail(ErrorCode::io, kOp, ": '", path, "': num_attention_heads ", model.heads,
+         " is not a multiple of num_key_value_heads ", model.kv_heads);
+  }
+  if (model.dim % model.heads != 0) {
+    fail(ErrorCode::io, kOp, ": '", path, "': hidden size ", model.dim,
+         " is not a multiple of the ", model.heads, " heads");
+  }
+  model.head_dim = model.dim / model.heads;
+  if (present(config, "head_dim") && config_int(config, path, {"head_dim"}) != model.head_dim) {
+    fail(ErrorCode::unsupported, kOp, ": '", path, "': head_dim ", config["head_dim"].dump(),
+         " differs from hidden_size / num_attention_heads = ", model.head_dim, " (not supported)");
+  }
+  model.norm_eps = config_eps(config, path, "rms_norm_eps", 1e-6);
+  model.pre_norm = true;
+  model.causal = true;
+  model.activation = Activation::silu;
+  model.rotary = llama_rotary(config, path, model.head_dim);
+  if (model.model_type == "mistral" && present(config, "sliding_window")) {
+    model.sliding_window = config_int(config, path, {"sliding_window"});
+  }
+  // Qwen2: biases on q, k and v (none on o), and a sliding window only where it is switched on.
+  const bool qkv_bias = model.model_type == "qwen2";
+  if (qkv_bias && config_bool(config, path, "use_sliding_window", false)) {
+    fail(ErrorCode::unsupported, kOp, ": '", path,
+         "': use_sliding_window is true: Qwen2's sliding window is not supported");
+  }
+  if (qkv_bias && present(config, "layer_types")) {
+    for (const json& kind : config["layer_types"]) {
+      if (kind != "full_attention") {
+        fail(ErrorCode::unsupported, kOp, ": '", path, "': layer_types holds ", kind.dump(),
+             ": only full_attention layers are supported");
+      }
+    }
+  }
+  const bool tied = config_bool(config, path, "tie_word_embeddings", false);
+
+  const SafetensorsFile file(model.source_file);  // read once the config is known to be good
+  Reader reader{file, checkpoint_roles(Layout::llama)};
+  const std::string marker = reader.patterns.at("query.weight");
+  if (file.contains(substitute(marker, layers)) || !file.contains(substitute(marker, layers - 1))) {
+    std::int64_t held = 0;
+    const auto names = static_cast<std::int64_t>(file.names().size());
+    while (held <= names && file.contains(substitute(marker, held))) ++held;
+    fail(ErrorCode::io, kOp, ": '", model.source_file, "' holds ", held, " layers ('",
+         substitute(marker, 0), "' ...), but '", path, "' says ", layers);
+  }
+  const std::int64_t d = model.dim, I = model.ffn_dim, H = model.heads, K = model.kv_heads;
+  const std::int64_t k = model.head_dim;
+  for (std::int64_t l = 0; l < layers; ++l) {
+    ModelLayer layer;
+    MultiHeadAttentionWeights& w = layer.attention;
+    w.heads = H;
+    w.model_dim = d;
+    w.head_dim = w.value_dim = k;
+    w.query = reader.get(&layer.sources, "query.weight", l, {H * k, d});
+    w.key = reader.get(&layer.sources, "key.weight", l, {K * k, d});
+    w.value = reader.get(&layer.sources, "value.weight", l, {K * k, d});
+    w.output = reader.get(&layer.sources, "output.weight", l, {d, H * k});
+    if (qkv_bias) {
+      w.query_bias = reader.get(&layer.sources, "query.bias", l, {H * k});
+      w.key_bias = reader.get(&layer.sources, "key.bias", l, {K * k});
+      w.value_bias = reader.get(&layer.sources, "value.bias", l, {K * k});
+    }
+    layer.norm1_gain = reader.get(&layer.sources, "norm1.weight", l, {d});
+    layer.ffn_gate = reader.get(&layer.sources, "ffn_gate.weight", l, {I, d});
+    layer.ffn_in = reader.get(&layer.sources, "ffn_in.weight", l, {I, d});
+    layer.ffn_out = reader.get(&layer.sources, "ffn_out.weight", l, {d, I});
+    layer.norm2_gain = reader.get(&layer.sources, "norm2.weight", l, {d});
+    model.layers.push_back(std::move(layer));
+  }
+  model.final_gain = reader.get(&model.sources, "final_norm.weight", -1, {d});
+  const std::string embed_name = reader.patterns.at("embedding.weight");
+  if (!file.contains(embed_name) || file.entry(embed_name).shape.size() != 2) {
+    fail(ErrorCode::io, "read_safetensors: '", file.path(), "': tensor '", embed_name,
+         "' (embedding.weight) is missing or not (vocab, ", d, ")");
+  }
+  const std::int64_t vocab = file.entry(embed_name).shape[0];
+  model.embedding = reader.get(&model.sources, "embedding.weight", -1, {vocab, d});
+  const std::string head_name = reader.patterns.at("unembedding.weight");
+  if (file.contains(head_name) || !tied) {
+    // Untied: lm_head must be there. Tied, a stored copy is read (it equals the embedding).
+    model.unembedding = reader.get(&model.sources, "unembedding.weight", -1, {vocab, d});
+  } else {
+    model.sources["unembedding.weight"] = embed_name + " (tied)";
+  }
+  return model;
+}
+
+bool is_gguf_file(const std::string& path) {
+  std::error_code error;
+  return fs::is_regular_file(path, error) && path.size() > 5 &&
+         path.compare(path.size() - 5, 5, ".gguf") == 0;
+}
+
+}  // namespace
+
 Model load_checkpoint(const std::string& model_dir, const ConvertOptions& options) {
+  if (is_gguf_file(model_dir)) {
+    if (!options.names.empty() || (!options.layout.empty() && options.layout != "llama")) {
+      fail(ErrorCode::invalid_argument, kOp, ": '", model_dir,
+           "' is a GGUF file: its tensors have llama.cpp's names (no --layout or --name)");
+    }
+    return load_gguf(model_dir);
+  }
   const fs::path dir(model_dir);
   if (!fs::is_directory(dir)) {
     fail(ErrorCode::io, kOp, ": '", model_dir,
@@ -276,8 +498,18 @@ Model load_checkpoint(const std::string& model_dir, const ConvertOptions& option
          "(model.safetensors.index.json); only a single model.safetensors is supported");
   }
   const json config = read_config(model.config_file);
-  refuse_position_dependent(config, model.config_file);
   model.model_type = config_string(config, model.config_file, "model_type", "");
+  const bool llama_like =
+      model.model_type == "llama" || model.model_type == "mistral" || model.model_type == "qwen2";
+  if (llama_like || options.layout == "llama") {
+    if (!llama_like) {
+      fail(ErrorCode::unsupported, kOp, ": '", model.config_file,
+           "': --layout llama needs model_type 'llama', 'mistral' or 'qwen2', found '",
+           model.model_type, "'");
+    }
+    return load_llama(std::move(model), config, options);
+  }
+  refuse_position_dependent(config, model.config_file);
   const SafetensorsFile file(model.source_file);
 
   // The layout: given, or found by the first layer's attention under an optional prefix.
@@ -290,7 +522,7 @@ Model load_checkpoint(const std::string& model_dir, const ConvertOptions& option
                                   {Layout::gpt2, "qkv.weight", {"", "transformer."}}};
   if (!options.layout.empty() && options.layout != "bert" && options.layout != "gpt2") {
     fail(ErrorCode::invalid_argument, kOp, ": layout '", options.layout,
-         "' is not known (bert or gpt2)");
+         "' is not known (bert, gpt2 or llama)");
   }
   // Every role named on the command line must be one of the layout's (or of either layout's
   // when the layout is to be found): a mistyped role is an error, never silently unused.

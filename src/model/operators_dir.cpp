@@ -32,11 +32,29 @@ using detail::fail;
 constexpr const char* kFormat = "emflow-operators";
 constexpr int kVersion = 1;
 
-// Every file of a layer: its name in the folder and the tensor it holds.
+// Every file of a layer: its name in the folder and the tensor it holds. A llama layer has no
+// dense operators and no biases: its factored weights, RMSNorm gains and gated feed-forward.
 template <class Layer, class Visit>
-void each_part(Layer& layer, Visit&& visit) {
+void each_part(Layer& layer, Layout layout, bool qkv_biases, Visit&& visit) {
   auto& w = layer.attention;
   auto& o = layer.operators;
+  if (layout == Layout::llama) {
+    visit("query", w.query);
+    visit("key", w.key);
+    visit("value", w.value);
+    visit("output", w.output);
+    if (qkv_biases) {  // Qwen2
+      visit("query_bias", w.query_bias);
+      visit("key_bias", w.key_bias);
+      visit("value_bias", w.value_bias);
+    }
+    visit("norm1_gain", layer.norm1_gain);
+    visit("ffn_gate", layer.ffn_gate);
+    visit("ffn_in", layer.ffn_in);
+    visit("ffn_out", layer.ffn_out);
+    visit("norm2_gain", layer.norm2_gain);
+    return;
+  }
   visit("M", o.relevance);
   visit("F", o.content);
   visit("u", o.key_bias);
@@ -87,6 +105,11 @@ std::vector<std::string> listed_names(const fs::path& dir) {
     names.push_back("final_gain.npy");
     names.push_back("final_bias.npy");
   }
+  if (m.contains("model_files") && m["model_files"].is_object()) {
+    for (const auto& file : m["model_files"].items()) {
+      if (file.value().is_string()) names.push_back(file.value().get<std::string>());
+    }
+  }
   if (m.contains("extra_files") && m["extra_files"].is_array()) {
     for (const json& file : m["extra_files"]) {
       if (file.is_string()) names.push_back(file.get<std::string>());
@@ -113,7 +136,32 @@ std::string random_hex() {
   return out.str();
 }
 
-json manifest_of(const Model& model, const std::map<std::string, std::string>& extra_files) {
+// The model-wide files of a llama model: role -> file name.
+std::map<std::string, std::string> llama_model_files(const Model& model) {
+  std::map<std::string, std::string> files{{"final_gain", "final_gain.npy"},
+                                           {"embedding", "embedding.npy"}};
+  if (model.unembedding.size() > 0) files["unembedding"] = "unembedding.npy";
+  if (!model.vocabulary.empty()) files["vocabulary"] = "vocabulary.json";
+  return files;
+}
+
+json rotary_of(const Rotary& r) {
+  return {{"dim", r.dim},
+          {"base", r.base},
+          {"pairing", to_string(r.pairing)},
+          {"scaling", to_string(r.scaling)},
+          {"factor", r.factor},
+          {"low_freq_factor", r.low_freq_factor},
+          {"high_freq_factor", r.high_freq_factor},
+          {"original_max_positions", r.original_max_positions}};
+}
+
+const char* storage_name(StorageType storage) {
+  return storage == StorageType::float32 ? "float32" : "float64";
+}
+
+json manifest_of(const Model& model, const std::map<std::string, std::string>& extra_files,
+                 StorageType storage) {
   json m;
   m["format"] = kFormat;
   m["version"] = kVersion;
@@ -124,19 +172,29 @@ json manifest_of(const Model& model, const std::map<std::string, std::string>& e
   m["dim"] = model.dim;
   m["head_dim"] = model.head_dim;
   m["ffn_dim"] = model.ffn_dim;
-  m["norm"] = "layernorm";
+  m["norm"] = model.layout == Layout::llama ? "rmsnorm" : "layernorm";
   m["norm_eps"] = model.norm_eps;
   m["pre_norm"] = model.pre_norm;
   m["causal"] = model.causal;
   m["activation"] = to_string(model.activation);
-  m["final_norm"] = model.final_gain.size() > 0;
+  m["final_norm"] = model.layout != Layout::llama && model.final_gain.size() > 0;
+  m["dtype"] = storage_name(storage);
+  if (model.layout == Layout::llama) {
+    m["kv_heads"] = model.key_heads();
+    m["sliding_window"] = model.sliding_window;
+    m["rotary"] = rotary_of(model.rotary);
+    m["vocab_size"] = model.vocab_size();
+    m["tied_embeddings"] = model.unembedding.size() == 0;
+    m["tokenizer_model"] = model.tokenizer_model;
+    m["model_files"] = llama_model_files(model);
+  }
   m["source"] = {
       {"weights", model.source_file}, {"config", model.config_file}, {"tensors", model.sources}};
   json layers = json::array();
   for (std::int64_t l = 0; l < model.layer_count(); ++l) {
     const ModelLayer& layer = model.layers[static_cast<std::size_t>(l)];
     json files = json::object();
-    each_part(layer,
+    each_part(layer, model.layout, layer.attention.query_bias.size() > 0,
               [&](const char* part, const Tensor<double>&) { files[part] = layer_file(l, part); });
     layers.push_back({{"files", files}, {"sources", layer.sources}});
   }
@@ -254,7 +312,30 @@ std::vector<std::string> operator_files(const std::string& ops_dir) {
 }
 
 void write_operators(const Model& model, const std::string& ops_dir,
-                     const std::map<std::string, std::string>& extra_files) {
+                     const std::map<std::string, std::string>& extra_files, StorageType storage) {
+  if (storage == StorageType::automatic) {
+    storage = model.layout == Layout::llama ? StorageType::float32 : StorageType::float64;
+  }
+  // The tensor in the folder's element type (float32 rounds what is not a float32 value).
+  auto write = [&](const fs::path& path, const Tensor<double>& t) {
+    if (storage == StorageType::float64) {
+      write_npy(path.string(), t);
+    } else {
+      write_npy(path.string(),
+                Tensor<float>(t.shape(), std::vector<float>(t.values().begin(), t.values().end())));
+    }
+  };
+  std::string vocabulary;
+  if (!model.vocabulary.empty()) {
+    try {
+      vocabulary = json(model.vocabulary).dump() + "\n";
+    } catch (const json::exception& e) {
+      fail(ErrorCode::invalid_argument,
+           "convert: the vocabulary cannot be written as JSON (a "
+           "token is not UTF-8): ",
+           e.what());
+    }
+  }
   for (const auto& entry : extra_files) {
     const std::string& file = entry.first;
     if (file.empty() || file.find('/') != std::string::npos || file == "manifest.json" ||
@@ -276,20 +357,27 @@ void write_operators(const Model& model, const std::string& ops_dir,
       fail(ErrorCode::io, "convert: cannot create '", staging.string(), "'");
     }
     for (std::int64_t l = 0; l < model.layer_count(); ++l) {
-      each_part(model.layers[static_cast<std::size_t>(l)],
+      const ModelLayer& layer = model.layers[static_cast<std::size_t>(l)];
+      each_part(layer, model.layout, layer.attention.query_bias.size() > 0,
                 [&](const char* part, const Tensor<double>& t) {
-                  write_npy((staging / layer_file(l, part)).string(), t);
+                  write(staging / layer_file(l, part), t);
                 });
     }
-    if (model.final_gain.size() > 0) {
-      write_npy((staging / "final_gain.npy").string(), model.final_gain);
-      write_npy((staging / "final_bias.npy").string(), model.final_bias);
+    if (model.layout == Layout::llama) {
+      write(staging / "final_gain.npy", model.final_gain);
+      write(staging / "embedding.npy", model.embedding);
+      if (model.unembedding.size() > 0) write(staging / "unembedding.npy", model.unembedding);
+      if (!vocabulary.empty())
+        write_file_atomic((staging / "vocabulary.json").string(), vocabulary);
+    } else if (model.final_gain.size() > 0) {
+      write(staging / "final_gain.npy", model.final_gain);
+      write(staging / "final_bias.npy", model.final_bias);
     }
     for (const auto& [file, bytes] : extra_files) {
       write_file_atomic((staging / file).string(), bytes);
     }
     write_file_atomic((staging / "manifest.json").string(),
-                      manifest_of(model, extra_files).dump(2) + "\n");
+                      manifest_of(model, extra_files, storage).dump(2) + "\n");
     if (replacing) fs::rename(target, backup);
     try {
       fs::rename(staging, target);
@@ -353,9 +441,15 @@ Model read_operators(const std::string& ops_dir) {
   };
   Model model;
   try {
-    const std::string layout = field("layout", &json::is_string, "bert or gpt2").get<std::string>();
-    if (layout != "bert" && layout != "gpt2") bad("has an unknown layout '" + layout + "'");
-    model.layout = layout == "gpt2" ? Layout::gpt2 : Layout::bert;
+    const std::string layout =
+        field("layout", &json::is_string, "bert, gpt2 or llama").get<std::string>();
+    if (layout != "bert" && layout != "gpt2" && layout != "llama") {
+      bad("has an unknown layout '" + layout + "'");
+    }
+    model.layout = layout == "gpt2"    ? Layout::gpt2
+                   : layout == "llama" ? Layout::llama
+                                       : Layout::bert;
+    const bool llama = model.layout == Layout::llama;
     if (m.contains("model_type")) {
       model.model_type = field("model_type", &json::is_string, "a string").get<std::string>();
     }
@@ -371,8 +465,13 @@ Model read_operators(const std::string& ops_dir) {
     model.pre_norm = field("pre_norm", &json::is_boolean, "true or false").get<bool>();
     model.causal = field("causal", &json::is_boolean, "true or false").get<bool>();
     const std::string activation =
-        field("activation", &json::is_string, "gelu, gelu_tanh or relu").get<std::string>();
-    if (activation == "gelu") {
+        field("activation", &json::is_string, "gelu, gelu_tanh, relu or silu").get<std::string>();
+    if (llama != (activation == "silu")) {
+      bad("has activation '" + activation + "' for the " + layout + " layout");
+    }
+    if (activation == "silu") {
+      model.activation = Activation::silu;
+    } else if (activation == "gelu") {
       model.activation = Activation::gelu;
     } else if (activation == "gelu_tanh") {
       model.activation = Activation::gelu_tanh;
@@ -387,13 +486,61 @@ Model read_operators(const std::string& ops_dir) {
     const std::int64_t layers = count("layers");
     if (layers < 1 || model.heads < 1 || model.dim < 1 || model.head_dim * model.heads != model.dim)
       bad("has inconsistent sizes");
+    if (llama) {
+      model.kv_heads = count("kv_heads");
+      if (m.contains("sliding_window")) {
+        const json& w = field("sliding_window", &json::is_number_integer, "an integer >= 0");
+        if (w.get<long long>() < 0) bad("'sliding_window' is " + w.dump() + ", expected >= 0");
+        model.sliding_window = w.get<std::int64_t>();
+      }
+      if (model.heads % model.kv_heads != 0) {
+        bad("'kv_heads' is " + std::to_string(model.kv_heads) + ", which does not divide the " +
+            std::to_string(model.heads) + " heads");
+      }
+      const json& r = field("rotary", &json::is_object, "an object");
+      auto number = [&](const char* key) {
+        if (!r.contains(key) || !r[key].is_number()) {
+          bad(std::string("'rotary.") + key + "' is " +
+              (r.contains(key) ? r[key].dump() : "absent") + ", expected a number");
+        }
+        return r[key].get<double>();
+      };
+      model.rotary.dim = static_cast<std::int64_t>(number("dim"));
+      model.rotary.base = number("base");
+      model.rotary.factor = number("factor");
+      model.rotary.low_freq_factor = number("low_freq_factor");
+      model.rotary.high_freq_factor = number("high_freq_factor");
+      model.rotary.original_max_positions =
+          static_cast<std::int64_t>(number("original_max_positions"));
+      try {
+        model.rotary.pairing = rotary_pairing_from_string(r.at("pairing").get<std::string>());
+        model.rotary.scaling = rotary_scaling_from_string(r.at("scaling").get<std::string>());
+      } catch (const Error& e) {
+        bad(std::string("'rotary': ") + e.what());
+      }
+      if (model.rotary.dim < 2 || model.rotary.dim % 2 != 0 || model.rotary.dim > model.head_dim) {
+        bad("'rotary.dim' is " + r["dim"].dump() + ", expected an even number in 2.." +
+            std::to_string(model.head_dim));
+      }
+      // The rest of the fields are checked by the attention when it runs (rotary.hpp).
+      try {
+        rotary_inverse_frequencies(model.rotary, 1);
+      } catch (const Error& e) {
+        bad(std::string("'rotary': ") + e.what());
+      }
+      if (m.contains("tokenizer_model")) {
+        model.tokenizer_model =
+            field("tokenizer_model", &json::is_string, "a string").get<std::string>();
+      }
+    }
     if (static_cast<std::int64_t>(m.at("layer_files").size()) != layers) {
       bad("lists a different number of layer_files than its layers");
     }
     for (std::int64_t l = 0; l < layers; ++l) {
       const json& entry = m.at("layer_files").at(static_cast<std::size_t>(l));
       ModelLayer layer;
-      each_part(layer, [&](const char* part, Tensor<double>& t) {
+      const bool qkv_biases = llama && entry.at("files").contains("query_bias");
+      each_part(layer, model.layout, qkv_biases, [&](const char* part, Tensor<double>& t) {
         t = read_npy<double>((dir / entry.at("files").at(part).get<std::string>()).string());
       });
       layer.sources = entry.at("sources").get<std::map<std::string, std::string>>();
@@ -401,12 +548,40 @@ Model read_operators(const std::string& ops_dir) {
       w.heads = model.heads;
       w.model_dim = model.dim;
       w.head_dim = w.value_dim = model.head_dim;
-      validate(w, "read_operators");
+      if (!llama) validate(w, "read_operators");  // llama's shapes are checked below
       model.layers.push_back(std::move(layer));
     }
     if (field("final_norm", &json::is_boolean, "true or false").get<bool>()) {
       model.final_gain = read_npy<double>((dir / "final_gain.npy").string());
       model.final_bias = read_npy<double>((dir / "final_bias.npy").string());
+    }
+    if (llama) {
+      const json& files = field("model_files", &json::is_object, "an object");
+      auto file_of = [&](const char* role) { return (dir / files.at(role).get<std::string>()); };
+      model.final_gain = read_npy<double>(file_of("final_gain").string());
+      model.embedding = read_npy<double>(file_of("embedding").string());
+      const bool tied = field("tied_embeddings", &json::is_boolean, "true or false").get<bool>();
+      if (tied == files.contains("unembedding")) {
+        bad(std::string("'tied_embeddings' is ") + (tied ? "true" : "false") +
+            (tied ? " but model_files lists an unembedding" : " but model_files lists none"));
+      }
+      if (!tied) model.unembedding = read_npy<double>(file_of("unembedding").string());
+      if (files.contains("vocabulary")) {
+        const fs::path path = file_of("vocabulary");
+        std::ifstream vocab_in(path);
+        try {
+          model.vocabulary = json::parse(vocab_in).get<std::vector<std::string>>();
+        } catch (const json::exception& e) {
+          fail(ErrorCode::io, "read_operators: '", path.string(),
+               "': not a JSON array of strings: ", e.what());
+        }
+      }
+      const std::int64_t vocab = count("vocab_size");
+      if (model.embedding.rank() != 2 || model.embedding.extent(0) != vocab) {
+        fail(ErrorCode::io, "read_operators: '", ops_dir, "': embedding has shape ",
+             emflow::to_string(model.embedding.shape()), ", expected (", vocab, ", ", model.dim,
+             ") (vocab_size, dim)");
+      }
     }
   } catch (const json::exception& e) {
     bad(std::string("malformed manifest: ") + e.what());
@@ -419,6 +594,31 @@ Model read_operators(const std::string& ops_dir) {
            emflow::to_string(t.shape()), ", expected ", emflow::to_string(shape));
     }
   };
+  if (model.layout == Layout::llama) {
+    const std::int64_t K = model.key_heads(), k = model.head_dim, V = model.vocab_size();
+    for (std::int64_t l = 0; l < model.layer_count(); ++l) {
+      const ModelLayer& layer = model.layers[static_cast<std::size_t>(l)];
+      const std::string at = "layer " + std::to_string(l) + " ";
+      expect(layer.attention.query, {H * k, d}, at + "query");
+      expect(layer.attention.key, {K * k, d}, at + "key");
+      expect(layer.attention.value, {K * k, d}, at + "value");
+      expect(layer.attention.output, {d, H * k}, at + "output");
+      if (layer.attention.query_bias.size() > 0) {
+        expect(layer.attention.query_bias, {H * k}, at + "query_bias");
+        expect(layer.attention.key_bias, {K * k}, at + "key_bias");
+        expect(layer.attention.value_bias, {K * k}, at + "value_bias");
+      }
+      expect(layer.norm1_gain, {d}, at + "norm1_gain");
+      expect(layer.norm2_gain, {d}, at + "norm2_gain");
+      expect(layer.ffn_gate, {I, d}, at + "ffn_gate");
+      expect(layer.ffn_in, {I, d}, at + "ffn_in");
+      expect(layer.ffn_out, {d, I}, at + "ffn_out");
+    }
+    expect(model.final_gain, {d}, "final_gain");
+    expect(model.embedding, {V, d}, "embedding");
+    if (model.unembedding.size() > 0) expect(model.unembedding, {V, d}, "unembedding");
+    return model;
+  }
   for (std::int64_t l = 0; l < model.layer_count(); ++l) {
     const ModelLayer& layer = model.layers[static_cast<std::size_t>(l)];
     const std::string at = "layer " + std::to_string(l) + " ";

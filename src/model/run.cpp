@@ -21,10 +21,56 @@ double activate(Activation activation, double x) {
       const double k = std::sqrt(2.0 / 3.14159265358979323846);
       return 0.5 * x * (1.0 + std::tanh(k * (x + 0.044715 * x * x * x)));
     }
+    case Activation::silu:
+      return x / (1.0 + std::exp(-x));
     case Activation::relu:
       break;
   }
   return x > 0 ? x : 0.0;
+}
+
+// llama's gated block: out_r = W_down (silu(W_gate x_r) * (W_up x_r)), accumulated in double.
+template <class T>
+void gated_feed_forward(const ModelLayer& layer, const T* in, T* out, std::int64_t rows,
+                        std::int64_t d) {
+  const std::int64_t I = layer.ffn_in.extent(0);
+  const double* w_gate = layer.ffn_gate.data();
+  const double* w_up = layer.ffn_in.data();
+  const double* w_down = layer.ffn_out.data();
+#pragma omp parallel for schedule(static) if (rows * d * I > (1 << 20))
+  for (std::int64_t r = 0; r < rows; ++r) {
+    std::vector<double> x(in + r * d, in + (r + 1) * d), hidden(static_cast<std::size_t>(I));
+    for (std::int64_t k = 0; k < I; ++k) {
+      double g = 0.0, u = 0.0;
+      const double* gate_row = w_gate + k * d;
+      const double* up_row = w_up + k * d;
+      for (std::int64_t a = 0; a < d; ++a) {
+        g += gate_row[a] * x[static_cast<std::size_t>(a)];
+        u += up_row[a] * x[static_cast<std::size_t>(a)];
+      }
+      hidden[static_cast<std::size_t>(k)] = activate(Activation::silu, g) * u;
+    }
+    for (std::int64_t a = 0; a < d; ++a) {
+      double s = 0.0;
+      const double* row = w_down + a * I;
+      for (std::int64_t k = 0; k < I; ++k) s += row[k] * hidden[static_cast<std::size_t>(k)];
+      out[r * d + a] = static_cast<T>(s);
+    }
+  }
+}
+
+// RMSNorm of every row in place: x gain / sqrt(mean(x^2) + eps), accumulated in double.
+template <class T>
+void rms_norm(T* x, std::int64_t rows, std::int64_t d, const Tensor<double>& gain, double eps) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    T* row = x + r * d;
+    double square = 0.0;
+    for (std::int64_t a = 0; a < d; ++a) square += static_cast<double>(row[a]) * row[a];
+    const double scale = 1.0 / std::sqrt(square / static_cast<double>(d) + eps);
+    for (std::int64_t a = 0; a < d; ++a) {
+      row[a] = static_cast<T>(gain[a] * (static_cast<double>(row[a]) * scale));
+    }
+  }
 }
 
 // out_r = W_out act(W_in x_r + b_in) + b_out for every row, accumulated in double.
@@ -62,19 +108,51 @@ template <class T>
 struct Factors {
   std::vector<T> a, b, up, down;
 
-  explicit Factors(const MultiHeadAttentionWeights& w) {
+  // kv_heads: the heads of W_K and W_V (0: heads).
+  explicit Factors(const MultiHeadAttentionWeights& w, std::int64_t kv_heads = 0) {
     const std::int64_t H = w.heads, d = w.model_dim, k = w.head_dim, v = w.value_dim;
+    const std::int64_t K = kv_heads == 0 ? H : kv_heads;
     const double scale = 1.0 / std::sqrt(static_cast<double>(k));
-    for (std::int64_t i = 0; i < H * k * d; ++i) {
-      a.push_back(static_cast<T>(w.query[i] * scale));
-      b.push_back(static_cast<T>(w.key[i]));
-    }
+    for (std::int64_t i = 0; i < H * k * d; ++i) a.push_back(static_cast<T>(w.query[i] * scale));
+    for (std::int64_t i = 0; i < K * k * d; ++i) b.push_back(static_cast<T>(w.key[i]));
     for (std::int64_t h = 0; h < H; ++h) {
       for (std::int64_t r = 0; r < d; ++r)
         for (std::int64_t c = 0; c < v; ++c)
           up.push_back(static_cast<T>(w.output[r * H * v + h * v + c]));
     }
-    for (std::int64_t i = 0; i < H * v * d; ++i) down.push_back(static_cast<T>(w.value[i]));
+    for (std::int64_t i = 0; i < K * v * d; ++i) down.push_back(static_cast<T>(w.value[i]));
+  }
+};
+
+// The factored form of an attention with biases on q, k and v (Qwen2), in dimension d + 1: the
+// cloud gains a coordinate that is 1, A_h = [W_Q,h | b_Q,h] / sqrt(d_k), B_h = [W_K,h | b_K,h],
+// V_h = [W_V,h | b_V,h] and U_h = [W_O,h ; 0], so that A_h x' = (W_Q,h x + b_Q,h) / sqrt(d_k), the
+// rotary positions rotate the biased queries and keys as the framework does, and the update's
+// last coordinate is 0.
+template <class T>
+struct BiasedFactors {
+  std::vector<T> a, b, up, down;
+
+  BiasedFactors(const MultiHeadAttentionWeights& w, std::int64_t kv_heads) {
+    const std::int64_t H = w.heads, d = w.model_dim, k = w.head_dim, K = kv_heads;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(k));
+    auto rows = [&](std::vector<T>& out, const Tensor<double>& weight, const Tensor<double>& bias,
+                    std::int64_t count, double factor) {
+      for (std::int64_t r = 0; r < count; ++r) {
+        for (std::int64_t c = 0; c < d; ++c)
+          out.push_back(static_cast<T>(weight[r * d + c] * factor));
+        out.push_back(static_cast<T>(bias[r] * factor));
+      }
+    };
+    rows(a, w.query, w.query_bias, H * k, scale);
+    rows(b, w.key, w.key_bias, K * k, 1.0);
+    rows(down, w.value, w.value_bias, K * k, 1.0);
+    for (std::int64_t h = 0; h < H; ++h) {
+      for (std::int64_t r = 0; r < d; ++r)
+        for (std::int64_t c = 0; c < k; ++c)
+          up.push_back(static_cast<T>(w.output[r * H * k + h * k + c]));
+      for (std::int64_t c = 0; c < k; ++c) up.push_back(T(0));
+    }
   }
 };
 
@@ -108,6 +186,14 @@ ModelTrace<T> run_model(const Model& model, const Tensor<T>& clouds,
       if (len < 1 || len > N) fail_argument(op, "key_lengths", "holds ", len, ", expected 1..", N);
     }
   }
+  const bool llama = model.layout == Layout::llama;
+  if (llama && !settings.factored) {
+    fail_argument(
+        op, "settings.factored",
+        "is false, but the llama layout's rotary attention has no single dense M_h "
+        "(its relevance depends on the offset of the positions, docs/MATH.md 2.4): run "
+        "it in the factored form (settings.factored = true, emflow flow --form factored)");
+  }
   ModelTrace<T> trace;
   trace.trajectory = Tensor<T>(Shape{L + 1, B, N, d});
   trace.attention = Tensor<T>(Shape{L, B, N, d});
@@ -135,7 +221,10 @@ ModelTrace<T> run_model(const Model& model, const Tensor<T>& clouds,
     const std::vector<T> M = cast<T>(layer.operators.relevance),
                          F = cast<T>(layer.operators.content);
     const std::vector<T> u = cast<T>(layer.operators.key_bias), c = cast<T>(layer.operators.offset);
-    if (pre) {
+    if (llama) {
+      normed = x;
+      rms_norm(normed.data(), rows, d, layer.norm1_gain, model.norm_eps);
+    } else if (pre) {
       normed = x;
       layer_norm(normed, rows, d, layer.norm1_gain, layer.norm1_bias, model.norm_eps);
     }
@@ -145,13 +234,24 @@ ModelTrace<T> run_model(const Model& model, const Tensor<T>& clouds,
     in.tokens = N;
     in.dim = d;
     in.layer = {H, M.data(), F.data(), u.data(), c.data()};
-    in.mask = model.causal ? Mask::causal() : Mask::none();
+    in.mask = model.sliding_window > 0 ? Mask::sliding_window(model.sliding_window)
+              : model.causal           ? Mask::causal()
+                                       : Mask::none();
     in.key_lengths = key_lengths.empty() ? nullptr : key_lengths.data();
     AttentionOutput<T> out;
     out.update = update.data();
     out.entropy = entropy.data();
-    if (settings.factored) {
-      const Factors<T> f(layer.attention);
+    const bool biased = llama && layer.attention.query_bias.size() > 0;
+    if (biased) {
+      // The cloud in d + 1 with a last coordinate 1 (BiasedFactors); the update back in d.
+      const BiasedFactors<T> f(layer.attention, model.key_heads());
+      std::vector<T> lifted(static_cast<std::size_t>(rows * (d + 1)));
+      std::vector<T> lifted_update(lifted.size());
+      for (std::int64_t r = 0; r < rows; ++r) {
+        std::copy(normed.begin() + r * d, normed.begin() + (r + 1) * d,
+                  lifted.begin() + r * (d + 1));
+        lifted[static_cast<std::size_t>(r * (d + 1) + d)] = T(1);
+      }
       FactoredLayer<T> factored;
       factored.heads = H;
       factored.rank = model.head_dim;
@@ -159,8 +259,32 @@ ModelTrace<T> run_model(const Model& model, const Tensor<T>& clouds,
       factored.key_factor = f.b.data();
       factored.content_up = f.up.data();
       factored.content_down = f.down.data();
-      factored.key_bias = u.data();
-      factored.offset = c.data();
+      factored.kv_heads = model.key_heads();
+      factored.rotary = model.rotary;
+      in.cloud = lifted.data();
+      in.dim = d + 1;
+      in.layer = {};
+      out.update = lifted_update.data();
+      attend_factored(in, factored, out, options);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        std::copy(lifted_update.begin() + r * (d + 1), lifted_update.begin() + r * (d + 1) + d,
+                  update.begin() + r * d);
+      }
+    } else if (settings.factored) {
+      const Factors<T> f(layer.attention, model.kv_heads);
+      FactoredLayer<T> factored;
+      factored.heads = H;
+      factored.rank = model.head_dim;
+      factored.query_factor = f.a.data();
+      factored.key_factor = f.b.data();
+      factored.content_up = f.up.data();
+      factored.content_down = f.down.data();
+      factored.key_bias = u.empty() ? nullptr : u.data();
+      factored.offset = c.empty() ? nullptr : c.data();
+      if (llama) {
+        factored.kv_heads = model.key_heads();
+        factored.rotary = model.rotary;  // positions 0..N-1, the masks' (its pointers null)
+      }
       in.layer = {};
       attend_factored(in, factored, out, options);
     } else {
@@ -178,7 +302,12 @@ ModelTrace<T> run_model(const Model& model, const Tensor<T>& clouds,
     }
     for (std::size_t k = 0; k < x.size(); ++k) x[k] += update[k];
     if (!pre) layer_norm(x, rows, d, layer.norm1_gain, layer.norm1_bias, model.norm_eps);
-    if (settings.full_layer) {
+    if (settings.full_layer && llama) {
+      normed = x;
+      rms_norm(normed.data(), rows, d, layer.norm2_gain, model.norm_eps);
+      gated_feed_forward(layer, normed.data(), ffn.data(), rows, d);
+      for (std::size_t k = 0; k < x.size(); ++k) x[k] += ffn[k];
+    } else if (settings.full_layer) {
       if (pre) {
         normed = x;
         layer_norm(normed, rows, d, layer.norm2_gain, layer.norm2_bias, model.norm_eps);
@@ -189,13 +318,58 @@ ModelTrace<T> run_model(const Model& model, const Tensor<T>& clouds,
       for (std::size_t k = 0; k < x.size(); ++k) x[k] += ffn[k];
       if (!pre) layer_norm(x, rows, d, layer.norm2_gain, layer.norm2_bias, model.norm_eps);
     }
-    if (l == L - 1 && model.final_gain.size() > 0) {
+    if (l == L - 1 && !llama && model.final_gain.size() > 0) {
       layer_norm(x, rows, d, model.final_gain, model.final_bias, model.norm_eps);
     }
     record(l + 1);
   }
   return trace;
 }
+
+template <class T>
+Tensor<T> next_token_logits(const Model& model, const Tensor<T>& clouds,
+                            const std::vector<std::int64_t>& key_lengths) {
+  const char* op = "next_token_logits";
+  const Tensor<double>& w = model.output_matrix();
+  if (w.rank() != 2 || w.extent(1) != model.dim) {
+    fail_argument(op, "model", "has no unembedding (", to_string(model.layout),
+                  " layout); next-token logits need a model that has one (llama)");
+  }
+  if (clouds.rank() != 3 || clouds.extent(2) != model.dim || clouds.extent(1) < 1) {
+    fail_argument(op, "clouds", "has shape ", emflow::to_string(clouds.shape()),
+                  ", expected (B, N, ", model.dim, ") with N >= 1 (d of the model)");
+  }
+  const std::int64_t B = clouds.extent(0), N = clouds.extent(1), d = model.dim;
+  const std::int64_t V = w.extent(0);
+  if (!key_lengths.empty() && static_cast<std::int64_t>(key_lengths.size()) != B) {
+    fail_argument(op, "key_lengths", "has ", key_lengths.size(), " entries, expected ", B,
+                  " (one per cloud)");
+  }
+  Tensor<T> logits(Shape{B, V});
+  for (std::int64_t b = 0; b < B; ++b) {
+    const std::int64_t n = key_lengths.empty() ? N : key_lengths[static_cast<std::size_t>(b)];
+    if (n < 1 || n > N) fail_argument(op, "key_lengths", "holds ", n, ", expected 1..", N);
+    const T* last = clouds.data() + (b * N + n - 1) * d;
+    std::vector<double> h(last, last + d);
+    if (model.layout == Layout::llama) {
+      rms_norm(h.data(), 1, d, model.final_gain, model.norm_eps);
+    }
+    T* out = logits.data() + b * V;
+#pragma omp parallel for schedule(static) if (V * d > (1 << 20))
+    for (std::int64_t t = 0; t < V; ++t) {
+      const double* row = w.data() + t * d;
+      double s = 0.0;
+      for (std::int64_t a = 0; a < d; ++a) s += row[a] * h[static_cast<std::size_t>(a)];
+      out[t] = static_cast<T>(s);
+    }
+  }
+  return logits;
+}
+
+template Tensor<float> next_token_logits<float>(const Model&, const Tensor<float>&,
+                                                const std::vector<std::int64_t>&);
+template Tensor<double> next_token_logits<double>(const Model&, const Tensor<double>&,
+                                                  const std::vector<std::int64_t>&);
 
 template ModelTrace<float> run_model<float>(const Model&, const Tensor<float>&,
                                             const std::vector<std::int64_t>&, const RunSettings&,

@@ -1,6 +1,7 @@
 """`emflow convert` on small hand-made checkpoints (numpy only, no framework needed): a good one
 converts, and every bad one (missing tensor, wrong shape, unknown layout, rotary or relative
-position embeddings, a layer count that disagrees with the config) gets a clear error and leaves
+position embeddings, a layer count that disagrees with the config; for the llama layout also a
+missing lm_head, an unknown rope scaling, biases, another activation) gets a clear error and leaves
 no output folder behind.
 """
 import json
@@ -128,7 +129,8 @@ def test_unknown_layout_lists_what_it_found(tmp_path):
 
 @pytest.mark.parametrize("extra, phrase", [
     ({"rope_theta": 10000.0}, "rotary position embeddings ('rope_theta'"),
-    ({"model_type": "llama"}, "model_type 'llama' uses rotary"),
+    ({"model_type": "gpt_neox"}, "model_type 'gpt_neox' uses rotary"),
+    ({"model_type": "qwen3"}, "model_type 'qwen3' uses rotary"),
     ({"position_embedding_type": "relative_key"}, "position_embedding_type 'relative_key'"),
 ])
 def test_position_dependent_models_are_refused(tmp_path, extra, phrase):
@@ -309,3 +311,73 @@ def expect_refused_with(tmp_path, tensors, config, args, *phrases):
     for phrase in phrases:
         assert phrase in result.stderr, result.stderr
     assert sorted(os.listdir(tmp_path)) == ["model"], os.listdir(tmp_path)
+
+
+# The llama layout (model_type llama, Hugging Face names): a good one converts, and each bad one
+# is refused naming the file and the tensor or key, leaving no folder.
+KV, VOCAB = 1, 5
+
+
+def llama_tensors(tied=True):
+    rng = np.random.default_rng(1)
+    k = D // HEADS
+    t = {"model.embed_tokens.weight": rng.normal(size=(VOCAB, D)),
+         "model.norm.weight": 1 + 0.1 * rng.normal(size=D)}
+    for l in range(LAYERS):
+        p = f"model.layers.{l}."
+        for name, shape in [("self_attn.q_proj", (D, D)), ("self_attn.k_proj", (KV * k, D)),
+                            ("self_attn.v_proj", (KV * k, D)), ("self_attn.o_proj", (D, D)),
+                            ("mlp.gate_proj", (FFN, D)), ("mlp.up_proj", (FFN, D)),
+                            ("mlp.down_proj", (D, FFN))]:
+            t[p + name + ".weight"] = rng.normal(size=shape) / np.sqrt(shape[1])
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            t[p + norm + ".weight"] = 1 + 0.1 * rng.normal(size=D)
+    if not tied:
+        t["lm_head.weight"] = rng.normal(size=(VOCAB, D))
+    return t
+
+
+def llama_config(**extra):
+    config = {"model_type": "llama", "hidden_size": D, "num_attention_heads": HEADS,
+              "num_key_value_heads": KV, "num_hidden_layers": LAYERS, "intermediate_size": FFN,
+              "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "tie_word_embeddings": True}
+    config.update(extra)
+    return config
+
+
+def test_a_llama_checkpoint_converts(tmp_path):
+    model = make_model(tmp_path / "model", llama_tensors(), llama_config())
+    result = convert(model, "--out", tmp_path / "ops")
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((tmp_path / "ops" / "manifest.json").read_text())
+    assert manifest["layout"] == "llama" and manifest["kv_heads"] == KV
+    assert manifest["dtype"] == "float32" and manifest["tied_embeddings"] is True
+    assert manifest["rotary"]["base"] == 10000.0 and manifest["rotary"]["dim"] == D // HEADS
+    assert "unembedding" not in manifest["model_files"]
+    assert not any(name.endswith(".M.npy") for name in os.listdir(tmp_path / "ops"))
+    report = convert(model, "--out", tmp_path / "ops2", "--report")
+    assert report.returncode != 0
+    assert "needs the dense operators" in report.stderr and not (tmp_path / "ops2").exists()
+
+
+@pytest.mark.parametrize("change, config, phrases", [
+    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), {},
+     ["tensor 'model.layers.1.mlp.up_proj.weight' is missing", "ffn_in.weight of layer 1"]),
+    (lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": np.zeros((D, D))}), {},
+     ["'model.layers.0.self_attn.k_proj.weight'", f"has shape ({D}, {D}), expected (4, {D})"]),
+    (None, {"tie_word_embeddings": False}, ["tensor 'lm_head.weight' is missing"]),
+    (None, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["yarn"]),
+    (None, {"attention_bias": True}, ["'attention_bias' is true"]),
+    (None, {"hidden_act": "gelu"}, ["hidden_act 'gelu'"]),
+    (None, {"num_key_value_heads": 3}, ["not a multiple of num_key_value_heads 3"]),
+    (None, {"num_hidden_layers": 3}, ["holds 2 layers", "says 3"]),
+    (None, {"model_type": "qwen2", "use_sliding_window": True}, ["use_sliding_window is true"]),
+    (None, {"model_type": "qwen2"},
+     ["tensor 'model.layers.0.self_attn.q_proj.bias' is missing", "query.bias of layer 0"]),
+])
+def test_bad_llama_checkpoints_are_refused(tmp_path, change, config, phrases):
+    tensors = llama_tensors()
+    if change:
+        change(tensors)
+    expect_refused(tmp_path, tensors, llama_config(**config), *phrases)

@@ -1,0 +1,55 @@
+"""What the llama parity tests share: a float64 reference of a transformers llama model.
+
+transformers computes LlamaRMSNorm (it casts to float32) and the rotary angles, cosines and sines
+(LlamaRotaryEmbedding, inv_freq in float32) in float32 whatever the model's dtype. The float64
+reference is a float64 copy of the model with those two computed by the same formulas in float64
+(the default and the linear rotary scaling); the attention must be sdpa, which computes in the
+model's dtype (eager's softmax is float32 too)."""
+import copy
+import types
+
+import torch
+
+
+def float64_reference(model):
+    """A float64 copy of `model` (a LlamaForCausalLM) whose RMSNorm and rotary embedding
+    compute in float64."""
+    model = copy.deepcopy(model).double()
+    norm_type = type(model.model.norm)
+
+    def rms_forward(self, x):
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
+
+    for module in model.modules():
+        if isinstance(module, norm_type):
+            module.forward = types.MethodType(rms_forward, module)
+    config = model.config
+    params = config.rope_parameters
+    kind = params.get("rope_type", "default")
+    assert kind in ("default", "linear"), f"no float64 reference for rope_type {kind}"
+    dim = config.hidden_size // config.num_attention_heads
+    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if kind == "linear":
+        inv_freq = inv_freq / params["factor"]
+
+    def rotary_forward(self, x, position_ids):
+        freqs = position_ids[..., None].double() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    rotary = model.model.rotary_emb
+    rotary.forward = types.MethodType(rotary_forward, rotary)
+    return model
+
+
+def token_error(ours, theirs, lengths):
+    """max over the real tokens of ||ours_i - theirs_i|| / ||theirs_i||: a decoder's cloud has
+    a few huge coordinates (the first token's), which the max-abs scale of relative_error is
+    set by; this measures every token on its own scale."""
+    import numpy as np
+    worst = 0.0
+    for b, n in enumerate(lengths):
+        diff = np.linalg.norm((ours[b, :n] - theirs[b, :n]).astype(np.float64), axis=-1)
+        worst = max(worst, float(np.max(diff / np.linalg.norm(theirs[b, :n], axis=-1))))
+    return worst

@@ -1,0 +1,110 @@
+"""The llama layout from a Hugging Face checkpoint (config.json and model.safetensors, the names
+model.layers.N.self_attn.q_proj, ..., mlp.gate_proj, ...): small randomly initialised
+LlamaForCausalLM models built by transformers from a config (grouped kv heads, rotary with the
+default and the linear scaling, tied and untied unembedding), a MistralForCausalLM (its
+sliding window, narrower than the prompts) and a Qwen2ForCausalLM (biases on q, k and v, which
+emflow runs as a factored layer in d + 1 dimensions), converted by `emflow convert` and
+run by `emflow flow --model --logits` on a right-padded batch, equal the framework's hidden
+states and last-token logits layer by layer.
+"""
+import json
+
+import numpy as np
+import pytest
+from emflow_cli import relative_error, run
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from llama_reference import float64_reference, token_error  # noqa: E402 (needs torch)
+
+LAYERS, VOCAB = 3, 101
+CASES = {
+    "tied": dict(tie_word_embeddings=True, rope={"rope_type": "default", "rope_theta": 5000.0}),
+    "untied-linear": dict(tie_word_embeddings=False,
+                          rope={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+    "mistral-window": dict(kind="mistral", tie_word_embeddings=False, sliding_window=4,
+                           rope={"rope_type": "default", "rope_theta": 10000.0}),
+    "qwen2-biases": dict(kind="qwen2", tie_word_embeddings=True,
+                         rope={"rope_type": "default", "rope_theta": 1000000.0}),
+}
+CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+           "mistral": ("MistralConfig", "MistralForCausalLM"),
+           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+
+
+def make_model(case, folder):
+    torch.manual_seed(11)
+    settings = CASES[case]
+    kind = settings.get("kind", "llama")
+    config_class, model_class = (getattr(transformers, name) for name in CLASSES[kind])
+    extra = {"sliding_window": settings["sliding_window"]} if "sliding_window" in settings else {}
+    config = config_class(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+        max_position_embeddings=64, initializer_range=0.2,
+        tie_word_embeddings=settings["tie_word_embeddings"], rope_parameters=settings["rope"],
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa", **extra)
+    model = model_class(config).eval()
+    with torch.no_grad():  # gains away from 1 and biases away from 0, so that each matters
+        for module in model.modules():
+            if isinstance(module, type(model.model.norm)):
+                module.weight.uniform_(0.5, 1.5)
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.uniform_(-0.5, 0.5)
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def converted(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    model = make_model(request.param, folder / "model")
+    saved = json.loads((folder / "model" / "config.json").read_text())
+    assert saved["model_type"] == CASES[request.param].get("kind", "llama")
+    run("convert", str(folder / "model"), "--out", str(folder / "ops"), "--dtype", "float64")
+    manifest = json.loads((folder / "ops" / "manifest.json").read_text())
+    assert manifest["layout"] == "llama" and manifest["kv_heads"] == 2
+    assert manifest["tied_embeddings"] == CASES[request.param]["tie_word_embeddings"]
+    assert manifest["rotary"]["scaling"] == CASES[request.param]["rope"]["rope_type"]
+    assert manifest["sliding_window"] == CASES[request.param].get("sliding_window", 0)
+    biases = "query_bias" in manifest["layer_files"][0]["files"]
+    assert biases == (CASES[request.param].get("kind") == "qwen2")
+    return request.param, model, folder / "ops"
+
+
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+def test_llama_layers_and_logits_match_the_framework(converted, tmp_path, precision):
+    case, model, ops = converted
+    model = float64_reference(model) if precision == "float64" else model
+    np_dtype = np.float64 if precision == "float64" else np.float32
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, VOCAB, (3, 12), generator=generator)
+    lengths = np.array([12, 7, 9], dtype=np.int64)
+    mask = (torch.arange(12)[None, :] < torch.from_numpy(lengths)[:, None]).long()
+    captured = []
+    hook = model.model.layers[-1].register_forward_hook(
+        lambda module, inputs, output: captured.append(
+            (output[0] if isinstance(output, tuple) else output).detach().numpy().copy()))
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    hook.remove()
+    hidden = [h.numpy() for h in out.hidden_states]
+    logits = out.logits.numpy()
+    last = np.stack([logits[b, n - 1] for b, n in enumerate(lengths)])
+    np.save(tmp_path / "x.npy", hidden[0].astype(np_dtype))
+    np.save(tmp_path / "k.npy", lengths)
+    run("flow", "--model", str(ops), "--cloud", str(tmp_path / "x.npy"), "--key-lengths",
+        str(tmp_path / "k.npy"), "--device", "cpu", "--out", str(tmp_path / "traj.npy"),
+        "--logits", str(tmp_path / "logits.npy"))
+    traj, ours = np.load(tmp_path / "traj.npy"), np.load(tmp_path / "logits.npy")
+    tol = 1e-12 if precision == "float64" else 1e-5
+    for layer in range(1, LAYERS + 1):
+        theirs = hidden[layer] if layer < LAYERS else captured[0]
+        e = relative_error(traj[layer], theirs, lengths)
+        t = token_error(traj[layer], theirs, lengths)
+        print(f"llama {case} {precision} after layer {layer - 1}: hidden state rel err {e:.3e}, "
+              f"per token {t:.3e}")
+        assert e < tol and t < tol, (layer, e, t)
+    e = float(np.max(np.abs(ours - last)) / np.max(np.abs(last)))
+    print(f"llama {case} {precision}: last-token logits rel err {e:.3e}")
+    assert ours.shape == (3, VOCAB) and e < tol
