@@ -1,6 +1,7 @@
-// KeyStore (keys.hpp): append projects only the new tokens; attend splits the visible keys of
-// each query into spans, computes a partial state per span (lse, entropy, weighted value, as
-// partial.hpp defines them) and merges the spans in order with the merge every backend shares.
+// KeyStore (keys.hpp): append projects only the new tokens (and rotates their keys at their
+// positions); attend splits the visible keys of each query into spans, computes a partial state per
+// span (lse, entropy, weighted value, as partial.hpp defines them) and merges the spans in order
+// with the merge every backend shares.
 #include "decode/keys.hpp"
 
 #include <omp.h>
@@ -33,44 +34,81 @@ void append_projected(const T* in, std::int64_t rows, std::int64_t inputs, const
   }
 }
 
+/// out[outputs] = map (outputs x inputs, row-major) times `in`, in double.
+template <class T>
+void project(const T* in, std::int64_t inputs, const T* map, std::int64_t outputs, double* out) {
+  for (std::int64_t o = 0; o < outputs; ++o) {
+    double sum = 0.0;
+    for (std::int64_t k = 0; k < inputs; ++k) {
+      sum += static_cast<double>(map[o * inputs + k]) * static_cast<double>(in[k]);
+    }
+    out[o] = sum;
+  }
+}
+
 }  // namespace
 
 template <class T>
 KeyStore<T>::KeyStore(const LayerOperators<T>& layer, std::int64_t dim, double beta)
-    : dim_(dim), heads_(layer.heads), width_(dim), beta_(beta) {
+    : dim_(dim), heads_(layer.heads), width_(dim), sets_(layer.heads), beta_(beta) {
   const std::int64_t ops = heads_ * dim * dim;
   query_map_.assign(layer.relevance, layer.relevance + ops);
   value_map_.assign(layer.content, layer.content + ops);
   if (layer.key_bias) key_bias_.assign(layer.key_bias, layer.key_bias + heads_ * dim);
   if (layer.offset) offset_.assign(layer.offset, layer.offset + dim);
-  per_head_.resize(static_cast<std::size_t>(heads_));
+  per_set_.resize(static_cast<std::size_t>(sets_));
 }
 
 template <class T>
 KeyStore<T>::KeyStore(const FactoredLayer<T>& layer, std::int64_t dim, double beta)
-    : factored_(true), dim_(dim), heads_(layer.heads), width_(layer.rank), beta_(beta) {
-  const std::int64_t ops = heads_ * layer.rank * dim;
+    : factored_(true),
+      dim_(dim),
+      heads_(layer.heads),
+      width_(layer.rank),
+      sets_(layer.key_heads()),
+      beta_(beta) {
+  const std::int64_t ops = heads_ * layer.rank * dim, kv_ops = sets_ * layer.rank * dim;
   query_map_.assign(layer.query_factor, layer.query_factor + ops);
-  key_map_.assign(layer.key_factor, layer.key_factor + ops);
+  key_map_.assign(layer.key_factor, layer.key_factor + kv_ops);
   up_map_.assign(layer.content_up, layer.content_up + ops);
-  value_map_.assign(layer.content_down, layer.content_down + ops);
+  value_map_.assign(layer.content_down, layer.content_down + kv_ops);
   if (layer.key_bias) key_bias_.assign(layer.key_bias, layer.key_bias + heads_ * dim);
   if (layer.offset) offset_.assign(layer.offset, layer.offset + dim);
-  per_head_.resize(static_cast<std::size_t>(heads_));
+  per_set_.resize(static_cast<std::size_t>(sets_));
+  if (layer.key_bias) bias_.resize(static_cast<std::size_t>(heads_));
+  if (layer.rotary.dim != 0) {
+    // The frequencies do not depend on the length (the constructor refused the dynamic scaling
+    // without explicit ones), so they are fixed once for every key and query.
+    rotary_.dim = layer.rotary.dim;
+    rotary_.interleaved = layer.rotary.pairing == RotaryPairing::interleaved;
+    rotary_.inverse_frequencies = rotary_inverse_frequencies(layer.rotary, 1);
+  }
 }
 
 template <class T>
 void KeyStore<T>::append(const T* tokens, std::int64_t count) {
   const std::int64_t d = dim_, w = width_;
   if (!factored_) tokens_.insert(tokens_.end(), tokens, tokens + count * d);
-  for (std::int64_t h = 0; h < heads_; ++h) {
-    Head& head = per_head_[static_cast<std::size_t>(h)];
-    append_projected(tokens, count, d, value_map_.data() + h * w * d, w, head.values);
+  std::vector<double> key(static_cast<std::size_t>(factored_ ? w : 0));
+  std::vector<double> cosines(static_cast<std::size_t>(rotary_.dim / 2)), sines(cosines.size());
+  for (std::int64_t g = 0; g < sets_; ++g) {
+    Set& set = per_set_[static_cast<std::size_t>(g)];
+    append_projected(tokens, count, d, value_map_.data() + g * w * d, w, set.values);
     if (!factored_) continue;
-    append_projected(tokens, count, d, key_map_.data() + h * w * d, w, head.keys);
-    if (!key_bias_.empty()) {
-      append_projected(tokens, count, d, key_bias_.data() + h * d, 1, head.bias);
+    // k_j = R(j) B_g x_j in double, rounded to T once: each key is rotated here, at its
+    // position, and never again.
+    for (std::int64_t t = 0; t < count; ++t) {
+      project(tokens + t * d, d, key_map_.data() + g * w * d, w, key.data());
+      if (rotary_.dim != 0) {
+        rotary_.angles(size_ + t, cosines.data(), sines.data());
+        rotary_.rotate(key.data(), cosines.data(), sines.data());
+      }
+      for (const double k : key) set.keys.push_back(static_cast<T>(k));
     }
+  }
+  for (std::size_t h = 0; h < bias_.size(); ++h) {
+    append_projected(tokens, count, d, key_bias_.data() + static_cast<std::int64_t>(h) * d, 1,
+                     bias_[h]);
   }
   size_ += count;
 }
@@ -79,27 +117,39 @@ template <class T>
 void KeyStore<T>::clear() {
   size_ = 0;
   tokens_.clear();
-  for (Head& head : per_head_) {
-    head.keys.clear();
-    head.bias.clear();
-    head.values.clear();
+  for (Set& set : per_set_) {
+    set.keys.clear();
+    set.values.clear();
   }
+  for (std::vector<T>& bias : bias_) bias.clear();
+}
+
+template <class T>
+const typename KeyStore<T>::Set& KeyStore<T>::set_of(std::int64_t h) const {
+  // Query head h reads kv head h / (heads / kv_heads); the dense form has a set per head.
+  return per_set_[static_cast<std::size_t>(h / (heads_ / sets_))];
 }
 
 template <class T>
 const T* KeyStore<T>::head_keys(std::int64_t h) const {
-  return factored_ ? per_head_[static_cast<std::size_t>(h)].keys.data() : tokens_.data();
+  return factored_ ? set_of(h).keys.data() : tokens_.data();
 }
 
 template <class T>
-void KeyStore<T>::project_query(const T* q, std::int64_t h, double* p) const {
+void KeyStore<T>::project_query(const T* q, std::int64_t h, std::int64_t position,
+                                double* p) const {
   const std::int64_t d = dim_, w = width_;
-  if (factored_) {  // p = beta A_h q
+  if (factored_) {  // p = beta R(position) A_h q (beta commutes with the rotation)
     const T* A = query_map_.data() + h * w * d;
     for (std::int64_t k = 0; k < w; ++k) {
       double sum = 0.0;
       for (std::int64_t b = 0; b < d; ++b) sum += static_cast<double>(A[k * d + b]) * q[b];
       p[k] = beta_ * sum;
+    }
+    if (rotary_.dim != 0) {
+      std::vector<double> cosines(static_cast<std::size_t>(rotary_.dim / 2)), sines(cosines.size());
+      rotary_.angles(position, cosines.data(), sines.data());
+      rotary_.rotate(p, cosines.data(), sines.data());
     }
     return;
   }
@@ -135,8 +185,10 @@ void KeyStore<T>::attend(const T* queries, std::int64_t count, const QueryRule& 
     std::vector<double> scores;
 #pragma omp for schedule(static)
     for (std::int64_t row = 0; row < rows; ++row) {
-      errors.run(
-          [&] { project_query(queries + (row % count) * d, row / count, &projected[row * w]); });
+      errors.run([&] {
+        const std::int64_t i = row % count;
+        project_query(queries + i * d, row / count, rule.query_origin + i, &projected[row * w]);
+      });
     }
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < spans * rows; ++task) {
@@ -152,9 +204,9 @@ void KeyStore<T>::attend(const T* queries, std::int64_t count, const QueryRule& 
         l = -std::numeric_limits<double>::infinity();
         e = 0.0;
         if (first >= last) return;
-        const Head& head = per_head_[static_cast<std::size_t>(h)];
+        const Set& set = set_of(h);
         const T* keys = head_keys(h);
-        const T* bias = head.bias.empty() ? nullptr : head.bias.data();
+        const T* bias = bias_.empty() ? nullptr : bias_[static_cast<std::size_t>(h)].data();
         const double* p = &projected[static_cast<std::size_t>(row * w)];
         scores.resize(static_cast<std::size_t>(last - first));
         double m = -std::numeric_limits<double>::infinity();
@@ -173,7 +225,7 @@ void KeyStore<T>::attend(const T* queries, std::int64_t count, const QueryRule& 
           const double s = scores[static_cast<std::size_t>(j - first)];
           const double weight = std::exp(s - l);
           expected += weight * s;
-          const T* v = head.values.data() + j * w;
+          const T* v = set.values.data() + j * w;
           for (std::int64_t a = 0; a < w; ++a) state[a] += weight * static_cast<double>(v[a]);
         }
         e = l - expected;
