@@ -84,7 +84,7 @@ Rows<T> one_pass(const FactoredLayer<T>& layer, std::int64_t dim, const std::vec
     in.query_position = query_position;
   }
   attend_factored(in, layer, {out.update.data(), out.lse.data(), out.entropy.data(), nullptr},
-                  {device, 2});
+                  {device});
   return out;
 }
 
@@ -104,8 +104,10 @@ Rows<T> decode(const FactoredLayer<T>& layer, std::int64_t dim, const std::vecto
     cache.append(cloud.data() + t * d, n);
     std::vector<T> update(static_cast<std::size_t>(n * d), T(NAN));
     std::vector<T> lse(static_cast<std::size_t>(H * n), T(NAN)), entropy(lse.size(), T(NAN));
+    // The thread count left to the cache (one thread for these small calls); the long cache
+    // below runs two.
     cache.attend(cloud.data() + t * d, n, mask,
-                 {update.data(), lse.data(), entropy.data(), nullptr}, kAlignToEnd, 2);
+                 {update.data(), lse.data(), entropy.data(), nullptr});
     std::copy(update.begin(), update.end(), out.update.begin() + t * d);
     for (std::int64_t h = 0; h < H; ++h) {
       for (std::int64_t i = 0; i < n; ++i) {
