@@ -185,6 +185,11 @@ template <class T>
 Problem describe(const AttentionInput<T>& input, const PartialOutput<T>& output,
                  const ExecutionOptions& options = {});
 
+/// The Problem of an attend_partial call of a factored layer (input.layer unused).
+template <class T>
+Problem describe(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                 const PartialOutput<T>& output, const ExecutionOptions& options = {});
+
 /// The Problem of a decode cache of `layer` in R^dim made with `options` (decode.hpp): its keys
 /// and contents are what the cache holds, `tokens` its capacity (0: grows without limit).
 template <class T>
@@ -220,7 +225,9 @@ std::string to_string(const Route& route);
   extern template Problem describe<T>(const AttentionInput<T>&, const FactoredLayer<T>&,   \
                                       const AttentionOutput<T>&, const ExecutionOptions&); \
   extern template Problem describe<T>(const AttentionInput<T>&, const PartialOutput<T>&,   \
-                                      const ExecutionOptions&);
+                                      const ExecutionOptions&);                            \
+  extern template Problem describe<T>(const AttentionInput<T>&, const FactoredLayer<T>&,   \
+                                      const PartialOutput<T>&, const ExecutionOptions&);
 EMFLOW_CAPABILITY_EXTERN(float)
 EMFLOW_CAPABILITY_EXTERN(double)
 EMFLOW_CAPABILITY_EXTERN(bfloat16)

@@ -9,28 +9,43 @@
 //
 // Dense form (M_h, F_h, u_h, c): the keys x_j (shared by every head: the relevance and the key
 // bias act through the queries, s_ij = <beta (M_h^T q_i + u_h), x_j>) and per head the contents
-// C_h = X F_h^T. Factored form (FactoredLayer, factored.hpp): per head the projected keys
-// K_h = X B_h^T with the key bias u_h^T x_j, and the values V_h = X V_h^T; attend() projects its
-// queries with A_h and maps the weighted values back with U_h.
+// C_h = X F_h^T. Factored form (FactoredLayer, factored.hpp): per kv head g the projected keys
+// K_g = X B_g^T and the values V_g = X V_g^T, and per head the key bias u_h^T x_j; attend()
+// projects its queries with A_h and maps the weighted values back with U_h. With grouped kv heads
+// (FactoredLayer::kv_heads = K < heads) only the K sets of keys and values are stored, and query
+// head h reads set h / (heads / K), as attend_factored does.
+//
+// Rotary positions (FactoredLayer::rotary, docs/MATH.md §2.4): append() rotates each projected
+// key once, at its position, and stores it rotated; attend() rotates each projected query at its
+// position. That is exact: the score <R(p_i) A_h q_i, R(p_j) B_g x_j> is the one of
+// x_i^T A_h^T R(p_j - p_i) B_g x_j, since R(p_i)^T R(p_j) = R(p_j - p_i), so the key's rotation
+// depends on its own position alone and never has to be redone as the cloud grows. The
+// positions are the cache's (below): rotary.key_positions and rotary.query_positions must be
+// null. The frequencies are fixed when the cache is made: the dynamic scaling, whose frequencies
+// grow with the sequence, is refused (ErrorCode::unsupported) unless given as
+// rotary.inverse_frequencies.
 //
 // Positions: key j of the cache sits at position j; the queries of attend() at
 // [query_position, query_position + Nq), by default (kAlignToEnd) the last Nq positions
 // (size() - Nq + i), as in a decoder whose new tokens were just appended. Masks then act as for
-// emflow::attend (attention.hpp). Decoding a cloud token by token (append x_t, attend x_t under
-// the causal mask) gives the rows of the causal one-pass update.
+// emflow::attend (attention.hpp), and the rotation as for attend_factored with key_position 0 and
+// that query_position. Decoding a cloud token by token (append x_t, attend x_t under the causal
+// mask) gives the rows of the causal one-pass update (attend_factored's, rotary and grouped heads
+// included, for the factored form).
 //
 // Where a cache lives is route()'s answer (capability.hpp, Operation::decode) for the cache's
 // layer, storage type and DecodeOptions, asked once by the constructor:
 // * BasicDecodeCache<float> (DecodeCache) in the dense form on the host runs the fused float32
 //   engine of Device::cpu; the factored form and double compute each query's scores and sums in
-//   double. Non-finite tokens are not supported (append refuses them, naming the row).
+//   double (the keys and values held in T, each rounded once). Non-finite tokens are not supported (append refuses them, naming the row).
 // * On the GPU (float, dense form, dim <= 256, a capacity): the keys and contents live in device
 //   buffers of a fixed capacity. append() copies the new tokens to the device on the cache's own
 //   stream and projects them there; attend() copies the queries in and runs the fused kernel with
 //   the keys split into blocks merged exactly (flash-decoding, as
 //   emflow::cuda::attend_partial_async does), so one query against many keys uses the whole
 //   device, then copies the outputs back. Both take and return host arrays and return once the
-//   device is done.
+//   device is done. The GPU holds no factored cache: a rotary or grouped layer is refused there
+//   by name (route()'s reason), and Device::automatic keeps it on the host.
 // DecodeOptions::device is Device::automatic by default, as for every other entry point: the GPU
 // when route() names it (a usable device, a cache it holds, and a capacity), else the host.
 // Device::cuda for a cache the GPU does not hold, or without a usable device, is refused
@@ -70,8 +85,12 @@ class BasicDecodeCache {
   /// 'capacity').
   BasicDecodeCache(const LayerOperators<T>& layer, std::int64_t dim, double beta,
                    const DecodeOptions& options);
-  /// The factored form: copies the factors; throws emflow::Error (invalid_argument) naming a
-  /// null factor, dim, heads or rank < 1, or a non-finite beta.
+  /// The factored form: copies the factors (B and V of layer.kv_heads heads) and the rotary
+  /// embedding (its explicit inverse frequencies too); throws emflow::Error (invalid_argument)
+  /// naming a null factor, dim, heads or rank < 1, a non-finite beta, kv_heads that do not
+  /// divide heads, a bad rotary field (as attend_factored) or rotary positions given (the cache
+  /// has its own), and (unsupported) naming rotary.scaling for the dynamic scaling without
+  /// explicit frequencies.
   BasicDecodeCache(const FactoredLayer<T>& layer, std::int64_t dim, double beta = 1.0);
   /// The same with `options`: the factored form lives on the host (Device::cuda is refused with
   /// route()'s reason).
@@ -90,7 +109,8 @@ class BasicDecodeCache {
   Device device() const noexcept;          ///< Device::cuda or Device::cpu
   std::int64_t capacity() const noexcept;  ///< 0: grows without limit
 
-  /// Appends `count` tokens (count x dim, row-major): their keys and contents. Storage grows
+  /// Appends `count` tokens (count x dim, row-major): their keys and contents, token t at
+  /// position size() + t (a rotary layer's keys rotated there, once). Storage grows
   /// geometrically; the old tokens are moved, never recomputed. Throws emflow::Error
   /// (invalid_argument) naming the first row that holds a non-finite value, or naming 'count'
   /// when the tokens would exceed the capacity.
@@ -102,7 +122,8 @@ class BasicDecodeCache {
   /// The update of `count` queries (count x dim) against every token of the cache under `mask`,
   /// written to output.update (count x dim) and, when not null, output.lse and output.entropy
   /// (heads x count); output.weights must be null. Same rules as emflow::attend (a query that
-  /// sees no key gets 0, -inf, 0).
+  /// sees no key gets 0, -inf, 0). Query i sits at query_position + i (kAlignToEnd: the last
+  /// `count` positions, size() - count + i), for the mask and a rotary layer's rotation.
   void attend(const T* queries, std::int64_t count, const Mask& mask,
               const AttentionOutput<T>& output, std::int64_t query_position = kAlignToEnd,
               int threads = 0) const;

@@ -23,6 +23,9 @@
 // layer has no single M_h and is computed in the factored form only (O(r) more work per token).
 // Grouped-query heads (FactoredLayer::kv_heads): B and V hold kv_heads heads, and query head h
 // reads kv head h / (heads / kv_heads), as transformers' repeat_kv groups them.
+// Both also hold in the partial states of a factored layer (partial.hpp) and in its decode cache
+// (decode.hpp), on the host: each key rotated at its position (the cache's once, when appended),
+// and only kv_heads projected keys and values held.
 #pragma once
 
 #include <cstdint>

@@ -25,11 +25,18 @@
 // as the cloud of an AttentionInput (with key_position set to where the block starts, so masks see
 // true positions, and an explicit query_position, or query_positions per cloud for a ragged batch);
 // the queries as its `queries`.
+//
+// The factored form (attend_partial of a FactoredLayer) has the same state with
+// F_h x_j = U_h V_{g(h)} x_j, its rotary positions and grouped kv heads included: each block's keys
+// are rotated at their absolute positions (key_position + j) and the queries at theirs, and since
+// a score depends on R(p_i)^T R(p_j) = R(p_j - p_i) only, the blocks merge into the one call's
+// state exactly (docs/MATH.md §2.4).
 #pragma once
 
 #include <cstdint>
 
 #include "emflow/attention.hpp"
+#include "emflow/factored.hpp"
 
 namespace emflow {
 
@@ -69,6 +76,24 @@ template <class T>
 void attend_partial(const AttentionInput<T>& input, const PartialOutput<T>& output,
                     const ExecutionOptions& options = {});
 
+/// The partial state of `input`'s queries over `input`'s keys for a factored layer (factored.hpp;
+/// input.layer must be empty, layer.offset is not used: it belongs to finish_partial), with its
+/// rotary positions and grouped kv heads. The state is the one above with F_h x_j = U_h V_h x_j,
+/// in the cloud's space, so blocks merge and finish exactly as for the dense form. The keys and
+/// queries sit where attend_factored puts them: key j of the block at key_position + j (or
+/// rotary.key_positions), the queries at their mask positions (query_position, query_positions,
+/// or rotary.query_positions), so a block given with key_position = its first key's position and
+/// the queries' explicit position rotates as the one call over all the keys does, and the merged
+/// blocks equal attend_factored (R(p_j - p_i) = R(p_i)^T R(p_j) depends on the two positions
+/// only). Runs on the host (Device::cpu, Device::reference, and automatic) in the double
+/// reference of the factored form, the state rounded to T once; Device::cuda is refused
+/// (ErrorCode::unsupported, route()'s reason). The dynamic rotary scaling without explicit
+/// inverse_frequencies is refused (ErrorCode::unsupported): its frequencies follow the whole
+/// sequence, which one block does not see. T is float or double.
+template <class T>
+void attend_partial(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                    const PartialOutput<T>& output, const ExecutionOptions& options = {});
+
 /// into = merge(into, part), element by element, on the host.
 template <class T>
 void merge_partial(const PartialShape& shape, const PartialInput<T>& part,
@@ -90,6 +115,12 @@ extern template void attend_partial<bfloat16>(const AttentionInput<bfloat16>&,
 extern template void attend_partial<float16>(const AttentionInput<float16>&,
                                              const PartialOutput<float16>&,
                                              const ExecutionOptions&);
+extern template void attend_partial<float>(const AttentionInput<float>&,
+                                           const FactoredLayer<float>&, const PartialOutput<float>&,
+                                           const ExecutionOptions&);
+extern template void attend_partial<double>(const AttentionInput<double>&,
+                                            const FactoredLayer<double>&,
+                                            const PartialOutput<double>&, const ExecutionOptions&);
 extern template void merge_partial<float>(const PartialShape&, const PartialInput<float>&,
                                           const PartialOutput<float>&);
 extern template void merge_partial<double>(const PartialShape&, const PartialInput<double>&,

@@ -25,10 +25,12 @@ void reference_attend(const AttentionInput<T>& input, const AttentionOutput<T>& 
 /// B_{h/g} x_j, each rotated by its position (FactoredLayer::rotary), the scores
 /// beta (<., .> + u_h^T x_j), and the contents U_h V_{h/g} x_j; every other rule (masks, lengths,
 /// non-finite values) as reference_attend's. input.layer is empty, the operators come from
-/// `layer`.
+/// `layer`. With `partial` set it writes the per-head partial state of partial.hpp there instead
+/// (no offset, no weights; `output` unused), as reference_partial does for the dense form.
 void reference_attend_factored(const AttentionInput<double>& input,
                                const FactoredLayer<double>& layer,
-                               const AttentionOutput<double>& output);
+                               const AttentionOutput<double>& output,
+                               const PartialOutput<double>* partial = nullptr);
 
 /// reference_attend's partial state over the input's keys (partial.hpp): per head, no offset.
 template <class T>

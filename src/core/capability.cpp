@@ -3,17 +3,20 @@
 //
 // The rules, by device:
 //   reference  every storage type, the update and the partial state; the factored form expanded
-//              to dense operators in double. No decode cache (its keys live on cpu or cuda).
+//              to dense operators in double (its partial state in the factored form, in double).
+//              No decode cache (its keys live on cpu or cuda).
 //   cpu        the update: float in the fused engine (dense and factored), double in the
 //              reference; bfloat16 and float16 widened exactly to float and computed there, except
 //              bfloat16 self-attention without weights on a processor with AVX512-BF16, whose
 //              products take bf16 operands. Input with a non-finite value goes to the reference
 //              (expanded for the factored form), which puts NaN exactly where docs/MATH.md §6.6
 //              says. The partial state: float in the engine (the reference for non-finite
-//              input), double in the reference. The decode cache: float dense in the engine, the
-//              factored form and double in double. Where the processor lacks an extension the
-//              engine was compiled for (Machine::cpu_missing), every engine kernel is refused
-//              with the reason; the reference kernels still run.
+//              input), double in the reference; the factored form's, float or double, in the
+//              double reference of the factored form (never expanded). The decode cache: float
+//              dense in the engine, the factored form and double in double. Where the processor
+//              lacks an extension the engine was compiled for (Machine::cpu_missing), every
+//              engine kernel and the host decode cache (its key store is compiled as the engine
+//              is) are refused with the reason; the reference kernels still run.
 //   cuda       dense float: the tensor cores for tf32 where they compute what is asked (no
 //              weights, dim <= kTensorCoreMaxDim, not Algorithm::unfused), else fused (no
 //              weights, dim <= kCudaFusedMaxDim) or unfused (cuBLAS); double: unfused; bfloat16
@@ -21,15 +24,19 @@
 //              16-bit, and float with tf32, on the tensor cores (rank <= kTensorCoreMaxDim, no
 //              weights); otherwise expanded to dense operators in the storage type and routed as
 //              the dense form. The partial state: float and double as the dense update without
-//              weights. The decode cache: float, dense, dim <= kCudaFusedMaxDim, with a capacity.
+//              weights; not the factored form's. The decode cache: float, dense,
+//              dim <= kCudaFusedMaxDim, with a capacity.
 //              Index arithmetic is 32-bit: larger problems are refused.
 //   automatic  cuda when a device is usable and computes the problem, else cpu.
 //
-// Rotary positions and grouped kv heads (FactoredLayer::rotary, kv_heads) take the update only
-// (no partial state, no decode cache) and run on the host: a rotary layer has no single M_h, so
-// it is never expanded: float in the engine in rank r (cpu), double and non-finite input in the
-// double reference of the factored form (cpu, reference); grouped heads without rotation expand
-// as before (B and V repeated). cuda refuses both (no GPU kernel yet).
+// Rotary positions and grouped kv heads (FactoredLayer::rotary, kv_heads) run on the host, for
+// the update, the partial state and the decode cache: a rotary layer has no single M_h, so it is
+// never expanded: the update in float in the engine in rank r (cpu), double and non-finite input
+// in the double reference of the factored form (cpu, reference); grouped heads without rotation
+// expand as before (B and V repeated). The factored partial state and decode cache compute in the
+// factored form in double, rotating each key and query at its position (the cache each key once,
+// when it is appended), and store kv_heads projected keys and values. cuda refuses both (no GPU
+// kernel yet).
 #include "emflow/capability.hpp"
 
 #include <algorithm>
@@ -109,12 +116,13 @@ Route on_reference(const Problem& p, const char* op) {
     return refused(Device::reference, op,
                    "a decode cache lives on cpu or cuda (the reference holds no cache)");
   }
-  if (p.operation == Operation::partial && p.form == Form::factored) {
-    return refused(Device::reference, op, "partial states take the dense form");
-  }
   if (p.operation == Operation::partial && is_16bit(p.storage)) {
     return refused(Device::reference, op, "partial states are float or double, got ",
                    to_string(p.storage));
+  }
+  if (p.operation == Operation::partial && p.form == Form::factored) {
+    // The factored form in double: rotary positions and grouped heads as they are.
+    return runs(Device::reference, Kernel::reference, Dtype::float64, Precision::fp32);
   }
   // A rotary layer has no single M_h: the reference computes it in the factored form.
   return runs(Device::reference, Kernel::reference, Dtype::float64, Precision::fp32,
@@ -125,7 +133,11 @@ Route on_cpu_kernels(const Problem& p, const Machine& machine, const char* op) {
   const bool factored = p.form == Form::factored;
   switch (p.operation) {
     case Operation::partial:
-      if (factored) return refused(Device::cpu, op, "partial states take the dense form");
+      if (factored && (p.storage == Dtype::float32 || p.storage == Dtype::float64)) {
+        // The double reference of the factored form, never expanded (a rotary layer has no
+        // dense form, and grouped heads read their kv head as they are).
+        return runs(Device::cpu, Kernel::reference, Dtype::float64, Precision::fp32);
+      }
       if (p.storage == Dtype::float32 && p.finite) {
         return runs(Device::cpu, Kernel::cpu_fused, Dtype::float32, Precision::fp32);
       }
@@ -157,10 +169,12 @@ Route on_cpu_kernels(const Problem& p, const Machine& machine, const char* op) {
   return runs(Device::cpu, Kernel::cpu_fused, Dtype::float32, Precision::fp32);
 }
 
-// The engine's kernels only where the processor has what they were compiled for.
+// The engine's kernels, and the host decode cache (src/decode/keys.cpp is compiled as the engine
+// is), only where the processor has what they were compiled for.
 Route on_cpu(const Problem& p, const Machine& machine, const char* op) {
   Route r = on_cpu_kernels(p, machine, op);
-  if (r.supported && r.kernel != Kernel::reference && !machine.cpu_missing.empty()) {
+  const bool engine_code = r.kernel != Kernel::reference || p.operation == Operation::decode;
+  if (r.supported && engine_code && !machine.cpu_missing.empty()) {
     return refused(Device::cpu, op, detail::cpu_engine_mismatch(machine));
   }
   return r;
@@ -234,7 +248,11 @@ Route on_cuda(const Problem& p, const Machine& machine, const char* op) {
   const bool factored = p.form == Form::factored;
   switch (p.operation) {
     case Operation::partial:
-      if (factored) return refused(Device::cuda, op, "partial states take the dense form");
+      if (factored) {
+        return refused(Device::cuda, op,
+                       "partial states of the factored form are computed on the host (cpu, "
+                       "reference); the GPU's take the dense form");
+      }
       if (is_16bit(p.storage)) {
         return refused(Device::cuda, op, "partial states are float or double, got ",
                        to_string(p.storage));
@@ -325,11 +343,6 @@ Route route(const Problem& p, Device requested, const Machine& machine, const ch
   if (!mismatch.empty()) return refused(named, op, "precision ", mismatch);
   if (p.form == Form::factored && p.rank < 1) {
     return refused(named, op, "the factored form needs rank >= 1, got ", p.rank);
-  }
-  if (rotary_or_grouped(p) && p.operation != Operation::update) {
-    return refused(named, op, rotary_or_grouped_names(p), " are computed by the update only ",
-                   "(attend_factored), not by ",
-                   p.operation == Operation::decode ? "a decode cache" : "partial states");
   }
   switch (requested) {
     case Device::reference:
@@ -445,6 +458,19 @@ Problem describe(const AttentionInput<T>& input, const PartialOutput<T>& output,
 }
 
 template <class T>
+Problem describe(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                 const PartialOutput<T>& output, const ExecutionOptions& options) {
+  Problem p = describe(input, output, options);
+  p.form = Form::factored;
+  p.heads = layer.heads;
+  p.rank = layer.rank;
+  p.kv_heads = layer.key_heads();
+  p.rotary_dim = layer.rotary.dim;
+  p.key_bias = layer.key_bias != nullptr;
+  return p;
+}
+
+template <class T>
 Problem describe(const LayerOperators<T>& layer, std::int64_t dim, const DecodeOptions& options) {
   Problem p;
   p.operation = Operation::decode;
@@ -529,7 +555,9 @@ std::string to_string(const Route& r) {
   template Problem describe<T>(const AttentionInput<T>&, const FactoredLayer<T>&,   \
                                const AttentionOutput<T>&, const ExecutionOptions&); \
   template Problem describe<T>(const AttentionInput<T>&, const PartialOutput<T>&,   \
-                               const ExecutionOptions&);
+                               const ExecutionOptions&);                            \
+  template Problem describe<T>(const AttentionInput<T>&, const FactoredLayer<T>&,   \
+                               const PartialOutput<T>&, const ExecutionOptions&);
 EMFLOW_CAPABILITY(float)
 EMFLOW_CAPABILITY(double)
 EMFLOW_CAPABILITY(bfloat16)

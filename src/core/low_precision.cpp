@@ -267,6 +267,33 @@ void attend_factored_on_host(const AttentionInput<T>& in, const FactoredLayer<T>
   fail(ErrorCode::internal, "attend_factored: no host kernel for the route ", to_string(route));
 }
 
+template <class T>
+void partial_factored_on_host(const AttentionInput<T>& in, const FactoredLayer<T>& layer,
+                              const PartialOutput<T>& out) {
+  const WideFactors<double, T> factors(layer, in.dim);
+  const WideInput<double, T> wide(in, LayerOperators<double>{layer.heads});
+  if constexpr (std::is_same_v<T, double>) {
+    reference_attend_factored(wide.input, factors.layer, AttentionOutput<double>{}, &out);
+  } else {
+    const auto rows = static_cast<std::size_t>(in.batch * layer.heads * query_count(in));
+    std::vector<double> heads(rows * static_cast<std::size_t>(in.dim)), lse(rows), entropy(rows);
+    const PartialOutput<double> state{heads.data(), lse.data(), entropy.data()};
+    reference_attend_factored(wide.input, factors.layer, AttentionOutput<double>{}, &state);
+    for (std::size_t i = 0; i < heads.size(); ++i) out.heads[i] = static_cast<T>(heads[i]);
+    for (std::size_t i = 0; i < rows; ++i) {
+      out.lse[i] = static_cast<Stat<T>>(lse[i]);
+      out.entropy[i] = static_cast<Stat<T>>(entropy[i]);
+    }
+  }
+}
+
+template void partial_factored_on_host<float>(const AttentionInput<float>&,
+                                              const FactoredLayer<float>&,
+                                              const PartialOutput<float>&);
+template void partial_factored_on_host<double>(const AttentionInput<double>&,
+                                               const FactoredLayer<double>&,
+                                               const PartialOutput<double>&);
+
 #define EMFLOW_HOST_KERNELS(T)                                                                \
   template void attend_on_host<T>(const AttentionInput<T>&, const AttentionOutput<T>&,        \
                                   const Route&, int);                                         \

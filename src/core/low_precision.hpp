@@ -14,6 +14,7 @@
 #include "emflow/attention.hpp"
 #include "emflow/capability.hpp"
 #include "emflow/factored.hpp"
+#include "emflow/partial.hpp"
 #include "emflow/precision.hpp"
 
 namespace emflow::detail {
@@ -42,6 +43,13 @@ void attend_on_host(const AttentionInput<T>& input, const AttentionOutput<T>& ou
 template <class T>
 void attend_factored_on_host(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
                              const AttentionOutput<T>& output, const Route& route, int threads);
+
+/// attend_partial of a factored layer on validated input (Kernel::reference, never expanded):
+/// the factored form in double (rotary positions and grouped kv heads included), the state
+/// narrowed to T once. T is float or double.
+template <class T>
+void partial_factored_on_host(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                              const PartialOutput<T>& output);
 
 /// The dense expansion of a factored layer (Route::expanded): M_h = A_h^T B_h and F_h = U_h V_h
 /// summed in double from the stored factors, with the key bias and offset, stored in U.

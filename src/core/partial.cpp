@@ -15,6 +15,7 @@
 #include "check.hpp"
 #include "dispatch.hpp"
 #include "emflow/capability.hpp"
+#include "low_precision.hpp"
 #include "memory.hpp"
 #include "partial_rows.hpp"
 
@@ -47,6 +48,25 @@ void attend_partial(const AttentionInput<T>& input, const PartialOutput<T>& outp
       }
     }
     detail::fail(ErrorCode::internal, op, ": no kernel for ", to_string(route));
+  });
+}
+
+template <class T>
+void attend_partial(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                    const PartialOutput<T>& output, const ExecutionOptions& options) {
+  const char* const op = "attend_partial";
+  detail::reporting_out_of_memory(op, "", [&] {
+    detail::check_partial_factored(input, layer, output, op);
+    check_threads(options.threads, op);
+    detail::check_precision<T>(options, op);
+    Problem problem = describe(input, layer, output, options);
+    problem.finite = detail::inputs_finite(input, layer);
+    const Route route = require_route(problem, options.device, op);
+    if (route.device == Device::cuda || route.kernel != Kernel::reference || route.expanded) {
+      detail::fail(ErrorCode::internal, op, ": no factored partial-state kernel for ",
+                   to_string(route));
+    }
+    detail::partial_factored_on_host(input, layer, output);
   });
 }
 
@@ -86,6 +106,10 @@ template void attend_partial<bfloat16>(const AttentionInput<bfloat16>&,
                                        const PartialOutput<bfloat16>&, const ExecutionOptions&);
 template void attend_partial<float16>(const AttentionInput<float16>&, const PartialOutput<float16>&,
                                       const ExecutionOptions&);
+template void attend_partial<float>(const AttentionInput<float>&, const FactoredLayer<float>&,
+                                    const PartialOutput<float>&, const ExecutionOptions&);
+template void attend_partial<double>(const AttentionInput<double>&, const FactoredLayer<double>&,
+                                     const PartialOutput<double>&, const ExecutionOptions&);
 template void merge_partial<float>(const PartialShape&, const PartialInput<float>&,
                                    const PartialOutput<float>&);
 template void merge_partial<double>(const PartialShape&, const PartialInput<double>&,

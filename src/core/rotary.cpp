@@ -226,6 +226,16 @@ void check_grouping_and_rotary(std::int64_t heads, std::int64_t rank, std::int64
   }
 }
 
+void check_fixed_frequencies(const Rotary& rotary, const char* op, const char* why) {
+  if (rotary.dim != 0 && rotary.scaling == RotaryScaling::dynamic_ntk &&
+      rotary.inverse_frequencies == nullptr) {
+    fail(ErrorCode::unsupported, op,
+         ": argument 'rotary.scaling' dynamic is not supported here: ", why,
+         " (pass the frequencies of the whole sequence as rotary.inverse_frequencies, with "
+         "scaling none)");
+  }
+}
+
 template <class T>
 RotaryCall rotary_call(const AttentionInput<T>& input, const Rotary& rotary) {
   RotaryCall call;

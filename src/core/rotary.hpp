@@ -22,6 +22,12 @@ void check_grouping_and_rotary(std::int64_t heads, std::int64_t rank, std::int64
                                const Rotary& rotary, std::int64_t batch, std::int64_t tokens,
                                std::int64_t query_tokens, const char* operation, Lengths lengths);
 
+/// Refuses (ErrorCode::unsupported, naming rotary.scaling and `why`) the dynamic scaling without
+/// explicit inverse_frequencies, whose frequencies depend on the call's longest sequence: a
+/// computation that sees the keys in parts (a partial state, a decode cache) would rotate the
+/// parts by different frequencies. Every other rotary embedding passes.
+void check_fixed_frequencies(const Rotary& rotary, const char* operation, const char* why);
+
 /// A rotary embedding resolved for one validated call: its frequencies and where its rows sit.
 struct RotaryCall {
   std::int64_t dim = 0;  ///< 0: no rotation

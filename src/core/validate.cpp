@@ -192,10 +192,12 @@ void check_no_overlap(const AttentionInput<T>& in, const AttentionOutput<T>& out
   check_disjoint(ranges, sizeof ranges / sizeof ranges[0], operation);
 }
 
+namespace {
+
+/// check_factored without its memory ranges.
 template <class T>
-void check_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
-                    const AttentionOutput<T>& output, const char* op, const void* workspace,
-                    std::size_t workspace_bytes, Lengths lengths) {
+void check_factored_arguments(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                              const AttentionOutput<T>& output, const char* op, Lengths lengths) {
   if (input.layer.relevance != nullptr || input.layer.content != nullptr ||
       input.layer.key_bias != nullptr || input.layer.offset != nullptr) {
     fail_argument(op, "input.layer",
@@ -220,6 +222,15 @@ void check_factored(const AttentionInput<T>& input, const FactoredLayer<T>& laye
   check_arguments(shape, output, op, lengths);
   check_grouping_and_rotary(layer.heads, layer.rank, layer.kv_heads, layer.rotary, input.batch,
                             input.tokens, query_count(input), op, lengths);
+}
+
+}  // namespace
+
+template <class T>
+void check_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                    const AttentionOutput<T>& output, const char* op, const void* workspace,
+                    std::size_t workspace_bytes, Lengths lengths) {
+  check_factored_arguments(input, layer, output, op, lengths);
   // No output may share memory with the factors (sizes fit: checked above).
   const auto B = static_cast<std::size_t>(input.batch);
   const auto N = static_cast<std::size_t>(input.tokens);
@@ -292,6 +303,52 @@ void check_partial(const AttentionInput<T>& input, const PartialOutput<T>& outpu
       range("query_lengths", input.query_lengths, B, false),
       range("query_positions", input.query_positions, B, false),
       {"workspace", workspace, workspace_bytes, true},
+      range("heads", output.heads, state.values, true),
+      range("lse", output.lse, state.rows, true),
+      range("entropy", output.entropy, state.rows, true),
+  };
+  check_disjoint(ranges, sizeof ranges / sizeof ranges[0], op);
+}
+
+template <class T>
+void check_partial_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                            const PartialOutput<T>& output, const char* op) {
+  // attend_factored's checks (the heads standing in for the update, whose size is checked
+  // below), then the partial state's own arrays against every input.
+  expect_state(op, "heads", "lse", "entropy", output.heads, output.lse, output.entropy);
+  AttentionOutput<T> stand_in;
+  stand_in.update = output.heads;
+  stand_in.lse = output.lse;
+  stand_in.entropy = output.entropy;
+  check_factored_arguments(input, layer, stand_in, op, Lengths::host);
+  check_fixed_frequencies(layer.rotary, op,
+                          "a partial state sees one block of keys, not the whole call's longest "
+                          "sequence that the dynamic frequencies depend on");
+  const PartialShape shape{input.batch, layer.heads, query_count(input), input.dim};
+  check_partial_shape(shape, op);
+  const StateSize state = state_size(shape);
+  const auto B = static_cast<std::size_t>(input.batch), N = static_cast<std::size_t>(input.tokens);
+  const auto Nq = static_cast<std::size_t>(shape.query_tokens);
+  const auto d = static_cast<std::size_t>(input.dim), H = static_cast<std::size_t>(layer.heads);
+  const auto K = static_cast<std::size_t>(layer.key_heads());
+  const auto r = static_cast<std::size_t>(layer.rank);
+  const Rotary& rotary = layer.rotary;
+  const MemoryRange ranges[] = {
+      range("cloud", input.cloud, B * N * d, false),
+      range("queries", input.queries, B * Nq * d, false),
+      range("query_factor", layer.query_factor, H * r * d, false),
+      range("key_factor", layer.key_factor, K * r * d, false),
+      range("content_up", layer.content_up, H * d * r, false),
+      range("content_down", layer.content_down, K * r * d, false),
+      range("rotary.inverse_frequencies", rotary.inverse_frequencies,
+            static_cast<std::size_t>(rotary.dim / 2), false),
+      range("rotary.key_positions", rotary.key_positions, B * N, false),
+      range("rotary.query_positions", rotary.query_positions, B * Nq, false),
+      range("key_bias", layer.key_bias, H * d, false),
+      range("offset", layer.offset, d, false),
+      range("key_lengths", input.key_lengths, B, false),
+      range("query_lengths", input.query_lengths, B, false),
+      range("query_positions", input.query_positions, B, false),
       range("heads", output.heads, state.values, true),
       range("lse", output.lse, state.rows, true),
       range("entropy", output.entropy, state.rows, true),
@@ -380,6 +437,8 @@ void check_precision(const ExecutionOptions& options, const char* op) {
                                   std::size_t, Lengths);                                           \
   template void check_partial<T>(const AttentionInput<T>&, const PartialOutput<T>&, const char*,   \
                                  const void*, std::size_t, Lengths);                               \
+  template void check_partial_factored<T>(const AttentionInput<T>&, const FactoredLayer<T>&,       \
+                                          const PartialOutput<T>&, const char*);                   \
   template void check_merge<T>(const PartialShape&, const PartialInput<T>&,                        \
                                const PartialOutput<T>&, const char*);                              \
   template void check_finish<T>(const PartialShape&, const PartialInput<T>&, const T*,             \

@@ -86,6 +86,14 @@ void check_partial(const AttentionInput<T>& input, const PartialOutput<T>& outpu
                    const char* operation, const void* workspace = nullptr,
                    std::size_t workspace_bytes = 0, Lengths lengths = Lengths::host);
 
+/// attend_partial's checks for a factored layer: check_factored (the heads standing in for the
+/// update), the three arrays of the state given, its shape (heads: the layer's), no array of the
+/// state sharing memory with an input or another array, and frequencies that do not depend on
+/// the call (check_fixed_frequencies).
+template <class T>
+void check_partial_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                            const PartialOutput<T>& output, const char* operation);
+
 /// merge_partial's checks: the shape, both states given (named "part.heads", "into.lse", ...),
 /// `into` sharing no memory with `part`.
 template <class T>

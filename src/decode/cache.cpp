@@ -18,6 +18,8 @@
 #include "core/backends.hpp"
 #include "core/check.hpp"
 #include "core/queries.hpp"
+#include "core/rotary.hpp"
+#include "core/validate.hpp"
 #include "cpu/engine.hpp"
 #include "cuda/decode_cache.hpp"
 #include "decode/keys.hpp"
@@ -122,6 +124,27 @@ void check_beta(double beta) {
   }
 }
 
+/// The grouping and the rotary embedding of a factored cache's layer: as attend_factored checks
+/// them, and positions that the cache's own rule gives (key j at position j, the queries at
+/// attend()'s query_position), with frequencies fixed for every length.
+template <class T>
+void check_rotary_cache(const FactoredLayer<T>& layer) {
+  detail::check_grouping_and_rotary(layer.heads, layer.rank, layer.kv_heads, layer.rotary, 1, 0, 0,
+                                    kOperation, detail::Lengths::host);
+  if (layer.rotary.key_positions != nullptr) {
+    detail::fail_argument(kOperation, "rotary.key_positions",
+                          "must be null: the cache rotates key j at position j, when it is "
+                          "appended");
+  }
+  if (layer.rotary.query_positions != nullptr) {
+    detail::fail_argument(kOperation, "rotary.query_positions",
+                          "must be null: attend() rotates its queries at query_position + i");
+  }
+  detail::check_fixed_frequencies(layer.rotary, kOperation,
+                                  "a cache rotates each key once, when it is appended, and the "
+                                  "dynamic frequencies change as the cloud grows");
+}
+
 /// The capacity (>= 0; >= 1 when the GPU is asked for by name) and the precision of the storage
 /// type (as ExecutionOptions::precision).
 template <class T>
@@ -204,6 +227,7 @@ BasicDecodeCache<T>::BasicDecodeCache(const FactoredLayer<T>& layer, std::int64_
       detail::checked_multiply(kOperation, "query_factor", layer.heads, layer.rank), dim);
   check_beta(beta);
   check_options<T>(options);
+  check_rotary_cache(layer);
   state_->dim = dim;
   state_->heads = layer.heads;
   state_->capacity = options.capacity;

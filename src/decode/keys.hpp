@@ -2,17 +2,24 @@
 // in double (BasicDecodeCache, include/emflow/decode.hpp, for double and for the factored form).
 //
 // Per head the store keeps what a later query needs of each token: its key k_j (the token itself
-// in the dense form, shared by every head; B_h x_j in the factored form), the key bias term
+// in the dense form, shared by every head; B_g x_j in the factored form), the key bias term
 // u_h^T x_j (factored form only: in the dense form the bias acts through the query), and its
-// value (F_h x_j dense, V_h x_j factored). A query is projected once per head (p = M_h^T q + u_h
+// value (F_h x_j dense, V_g x_j factored). A query is projected once per head (p = M_h^T q + u_h
 // dense, A_h q factored), scored against the keys it sees, and its weighted value mapped back to
 // the cloud's space (U_h in the factored form).
+//
+// The factored form holds one set of keys and values per kv head g (FactoredLayer::kv_heads),
+// read by the query heads h with h / (heads / kv_heads) = g; the key bias, which belongs to the
+// query head, one row per head. With rotary positions each key is rotated once, when it is
+// appended, at its position (key j at position j), and each query at its position in attend()
+// (docs/MATH.md §2.4): <R(p_i) A_h q, R(p_j) B_g x_j> is the score of attend_factored.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "core/queries.hpp"
+#include "core/rotary.hpp"
 #include "emflow/attention.hpp"
 #include "emflow/factored.hpp"
 
@@ -22,6 +29,7 @@ template <class T>
 class KeyStore {
  public:
   KeyStore(const LayerOperators<T>& layer, std::int64_t dim, double beta);
+  /// The layer validated (kv_heads, rotary); its explicit inverse frequencies are copied.
   KeyStore(const FactoredLayer<T>& layer, std::int64_t dim, double beta);
 
   std::int64_t size() const { return size_; }
@@ -38,22 +46,27 @@ class KeyStore {
               const AttentionOutput<T>& output, int threads) const;
 
  private:
-  struct Head {
+  struct Set {
     std::vector<T> keys;    // N x width (factored form only; the dense form reads tokens_)
-    std::vector<T> bias;    // N (factored form with a key bias)
     std::vector<T> values;  // N x width
   };
-  void project_query(const T* q, std::int64_t h, double* p) const;
+  /// The projected query of head h at `position` (rotated there in the factored form).
+  void project_query(const T* q, std::int64_t h, std::int64_t position, double* p) const;
+  /// The set of keys and values that head h reads.
+  const Set& set_of(std::int64_t h) const;
   const T* head_keys(std::int64_t h) const;
 
   bool factored_ = false;
   std::int64_t dim_ = 0, heads_ = 0, width_ = 0, size_ = 0;  // width: d dense, r factored
+  std::int64_t sets_ = 0;  // key and value sets: heads (dense), kv_heads (factored)
   double beta_ = 1.0;
-  // Dense: relevance M (H d d), content F (H d d). Factored: A (H r d), B (H r d), U (H d r),
-  // V (H r d). key_bias u (H d) and offset c (d) in both, empty when absent.
+  // Dense: relevance M (H d d), content F (H d d). Factored: A (H r d), B (K r d), U (H d r),
+  // V (K r d). key_bias u (H d) and offset c (d) in both, empty when absent.
   std::vector<T> query_map_, key_map_, up_map_, value_map_, key_bias_, offset_;
   std::vector<T> tokens_;  // dense form: N x d, the keys of every head
-  std::vector<Head> per_head_;
+  std::vector<Set> per_set_;
+  std::vector<std::vector<T>> bias_;  // factored form with a key bias: per head, N
+  RotaryCall rotary_;                 // the factored form's rotation (dim 0: none)
 };
 
 extern template class KeyStore<float>;

@@ -162,7 +162,8 @@ void reference_pass(const AttentionInput<T>& in, const AttentionOutput<T>& out,
 }  // namespace
 
 void reference_attend_factored(const AttentionInput<double>& in, const FactoredLayer<double>& f,
-                               const AttentionOutput<double>& out) {
+                               const AttentionOutput<double>& out,
+                               const PartialOutput<double>* partial) {
   const std::int64_t B = in.batch, N = in.tokens, d = in.dim, H = f.heads, r = f.rank;
   const std::int64_t Nq = query_count(in);
   const std::int64_t group = H / f.key_heads();  // query head h reads kv head h / group
@@ -194,6 +195,8 @@ void reference_attend_factored(const AttentionInput<double>& in, const FactoredL
     const QueryRule rule = query_rule(in, b);
     std::fill(delta.begin(), delta.end(), 0.0);
     for (std::int64_t h = 0; h < H; ++h) {
+      // A partial state keeps each head apart; the update sums them as it goes.
+      if (partial != nullptr) std::fill(delta.begin(), delta.end(), 0.0);
       const double* A = f.query_factor + h * r * d;
       const double* Bk = f.key_factor + (h / group) * r * d;
       const double* U = f.content_up + h * d * r;
@@ -240,13 +243,20 @@ void reference_attend_factored(const AttentionInput<double>& in, const FactoredL
         }
         const std::int64_t row = (b * H + h) * Nq + i;
         double* weights_row = out.weights ? out.weights + row * N : nullptr;
+        double* o = delta.data() + i * d;
         double lse = -inf, entropy = 0.0;
-        weigh_row(s, m, visible, C.data(), N, d, false, weights_row, delta.data() + i * d, lse,
-                  entropy);
+        weigh_row(s, m, visible, C.data(), N, d, partial != nullptr, weights_row, o, lse, entropy);
+        if (partial != nullptr) {
+          partial->lse[row] = lse;
+          partial->entropy[row] = entropy;
+          std::copy(o, o + d, partial->heads + row * d);
+          continue;
+        }
         if (out.lse) out.lse[row] = lse;
         if (out.entropy) out.entropy[row] = entropy;
       }
     }
+    if (partial != nullptr) continue;
     double* D = out.update + b * Nq * d;
     for (std::int64_t i = 0; i < Nq; ++i) {
       const bool any_key = !rule.keys(i).empty();

@@ -17,8 +17,9 @@
 // every query without a visible key must read exactly 0, -inf and 0.
 //
 // The decode cache is BasicDecodeCache<float> or <double> (the 16-bit types have none, which
-// route() says in tests/attention/entry_routes_test.cpp); the partial state has no factored form
-// and no stream-ordered 16-bit form (attend_partial_async is float or double), so those targets
+// route() says in tests/attention/entry_routes_test.cpp); the partial state of the factored form
+// is float or double and blocking only (attend_partial of a FactoredLayer), and the partial state
+// has no stream-ordered 16-bit form (attend_partial_async is float or double), so those targets
 // do not exist. Names read target_case: cuda_plan_factored_bf16_cross_B2_H2_N7_q5_d5_r3_causal_
 // lengths_bias_offset.
 #include <gtest/gtest.h>
@@ -476,6 +477,7 @@ emflow::Problem problem_of(const MatrixTarget& t, Arrays<T>& a, const Block<T>* 
                                    : describe(a.input, a.layer, a.output(), options);
     case Op::partial: {
       PartialOutput<T> out{};
+      if (t.form == Form::factored) return describe(first->input, a.layer, out, options);
       return describe(first->input, out, options);
     }
     case Op::decode:
@@ -516,8 +518,15 @@ void run_blocking(const MatrixTarget& t, const CrossProblem& p, Arrays<T>& a) {
       const std::int64_t half = p.tokens / 2;
       Block<T> first(a, p, 0, half), second(a, p, half, p.tokens - half);
       PartialArrays<T> into(p), part(p);
-      attend_partial(first.input, into.output(), options);
-      attend_partial(second.input, part.output(), options);
+      if (t.form == Form::factored) {
+        if constexpr (!is_16bit_v<T>) {
+          attend_partial(first.input, a.layer, into.output(), options);
+          attend_partial(second.input, a.layer, part.output(), options);
+        }
+      } else {
+        attend_partial(first.input, into.output(), options);
+        attend_partial(second.input, part.output(), options);
+      }
       if constexpr (is_16bit_v<T>) {
         ADD_FAILURE() << "attend_partial ran for 16-bit storage";
       } else {
@@ -527,7 +536,7 @@ void run_blocking(const MatrixTarget& t, const CrossProblem& p, Arrays<T>& a) {
                       into.output());
         finish_partial(shape,
                        PartialInput<T>{into.heads.data(), into.lse.data(), into.entropy.data()},
-                       a.input.layer.offset,
+                       t.form == Form::factored ? a.layer.offset : a.input.layer.offset,
                        AttentionOutput<T>{a.update.data(), a.lse.data(), a.entropy.data()});
       }
       return;
@@ -843,7 +852,12 @@ std::vector<MatrixTarget> all_matrix_targets() {
               storage == Storage::f64 || storage == Storage::f32 || storage == Storage::tf32;
           for (Op op : {Op::self, Op::cross, Op::partial, Op::decode}) {
             if (op == Op::decode && (!wide || entry != Entry::blocking)) continue;
-            if (op == Op::partial && form == Form::factored) continue;
+            // The factored form's partial state: attend_partial of a FactoredLayer, float and
+            // double, blocking (on the host; route() refuses it on cuda).
+            if (op == Op::partial && form == Form::factored &&
+                (!wide || entry != Entry::blocking)) {
+              continue;
+            }
             if (op == Op::partial && entry == Entry::async && !wide) continue;
             out.push_back({device, entry, form, storage, op});
           }

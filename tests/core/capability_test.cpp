@@ -394,6 +394,9 @@ TEST(Capability, AnEngineBuiltForMoreThanTheProcessorHasIsRefused) {
       EXPECT_NE(r.reason.find("EMFLOW_NATIVE=OFF"), std::string::npos) << r.reason;
     }
   }
+  Problem cache = dense(Dtype::float64);
+  cache.operation = Operation::decode;
+  EXPECT_FALSE(route(cache, Device::cpu, m, "DecodeCache").supported);
   const Route f64 = route(dense(Dtype::float64), Device::cpu, m, "attend");
   EXPECT_TRUE(f64.supported) << f64.reason;
   EXPECT_EQ(f64.kernel, Kernel::reference);

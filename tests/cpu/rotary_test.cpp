@@ -600,11 +600,22 @@ TEST(RotaryRoutes, HostPathsComputeAndTheGpuRefusesByName) {
   problem.storage = Dtype::float32;
   problem.finite = false;
   EXPECT_FALSE(route(problem, Device::cpu, with_gpu()).expanded);
-  // Only the update computes them: a decode cache of such a layer is refused.
-  problem.operation = Operation::decode;
-  const Route decode = route(problem, Device::cpu, with_gpu(), "DecodeCache");
-  EXPECT_FALSE(decode.supported);
-  EXPECT_NE(decode.reason.find("not by a decode cache"), std::string::npos) << decode.reason;
+  // The decode cache and the partial state compute them on the host, in the factored form in
+  // double; the GPU refuses them by name.
+  for (const Operation operation : {Operation::decode, Operation::partial}) {
+    problem.operation = operation;
+    const Route host = route(problem, Device::cpu, with_gpu(), "DecodeCache");
+    EXPECT_TRUE(host.supported) << host.reason;
+    EXPECT_EQ(host.kernel, Kernel::reference);
+    EXPECT_EQ(host.computes, Dtype::float64);
+    EXPECT_FALSE(host.expanded);
+    EXPECT_EQ(route(problem, Device::automatic, with_gpu()).device, Device::cpu);
+    const Route device = route(problem, Device::cuda, with_gpu(), "DecodeCache");
+    EXPECT_FALSE(device.supported);
+    EXPECT_NE(device.reason.find("rotary positions (rotary.dim 4)"), std::string::npos)
+        << device.reason;
+  }
+  problem.operation = Operation::update;
 
   // The entry points: each refuses with ErrorCode::unsupported and the reason.
   try {
@@ -613,12 +624,22 @@ TEST(RotaryRoutes, HostPathsComputeAndTheGpuRefusesByName) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::unsupported);
   }
-  try {
+  {
+    // The decode cache of the rotary, grouped layer: the first cloud token by token equals the
+    // one-pass causal update of that cloud.
     DecodeCache cache(layer, p.dim, 1.0);
-    FAIL() << "a decode cache accepted a rotary layer";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::unsupported);
-    EXPECT_NE(std::string(e.what()).find("rotary positions"), std::string::npos) << e.what();
+    AttentionInput<float> one = in;
+    one.batch = 1;
+    one.mask = Mask::causal();
+    std::vector<float> want(static_cast<std::size_t>(p.tokens * p.dim)), got(want.size());
+    attend_factored(one, layer, AttentionOutput<float>{want.data()}, {Device::cpu});
+    for (std::int64_t t = 0; t < p.tokens; ++t) {
+      cache.append(x.data() + t * p.dim, 1);
+      cache.attend(x.data() + t * p.dim, 1, Mask::causal(),
+                   AttentionOutput<float>{got.data() + t * p.dim});
+    }
+    EXPECT_LT(testing::relative_error(got, want), 1e-6);
+    EXPECT_GT(testing::relative_error(got, std::vector<float>(got.size(), 0.0f)), 0.1);
   }
   std::vector<float> d_update(x.size(), 1.0f), d_x(x.size());
   UpstreamGradients<float> upstream;
