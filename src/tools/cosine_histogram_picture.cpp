@@ -93,7 +93,8 @@ std::string draw_cosine_histogram(const CosineHistogramPicture& pic) {
   cairo_set_line_width(cr, 1.0);
   cairo_rectangle(cr, f.left + 0.5, f.top + 0.5, f.width, f.height);
   cairo_stroke(cr);
-  for (double c = -1.0; c <= 1.0001; c += 0.25) {
+  for (int tick = 0; tick <= 8; ++tick) {
+    const double c = -1.0 + 0.25 * tick;
     const double x = std::round(f.px(c)) + 0.5;
     cairo_move_to(cr, x, f.top + f.height);
     cairo_line_to(cr, x, f.top + f.height + 4);
