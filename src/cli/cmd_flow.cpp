@@ -296,7 +296,13 @@ their observables; outputs are written only when the whole run succeeds.)");
                           "--model output: each layer's attention output (.npy), (L, B, N, d)"),
       command->add_option("--logits", args->model.logits,
                           "--model output: the next-token logits of each cloud's last real "
-                          "token (.npy), (B, vocab): the final norm and the unembedding (llama)")};
+                          "token (.npy), (B, vocab): the final norm and the unembedding (llama)"),
+      command->add_option("--cosine-histogram", args->model.cosine_histogram,
+                          "--model output: picture (.png) of the histogram of cloud 0's "
+                          "pairwise cosines after every layer (layer x cosine bin)"),
+      command->add_option("--cosine-counts", args->model.cosine_counts,
+                          "--model output: the histogram's counts (.npy, int64), (L + 1, B, 40): "
+                          "pairs i < j of real tokens per cosine bin of width 0.05 over [-1, 1]")};
   model_only[2]->excludes(model_only[3]);
   for (CLI::Option* option : model_only) option->needs(model);
   for (const char* name : {"--tokens",

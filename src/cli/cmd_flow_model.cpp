@@ -3,6 +3,7 @@
 // Everything is read and checked and every output declared first; the outputs are written only
 // when the whole run succeeds, all or none.
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -15,6 +16,7 @@
 #include "emflow/io.hpp"
 #include "emflow/model.hpp"
 #include "flow_model.hpp"
+#include "tools/cloud_statistics.hpp"
 #include "tools/plot.hpp"
 
 namespace emflow::cli {
@@ -32,6 +34,24 @@ std::vector<std::string> read_labels(const std::string& path) {
   return labels;
 }
 
+// The mean cosine of the pairs i < j of the cloud's rows (tokens x dim).
+double mean_cosine(std::vector<double> cloud, std::int64_t tokens, std::int64_t dim) {
+  for (std::int64_t i = 0; i < tokens; ++i) {
+    double norm = 0;
+    for (std::int64_t a = 0; a < dim; ++a) norm += cloud[i * dim + a] * cloud[i * dim + a];
+    norm = norm > 0 ? std::sqrt(norm) : 1.0;
+    for (std::int64_t a = 0; a < dim; ++a) cloud[i * dim + a] /= norm;
+  }
+  double sum = 0;
+  std::int64_t pairs = 0;
+  for (std::int64_t i = 0; i < tokens; ++i) {
+    for (std::int64_t j = i + 1; j < tokens; ++j, ++pairs) {
+      for (std::int64_t a = 0; a < dim; ++a) sum += cloud[i * dim + a] * cloud[j * dim + a];
+    }
+  }
+  return pairs ? sum / static_cast<double>(pairs) : 1.0;
+}
+
 template <class T>
 void run(const ModelFlowArguments& args, Dtype dtype) {
   const ExecutionOptions options = execution_options(args.device, args.threads);
@@ -42,6 +62,10 @@ void run(const ModelFlowArguments& args, Dtype dtype) {
   if (!args.metrics.empty()) outputs.declare("--metrics", args.metrics);
   if (!args.plot.empty()) outputs.declare("--plot", args.plot);
   if (!args.logits.empty()) outputs.declare("--logits", args.logits);
+  if (!args.cosine_histogram.empty()) {
+    outputs.declare("--cosine-histogram", args.cosine_histogram);
+  }
+  if (!args.cosine_counts.empty()) outputs.declare("--cosine-counts", args.cosine_counts);
   // Every file the run reads is an input no output may replace: the cloud, the key lengths, the
   // labels and each file of the operator folder (its manifest and every file it lists).
   outputs.declare_input("--cloud", args.cloud);
@@ -107,6 +131,48 @@ void run(const ModelFlowArguments& args, Dtype dtype) {
   const model::ModelTrace<T> trace = model::run_model(m, cloud, lengths, settings, options);
   const std::int64_t L = m.layer_count();
 
+  // The measurements of the cloud the library's observables leave out, on each cloud's real
+  // tokens in double: the effective rank (--metrics, --plot) and the cosine histogram.
+  const auto real_tokens = [&](std::int64_t b) { return lengths.empty() ? N : lengths[b]; };
+  const auto record = [&](std::int64_t r, std::int64_t b) {
+    const T* from = trace.trajectory.data() + (r * B + b) * N * d;
+    return std::vector<double>(from, from + real_tokens(b) * d);
+  };
+  std::vector<double> ranks;  // (L + 1) * B, record r of cloud b at r * B + b
+  if (!args.metrics.empty() || !args.plot.empty()) {
+    for (std::int64_t r = 0; r <= L; ++r) {
+      for (std::int64_t b = 0; b < B; ++b) {
+        ranks.push_back(tools::effective_rank(record(r, b).data(), real_tokens(b), d));
+      }
+    }
+  }
+  if (!args.cosine_histogram.empty() || !args.cosine_counts.empty()) {
+    Tensor<std::int64_t> counts(Shape{L + 1, B, cosine_bins});
+    for (std::int64_t r = 0; r <= L; ++r) {
+      for (std::int64_t b = 0; b < B; ++b) {
+        const std::vector<std::int64_t> h =
+            tools::cosine_histogram(record(r, b).data(), real_tokens(b), d, cosine_bins);
+        std::copy(h.begin(), h.end(), counts.data() + (r * B + b) * cosine_bins);
+      }
+    }
+    if (!args.cosine_counts.empty()) outputs.stage_npy(args.cosine_counts, counts);
+    if (!args.cosine_histogram.empty()) {
+      tools::CosineHistogramPicture picture;
+      picture.records = L + 1;
+      picture.bins = cosine_bins;
+      for (std::int64_t r = 0; r <= L; ++r) {
+        const std::int64_t* from = counts.data() + r * B * cosine_bins;  // cloud 0
+        picture.counts.insert(picture.counts.end(), from, from + cosine_bins);
+        picture.mean_cosine.push_back(mean_cosine(record(r, 0), real_tokens(0), d));
+      }
+      std::ostringstream title;
+      title << m.model_type << ", " << L << " layers, "
+            << (args.attention_only ? "attention only" : "full layers") << ": pairwise cosines of "
+            << real_tokens(0) << " tokens";
+      picture.title = title.str();
+      outputs.stage_bytes(args.cosine_histogram, tools::draw_cosine_histogram(picture));
+    }
+  }
   if (!args.out.empty()) outputs.stage_npy(args.out, trace.trajectory);
   if (!args.attention_out.empty()) outputs.stage_npy(args.attention_out, trace.attention);
   // The greedy next token of each cloud, printed after the outputs are written.
@@ -127,13 +193,13 @@ void run(const ModelFlowArguments& args, Dtype dtype) {
     std::ostringstream csv;
     csv << std::setprecision(9)
         << "layer,cloud,min_inner,mean_inner,clustered_fraction,clusters,energy,entropy,"
-           "diameter\n";
+           "diameter,effective_rank\n";
     for (std::int64_t r = 0; r <= L; ++r) {
       for (std::int64_t b = 0; b < B; ++b) {
         const flow::Observables& o = trace.observables[static_cast<std::size_t>(r * B + b)];
         csv << r << ',' << b << ',' << o.min_inner << ',' << o.mean_inner << ','
             << o.clustered_fraction << ',' << o.clusters << ',' << o.energy << ',' << o.entropy
-            << ',' << o.diameter << '\n';
+            << ',' << o.diameter << ',' << ranks[static_cast<std::size_t>(r * B + b)] << '\n';
       }
     }
     outputs.stage_bytes(args.metrics, csv.str());
@@ -148,6 +214,7 @@ void run(const ModelFlowArguments& args, Dtype dtype) {
       picture.trajectory.insert(picture.trajectory.end(), from, from + picture.tokens * d);
       picture.entropy.push_back(trace.observables[static_cast<std::size_t>(r * B)].entropy);
       picture.clusters.push_back(trace.observables[static_cast<std::size_t>(r * B)].clusters);
+      picture.effective_rank.push_back(ranks[static_cast<std::size_t>(r * B)]);
     }
     picture.labels = labels;
     std::ostringstream title;

@@ -93,11 +93,17 @@ std::string draw_model_flow(const ModelPicture& pic) {
   for (std::size_t k = 0; k < u.size(); ++k)
     extent = std::max({extent, std::abs(u[k]), std::abs(v[k])});
 
-  const int columns = R <= 4 ? static_cast<int>(R) : static_cast<int>((R + 1) / 2);
-  const int rows = R <= 4 ? 1 : 2;
-  const double panel = 250, gap = 16, left = 24, top = 60;
+  // Up to four panels in one row, up to eight in two rows, else rows of eight smaller panels
+  // (a 30-layer model: four rows).
+  const int columns = R <= 4   ? static_cast<int>(R)
+                      : R <= 8 ? static_cast<int>((R + 1) / 2)
+                               : static_cast<int>(std::min<std::int64_t>(R, 8));
+  const int rows = static_cast<int>((R + columns - 1) / columns);
+  const double panel = R <= 8 ? 250 : 200, gap = 16, left = 24, top = 60;
   const int width = static_cast<int>(left + columns * (panel + gap) + 420);
-  const Canvas canvas(width, std::max(720, static_cast<int>(top + rows * (panel + 34) + 40)));
+  const int charts = pic.effective_rank.empty() ? 4 : 5;
+  const Canvas canvas(width, static_cast<int>(std::max(top + 20 + charts * 160.0 + 20,
+                                                       top + rows * (panel + 34) + 40)));
   cairo_t* cr = canvas.context();
   set_colour(cr, {0.1, 0.1, 0.1});
   text_at(cr, pic.title, 24, 16, 16, 0.0, 0.0, true);
@@ -132,13 +138,16 @@ std::string draw_model_flow(const ModelPicture& pic) {
   std::vector<double> clusters(pic.clusters.begin(), pic.clusters.end());
   std::vector<double> entropy(pic.entropy.begin(), pic.entropy.end());
   if (entropy.size() > 1) entropy.pop_back();  // the last record has no attention after it
-  const Series series[] = {{"mean pairwise cosine", mean_cos},
-                           {"min pairwise cosine", min_cos},
-                           {"clusters (cos > 1 - eps)", clusters},
-                           {"attention entropy (nats)", entropy}};
+  std::vector<Series> series = {{"mean pairwise cosine", mean_cos},
+                                {"min pairwise cosine", min_cos},
+                                {"clusters (cos > 1 - eps)", clusters}};
+  if (!pic.effective_rank.empty()) {
+    series.push_back({"effective rank of the directions", pic.effective_rank});
+  }
+  series.push_back({"attention entropy (nats)", entropy});
   const double cx = left + columns * (panel + gap) + 60;
-  for (int k = 0; k < 4; ++k) {
-    Frame box{cx, top + 20 + k * 160.0, 320, 96, 0, 1, 0, 1};
+  for (std::size_t k = 0; k < series.size(); ++k) {
+    Frame box{cx, top + 20 + static_cast<double>(k) * 160.0, 320, 96, 0, 1, 0, 1};
     draw_series(cr, box, series[k], k < 2);
   }
   return canvas.png();

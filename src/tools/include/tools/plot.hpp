@@ -34,14 +34,29 @@ struct ModelPicture {
   std::vector<std::string> labels;     ///< token strings (tokens), or empty
   std::vector<double> entropy;         ///< records: mean attention entropy of layer r (last: 0)
   std::vector<std::int64_t> clusters;  ///< records
+  std::vector<double> effective_rank;  ///< records (tools/cloud_statistics.hpp), or empty
   double cluster_eps = 1e-3;
   std::string title;
 };
 
 /// Left: the cloud after every layer in one fixed 2-D projection (the two principal directions
-/// of all the records' unit token directions, each record centred), tokens labelled. Right: per
-/// layer the mean and min pairwise cosine, the clusters and the attention entropy. PNG bytes.
+/// of all the records' unit token directions, each record centred), tokens labelled, in a grid
+/// of up to eight panels a row. Right: per layer the mean and min pairwise cosine, the clusters,
+/// the effective rank (when given) and the attention entropy. PNG bytes.
 std::string draw_model_flow(const ModelPicture& picture);
+
+/// What the histogram picture of a model's flow shows: one cloud's pairwise cosines per layer.
+struct CosineHistogramPicture {
+  std::int64_t records = 0, bins = 0;
+  std::vector<std::int64_t> counts;  ///< (records, bins): tools::cosine_histogram of record r
+  std::vector<double> mean_cosine;   ///< records: the mean pairwise cosine, marked on each row
+  std::string title;
+};
+
+/// A heat map, layer (rows, the input at the top) by cosine bin over [-1, 1] (columns): the
+/// fraction of the record's pairs in each bin, in viridis with a colour bar, and a mark at each
+/// row's mean cosine. PNG bytes.
+std::string draw_cosine_histogram(const CosineHistogramPicture& picture);
 
 /// The phase diagram: fraction of clustered pairs over (time, beta), with a colour bar.
 std::string draw_phase(const flow::PhaseDiagram& diagram, const std::string& title);
