@@ -101,7 +101,7 @@ Model load_gguf(const std::string& path) {
   if (!file.contains(arch_key)) {
     fail(ErrorCode::io, kOp, ": '", path, "': lacks the key '", arch_key, "'");
   }
-  const std::string arch = file.get_string(arch_key);
+  const std::string& arch = file.get_string(arch_key);
   if (arch != "llama") {
     fail(ErrorCode::unsupported, kOp, ": '", path, "': general.architecture '", arch,
          "' is not supported (emflow converts GGUF files of the llama architecture)");

@@ -307,8 +307,8 @@ TYPED_TEST(DecodeRotary, RefusesWhatItCannotComputeByName) {
   GroupedLayer<T> layer(6, 3, d, r);
   layer.rotary.dim = 8;
   const std::vector<std::int64_t> positions(4, 0);
-  const auto invalid = [](auto&& call, std::vector<std::string> fragments) {
-    return testing::throws_error(call, ErrorCode::invalid_argument, std::move(fragments));
+  const auto invalid = [](auto&& call, const std::vector<std::string>& fragments) {
+    return testing::throws_error(call, ErrorCode::invalid_argument, fragments);
   };
   FactoredLayer<T> f = layer.layer();
   f.kv_heads = 4;

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -137,10 +138,12 @@ std::vector<Rows> plain_run(const Model& m, Rows x) {
       key[i] = matvec(layer.attention.key, h);
       val[i] = matvec(layer.attention.value, h);
       if (layer.attention.query_bias.size() > 0) {
-        for (std::size_t c = 0; c < q[i].size(); ++c) q[i][c] += layer.attention.query_bias[c];
+        for (std::size_t c = 0; c < q[i].size(); ++c) {
+          q[i][c] += layer.attention.query_bias[static_cast<std::int64_t>(c)];
+        }
         for (std::size_t c = 0; c < key[i].size(); ++c) {
-          key[i][c] += layer.attention.key_bias[c];
-          val[i][c] += layer.attention.value_bias[c];
+          key[i][c] += layer.attention.key_bias[static_cast<std::int64_t>(c)];
+          val[i][c] += layer.attention.value_bias[static_cast<std::int64_t>(c)];
         }
       }
       for (std::int64_t hd = 0; hd < m.heads; ++hd) rotate(q[i].data() + hd * k, i, m);
@@ -152,11 +155,11 @@ std::vector<Rows> plain_run(const Model& m, Rows x) {
       for (std::int64_t hd = 0; hd < m.heads; ++hd) {
         const std::int64_t g = hd / group;
         std::vector<double> s(static_cast<std::size_t>(i + 1));
-        double top = -INFINITY, sum = 0;
+        double top = -std::numeric_limits<double>::infinity(), sum = 0;
         // Causal, and within the window: i - w < j.
         const std::int64_t first =
             m.sliding_window > 0 ? std::max<std::int64_t>(0, i - m.sliding_window + 1) : 0;
-        for (std::int64_t j = 0; j < first; ++j) s[j] = -INFINITY;
+        for (std::int64_t j = 0; j < first; ++j) s[j] = -std::numeric_limits<double>::infinity();
         for (std::int64_t j = first; j <= i; ++j) {
           double dot = 0;
           for (std::int64_t c = 0; c < k; ++c) dot += q[i][hd * k + c] * key[j][g * k + c];
