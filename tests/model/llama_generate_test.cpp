@@ -2,23 +2,28 @@
 // layer) against the whole grown sequence run again at every step through run_model and
 // next_token_logits: the same logits (within 1e-12 in double, 1e-4 in float) and the same ids,
 // with grouped kv heads, rotary positions, tied and untied unembeddings, Qwen2's q/k/v biases
-// and Mistral's sliding window, on a right-padded batch; and the refusals, naming the argument.
+// and Mistral's sliding window, on a right-padded batch; the refusals, naming the argument; and
+// emflow generate on the model's operator folder.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "common/cli.hpp"
 #include "common/files.hpp"
 #include "common/testing.hpp"
+#include "emflow/io.hpp"
 #include "emflow/model.hpp"
 
 namespace {
 
+namespace fs = std::filesystem;
 using emflow::Shape;
 using emflow::Tensor;
 using emflow::model::Layout;
@@ -200,6 +205,62 @@ TEST(LlamaGenerate, BadArgumentsAreRefusedNamingThem) {
   none.new_tokens = 0;
   message = refused(m, ids, {}, none);
   EXPECT_NE(message.find("'settings.new_tokens'"), std::string::npos) << message;
+}
+
+// emflow generate on the tiny model's operator folder: the ids the library gives, written all or
+// none; bad options refused naming them, leaving no output.
+class GenerateCli : public emflow::testing::CliFolder {
+ protected:
+  GenerateCli() : CliFolder("emflow_generate_cli") {}
+};
+
+TEST_F(GenerateCli, WritesTheLibrarysIdsAndLogitsAndRefusesBadOptions) {
+  const Model m = make_llama(false, false, 3);
+  emflow::model::write_operators(m, path("ops"));
+  const Tensor<std::int64_t> ids(Shape{2, 4}, {3, 14, 1, 27, 5, 22, 0, 0});
+  emflow::write_npy(path("ids.npy"), ids);
+  emflow::write_npy(path("lengths.npy"), Tensor<std::int64_t>(Shape{2}, {4, 2}));
+  const std::string common = "generate --model '" + path("ops") + "' --ids '" + path("ids.npy") +
+                             "' --lengths '" + path("lengths.npy") + "' --out '" + path("new.npy") +
+                             "'";
+  for (const char* precision : {"float32", "float64"}) {
+    const auto run = emflow(common + " --new 5 --precision " + precision + " --logits '" +
+                            path("logits.npy") + "'");
+    ASSERT_EQ(run.status, 0) << run.err;
+    emflow::model::GenerateSettings settings;
+    settings.new_tokens = 5;
+    const Model back = emflow::model::read_operators(path("ops"));
+    const auto want = std::string(precision) == "float32"
+                          ? emflow::model::generate_greedy<float>(back, ids, {4, 2}, settings).ids
+                          : emflow::model::generate_greedy<double>(back, ids, {4, 2}, settings).ids;
+    EXPECT_EQ(emflow::read_npy<std::int64_t>(path("new.npy")).values(), want.values()) << precision;
+    EXPECT_EQ(emflow::read_npy<double>(path("logits.npy")).shape(), (Shape{2, 5, kVocab}));
+  }
+  fs::remove(path("new.npy"));
+  for (const auto& [option, arguments] : std::vector<std::pair<std::string, std::string>>{
+           {"--new", "--new 0"}, {"--precision", "--new 2 --precision float16"}}) {
+    const auto run = emflow(common + " " + arguments);
+    EXPECT_EQ(run.status, 1) << arguments;
+    EXPECT_NE(run.err.find(option), std::string::npos) << run.err;
+    EXPECT_FALSE(fs::exists(path("new.npy"))) << arguments;
+  }
+  const auto refused = [&](const std::string& option, const std::string& file,
+                           const Tensor<std::int64_t>& ids_file, const std::string& more) {
+    emflow::write_npy(path(file), ids_file);
+    const auto run = emflow("generate --model '" + path("ops") + "' --ids '" + path(file) +
+                            "' --new 1 --out '" + path("new.npy") + "'" + more);
+    EXPECT_EQ(run.status, 1) << file;
+    EXPECT_NE(run.err.find(option), std::string::npos) << run.err;
+    EXPECT_FALSE(fs::exists(path("new.npy"))) << file;
+    return run.err;
+  };
+  EXPECT_NE(refused("--ids", "vocab.npy", Tensor<std::int64_t>(Shape{1, 2}, {1, kVocab}), "")
+                .find(std::to_string(kVocab)),
+            std::string::npos);
+  refused("--ids", "rank3.npy", Tensor<std::int64_t>(Shape{1, 2, 1}, {1, 2}), "");
+  emflow::write_npy(path("zero.npy"), Tensor<std::int64_t>(Shape{1}, {0}));
+  refused("--lengths", "one.npy", Tensor<std::int64_t>(Shape{1, 2}, {1, 2}),
+          " --lengths '" + path("zero.npy") + "'");
 }
 
 }  // namespace
