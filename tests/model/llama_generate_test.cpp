@@ -95,7 +95,8 @@ std::vector<T> rerun_logits(const Model& m, const std::vector<std::int64_t>& seq
   Tensor<T> cloud(Shape{1, n, kDim});
   for (std::int64_t i = 0; i < n; ++i)
     for (std::int64_t a = 0; a < kDim; ++a)
-      cloud[i * kDim + a] = static_cast<T>(m.embedding[sequence[i] * kDim + a]);
+      cloud[i * kDim + a] =
+          static_cast<T>(m.embedding[sequence[static_cast<std::size_t>(i)] * kDim + a]);
   emflow::model::RunSettings settings;
   settings.factored = true;
   const auto trace = emflow::model::run_model(m, cloud, {}, settings);
@@ -137,14 +138,15 @@ TYPED_TEST(LlamaGenerate, EqualsRerunningTheGrownSequenceAtEveryStep) {
     EXPECT_EQ(g.prefill_seconds.size(), static_cast<std::size_t>(B));
     EXPECT_EQ(g.step_seconds.size(), static_cast<std::size_t>(B * K));
     for (std::int64_t b = 0; b < B; ++b) {
-      std::vector<std::int64_t> sequence(ids.data() + b * N, ids.data() + b * N + lengths[b]);
+      std::vector<std::int64_t> sequence(ids.data() + b * N,
+                                         ids.data() + b * N + lengths[static_cast<std::size_t>(b)]);
       for (std::int64_t k = 0; k < K; ++k) {
         const std::vector<T> want = rerun_logits<T>(m, sequence);
         double scale = 0, worst = 0;
         for (std::int64_t t = 0; t < kVocab; ++t) {
-          scale = std::max(scale, std::abs(static_cast<double>(want[t])));
+          scale = std::max(scale, std::abs(static_cast<double>(want[static_cast<std::size_t>(t)])));
           worst = std::max(worst, std::abs(static_cast<double>(g.logits[(b * K + k) * kVocab + t]) -
-                                           static_cast<double>(want[t])));
+                                           static_cast<double>(want[static_cast<std::size_t>(t)])));
         }
         EXPECT_LT(worst, tol * scale) << "prompt " << b << " step " << k << " tied " << v.tied
                                       << " biases " << v.biases << " window " << v.window;
