@@ -24,7 +24,8 @@
 //
 // write_operators writes the converted model as an operator folder (one .npy per operator and
 // manifest.json) all or nothing; read_operators reads it back; run_model runs its layers on a
-// batch of token clouds through emflow::attend.
+// batch of token clouds through emflow::attend; generate_greedy decodes a llama model greedily
+// token by token with one decode cache per layer.
 //
 // Errors are emflow::Error: ErrorCode::io for unreadable or malformed files (naming the file
 // and the tensor), ErrorCode::unsupported for a model this conversion cannot represent,
@@ -247,5 +248,60 @@ extern template Tensor<float> next_token_logits<float>(const Model&, const Tenso
                                                        const std::vector<std::int64_t>&);
 extern template Tensor<double> next_token_logits<double>(const Model&, const Tensor<double>&,
                                                          const std::vector<std::int64_t>&);
+
+/// How generate_greedy runs.
+struct GenerateSettings {
+  std::int64_t new_tokens = 1;  ///< K >= 1: the tokens generated per prompt
+  bool keep_logits = false;     ///< record every step's logits (Generated::logits)
+  int threads = 0;              ///< CPU threads of each cache's attention (0: all), >= 0
+  /// Called after each prompt's prefill and each new token with (done, total), total =
+  /// B (K + 1); empty: none.
+  flow::Progress progress;
+};
+
+/// What generate_greedy returns.
+template <class T>
+struct Generated {
+  Tensor<std::int64_t> ids;  ///< (B, K): the new tokens of each prompt, in order
+  /// (B, K, vocab) with keep_logits (else empty): the logits of step k, whose argmax (the first
+  /// largest) is ids[b, k]
+  Tensor<T> logits;
+  std::vector<double> prefill_seconds;  ///< (B): each prompt through every layer
+  std::vector<double> step_seconds;     ///< (B, K): each new token (logits, argmax, layers)
+};
+
+/// Greedy decoding of a llama model (emflow::model::Layout::llama; any other layout is refused by
+/// name). For each prompt b of `ids` (B, N), its first L_b = lengths[b] tokens (lengths empty:
+/// N for all; right padding, whose ids are not read), in order and independently:
+///
+///  1. the prompt through every layer with one factored decode cache per layer (decode.hpp):
+///     x <- x + Attn(RMS_1(x)) where the layer's cache appends the normalised inputs RMS_1(x)
+///     (their projected keys rotated once at their positions 0.., only kv_heads sets of keys
+///     and values) and attends them causally (or under the model's sliding window), then
+///     x <- x + down(silu(gate(g)) * up(g)), g = RMS_2(x);
+///  2. K = settings.new_tokens times: the last token's final RMSNorm and unembedding
+///     (next_token_logits), the argmax as the next id, its embedding row through every layer
+///     against the caches (O(L (N + k) r) attention and O(L d I) feed-forward per token; the
+///     prompt is never run again).
+///
+/// The state is held in T (float or double); the caches compute each query in double, the norms,
+/// the feed-forward block and the logits accumulate in double. The result equals running the
+/// whole grown sequence through run_model (factored) and next_token_logits at every step, up to
+/// the rounding of the two attention paths. Throws emflow::Error (invalid_argument) naming
+/// 'model' (not llama, no layers, no embedding), 'ids' (shape, or an id of a real token outside
+/// [0, vocab)), 'lengths' (count, or a length outside [1, N]), 'settings.new_tokens' (< 1) or
+/// 'settings.threads'; ErrorCode::out_of_memory for logits that cannot fit; the decode cache's
+/// errors (e.g. the dynamic rotary scaling, unsupported).
+template <class T>
+Generated<T> generate_greedy(const Model& model, const Tensor<std::int64_t>& ids,
+                             const std::vector<std::int64_t>& lengths,
+                             const GenerateSettings& settings);
+
+extern template Generated<float> generate_greedy<float>(const Model&, const Tensor<std::int64_t>&,
+                                                        const std::vector<std::int64_t>&,
+                                                        const GenerateSettings&);
+extern template Generated<double> generate_greedy<double>(const Model&, const Tensor<std::int64_t>&,
+                                                          const std::vector<std::int64_t>&,
+                                                          const GenerateSettings&);
 
 }  // namespace emflow::model

@@ -7,11 +7,12 @@
 
 namespace emflow::cli {
 
-void add_attend_command(CLI::App& app);   // cmd_attend.cpp
-void add_demo_command(CLI::App& app);     // cmd_demo.cpp
-void add_bench_command(CLI::App& app);    // cmd_bench.cpp
-void add_flow_command(CLI::App& app);     // cmd_flow.cpp
-void add_phase_command(CLI::App& app);    // cmd_phase.cpp
-void add_convert_command(CLI::App& app);  // cmd_convert.cpp
+void add_attend_command(CLI::App& app);    // cmd_attend.cpp
+void add_demo_command(CLI::App& app);      // cmd_demo.cpp
+void add_bench_command(CLI::App& app);     // cmd_bench.cpp
+void add_flow_command(CLI::App& app);      // cmd_flow.cpp
+void add_phase_command(CLI::App& app);     // cmd_phase.cpp
+void add_convert_command(CLI::App& app);   // cmd_convert.cpp
+void add_generate_command(CLI::App& app);  // cmd_generate.cpp
 
 }  // namespace emflow::cli

@@ -28,6 +28,7 @@ int main(int argc, char** argv) try {
   emflow::cli::add_flow_command(app);
   emflow::cli::add_phase_command(app);
   emflow::cli::add_convert_command(app);
+  emflow::cli::add_generate_command(app);
   // Under --distributed an error every rank agreed on is reported once, by rank 0, and every
   // rank ends normally; any other error on one rank ends the whole job (MPI_Abort), since its
   // partners may be waiting for it.

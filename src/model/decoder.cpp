@@ -1,0 +1,219 @@
+// Greedy decoding of a llama model (emflow/model.hpp, generate_greedy): a Decoder holds one
+// factored decode cache per layer for one prompt, and moves tokens through the pre-norm layers
+// around them; the prompt once, then each new token against everything before it.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <utility>
+
+#include "core/check.hpp"
+#include "core/memory.hpp"
+#include "emflow/decode.hpp"
+#include "emflow/model.hpp"
+#include "llama_layers.hpp"
+
+namespace emflow::model {
+namespace {
+
+using detail::fail_argument;
+
+constexpr const char* kOp = "generate_greedy";
+
+// The layers of one llama model, decoding one cloud: per layer its factored cache (the factors
+// copied into it), which holds the layer's normalised inputs as rotated keys and values.
+// A Qwen2 layer (biases on q, k and v) runs in d + 1 with a last coordinate 1 (BiasedFactors).
+template <class T>
+class Decoder {
+ public:
+  Decoder(const Model& model, int threads) : model_(model), threads_(threads) {
+    const std::int64_t d = model.dim;
+    for (const ModelLayer& layer : model.layers) {
+      const bool biased = layer.attention.query_bias.size() > 0;
+      FactoredLayer<T> f;
+      f.heads = model.heads;
+      f.rank = model.head_dim;
+      f.kv_heads = model.key_heads();
+      f.rotary = model.rotary;
+      if (biased) {
+        const layers::BiasedFactors<T> factors(layer.attention, model.key_heads());
+        point(f, factors);
+        caches_.emplace_back(f, d + 1, 1.0, DecodeOptions{Device::cpu, 0, Precision::fp32});
+      } else {
+        const layers::Factors<T> factors(layer.attention, model.key_heads());
+        point(f, factors);
+        caches_.emplace_back(f, d, 1.0, DecodeOptions{Device::cpu, 0, Precision::fp32});
+      }
+      biased_.push_back(biased);
+    }
+    mask_ = model.sliding_window > 0 ? Mask::sliding_window(model.sliding_window) : Mask::causal();
+  }
+
+  // Moves `count` tokens (count x d, the cloud entering layer 0) through every layer, in place:
+  // on return they are the cloud after the last layer, before the final norm.
+  void forward(T* x, std::int64_t count) {
+    const std::int64_t d = model_.dim, n = count * d;
+    normed_.resize(static_cast<std::size_t>(n));
+    update_.resize(static_cast<std::size_t>(n));
+    for (std::size_t l = 0; l < caches_.size(); ++l) {
+      const ModelLayer& layer = model_.layers[l];
+      BasicDecodeCache<T>& cache = caches_[l];
+      std::copy(x, x + n, normed_.begin());
+      layers::rms_norm(normed_.data(), count, d, layer.norm1_gain, model_.norm_eps);
+      if (biased_[l]) {
+        lifted_.assign(static_cast<std::size_t>(count * (d + 1)), T(1));
+        lifted_update_.resize(lifted_.size());
+        for (std::int64_t r = 0; r < count; ++r) {
+          std::copy(normed_.begin() + r * d, normed_.begin() + (r + 1) * d,
+                    lifted_.begin() + r * (d + 1));
+        }
+        cache.append(lifted_.data(), count);
+        AttentionOutput<T> out;
+        out.update = lifted_update_.data();
+        cache.attend(lifted_.data(), count, mask_, out, kAlignToEnd, threads_);
+        for (std::int64_t r = 0; r < count; ++r)
+          for (std::int64_t a = 0; a < d; ++a)
+            x[r * d + a] += lifted_update_[static_cast<std::size_t>(r * (d + 1) + a)];
+      } else {
+        cache.append(normed_.data(), count);
+        AttentionOutput<T> out;
+        out.update = update_.data();
+        cache.attend(normed_.data(), count, mask_, out, kAlignToEnd, threads_);
+        for (std::int64_t k = 0; k < n; ++k) x[k] += update_[static_cast<std::size_t>(k)];
+      }
+      std::copy(x, x + n, normed_.begin());
+      layers::rms_norm(normed_.data(), count, d, layer.norm2_gain, model_.norm_eps);
+      layers::gated_feed_forward(layer, normed_.data(), update_.data(), count, d);
+      for (std::int64_t k = 0; k < n; ++k) x[k] += update_[static_cast<std::size_t>(k)];
+    }
+  }
+
+  void clear() noexcept {
+    for (BasicDecodeCache<T>& cache : caches_) cache.clear();
+  }
+
+ private:
+  template <class Factors>
+  static void point(FactoredLayer<T>& f, const Factors& factors) {
+    f.query_factor = factors.a.data();
+    f.key_factor = factors.b.data();
+    f.content_up = factors.up.data();
+    f.content_down = factors.down.data();
+  }
+
+  const Model& model_;
+  int threads_;
+  std::vector<BasicDecodeCache<T>> caches_;
+  std::vector<bool> biased_;
+  Mask mask_ = Mask::causal();
+  std::vector<T> normed_, update_, lifted_, lifted_update_;
+};
+
+}  // namespace
+
+template <class T>
+Generated<T> generate_greedy(const Model& model, const Tensor<std::int64_t>& ids,
+                             const std::vector<std::int64_t>& lengths,
+                             const GenerateSettings& settings) {
+  if (model.layout != Layout::llama) {
+    fail_argument(kOp, "model", "is of the ", to_string(model.layout),
+                  " layout; greedy generation needs the llama layout (a decoder with an "
+                  "embedding, causal rotary layers and an unembedding)");
+  }
+  if (model.layers.empty()) fail_argument(kOp, "model", "has no layers");
+  const std::int64_t V = model.vocab_size(), d = model.dim;
+  if (V < 1 || model.embedding.extent(1) != d || model.output_matrix().extent(1) != d) {
+    fail_argument(kOp, "model", "has no embedding (vocab, ", d,
+                  ") and unembedding to turn ids into tokens and back");
+  }
+  if (ids.rank() != 2 || ids.extent(0) < 1 || ids.extent(1) < 1) {
+    fail_argument(kOp, "ids", "has shape ", emflow::to_string(ids.shape()),
+                  ", expected (B, N) with B, N >= 1 (token ids, prompts right-padded)");
+  }
+  const std::int64_t B = ids.extent(0), N = ids.extent(1), K = settings.new_tokens;
+  if (!lengths.empty() && static_cast<std::int64_t>(lengths.size()) != B) {
+    fail_argument(kOp, "lengths", "has ", lengths.size(), " entries, expected ", B,
+                  " (one per prompt of ids)");
+  }
+  const auto length_of = [&](std::int64_t b) {
+    return lengths.empty() ? N : lengths[static_cast<std::size_t>(b)];
+  };
+  for (std::int64_t b = 0; b < B; ++b) {
+    const std::int64_t n = length_of(b);
+    if (n < 1 || n > N) {
+      fail_argument(kOp, "lengths", "holds ", n, " for prompt ", b, ", expected 1..", N,
+                    " (N of ids)");
+    }
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t id = ids[b * N + i];
+      if (id < 0 || id >= V) {
+        fail_argument(kOp, "ids", "holds ", id, " at (", b, ", ", i, "), expected an id in [0, ", V,
+                      ") (the vocabulary of the model)");
+      }
+    }
+  }
+  if (K < 1) fail_argument(kOp, "settings.new_tokens", "must be >= 1, got ", K);
+  check_threads(settings.threads, kOp);
+  const std::int64_t logit_values =
+      settings.keep_logits ? detail::checked_product(kOp, "settings.new_tokens", Shape{B, K, V})
+                           : 0;
+  detail::expect_fits_in_memory(kOp, "the logits of every step (B K vocab values)", logit_values,
+                                sizeof(T));
+
+  Generated<T> g;
+  g.ids = Tensor<std::int64_t>(Shape{B, K});
+  if (settings.keep_logits) g.logits = Tensor<T>(Shape{B, K, V});
+  g.prefill_seconds.assign(static_cast<std::size_t>(B), 0.0);
+  g.step_seconds.assign(static_cast<std::size_t>(B * K), 0.0);
+  const Tensor<double>& embedding = model.embedding;
+  const auto embed = [&](std::int64_t id, T* row) {
+    for (std::int64_t a = 0; a < d; ++a) row[a] = static_cast<T>(embedding[id * d + a]);
+  };
+  using clock = std::chrono::steady_clock;
+  const auto seconds = [](clock::time_point start) {
+    return std::chrono::duration<double>(clock::now() - start).count();
+  };
+  Decoder<T> decoder(model, settings.threads);
+  std::int64_t done = 0;
+  const std::int64_t total = B * (K + 1);
+  for (std::int64_t b = 0; b < B; ++b) {
+    decoder.clear();
+    const std::int64_t n = length_of(b);
+    auto start = clock::now();
+    std::vector<T> x(static_cast<std::size_t>(n * d));
+    for (std::int64_t i = 0; i < n; ++i) embed(ids[b * N + i], x.data() + i * d);
+    decoder.forward(x.data(), n);
+    Tensor<T> last(Shape{1, 1, d}, std::vector<T>(x.end() - d, x.end()));
+    g.prefill_seconds[static_cast<std::size_t>(b)] = seconds(start);
+    if (settings.progress) settings.progress(++done, total);
+    for (std::int64_t k = 0; k < K; ++k) {
+      start = clock::now();
+      const Tensor<T> logits = next_token_logits(model, last, {});
+      const T* row = logits.data();
+      const std::int64_t at = std::max_element(row, row + V) - row;
+      for (std::int64_t t = 0; t < V; ++t) {
+        if (!std::isfinite(static_cast<double>(row[t]))) {
+          fail_argument(kOp, "model", "gives the non-finite logit ", row[t], " for id ", t,
+                        " at step ", k, " of prompt ", b, " (its weights or the prompt overflow)");
+        }
+      }
+      g.ids[b * K + k] = at;
+      if (settings.keep_logits) std::copy(row, row + V, g.logits.data() + (b * K + k) * V);
+      if (k + 1 < K) {  // the last new token need not move through the layers
+        embed(at, last.data());
+        decoder.forward(last.data(), 1);
+      }
+      g.step_seconds[static_cast<std::size_t>(b * K + k)] = seconds(start);
+      if (settings.progress) settings.progress(++done, total);
+    }
+  }
+  return g;
+}
+
+template Generated<float> generate_greedy<float>(const Model&, const Tensor<std::int64_t>&,
+                                                 const std::vector<std::int64_t>&,
+                                                 const GenerateSettings&);
+template Generated<double> generate_greedy<double>(const Model&, const Tensor<std::int64_t>&,
+                                                   const std::vector<std::int64_t>&,
+                                                   const GenerateSettings&);
+
+}  // namespace emflow::model

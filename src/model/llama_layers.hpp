@@ -1,0 +1,132 @@
+// The parts of a llama layer that run_model (run.cpp) and the greedy decoder (decoder.cpp)
+// share: the activations, RMSNorm, the gated feed-forward block and the factored form of a
+// layer's attention, all accumulating in double. Internal to src/model.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "emflow/model.hpp"
+
+namespace emflow::model::layers {
+
+inline double activate(Activation activation, double x) {
+  switch (activation) {
+    case Activation::gelu:
+      return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
+    case Activation::gelu_tanh: {
+      const double k = std::sqrt(2.0 / 3.14159265358979323846);
+      return 0.5 * x * (1.0 + std::tanh(k * (x + 0.044715 * x * x * x)));
+    }
+    case Activation::silu:
+      return x / (1.0 + std::exp(-x));
+    case Activation::relu:
+      break;
+  }
+  return x > 0 ? x : 0.0;
+}
+
+// llama's gated block: out_r = W_down (silu(W_gate x_r) * (W_up x_r)), accumulated in double.
+template <class T>
+void gated_feed_forward(const ModelLayer& layer, const T* in, T* out, std::int64_t rows,
+                        std::int64_t d) {
+  const std::int64_t I = layer.ffn_in.extent(0);
+  const double* w_gate = layer.ffn_gate.data();
+  const double* w_up = layer.ffn_in.data();
+  const double* w_down = layer.ffn_out.data();
+#pragma omp parallel for schedule(static) if (rows * d * I > (1 << 20))
+  for (std::int64_t r = 0; r < rows; ++r) {
+    std::vector<double> x(in + r * d, in + (r + 1) * d), hidden(static_cast<std::size_t>(I));
+    for (std::int64_t k = 0; k < I; ++k) {
+      double g = 0.0, u = 0.0;
+      const double* gate_row = w_gate + k * d;
+      const double* up_row = w_up + k * d;
+      for (std::int64_t a = 0; a < d; ++a) {
+        g += gate_row[a] * x[static_cast<std::size_t>(a)];
+        u += up_row[a] * x[static_cast<std::size_t>(a)];
+      }
+      hidden[static_cast<std::size_t>(k)] = activate(Activation::silu, g) * u;
+    }
+    for (std::int64_t a = 0; a < d; ++a) {
+      double s = 0.0;
+      const double* row = w_down + a * I;
+      for (std::int64_t k = 0; k < I; ++k) s += row[k] * hidden[static_cast<std::size_t>(k)];
+      out[r * d + a] = static_cast<T>(s);
+    }
+  }
+}
+
+// RMSNorm of every row in place: x gain / sqrt(mean(x^2) + eps), accumulated in double.
+template <class T>
+void rms_norm(T* x, std::int64_t rows, std::int64_t d, const Tensor<double>& gain, double eps) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    T* row = x + r * d;
+    double square = 0.0;
+    for (std::int64_t a = 0; a < d; ++a) square += static_cast<double>(row[a]) * row[a];
+    const double scale = 1.0 / std::sqrt(square / static_cast<double>(d) + eps);
+    for (std::int64_t a = 0; a < d; ++a) {
+      row[a] = static_cast<T>(gain[a] * (static_cast<double>(row[a]) * scale));
+    }
+  }
+}
+
+template <class T>
+std::vector<T> cast(const Tensor<double>& t) {
+  return std::vector<T>(t.values().begin(), t.values().end());
+}
+
+// The factored form of a layer's attention (emflow/factored.hpp), heads one after another.
+template <class T>
+struct Factors {
+  std::vector<T> a, b, up, down;
+
+  // kv_heads: the heads of W_K and W_V (0: heads).
+  explicit Factors(const MultiHeadAttentionWeights& w, std::int64_t kv_heads = 0) {
+    const std::int64_t H = w.heads, d = w.model_dim, k = w.head_dim, v = w.value_dim;
+    const std::int64_t K = kv_heads == 0 ? H : kv_heads;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(k));
+    for (std::int64_t i = 0; i < H * k * d; ++i) a.push_back(static_cast<T>(w.query[i] * scale));
+    for (std::int64_t i = 0; i < K * k * d; ++i) b.push_back(static_cast<T>(w.key[i]));
+    for (std::int64_t h = 0; h < H; ++h) {
+      for (std::int64_t r = 0; r < d; ++r)
+        for (std::int64_t c = 0; c < v; ++c)
+          up.push_back(static_cast<T>(w.output[r * H * v + h * v + c]));
+    }
+    for (std::int64_t i = 0; i < K * v * d; ++i) down.push_back(static_cast<T>(w.value[i]));
+  }
+};
+
+// The factored form of an attention with biases on q, k and v (Qwen2), in dimension d + 1: the
+// cloud gains a coordinate that is 1, A_h = [W_Q,h | b_Q,h] / sqrt(d_k), B_h = [W_K,h | b_K,h],
+// V_h = [W_V,h | b_V,h] and U_h = [W_O,h ; 0], so that A_h x' = (W_Q,h x + b_Q,h) / sqrt(d_k), the
+// rotary positions rotate the biased queries and keys as the framework does, and the update's
+// last coordinate is 0.
+template <class T>
+struct BiasedFactors {
+  std::vector<T> a, b, up, down;
+
+  BiasedFactors(const MultiHeadAttentionWeights& w, std::int64_t kv_heads) {
+    const std::int64_t H = w.heads, d = w.model_dim, k = w.head_dim, K = kv_heads;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(k));
+    auto rows = [&](std::vector<T>& out, const Tensor<double>& weight, const Tensor<double>& bias,
+                    std::int64_t count, double factor) {
+      for (std::int64_t r = 0; r < count; ++r) {
+        for (std::int64_t c = 0; c < d; ++c)
+          out.push_back(static_cast<T>(weight[r * d + c] * factor));
+        out.push_back(static_cast<T>(bias[r] * factor));
+      }
+    };
+    rows(a, w.query, w.query_bias, H * k, scale);
+    rows(b, w.key, w.key_bias, K * k, 1.0);
+    rows(down, w.value, w.value_bias, K * k, 1.0);
+    for (std::int64_t h = 0; h < H; ++h) {
+      for (std::int64_t r = 0; r < d; ++r)
+        for (std::int64_t c = 0; c < k; ++c)
+          up.push_back(static_cast<T>(w.output[r * H * k + h * k + c]));
+      for (std::int64_t c = 0; c < k; ++c) up.push_back(T(0));
+    }
+  }
+};
+
+}  // namespace emflow::model::layers

@@ -1,0 +1,268 @@
+// Greedy generation of a tiny random llama (emflow::model::generate_greedy, one decode cache per
+// layer) against the whole grown sequence run again at every step through run_model and
+// next_token_logits: the same logits (within 1e-12 in double, 1e-4 in float) and the same ids,
+// with grouped kv heads, rotary positions, tied and untied unembeddings, Qwen2's q/k/v biases
+// and Mistral's sliding window, on a right-padded batch; the refusals, naming the argument; and
+// emflow generate on the model's operator folder.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "common/cli.hpp"
+#include "common/files.hpp"
+#include "common/testing.hpp"
+#include "emflow/io.hpp"
+#include "emflow/model.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using emflow::Shape;
+using emflow::Tensor;
+using emflow::model::Layout;
+using emflow::model::Model;
+using emflow::model::ModelLayer;
+
+constexpr std::int64_t kDim = 16, kHeads = 4, kKv = 2, kHead = 4, kFfn = 24, kLayers = 2,
+                       kVocab = 29;
+
+// A random tensor whose values are float32 values (so a float32 folder or a GGUF F32 holds them
+// exactly).
+Tensor<double> weights(const Shape& shape, std::uint64_t seed, double scale) {
+  Tensor<double> t = emflow::testing::random_tensor(shape, seed, -scale, scale);
+  for (double& v : t.values()) v = static_cast<float>(v);
+  return t;
+}
+
+// tied: no unembedding of its own; biases: Qwen2's on q, k and v; window: Mistral's (0: none).
+Model make_llama(bool tied, bool biases = false, std::int64_t window = 0) {
+  Model m;
+  m.layout = Layout::llama;
+  m.model_type = "llama";
+  m.heads = kHeads;
+  m.kv_heads = kKv;
+  m.dim = kDim;
+  m.head_dim = kHead;
+  m.ffn_dim = kFfn;
+  m.norm_eps = 1e-5;
+  m.pre_norm = true;
+  m.causal = true;
+  m.activation = emflow::model::Activation::silu;
+  m.rotary.dim = kHead;
+  m.rotary.base = 10000.0;
+  m.sliding_window = window;
+  std::uint64_t seed = 700;
+  const double s = 1.2 / std::sqrt(static_cast<double>(kDim));
+  for (std::int64_t l = 0; l < kLayers; ++l) {
+    ModelLayer layer;
+    auto& w = layer.attention;
+    w.heads = kHeads;
+    w.model_dim = kDim;
+    w.head_dim = w.value_dim = kHead;
+    w.query = weights({kHeads * kHead, kDim}, seed++, 3 * s);
+    w.key = weights({kKv * kHead, kDim}, seed++, 3 * s);
+    w.value = weights({kKv * kHead, kDim}, seed++, s);
+    w.output = weights({kDim, kHeads * kHead}, seed++, s);
+    if (biases) {
+      w.query_bias = weights({kHeads * kHead}, seed++, 0.5);
+      w.key_bias = weights({kKv * kHead}, seed++, 0.5);
+      w.value_bias = weights({kKv * kHead}, seed++, 0.5);
+    }
+    layer.norm1_gain = weights({kDim}, seed++, 1.5);
+    layer.norm2_gain = weights({kDim}, seed++, 1.5);
+    layer.ffn_gate = weights({kFfn, kDim}, seed++, s);
+    layer.ffn_in = weights({kFfn, kDim}, seed++, s);
+    layer.ffn_out = weights({kDim, kFfn}, seed++, s);
+    m.layers.push_back(std::move(layer));
+  }
+  m.final_gain = weights({kDim}, seed++, 1.5);
+  m.embedding = weights({kVocab, kDim}, seed++, 1.0);
+  if (!tied) m.unembedding = weights({kVocab, kDim}, seed++, 1.0);
+  return m;
+}
+
+// The logits of the next token after `sequence`, the whole sequence run through every layer.
+template <class T>
+std::vector<T> rerun_logits(const Model& m, const std::vector<std::int64_t>& sequence) {
+  const auto n = static_cast<std::int64_t>(sequence.size());
+  Tensor<T> cloud(Shape{1, n, kDim});
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t a = 0; a < kDim; ++a)
+      cloud[i * kDim + a] =
+          static_cast<T>(m.embedding[sequence[static_cast<std::size_t>(i)] * kDim + a]);
+  emflow::model::RunSettings settings;
+  settings.factored = true;
+  const auto trace = emflow::model::run_model(m, cloud, {}, settings);
+  const Tensor<T> last(Shape{1, n, kDim}, std::vector<T>(trace.trajectory.values().end() - n * kDim,
+                                                         trace.trajectory.values().end()));
+  return emflow::model::next_token_logits(m, last, {}).values();
+}
+
+template <class T>
+class LlamaGenerate : public ::testing::Test {};
+TYPED_TEST_SUITE(LlamaGenerate, emflow::testing::FloatTypes);
+
+TYPED_TEST(LlamaGenerate, EqualsRerunningTheGrownSequenceAtEveryStep) {
+  using T = TypeParam;
+  struct Variant {
+    bool tied, biases;
+    std::int64_t window;
+  };
+  const double tol = std::is_same<T, double>::value ? 1e-12 : 1e-4;
+  for (const Variant v : {Variant{true, false, 0}, Variant{false, false, 0}, Variant{true, true, 0},
+                          Variant{false, false, 3}}) {
+    const Model m = make_llama(v.tied, v.biases, v.window);
+    const std::int64_t B = 3, N = 5, K = 7;
+    const Tensor<std::int64_t> ids(Shape{B, N},
+                                   {3, 14, 1, 27, 8, 5, 22, 9, -1, -1, 17, -1, -1, -1, -1});
+    const std::vector<std::int64_t> lengths{5, 3, 1};
+    emflow::model::GenerateSettings settings;
+    settings.new_tokens = K;
+    settings.keep_logits = true;
+    std::int64_t calls = 0;
+    settings.progress = [&](std::int64_t done, std::int64_t total) {
+      EXPECT_EQ(done, ++calls);
+      EXPECT_EQ(total, B * (K + 1));
+    };
+    const auto g = emflow::model::generate_greedy<T>(m, ids, lengths, settings);
+    ASSERT_EQ(g.ids.shape(), (Shape{B, K}));
+    ASSERT_EQ(g.logits.shape(), (Shape{B, K, kVocab}));
+    EXPECT_EQ(calls, B * (K + 1));
+    EXPECT_EQ(g.prefill_seconds.size(), static_cast<std::size_t>(B));
+    EXPECT_EQ(g.step_seconds.size(), static_cast<std::size_t>(B * K));
+    for (std::int64_t b = 0; b < B; ++b) {
+      std::vector<std::int64_t> sequence(ids.data() + b * N,
+                                         ids.data() + b * N + lengths[static_cast<std::size_t>(b)]);
+      for (std::int64_t k = 0; k < K; ++k) {
+        const std::vector<T> want = rerun_logits<T>(m, sequence);
+        double scale = 0, worst = 0;
+        for (std::int64_t t = 0; t < kVocab; ++t) {
+          scale = std::max(scale, std::abs(static_cast<double>(want[static_cast<std::size_t>(t)])));
+          worst = std::max(worst, std::abs(static_cast<double>(g.logits[(b * K + k) * kVocab + t]) -
+                                           static_cast<double>(want[static_cast<std::size_t>(t)])));
+        }
+        EXPECT_LT(worst, tol * scale) << "prompt " << b << " step " << k << " tied " << v.tied
+                                      << " biases " << v.biases << " window " << v.window;
+        const std::int64_t next = std::max_element(want.begin(), want.end()) - want.begin();
+        EXPECT_EQ(g.ids[b * K + k], next) << "prompt " << b << " step " << k;
+        sequence.push_back(g.ids[b * K + k]);
+      }
+    }
+  }
+}
+
+TEST(LlamaGenerate, TheLogitsAreKeptOnlyWhenAsked) {
+  const Model m = make_llama(true);
+  emflow::model::GenerateSettings settings;
+  settings.new_tokens = 2;
+  const auto g = emflow::model::generate_greedy<double>(
+      m, Tensor<std::int64_t>(Shape{1, 2}, {1, 2}), {}, settings);
+  EXPECT_EQ(g.ids.shape(), (Shape{1, 2}));
+  EXPECT_EQ(g.logits.size(), 0);
+}
+
+TEST(LlamaGenerate, BadArgumentsAreRefusedNamingThem) {
+  const Model m = make_llama(true);
+  const Tensor<std::int64_t> ids(Shape{2, 3}, {1, 2, 3, 4, 5, 6});
+  emflow::model::GenerateSettings settings;
+  settings.new_tokens = 2;
+  const auto refused = [&](const Model& model, const Tensor<std::int64_t>& x,
+                           const std::vector<std::int64_t>& lengths,
+                           const emflow::model::GenerateSettings& s) {
+    return emflow::testing::error_of(emflow::ErrorCode::invalid_argument, [&] {
+      emflow::model::generate_greedy<float>(model, x, lengths, s);
+    });
+  };
+  Model bert = m;
+  bert.layout = Layout::bert;
+  std::string message = refused(bert, ids, {}, settings);
+  EXPECT_NE(message.find("'model'"), std::string::npos) << message;
+  EXPECT_NE(message.find("bert"), std::string::npos) << message;
+  Model no_embedding = m;
+  no_embedding.embedding = Tensor<double>();
+  message = refused(no_embedding, ids, {}, settings);
+  EXPECT_NE(message.find("'model'"), std::string::npos) << message;
+  message = refused(m, Tensor<std::int64_t>(Shape{2, 3}, {1, 2, 3, 4, kVocab, 6}), {}, settings);
+  EXPECT_NE(message.find("'ids'"), std::string::npos) << message;
+  EXPECT_NE(message.find(std::to_string(kVocab)), std::string::npos) << message;
+  message = refused(m, Tensor<std::int64_t>(Shape{6}, {1, 2, 3, 4, 5, 6}), {}, settings);
+  EXPECT_NE(message.find("'ids'"), std::string::npos) << message;
+  message = refused(m, ids, {3}, settings);
+  EXPECT_NE(message.find("'lengths'"), std::string::npos) << message;
+  message = refused(m, ids, {3, 0}, settings);
+  EXPECT_NE(message.find("'lengths'"), std::string::npos) << message;
+  message = refused(m, ids, {3, 4}, settings);
+  EXPECT_NE(message.find("'lengths'"), std::string::npos) << message;
+  // Padding is not read: an out-of-range id beyond a prompt's length is accepted.
+  EXPECT_NO_THROW(emflow::model::generate_greedy<float>(
+      m, Tensor<std::int64_t>(Shape{2, 3}, {1, 2, -1, 4, 5, 6}), {2, 3}, settings));
+  emflow::model::GenerateSettings none = settings;
+  none.new_tokens = 0;
+  message = refused(m, ids, {}, none);
+  EXPECT_NE(message.find("'settings.new_tokens'"), std::string::npos) << message;
+}
+
+// emflow generate on the tiny model's operator folder: the ids the library gives, written all or
+// none; bad options refused naming them, leaving no output.
+class GenerateCli : public emflow::testing::CliFolder {
+ protected:
+  GenerateCli() : CliFolder("emflow_generate_cli") {}
+};
+
+TEST_F(GenerateCli, WritesTheLibrarysIdsAndLogitsAndRefusesBadOptions) {
+  const Model m = make_llama(false, false, 3);
+  emflow::model::write_operators(m, path("ops"));
+  const Tensor<std::int64_t> ids(Shape{2, 4}, {3, 14, 1, 27, 5, 22, 0, 0});
+  emflow::write_npy(path("ids.npy"), ids);
+  emflow::write_npy(path("lengths.npy"), Tensor<std::int64_t>(Shape{2}, {4, 2}));
+  const std::string common = "generate --model '" + path("ops") + "' --ids '" + path("ids.npy") +
+                             "' --lengths '" + path("lengths.npy") + "' --out '" + path("new.npy") +
+                             "'";
+  for (const char* precision : {"float32", "float64"}) {
+    const auto run = emflow(common + " --new 5 --precision " + precision + " --logits '" +
+                            path("logits.npy") + "'");
+    ASSERT_EQ(run.status, 0) << run.err;
+    emflow::model::GenerateSettings settings;
+    settings.new_tokens = 5;
+    const Model back = emflow::model::read_operators(path("ops"));
+    const auto want = std::string(precision) == "float32"
+                          ? emflow::model::generate_greedy<float>(back, ids, {4, 2}, settings).ids
+                          : emflow::model::generate_greedy<double>(back, ids, {4, 2}, settings).ids;
+    EXPECT_EQ(emflow::read_npy<std::int64_t>(path("new.npy")).values(), want.values()) << precision;
+    EXPECT_EQ(emflow::read_npy<double>(path("logits.npy")).shape(), (Shape{2, 5, kVocab}));
+  }
+  fs::remove(path("new.npy"));
+  for (const auto& [option, arguments] : std::vector<std::pair<std::string, std::string>>{
+           {"--new", "--new 0"}, {"--precision", "--new 2 --precision float16"}}) {
+    const auto run = emflow(common + " " + arguments);
+    EXPECT_EQ(run.status, 1) << arguments;
+    EXPECT_NE(run.err.find(option), std::string::npos) << run.err;
+    EXPECT_FALSE(fs::exists(path("new.npy"))) << arguments;
+  }
+  const auto refused = [&](const std::string& option, const std::string& file,
+                           const Tensor<std::int64_t>& ids_file, const std::string& more) {
+    emflow::write_npy(path(file), ids_file);
+    const auto run = emflow("generate --model '" + path("ops") + "' --ids '" + path(file) +
+                            "' --new 1 --out '" + path("new.npy") + "'" + more);
+    EXPECT_EQ(run.status, 1) << file;
+    EXPECT_NE(run.err.find(option), std::string::npos) << run.err;
+    EXPECT_FALSE(fs::exists(path("new.npy"))) << file;
+    return run.err;
+  };
+  EXPECT_NE(refused("--ids", "vocab.npy", Tensor<std::int64_t>(Shape{1, 2}, {1, kVocab}), "")
+                .find(std::to_string(kVocab)),
+            std::string::npos);
+  refused("--ids", "rank3.npy", Tensor<std::int64_t>(Shape{1, 2, 1}, {1, 2}), "");
+  emflow::write_npy(path("zero.npy"), Tensor<std::int64_t>(Shape{1}, {0}));
+  refused("--lengths", "one.npy", Tensor<std::int64_t>(Shape{1, 2}, {1, 2}),
+          " --lengths '" + path("zero.npy") + "'");
+}
+
+}  // namespace
