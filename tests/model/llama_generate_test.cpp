@@ -20,6 +20,7 @@
 #include "common/testing.hpp"
 #include "emflow/io.hpp"
 #include "emflow/model.hpp"
+#include "tiny_llama.hpp"
 
 namespace {
 
@@ -30,62 +31,17 @@ using emflow::model::Layout;
 using emflow::model::Model;
 using emflow::model::ModelLayer;
 
-constexpr std::int64_t kDim = 16, kHeads = 4, kKv = 2, kHead = 4, kFfn = 24, kLayers = 2,
-                       kVocab = 29;
+using emflow::testing::tiny_llama::kDim;
+using emflow::testing::tiny_llama::kFfn;
+using emflow::testing::tiny_llama::kHead;
+using emflow::testing::tiny_llama::kHeads;
+using emflow::testing::tiny_llama::kKv;
+using emflow::testing::tiny_llama::kLayers;
 
-// A random tensor whose values are float32 values (so a float32 folder or a GGUF F32 holds them
-// exactly).
-Tensor<double> weights(const Shape& shape, std::uint64_t seed, double scale) {
-  Tensor<double> t = emflow::testing::random_tensor(shape, seed, -scale, scale);
-  for (double& v : t.values()) v = static_cast<float>(v);
-  return t;
-}
+constexpr std::int64_t kVocab = 29;
 
-// tied: no unembedding of its own; biases: Qwen2's on q, k and v; window: Mistral's (0: none).
 Model make_llama(bool tied, bool biases = false, std::int64_t window = 0) {
-  Model m;
-  m.layout = Layout::llama;
-  m.model_type = "llama";
-  m.heads = kHeads;
-  m.kv_heads = kKv;
-  m.dim = kDim;
-  m.head_dim = kHead;
-  m.ffn_dim = kFfn;
-  m.norm_eps = 1e-5;
-  m.pre_norm = true;
-  m.causal = true;
-  m.activation = emflow::model::Activation::silu;
-  m.rotary.dim = kHead;
-  m.rotary.base = 10000.0;
-  m.sliding_window = window;
-  std::uint64_t seed = 700;
-  const double s = 1.2 / std::sqrt(static_cast<double>(kDim));
-  for (std::int64_t l = 0; l < kLayers; ++l) {
-    ModelLayer layer;
-    auto& w = layer.attention;
-    w.heads = kHeads;
-    w.model_dim = kDim;
-    w.head_dim = w.value_dim = kHead;
-    w.query = weights({kHeads * kHead, kDim}, seed++, 3 * s);
-    w.key = weights({kKv * kHead, kDim}, seed++, 3 * s);
-    w.value = weights({kKv * kHead, kDim}, seed++, s);
-    w.output = weights({kDim, kHeads * kHead}, seed++, s);
-    if (biases) {
-      w.query_bias = weights({kHeads * kHead}, seed++, 0.5);
-      w.key_bias = weights({kKv * kHead}, seed++, 0.5);
-      w.value_bias = weights({kKv * kHead}, seed++, 0.5);
-    }
-    layer.norm1_gain = weights({kDim}, seed++, 1.5);
-    layer.norm2_gain = weights({kDim}, seed++, 1.5);
-    layer.ffn_gate = weights({kFfn, kDim}, seed++, s);
-    layer.ffn_in = weights({kFfn, kDim}, seed++, s);
-    layer.ffn_out = weights({kDim, kFfn}, seed++, s);
-    m.layers.push_back(std::move(layer));
-  }
-  m.final_gain = weights({kDim}, seed++, 1.5);
-  m.embedding = weights({kVocab, kDim}, seed++, 1.0);
-  if (!tied) m.unembedding = weights({kVocab, kDim}, seed++, 1.0);
-  return m;
+  return emflow::testing::tiny_llama::random_llama(kVocab, tied, biases, window);
 }
 
 // The logits of the next token after `sequence`, the whole sequence run through every layer.
