@@ -432,16 +432,26 @@ Problem describe(const AttentionInput<T>& input, const AttentionOutput<T>& outpu
   return p;
 }
 
+namespace {
+
+// The factored layer's part of a Problem (the update's and the partial state's alike).
 template <class T>
-Problem describe(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
-                 const AttentionOutput<T>& output, const ExecutionOptions& options) {
-  Problem p = describe(input, output, options);
+void describe_factors(const FactoredLayer<T>& layer, Problem& p) {
   p.form = Form::factored;
   p.heads = layer.heads;
   p.rank = layer.rank;
   p.kv_heads = layer.key_heads();
   p.rotary_dim = layer.rotary.dim;
   p.key_bias = layer.key_bias != nullptr;
+}
+
+}  // namespace
+
+template <class T>
+Problem describe(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
+                 const AttentionOutput<T>& output, const ExecutionOptions& options) {
+  Problem p = describe(input, output, options);
+  describe_factors(layer, p);
   p.offset = layer.offset != nullptr;
   return p;
 }
@@ -461,12 +471,7 @@ template <class T>
 Problem describe(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
                  const PartialOutput<T>& output, const ExecutionOptions& options) {
   Problem p = describe(input, output, options);
-  p.form = Form::factored;
-  p.heads = layer.heads;
-  p.rank = layer.rank;
-  p.kv_heads = layer.key_heads();
-  p.rotary_dim = layer.rotary.dim;
-  p.key_bias = layer.key_bias != nullptr;
+  describe_factors(layer, p);  // the offset belongs to finish_partial
   return p;
 }
 
