@@ -171,6 +171,18 @@ inline Vec exp_nonpositive(Vec x) {
   return x < lowest ? Vec{} : result;
 }
 
+/// Makes the compiler hold v in a vector register from here on, so that the micro-kernel's FMAs
+/// read B from registers. Left alone, GCC folds each use of B into the FMA as a memory operand:
+/// then every k step of a 4 x 2 kernel issues 12 loads (4 broadcasts of A, 8 of B) for 8 FMAs,
+/// more than the load ports of an AVX2 core serve in the 4 cycles the FMAs take (Zen 3: 46 of
+/// 102 GFLOP/s in an L1-resident loop, 95 with B in registers; docs/PERF.md). The empty asm emits
+/// nothing. AVX-512 builds keep the compiler's choice: not yet measured there.
+inline void keep_in_register([[maybe_unused]] Vec& v) {
+#if defined(__SSE2__) && !defined(__AVX512F__)
+  asm("" : "+x"(v));
+#endif
+}
+
 /// Register-blocked micro-kernel: C[MR x NV*kLanes] (+)= A[MR x K] B[K x NV*kLanes].
 /// A is read one scalar at a time (broadcast), B one row of NV vectors at a time; the MR x NV
 /// accumulators stay in registers for the whole K loop, as in a GEMM micro-kernel.
@@ -189,7 +201,10 @@ inline void micro_kernel(std::int64_t K, const float* A, std::int64_t lda, const
     const float* b = B + k * ldb;
     Vec bk[NV];
 #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) bk[v] = load(b + v * kLanes);
+    for (int v = 0; v < NV; ++v) {
+      bk[v] = load(b + v * kLanes);
+      keep_in_register(bk[v]);
+    }
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const Vec a = splat(kTransposedA ? A[k * lda + r] : A[r * lda + k]);
