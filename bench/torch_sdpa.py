@@ -15,6 +15,15 @@ process CPU times, which a loaded machine disturbs less when both run on one thr
     python3 bench/torch_sdpa.py --emflow build/emflow --threads 2
     python3 bench/torch_sdpa.py --emflow build/emflow --tokens 1024 4096 8192 --dim 64 128
     python3 bench/torch_sdpa.py --emflow build/emflow --precision bf16 --mask causal
+
+With --backward both backward passes are timed as well: `emflow bench --backward` (the
+SDPA-shaped operator emflow::sdpa_attend and emflow::sdpa_backward on the same Q, K, V, scale 1,
+dQ, dK and dV from a random dO) beside torch's SDPA forward with autograd and its backward
+(`out.backward(dO)` alone timed, a fresh forward before each). Backward FLOP are 2.5 times the
+forward's (five products against two). The ratio line then has the backward's ratios and each
+library's backward over its own forward.
+
+    python3 bench/torch_sdpa.py --emflow build/emflow --backward --dim 64 128 --threads 1
 """
 import argparse
 import json
@@ -46,6 +55,94 @@ def time_torch(torch, batch, heads, tokens, dim, causal, repeats, dtype):
     return statistics.median(times), statistics.median(cpu_times)
 
 
+def time_torch_backward(torch, batch, heads, tokens, dim, causal, repeats, dtype):
+    """Medians (wall ms, CPU ms) of torch's SDPA forward with autograd and of its backward."""
+    gen = torch.Generator().manual_seed(2024)
+    scale = 2.0 / dim**0.5
+    x = torch.rand(batch, 1, tokens, dim, generator=gen) * 2 - 1
+    m = (torch.rand(heads, dim, dim, generator=gen) * 2 - 1) * scale
+    f = (torch.rand(heads, dim, dim, generator=gen) * 2 - 1) * scale
+    inputs = [(x @ m), x.expand(batch, heads, tokens, dim), (x @ f.transpose(-1, -2))]
+    q, k, v = (t.contiguous().to(dtype).requires_grad_() for t in inputs)
+    d_out = (torch.rand(batch, heads, tokens, dim, generator=gen) * 2 - 1).to(dtype)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    forward, backward = ([], []), ([], [])
+    for r in range(repeats + 1):  # the first round is a warm-up
+        q.grad = k.grad = v.grad = None
+        start, cpu_start = time.perf_counter(), time.process_time()
+        out = sdpa(q, k, v, is_causal=causal, scale=1.0)
+        middle, cpu_middle = time.perf_counter(), time.process_time()
+        out.backward(d_out)
+        stop, cpu_stop = time.perf_counter(), time.process_time()
+        if r > 0:
+            forward[0].append((middle - start) * 1e3)
+            forward[1].append((cpu_middle - cpu_start) * 1e3)
+            backward[0].append((stop - middle) * 1e3)
+            backward[1].append((cpu_stop - cpu_middle) * 1e3)
+    return [tuple(statistics.median(t) for t in pair) for pair in (forward, backward)]
+
+
+def torch_line(torch, op, args, tokens, dim, threads, ms, cpu_ms, flop):
+    return {"op": op, "device": "cpu", "precision": args.precision,
+            "batch": args.batch, "heads": args.heads, "tokens": tokens, "dim": dim,
+            "mask": args.mask, "ms_median": round(ms, 4),
+            "gflops": round(flop / (ms * 1e6), 4), "threads": threads,
+            "repeats": args.repeats, "cpu_ms_median": round(cpu_ms, 4),
+            "torch": torch.__version__}
+
+
+def measure(args, torch, dtype, threads, tokens, dim):
+    """One round at one shape: emflow bench, then torch; prints both and their ratio line,
+    and returns the ratio line."""
+    command = [args.emflow, "bench", "--device", "cpu", "--tokens", str(tokens),
+               "--dim", str(dim), "--heads", str(args.heads), "--batch",
+               str(args.batch), "--mask", args.mask, "--repeats", str(args.repeats),
+               "--threads", str(threads), "--precision", args.precision]
+    if args.backward:
+        command.append("--backward")
+    result = subprocess.run(command, check=True, capture_output=True, text=True)
+    ours = {}
+    for line in result.stdout.strip().splitlines():
+        if line.startswith("{"):
+            entry = json.loads(line)
+            ours[entry["op"]] = entry
+            print(json.dumps(entry), flush=True)
+    flop = 4.0 * args.batch * args.heads * tokens * tokens * dim
+    if args.mask == "causal":
+        flop /= 2
+    causal = args.mask == "causal"
+    if not args.backward:
+        ms, cpu_ms = time_torch(torch, args.batch, args.heads, tokens, dim, causal,
+                                args.repeats, dtype)
+        print(json.dumps(torch_line(torch, "torch_sdpa", args, tokens, dim, threads, ms,
+                                    cpu_ms, flop)), flush=True)
+        mine = ours["attend"]
+        ratio = {"op": "ratio", "tokens": tokens, "dim": dim,
+                 "emflow_over_torch": round(ms / mine["ms_median"], 3)}
+        if "cpu_ms_median" in mine:
+            ratio["emflow_over_torch_cpu_time"] = round(cpu_ms / mine["cpu_ms_median"], 3)
+        print(json.dumps(ratio), flush=True)
+        return ratio
+    (fwd, fwd_cpu), (bwd, bwd_cpu) = time_torch_backward(
+        torch, args.batch, args.heads, tokens, dim, causal, args.repeats, dtype)
+    print(json.dumps(torch_line(torch, "torch_sdpa_forward", args, tokens, dim, threads,
+                                fwd, fwd_cpu, flop)), flush=True)
+    print(json.dumps(torch_line(torch, "torch_sdpa_backward", args, tokens, dim, threads,
+                                bwd, bwd_cpu, 2.5 * flop)), flush=True)
+    ours_fwd, ours_bwd = ours["sdpa_attend"], ours["sdpa_backward"]
+    ratio = {"op": "ratio", "tokens": tokens, "dim": dim, "mask": args.mask,
+             "precision": args.precision,
+             "backward_emflow_over_torch": round(bwd / ours_bwd["ms_median"], 3),
+             "backward_emflow_over_torch_cpu_time":
+                 round(bwd_cpu / ours_bwd["cpu_ms_median"], 3),
+             "forward_emflow_over_torch": round(fwd / ours_fwd["ms_median"], 3),
+             "emflow_backward_over_forward":
+                 round(ours_bwd["ms_median"] / ours_fwd["ms_median"], 3),
+             "torch_backward_over_forward": round(bwd / fwd, 3)}
+    print(json.dumps(ratio), flush=True)
+    return ratio
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--emflow", default="emflow", help="path to the emflow executable")
@@ -58,6 +155,11 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                         help="storage of both: emflow bench --precision, torch's tensors' dtype")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds of (emflow, torch) per shape; with more than one, a last "
+                             "line (op ratio_median) has the median of each ratio over the rounds")
+    parser.add_argument("--backward", action="store_true",
+                        help="time the backward passes too (emflow bench --backward)")
     args = parser.parse_args()
 
     try:
@@ -72,30 +174,16 @@ def main():
 
     for tokens in args.tokens:
         for dim in args.dim:
-            command = [args.emflow, "bench", "--device", "cpu", "--tokens", str(tokens),
-                       "--dim", str(dim), "--heads", str(args.heads), "--batch",
-                       str(args.batch), "--mask", args.mask, "--repeats", str(args.repeats),
-                       "--threads", str(threads), "--precision", args.precision]
-            result = subprocess.run(command, check=True, capture_output=True, text=True)
-            ours = json.loads(result.stdout.strip().splitlines()[-1])
-            print(json.dumps(ours), flush=True)
-            ms, cpu_ms = time_torch(torch, args.batch, args.heads, tokens, dim,
-                                    args.mask == "causal", args.repeats, dtype)
-            flop = 4.0 * args.batch * args.heads * tokens * tokens * dim
-            if args.mask == "causal":
-                flop /= 2
-            theirs = {"op": "torch_sdpa", "device": "cpu", "precision": args.precision,
-                      "batch": args.batch, "heads": args.heads, "tokens": tokens, "dim": dim,
-                      "mask": args.mask, "ms_median": round(ms, 4),
-                      "gflops": round(flop / (ms * 1e6), 4), "threads": threads,
-                      "repeats": args.repeats, "cpu_ms_median": round(cpu_ms, 4),
-                      "torch": torch.__version__}
-            print(json.dumps(theirs), flush=True)
-            ratio = {"op": "ratio", "tokens": tokens, "dim": dim,
-                     "emflow_over_torch": round(ms / ours["ms_median"], 3)}
-            if "cpu_ms_median" in ours:
-                ratio["emflow_over_torch_cpu_time"] = round(cpu_ms / ours["cpu_ms_median"], 3)
-            print(json.dumps(ratio), flush=True)
+            ratios = [measure(args, torch, dtype, threads, tokens, dim)
+                      for _ in range(args.rounds)]
+            if args.rounds > 1:
+                summary = {"op": "ratio_median", "rounds": args.rounds}
+                for key, value in ratios[0].items():
+                    if isinstance(value, float):
+                        summary[key] = round(statistics.median(r[key] for r in ratios), 3)
+                    elif key != "op":
+                        summary[key] = value
+                print(json.dumps(summary), flush=True)
     return 0
 
 

@@ -23,8 +23,10 @@
 #include <iomanip>
 #include <iostream>
 #include <memory>
+#include <random>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -34,6 +36,7 @@
 #include "emflow/decode.hpp"
 #include "emflow/memory.hpp"
 #include "emflow/precision.hpp"
+#include "emflow/sdpa.hpp"
 #include "machine.hpp"
 #include "storage.hpp"
 #include "tools/blas_baseline.hpp"
@@ -56,7 +59,7 @@ struct BenchArguments {
   std::int64_t self_tokens = 0;   // > 0: also time self-attention at this N in the same rounds
   int repeats = 5;
   int threads = 0;
-  bool baseline = false, peak = false;
+  bool baseline = false, peak = false, backward = false;
   std::string precision = "fp32";  // comma-separated: fp32, tf32, bf16, fp16
 };
 
@@ -67,6 +70,101 @@ constexpr double kBaselineLimitBytes = 8.0 * (1 << 30);
 struct Problem : tools::BenchProblem {
   Problem(const BenchArguments& args, const Mask& mask)
       : BenchProblem(args.batch, args.tokens, args.dim, args.heads, mask) {}
+};
+
+/// `value` stored as S (rounded to nearest even for the 16-bit types).
+template <class S>
+S stored_as(float value) {
+  if constexpr (std::is_same_v<S, bfloat16>) {
+    return to_bfloat16(value);
+  } else if constexpr (std::is_same_v<S, float16>) {
+    return to_float16(value);
+  } else {
+    return value;
+  }
+}
+
+/// The SDPA-shaped problem of --backward, stored as S: per head the queries Q_h = X M_h, the
+/// keys X and the values X F_h^T of the seeded problem (the dense EMF update as SDPA with
+/// scale 1, as bench/torch_sdpa.py builds it for torch), an upstream gradient dO uniform in
+/// [-1, 1], and the forward pass's output and lse (computed once, untimed) for the backward.
+template <class S>
+struct SdpaProblem {
+  std::vector<S> queries, keys, values, output, d_output, d_queries, d_keys, d_values;
+  std::vector<Stat<S>> lse;
+  SdpaInput<S> input;
+
+  SdpaProblem(const Problem& p, const Mask& mask, const ExecutionOptions& options) {
+    const std::int64_t B = p.input.batch, N = p.input.tokens, d = p.input.dim;
+    const std::int64_t H = p.input.layer.heads;
+    const auto size = static_cast<std::size_t>(B * H * N * d);
+    std::vector<float> q(size), v(size), row(static_cast<std::size_t>(d));
+    for (std::int64_t b = 0; b < B; ++b) {
+      for (std::int64_t h = 0; h < H; ++h) {
+        const float* m = p.relevance.data() + h * d * d;
+        const float* f = p.content.data() + h * d * d;
+        for (std::int64_t i = 0; i < N; ++i) {
+          const float* x = p.cloud.data() + (b * N + i) * d;
+          float* qi = q.data() + ((b * H + h) * N + i) * d;
+          float* vi = v.data() + ((b * H + h) * N + i) * d;
+          for (std::int64_t a = 0; a < d; ++a) {  // q_i = M^T x_i, row by row of M
+            for (std::int64_t c = 0; c < d; ++c) qi[c] += x[a] * m[a * d + c];
+          }
+          for (std::int64_t c = 0; c < d; ++c) {  // v_i = F x_i
+            float sum = 0.0f;
+            for (std::int64_t a = 0; a < d; ++a) sum += f[c * d + a] * x[a];
+            vi[c] = sum;
+          }
+        }
+      }
+    }
+    std::mt19937_64 engine(2025);
+    std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+    for (std::size_t e = 0; e < size; ++e) {
+      queries.push_back(stored_as<S>(q[e]));
+      values.push_back(stored_as<S>(v[e]));
+      d_output.push_back(stored_as<S>(unit(engine)));
+    }
+    for (std::int64_t b = 0; b < B; ++b) {
+      for (std::int64_t h = 0; h < H; ++h) {
+        const float* x = p.cloud.data() + b * N * d;
+        for (std::int64_t e = 0; e < N * d; ++e) keys.push_back(stored_as<S>(x[e]));
+      }
+    }
+    output.resize(size);
+    d_queries.resize(size);
+    d_keys.resize(size);
+    d_values.resize(size);
+    lse.resize(static_cast<std::size_t>(B * H * N));
+    input.queries = queries.data();
+    input.keys = keys.data();
+    input.values = values.data();
+    input.batch = B;
+    input.query_heads = H;
+    input.kv_heads = H;
+    input.query_tokens = N;
+    input.tokens = N;
+    input.rank = d;
+    input.value_rank = d;
+    input.scale = 1.0;
+    input.mask = mask;
+    forward(options);
+  }
+  SdpaProblem(const SdpaProblem&) = delete;
+  SdpaProblem& operator=(const SdpaProblem&) = delete;
+
+  void forward(const ExecutionOptions& options) {
+    sdpa_attend(input, SdpaOutput<S>{output.data(), lse.data(), nullptr}, options);
+  }
+  void backward(const ExecutionOptions& options) {
+    SdpaSaved<S> saved;
+    saved.output = output.data();
+    saved.lse = lse.data();
+    UpstreamGradients<S> upstream;
+    upstream.update = d_output.data();
+    sdpa_backward(input, saved, upstream,
+                  SdpaGradientOutput<S>{d_queries.data(), d_keys.data(), d_values.data()}, options);
+  }
 };
 
 /// Median of `ms` (not empty).
@@ -235,6 +333,15 @@ std::string check_bench_memory(const BenchArguments& args,
                      2 * B * S * d * f + operators});
   }
   if (args.baseline) parts.push_back({"--baseline", "the N x N matrix", N * N * f});
+  if (args.backward) {
+    // Per precision: Q, K, V, O, dO, dQ, dK, dV of (batch, heads, tokens, dim), the float
+    // products before rounding and the lse; the operator's working memory is O(N d) per thread.
+    const double n = static_cast<double>(precisions.size());
+    parts.push_back({"--backward",
+                     "the SDPA problem's 8 arrays of --batch x --heads x --tokens x --dim, per "
+                     "precision",
+                     n * (8 * B * H * N * d * f + 3 * B * H * N * d * f + B * H * N * f)});
+  }
   double total = 0;
   const Part* largest = &parts.front();
   for (const Part& part : parts) {
@@ -309,6 +416,16 @@ void run_bench(const BenchArguments& args) {
   if (args.query_tokens > 0 && (args.baseline || args.device != "cpu")) {
     fail_option("--queries-tokens", "times the CPU backend alone (no --baseline, --device cpu)");
   }
+  if (args.backward) {
+    if (args.device != "cpu" || args.query_tokens > 0 || args.self_tokens > 0) {
+      fail_option("--backward",
+                  "times the SDPA-shaped operator on the CPU alone (--device cpu, no "
+                  "--queries-tokens or --self-tokens)");
+    }
+    if (std::find(precisions.begin(), precisions.end(), Precision::tf32) != precisions.end()) {
+      fail_option("--backward", "times fp32, bf16 and fp16; --precision names tf32");
+    }
+  }
   const std::string needs = check_bench_memory(args, precisions);
   try {
     time_bench(args, mask, precisions, options);
@@ -376,7 +493,30 @@ void time_bench(const BenchArguments& args, const Mask& mask,
   };
   const bool time_fp32 =
       std::find(precisions.begin(), precisions.end(), Precision::fp32) != precisions.end();
-  for (Precision p : precisions) {
+  // --backward: the SDPA-shaped operator's forward and backward passes in place of the update,
+  // each precision in the same rounds (the problems built and their forward run once, untimed).
+  auto add_sdpa = [&](auto tag, Precision p) {
+    using S = decltype(tag);
+    auto sdpa = std::make_shared<SdpaProblem<S>>(problem, mask, options);
+    stored.push_back(sdpa);
+    measurements.emplace_back("sdpa_attend", true, isa, [sdpa, options, flop] {
+      sdpa->forward(options);
+      return flop;
+    });
+    measurements.back().precision = p;
+    // Five products against the forward's two (docs/MATH.md §8.3).
+    measurements.emplace_back("sdpa_backward", true, isa, [sdpa, options, flop] {
+      sdpa->backward(options);
+      return 2.5 * flop;
+    });
+    measurements.back().precision = p;
+  };
+  for (Precision p : args.backward ? precisions : std::vector<Precision>{}) {
+    if (p == Precision::fp32) add_sdpa(float{}, p);
+    if (p == Precision::bf16) add_sdpa(bfloat16{}, p);
+    if (p == Precision::fp16) add_sdpa(float16{}, p);
+  }
+  for (Precision p : args.backward ? std::vector<Precision>{} : precisions) {
     if (p == Precision::bf16) add_stored(bfloat16{}, p);
     if (p == Precision::fp16) add_stored(float16{}, p);
     if (p == Precision::tf32) {
@@ -390,7 +530,7 @@ void time_bench(const BenchArguments& args, const Mask& mask,
       measurements.back().precision = p;
     }
   }
-  if (args.device == "cpu" && time_fp32) {
+  if (args.device == "cpu" && time_fp32 && !args.backward) {
     const std::string shape_members =
         args.query_tokens > 0 ? isa + ", \"query_tokens\": " + std::to_string(args.query_tokens)
                               : isa;
@@ -505,6 +645,12 @@ to the fused update compare like with like.)");
                     "also time unfused attention as numpy does it: OpenBLAS sgemm for S = R X^T "
                     "and P C, a row softmax, and the whole N x N matrix in memory (op "
                     "unfused_blas)");
+  command->add_flag("--backward", args->backward,
+                    "time the SDPA-shaped operator (emflow/sdpa.hpp) instead of the update: "
+                    "queries X M_h, keys X, values X F_h^T, scale 1, forward (op sdpa_attend) "
+                    "and backward to dQ, dK, dV from a random dO (op sdpa_backward; its FLOP "
+                    "are 2.5 times the forward's), in the same rounds; --device cpu, "
+                    "self-attention, fp32, bf16, fp16");
   command->add_flag("--peak", args->peak,
                     "also measure the machine's fp32 FMA rate: independent FMA chains on every "
                     "thread, throughput-bound (op fma_peak)");

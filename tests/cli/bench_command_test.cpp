@@ -88,6 +88,32 @@ TEST(BenchCommand, TimesDecodingShapes) {
   EXPECT_TRUE(has(bad.lines.back(), "--queries-tokens")) << bad.lines.back();
 }
 
+// --backward: the SDPA-shaped operator's forward and backward, per precision, in place of the
+// update; the backward's FLOP are 2.5 times the forward's (the same shape in the same rounds).
+TEST(BenchCommand, TimesTheBackwardPass) {
+  const Result r =
+      run("bench --backward --tokens 70 --dim 5 --heads 2 --mask causal --repeats 1 "
+          "--threads 2 --precision fp32,bf16");
+  ASSERT_EQ(r.status, 0);
+  ASSERT_EQ(r.lines.size(), 4u);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_TRUE(
+        has(r.lines[i], i % 2 == 0 ? "\"op\": \"sdpa_attend\"" : "\"op\": \"sdpa_backward\""))
+        << r.lines[i];
+    EXPECT_TRUE(has(r.lines[i], i < 2 ? "\"precision\": \"fp32\"" : "\"precision\": \"bf16\""))
+        << r.lines[i];
+    EXPECT_TRUE(has(r.lines[i], "\"tokens\": 70")) << r.lines[i];
+  }
+  Result bad = run("bench --backward --queries-tokens 4");
+  EXPECT_NE(bad.status, 0);
+  ASSERT_FALSE(bad.lines.empty());
+  EXPECT_TRUE(has(bad.lines.back(), "--backward")) << bad.lines.back();
+  bad = run("bench --backward --precision tf32");
+  EXPECT_NE(bad.status, 0);
+  ASSERT_FALSE(bad.lines.empty());
+  EXPECT_TRUE(has(bad.lines.back(), "--backward")) << bad.lines.back();
+}
+
 TEST(BenchCommand, RejectsBadOptionsNamingThem) {
   Result r = run("bench --tokens 0");
   EXPECT_NE(r.status, 0);
