@@ -28,11 +28,13 @@ inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 static_assert(kTokenAlign % kKeyTile == 0 && kTokenAlign % kChunkRows == 0, "tile sizes");
 
-/// Zero-filled float storage aligned to a cache line, freed with the object.
+/// Zero-filled float storage aligned to a cache line, freed with the object; `zeroed` false
+/// leaves it unwritten, for storage that every reader writes first (its pages are then first
+/// touched by the threads that use them, not all by the allocating one).
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
-  explicit AlignedBuffer(std::int64_t count) {
+  explicit AlignedBuffer(std::int64_t count, bool zeroed = true) {
     const std::size_t bytes = (static_cast<std::size_t>(count) * sizeof(float) + 63) / 64 * 64;
     if (bytes == 0) return;
     data_.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
@@ -40,7 +42,7 @@ class AlignedBuffer {
       fail(ErrorCode::out_of_memory, "attend: could not allocate ", bytes,
            " bytes of CPU working memory");
     }
-    std::memset(data_.get(), 0, bytes);
+    if (zeroed) std::memset(data_.get(), 0, bytes);
   }
   float* data() const { return data_.get(); }
 
