@@ -37,7 +37,10 @@
 //     Bitwise the same results for any thread count.
 //   Device::cpu, bfloat16 and float16: the stored values widened exactly to float, the float
 //     path above, the output and the gradients rounded to T once; lse, entropy and their
-//     upstream gradients are float32 (Stat<T>).
+//     upstream gradients are float32 (Stat<T>). The bfloat16 backward on a processor with
+//     AVX512-BF16 runs its five products on vdpbf16ps instead (float32 accumulation), with the
+//     weights P and score gradients dS rounded to bfloat16 before the products that read them,
+//     as FlashAttention does in 16 bits: held to the 2x-naive rule (docs/MATH.md §8.8).
 //   Device::cpu, double, and Device::reference: the double-precision reference
 //     (reference::sdpa_attend, reference::sdpa_backward), the results rounded to T once. The
 //     reference holds the N x N weights and score gradients of one call (O(B Hq Nq Nk) doubles).

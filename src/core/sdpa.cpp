@@ -13,6 +13,7 @@
 #include "backends.hpp"
 #include "check.hpp"
 #include "cpu/sdpa.hpp"
+#include "emflow/capability.hpp"
 #include "emflow/reference.hpp"
 #include "low_precision.hpp"
 #include "memory.hpp"
@@ -323,7 +324,12 @@ void cpu_backward(const SdpaInput<T>& in, const SdpaSaved<T>& saved, const Upstr
     std::vector<float> dq(static_cast<std::size_t>(s.count(s.queries())));
     std::vector<float> dk(static_cast<std::size_t>(s.count(s.keys())));
     std::vector<float> dv(static_cast<std::size_t>(s.count(s.values())));
-    cpu::sdpa_backward(f.arrays, b, {dq.data(), dk.data(), dv.data(), out.scale}, threads);
+    const cpu::SdpaGradientArrays gradients{dq.data(), dk.data(), dv.data(), out.scale};
+    if (std::is_same_v<T, bfloat16> && this_machine().avx512_bf16) {
+      cpu::sdpa_backward_bf16(f.arrays, b, gradients, threads);
+    } else {
+      cpu::sdpa_backward(f.arrays, b, gradients, threads);
+    }
     store_floats(dq, out.queries);
     store_floats(dk, out.keys);
     store_floats(dv, out.values);

@@ -19,10 +19,8 @@
 // CPU time the thread it waits for needs. Every output is computed by one thread in one order,
 // so results do not depend on the thread count.
 //
-// The kernel functions carry __attribute__((target(...))) instead of this file being compiled
-// with -mavx512bf16: inline functions and templates of a translation unit compiled for another
-// instruction set can be picked by the linker for the whole program, and would then fault on a
-// processor without it. The caller checks __builtin_cpu_supports("avx512bf16") first.
+// The kernel functions carry the AVX512-BF16 target attribute (avx512_bf16.hpp says why); the
+// caller checks __builtin_cpu_supports("avx512bf16") first.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -41,6 +39,7 @@
 #include <utility>
 #include <vector>
 
+#include "avx512_bf16.hpp"
 #include "core/backends.hpp"
 #include "core/parallel.hpp"
 #include "core/queries.hpp"
@@ -52,8 +51,6 @@ namespace emflow::detail::cpu {
 
 namespace {
 
-#define EMFLOW_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-
 constexpr std::int64_t kTile = 32;   // keys per tile
 constexpr std::int64_t kRows = 8;    // query rows per score tile
 constexpr std::int64_t kBlock = 64;  // query rows per task
@@ -62,25 +59,6 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 std::uint32_t pair_of(float a, float b) {
   return static_cast<std::uint32_t>(to_bfloat16(a).bits) |
          static_cast<std::uint32_t>(to_bfloat16(b).bits) << 16;
-}
-
-/// exp(x) for x <= 0 (and -inf, giving 0): exp_nonpositive of simd.hpp with its constants, in
-/// AVX-512 intrinsics for this file's target.
-EMFLOW_BF16_TARGET inline __m512 exp_nonpositive_avx512(__m512 x) {
-  const __m512 lowest = _mm512_set1_ps(kExpLowest);
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ);
-  const __m512 xc = _mm512_max_ps(x, lowest);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(kExpLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kExpLn2High), xc);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kExpLn2Low), r);
-  __m512 p = _mm512_set1_ps(kExpPolynomial[0]);
-  for (int i = 1; i < kExpTerms; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPolynomial[i]));
-  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  const __m512i e =
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  const __m512 result = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), result);
 }
 
 /// S[kRows x 32] = beta Q[kRows rows] K_tile (pairs coordinate pairs).

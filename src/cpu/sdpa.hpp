@@ -70,6 +70,14 @@ struct SdpaGradientArrays {
 void sdpa_backward(const SdpaArrays& arrays, const SdpaBackwardArrays& saved,
                    const SdpaGradientArrays& gradients, int threads);
 
+/// The backward pass with bfloat16 products (sdpa_backward_bf16.cpp): the arguments and the
+/// guarantees of sdpa_backward, for Q, K, V and dO holding bfloat16 values (widened to float,
+/// exactly), whose products run on AVX512-BF16 with float32 accumulation, P and dS rounded to
+/// bfloat16 before the products that read them (docs/MATH.md §8.8). Only where
+/// cpu_bf16_available() (core/backends.hpp).
+void sdpa_backward_bf16(const SdpaArrays& arrays, const SdpaBackwardArrays& saved,
+                        const SdpaGradientArrays& gradients, int threads);
+
 // Packing, shared by the two passes: each helper writes the rows [row0, row_end) of one head.
 
 /// Query rows times `scale`, `width` columns into rows of `stride` floats; zero on the rows that
