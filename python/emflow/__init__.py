@@ -493,7 +493,8 @@ def sdpa_attend(query: Any, key: Any, value: Any, *, scale: Optional[float] = No
         s_ij = scale <q_i, k_j>   (j visible to i)     o_i = sum_j softmax_j(s_ij) v_j
 
     query (B, Hq, Nq, r), key (B, Hkv, Nk, r), value (B, Hkv, Nk, rv): NumPy arrays (or CPU
-    torch tensors) of float32 or float64, read without a copy; Hq a multiple of Hkv (grouped
+    torch tensors) of float32, float64, float16 or (torch) bfloat16, read without a copy (the
+    16-bit types accumulate in float32 and return lse and entropy in float32); Hq a multiple of Hkv (grouped
     heads: query head h reads key and value head h // (Hq // Hkv)). scale: 1 / sqrt(r) by
     default. mask: None, "causal" or ("window", w) on sequence positions: key j at
     ``key_position + j``, query i at ``query_position + i``, or by default (None) aligned
@@ -508,7 +509,7 @@ def sdpa_attend(query: Any, key: Any, value: Any, *, scale: Optional[float] = No
     operation = "sdpa_attend"
     arrays = [_as_array(a) for a in (query, key, value)]
     for name, a in zip(("query", "key", "value"), arrays):
-        _check_passable(operation, name, a, "float32 or float64")
+        _check_passable(operation, name, a, "float32, float64, bfloat16 or float16")
         if getattr(a, "ndim", None) != 4:
             raise ValueError(f"{operation}: argument '{name}' has shape "
                              f"{tuple(np.shape(a))}, expected 4 axes (B, H, N, E)")
@@ -524,6 +525,9 @@ def sdpa_attend(query: Any, key: Any, value: Any, *, scale: Optional[float] = No
         empty = partial(np.empty, dtype=query.dtype)
     output = empty(tuple(query.shape[:-1]) + (value.shape[-1],))
     stats = tuple(query.shape[:-1])
+    if _dtype_name(query) in ("bfloat16", "float16"):  # emflow::Stat<T>: float32
+        stats_dtype = torch.float32 if is_torch else np.float32
+        empty = partial(empty, dtype=stats_dtype)
     lse_out = empty(stats) if lse else None
     entropy_out = empty(stats) if entropy else None
     position = None if query_position is None else _integer(operation, "query_position",

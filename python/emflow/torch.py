@@ -239,12 +239,18 @@ torch.library.register_autograd("emflow::attend_factored", _layer_backward,
 
 
 # The SDPA-shaped operator: queries (B, Hq, Nq, r), keys (B, Hkv, Nk, r), values (B, Hkv, Nk, rv).
+def _statistics(query: Tensor) -> Tensor:
+    # lse (and its gradient) is float32 for the 16-bit storage types, as emflow::Stat<T> is.
+    dtype = torch.float32 if query.dtype in (torch.bfloat16, torch.float16) else query.dtype
+    return query.new_empty(query.shape[:-1], dtype=dtype)
+
+
 @torch.library.custom_op("emflow::sdpa", mutates_args=())
 def _sdpa_op(query: Tensor, key: Tensor, value: Tensor, key_lengths: Optional[Tensor],
              scale: float, mask: str, query_position: Optional[int], device: str, threads: int
              ) -> Tuple[Tensor, Tensor]:
     output = query.new_empty(query.shape[:-1] + value.shape[-1:])
-    lse = query.new_empty(query.shape[:-1])
+    lse = _statistics(query)
     _emflow._emflow.sdpa_attend(_dense(query), _dense(key), _dense(value), scale, mask,
                                 _lengths(key_lengths), None, 0, query_position, output, lse, None,
                                 device, threads)
@@ -253,7 +259,7 @@ def _sdpa_op(query: Tensor, key: Tensor, value: Tensor, key_lengths: Optional[Te
 
 @_sdpa_op.register_fake
 def _sdpa_fake(query, key, value, key_lengths, scale, mask, query_position, device, threads):
-    return query.new_empty(query.shape[:-1] + value.shape[-1:]), query.new_empty(query.shape[:-1])
+    return query.new_empty(query.shape[:-1] + value.shape[-1:]), _statistics(query)
 
 
 @torch.library.custom_op("emflow::sdpa_backward", mutates_args=())
@@ -344,8 +350,10 @@ def sdpa_attend(query: Tensor, key: Tensor, value: Tensor, *, scale: Optional[fl
     """The SDPA-shaped operator emflow::sdpa_attend (include/emflow/sdpa.hpp, docs/MATH.md §8)
     as the differentiable operator torch.ops.emflow.sdpa, with emflow's own options.
 
-    query (B, Hq, Nq, r), key (B, Hkv, Nk, r), value (B, Hkv, Nk, rv), float32 or float64 CPU
-    tensors; Hq a multiple of Hkv (grouped heads: query head h reads key and value head
+    query (B, Hq, Nq, r), key (B, Hkv, Nk, r), value (B, Hkv, Nk, rv), float32, float64,
+    bfloat16 or float16 CPU tensors of one dtype (16-bit: float32 accumulation, lse in float32;
+    the bfloat16 backward runs on AVX512-BF16 where the processor has it, docs/MATH.md §8.8);
+    Hq a multiple of Hkv (grouped heads: query head h reads key and value head
     h // (Hq // Hkv)). scale: multiplies every score, 1 / sqrt(r) by default. mask: None,
     "causal" or ("window", w), on sequence positions: key j at position j, query i at
     ``query_position + i``, or by default (None) aligned bottom-right, at Lk_b - Nq + i (torch's
@@ -378,8 +386,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     """A drop-in for torch.nn.functional.scaled_dot_product_attention on the CPU, with its
     gradients: torch's names, layout and semantics, computed by emflow's SDPA-shaped operator.
 
-    query (B, Hq, L, E) or (Hq, L, E); key (B, Hkv, S, E); value (B, Hkv, S, Ev), float32 or
-    float64 CPU tensors of one dtype. Hkv = Hq unless enable_gqa (then Hq a multiple of Hkv).
+    query (B, Hq, L, E) or (Hq, L, E); key (B, Hkv, S, E); value (B, Hkv, S, Ev), float32,
+    float64, bfloat16 or float16 CPU tensors of one dtype. Hkv = Hq unless enable_gqa (then Hq a multiple of Hkv).
     is_causal: torch's top-left causal mask (query i sees keys j <= i, also when L != S).
     scale: 1 / sqrt(E) by default.
 

@@ -62,8 +62,11 @@ template <class T, class A>
 void check(const Placement& place, const char* name, const A& array, const Shape& expected) {
   if (array.dtype() != nb::dtype<T>()) {
     std::string want = dtype_name(nb::dtype<T>());
-    if (!std::is_same_v<T, std::int64_t>)
+    if (place.dtype_note != nullptr) {
+      want += std::string(" (") + place.dtype_note + ")";
+    } else if (!std::is_same_v<T, std::int64_t>) {
       want += std::string(" (the dtype of '") + place.like + "')";
+    }
     refuse(place.operation, name,
            "has dtype " + dtype_name(array.dtype()) + ", expected " + want +
                (place.copy ? "; pass copy=True to convert" : ""));
@@ -199,6 +202,15 @@ template float* optional_output<float>(const Placement&, const char*,
                                        const std::optional<OutArray>&, const Shape&);
 template double* optional_output<double>(const Placement&, const char*,
                                          const std::optional<OutArray>&, const Shape&);
+#define EMFLOW_ARRAYS_16BIT(T)                                                                  \
+  template const T* input<T>(const Placement&, const char*, const InArray&, const Shape&);      \
+  template const T* optional_input<T>(const Placement&, const char*,                            \
+                                      const std::optional<InArray>&, const Shape&);             \
+  template T* optional_output<T>(const Placement&, const char*, const std::optional<OutArray>&, \
+                                 const Shape&);
+EMFLOW_ARRAYS_16BIT(bfloat16)
+EMFLOW_ARRAYS_16BIT(float16)
+#undef EMFLOW_ARRAYS_16BIT
 template nb::object to_numpy<float>(Tensor<float>&&);
 template nb::object to_numpy<double>(Tensor<double>&&);
 template nb::object to_numpy<std::int64_t>(Tensor<std::int64_t>&&);

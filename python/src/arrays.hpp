@@ -15,8 +15,25 @@
 #include <vector>
 
 #include "emflow/error.hpp"
+#include "emflow/precision.hpp"
 #include "emflow/tensor.hpp"
 #include "emflow/types.hpp"
+
+// emflow's 16-bit storage types as DLPack dtypes (torch.bfloat16, torch.float16 and NumPy's
+// float16 arrive so), so that input<bfloat16> and the rest check them as the others.
+namespace nanobind::detail {
+template <>
+struct dtype_traits<emflow::bfloat16> {
+  static constexpr dlpack::dtype value{static_cast<std::uint8_t>(dlpack::dtype_code::Bfloat), 16,
+                                       1};
+  static constexpr auto name = const_name("bfloat16");
+};
+template <>
+struct dtype_traits<emflow::float16> {
+  static constexpr dlpack::dtype value{static_cast<std::uint8_t>(dlpack::dtype_code::Float), 16, 1};
+  static constexpr auto name = const_name("float16");
+};
+}  // namespace nanobind::detail
 
 namespace emflow::python {
 
@@ -49,6 +66,9 @@ struct Placement {
   std::int32_t device_id = 0;
   const char* like = "x";  ///< the argument whose dtype and device the others must share
   bool copy = true;        ///< whether the call takes copy=True (the messages suggest it)
+  /// Said of a dtype refused instead of "the dtype of '<like>'" (the float32 statistics of a
+  /// 16-bit call), when not null.
+  const char* dtype_note = nullptr;
 };
 
 /// Checks dtype, device, layout and shape of an input; returns its data.

@@ -1,7 +1,8 @@
 // emflow Python module: the SDPA-shaped operator (include/emflow/sdpa.hpp), forward and backward,
 // on the caller's host arrays.
 //
-// Queries (B, Hq, Nq, r), keys (B, Hkv, Nk, r) and values (B, Hkv, Nk, rv), float32 or float64,
+// Queries (B, Hq, Nq, r), keys (B, Hkv, Nk, r) and values (B, Hkv, Nk, rv), float32, float64,
+// bfloat16 or float16 (the statistics lse, entropy and their gradients float32 for the last two),
 // every array checked as arrays.cpp checks them (dtype of 'query', host memory, C-contiguous,
 // the shape the three imply) and the C++ call run on their memory with the GIL released. The
 // Python layer (emflow.sdpa_attend, emflow.torch) allocates the outputs and the gradients. No GPU
@@ -13,6 +14,7 @@
 
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "arrays.hpp"
 #include "bindings.hpp"
@@ -25,9 +27,11 @@ using OptOut = std::optional<OutArray>;
 
 Placement placement_of(const char* operation, const InArray& query) {
   Placement place{operation, query.dtype(), query.device_type(), query.device_id(), "query", false};
-  if (query.dtype() != nb::dtype<float>() && query.dtype() != nb::dtype<double>()) {
+  if (query.dtype() != nb::dtype<float>() && query.dtype() != nb::dtype<double>() &&
+      query.dtype() != nb::dtype<bfloat16>() && query.dtype() != nb::dtype<float16>()) {
     refuse(operation, "query",
-           "has dtype " + dtype_name(query.dtype()) + ", expected float32 or float64");
+           "has dtype " + dtype_name(query.dtype()) +
+               ", expected float32, float64, bfloat16 or float16");
   }
   if (place.device_type == nb::device::cuda::value) {
     throw Error(ErrorCode::unsupported, std::string(operation) +
@@ -38,6 +42,24 @@ Placement placement_of(const char* operation, const InArray& query) {
     refuse(operation, "query", "is not in host memory");
   }
   return place;
+}
+
+/// The placement of the statistics (lse, entropy and their gradients): Stat<T>, float32 for
+/// the 16-bit types, whose message says so.
+template <class T>
+Placement statistics_of(const Placement& place) {
+  Placement stats = place;
+  if (!std::is_same_v<Stat<T>, T>) stats.dtype_note = "float32 for 16-bit storage";
+  return stats;
+}
+
+/// Runs body(T{}) for the element type of `place` (placement_of admits these four).
+template <class Body>
+decltype(auto) for_dtype(const Placement& place, Body&& body) {
+  if (place.dtype == nb::dtype<float>()) return body(float{});
+  if (place.dtype == nb::dtype<double>()) return body(double{});
+  if (place.dtype == nb::dtype<bfloat16>()) return body(bfloat16{});
+  return body(float16{});
 }
 
 std::int64_t extent(const InArray& a, std::size_t axis) {
@@ -96,8 +118,8 @@ void attend_host(const Placement& place, const InArray& query, const InArray& ke
   SdpaOutput<T> out;
   out.output = optional_output<T>(place, "output", output,
                                   Shape{in.batch, in.query_heads, in.query_tokens, in.value_rank});
-  out.lse = optional_output<T>(place, "lse", lse, stats);
-  out.entropy = optional_output<T>(place, "entropy", entropy, stats);
+  out.lse = optional_output<Stat<T>>(statistics_of<T>(place), "lse", lse, stats);
+  out.entropy = optional_output<Stat<T>>(statistics_of<T>(place), "entropy", entropy, stats);
   const ExecutionOptions options{parse_device(device), check_threads(threads, place.operation)};
   nb::gil_scoped_release release;
   sdpa_attend(in, out, options);
@@ -118,12 +140,13 @@ double backward_host(const Placement& place, const InArray& query, const InArray
   const Shape out_shape{in.batch, in.query_heads, in.query_tokens, in.value_rank};
   SdpaSaved<T> saved;
   saved.output = optional_input<T>(place, "output", output, out_shape);
-  saved.lse = input<T>(place, "lse", lse, stats);
-  saved.entropy = optional_input<T>(place, "entropy", entropy, stats);
+  const Placement statistics = statistics_of<T>(place);
+  saved.lse = input<Stat<T>>(statistics, "lse", lse, stats);
+  saved.entropy = optional_input<Stat<T>>(statistics, "entropy", entropy, stats);
   UpstreamGradients<T> upstream;
   upstream.update = optional_input<T>(place, "d_output", d_output, out_shape);
-  upstream.lse = optional_input<T>(place, "d_lse", d_lse, stats);
-  upstream.entropy = optional_input<T>(place, "d_entropy", d_entropy, stats);
+  upstream.lse = optional_input<Stat<T>>(statistics, "d_lse", d_lse, stats);
+  upstream.entropy = optional_input<Stat<T>>(statistics, "d_entropy", d_entropy, stats);
   double d_scale = 0.0;
   SdpaGradientOutput<T> gradients;
   gradients.queries = optional_output<T>(place, "d_query", d_query, shape_of(query));
@@ -149,13 +172,11 @@ void bind_sdpa(nb::module_& m) {
          OutArray output, const OptOut& lse, const OptOut& entropy, const std::string& device,
          std::int64_t threads) {
         const Placement place = placement_of("sdpa_attend", query);
-        if (place.dtype == nb::dtype<float>()) {
-          attend_host<float>(place, query, key, value, scale, mask, key_lengths, query_lengths,
-                             key_position, query_position, output, lse, entropy, device, threads);
-        } else {
-          attend_host<double>(place, query, key, value, scale, mask, key_lengths, query_lengths,
-                              key_position, query_position, output, lse, entropy, device, threads);
-        }
+        for_dtype(place, [&](auto zero) {
+          attend_host<decltype(zero)>(place, query, key, value, scale, mask, key_lengths,
+                                      query_lengths, key_position, query_position, output, lse,
+                                      entropy, device, threads);
+        });
       },
       nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("scale"), nb::arg("mask"),
       nb::arg("key_lengths").none(), nb::arg("query_lengths").none(), nb::arg("key_position"),
@@ -172,16 +193,12 @@ void bind_sdpa(nb::module_& m) {
          const OptIn& d_lse, const OptIn& d_entropy, OutArray d_query, OutArray d_key,
          OutArray d_value, const std::string& device, std::int64_t threads) {
         const Placement place = placement_of("sdpa_backward", query);
-        if (place.dtype == nb::dtype<float>()) {
-          return backward_host<float>(place, query, key, value, scale, mask, key_lengths,
-                                      query_lengths, key_position, query_position, output, lse,
-                                      entropy, d_output, d_lse, d_entropy, d_query, d_key, d_value,
-                                      device, threads);
-        }
-        return backward_host<double>(place, query, key, value, scale, mask, key_lengths,
-                                     query_lengths, key_position, query_position, output, lse,
-                                     entropy, d_output, d_lse, d_entropy, d_query, d_key, d_value,
-                                     device, threads);
+        return for_dtype(place, [&](auto zero) {
+          return backward_host<decltype(zero)>(place, query, key, value, scale, mask, key_lengths,
+                                               query_lengths, key_position, query_position, output,
+                                               lse, entropy, d_output, d_lse, d_entropy, d_query,
+                                               d_key, d_value, device, threads);
+        });
       },
       nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("scale"), nb::arg("mask"),
       nb::arg("key_lengths").none(), nb::arg("query_lengths").none(), nb::arg("key_position"),

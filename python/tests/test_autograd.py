@@ -63,6 +63,36 @@ def test_drop_in_matches_torch(dtype, is_causal, shape):
         torch.testing.assert_close(g, w, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_drop_in_in_16_bits_is_as_accurate_as_torch(dtype, is_causal, shape):
+    # Output and gradients in bfloat16 and float16 (the bfloat16 backward on AVX512-BF16 where
+    # the processor has it, docs/MATH.md §8.8) against the float64 result of the same stored
+    # inputs and upstream gradient: within twice torch's own 16-bit error, or a floor of two
+    # ulps of the largest entry where torch's is smaller (a few entries round alike).
+    batch, heads, kv_heads, nq, nk, rank = shape
+    exact_inputs = [a.detach().to(dtype).double().requires_grad_(True)
+                    for a in qkv(batch, heads, kv_heads, nq, nk, rank=rank)]
+    inputs = [a.detach().to(dtype).requires_grad_(True) for a in exact_inputs]
+    gqa = heads != kv_heads
+    exact = sdpa(*exact_inputs, is_causal=is_causal, enable_gqa=gqa)
+    ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+    results = {}
+    for name, function in (("emflow", drop_in), ("torch", sdpa)):
+        out = function(*inputs, is_causal=is_causal, enable_gqa=gqa)
+        assert out.dtype == dtype
+        results[name] = [out] + list(gradients(out, inputs))
+    wanted = [exact] + list(gradients(exact, exact_inputs))
+    for what, got, theirs, want in zip(("output", "dQ", "dK", "dV"), results["emflow"],
+                                       results["torch"], wanted):
+        assert want.abs().max() > 0.05  # not vacuous
+        error = (got.double() - want).abs().max().item()
+        bound = max(2 * (theirs.double() - want).abs().max().item(),
+                    2 * ulp * want.abs().max().item())
+        assert error <= bound, f"{what}: error {error} > {bound}"
+
+
 def test_drop_in_scale_and_unbatched():
     q, k, v = (a.detach()[0] for a in qkv(1, 2, 2, 5, 6))  # (H, N, E)
     torch.testing.assert_close(drop_in(q, k, v, scale=0.3, is_causal=True),
@@ -82,8 +112,9 @@ def test_drop_in_refuses_by_name():
                 enable_gqa=True)
     with pytest.raises(ValueError, match="argument 'key' is \\(4, 4\\)"):
         drop_in(q, k[0, 0], v)
-    with pytest.raises(ValueError, match="sdpa_attend: argument 'query' has dtype float16"):
-        drop_in(q.half(), k.half(), v.half(), enable_gqa=True)
+    with pytest.raises(ValueError, match="sdpa_attend: argument 'query' has dtype int32, "
+                                         "expected float32, float64, bfloat16 or float16"):
+        drop_in(q.int(), k.int(), v.int(), enable_gqa=True)
     with pytest.raises(ValueError, match="argument 'key' has dtype float64"):
         drop_in(q, k.double(), v, enable_gqa=True)
     with pytest.raises(NotImplementedError, match="'query' is on meta, expected a CPU tensor"):

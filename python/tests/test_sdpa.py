@@ -59,6 +59,25 @@ def test_matches_naive(dtype, mask, top_left):
     np.testing.assert_allclose(got.lse[real], want_lse[real], rtol=tol, atol=tol)
 
 
+def test_float16_returns_float32_statistics():
+    # NumPy's float16 in, float16 out; lse and entropy are float32 (emflow::Stat<T>), and the
+    # output is the float64 result rounded once, to float16's precision.
+    q, k, v = problem()
+    q16, k16, v16 = (a.astype(np.float16) for a in (q, k, v))
+    got = emflow.sdpa_attend(q16, k16, v16, mask="causal", lse=True, entropy=True)
+    assert got.output.dtype == np.float16
+    assert got.lse.dtype == np.float32 and got.entropy.dtype == np.float32
+    want = emflow.sdpa_attend(*(a.astype(np.float64) for a in (q16, k16, v16)), mask="causal",
+                              lse=True)
+    np.testing.assert_allclose(got.output, want.output, rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(got.lse, want.lse, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="argument 'lse' has dtype float16, expected float32 "
+                                         "\\(float32 for 16-bit storage\\)"):
+        emflow._emflow.sdpa_attend(q16, k16, v16, 1.0, "none", None, None, 0, None,
+                                   np.empty(q16.shape[:-1] + (v16.shape[-1],), np.float16),
+                                   np.empty(q16.shape[:-1], np.float16), None, "cpu", 0)
+
+
 def test_refuses_by_name():
     q, k, v = problem()
     with pytest.raises(ValueError, match="sdpa_attend: argument 'value' has dtype float32, "

@@ -347,15 +347,15 @@ TEST(SdpaDeterminism, GradientsAreBitwiseTheSameForOneTwoAndThreeThreads) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// bfloat16 and float16 storage (docs/MATH.md §8.8): the accuracy rule of §7.4 on each gradient
-// (max error against the double reference of the stored values at most twice a naive kernel's),
-// with the naive backward written here. It reads what a 16-bit kernel reads: the stored Q, K, V
-// and dO, the forward's lse and H (float32) and its O (stored, rounded); it computes the scores,
-// the weights p_ij = exp(s_ij - lse_i) and dS_ij in double, rounds P and dS to the storage type
-// before the products that read them (dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K, summed in
-// double), and rounds the gradients once. On a processor with AVX512-BF16 bfloat16 runs that
-// kernel's products (the test says which path ran); EMFLOW_CPU_DISABLE=avx512bf16 sends it to the
-// widening float32 kernel, which ctest runs too (backward.bf16_widened).
+// bfloat16 and float16 storage (docs/MATH.md §8.8): the accuracy rule of §7.4 on the output and
+// each gradient (max error against the double reference of the stored values at most twice a
+// naive kernel's), with the naive backward written here. It reads what a 16-bit kernel reads: the
+// stored Q, K, V and dO, the forward's lse and H (float32) and its O (stored, rounded); it computes
+// the scores, the weights p_ij = exp(s_ij - lse_i) and dS_ij in double, rounds P and dS to the
+// storage type before the products that read them (dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K,
+// summed in double), and rounds the gradients once. On a processor with AVX512-BF16 bfloat16 runs
+// that kernel's products (the test says which path ran); EMFLOW_CPU_DISABLE=avx512bf16 sends it to
+// the widening float32 kernel, which ctest runs too (backward.bf16_widened).
 
 template <class T>
 T narrow(double value) {
@@ -502,6 +502,24 @@ TYPED_TEST(SdpaLowPrecision, GradientsMeetTheAccuracyRule) {
     const ExecutionOptions options{Device::cpu, 2};
     sdpa_attend(input, SdpaOutput<T>{saved.output.data(), saved.lse.data(), saved.entropy.data()},
                 options);
+    // The forward pass under the rule of §7.4: the naive output sums P rounded to T times V.
+    std::vector<double> naive_output(static_cast<std::size_t>(count(in.output)), 0.0);
+    for (std::int64_t row = 0; row < count(in.statistics); ++row) {
+      const std::int64_t set = (row / (c.query_heads * c.queries)) * c.kv_heads +
+                               (row / c.queries) % c.query_heads / (c.query_heads / c.kv_heads);
+      for (std::int64_t j = 0; j < c.keys; ++j) {
+        const double p = ref.weights[row * c.keys + j];
+        if (!(p > 0.0)) continue;
+        for (std::int64_t a = 0; a < c.value_rank; ++a) {
+          naive_output[static_cast<std::size_t>(row * c.value_rank + a)] +=
+              round_trip<T>(p) * in.V[(set * c.keys + j) * c.value_rank + a];
+        }
+      }
+    }
+    for (double& o : naive_output) o = round_trip<T>(o);
+    EXPECT_EQ(testing::check_rule("output", widened(saved.output), naive_output,
+                                  zero_padding(ref.output)),
+              "");
     for (Through through : testing::kEveryThrough) {
       SCOPED_TRACE(testing::to_string(through));
       reference::OutputGradients up = upstream_of(through, in, ref.lse, 31);
