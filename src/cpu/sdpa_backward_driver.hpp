@@ -17,13 +17,15 @@
 // O((Nq + Nk)(r + rv)) per head, each thread its tiles of 64 x 64 and its dK and dV tiles, and dQ'
 // one buffer per span below.
 //
-// Threads and determinism: the key blocks of each (cloud, key head) are split into spans whose
-// number depends on the shape alone (enough to keep the threads busy when the heads are few, at
-// most 16). A task is one span, its key blocks in order; so every dK and dV row is summed by one
-// thread in one order (the query heads of the group, then the query blocks, ascending). Each
-// span writes its dQ' into a buffer of its own, and a last pass sums the spans in order 0, 1, ...
-// and scales by `scale`: the gradients are bitwise the same for every thread count (for one build
-// on one machine: the vector width sets the order of the sums within a product).
+// Threads and determinism: the key blocks of each (cloud, key head) are dealt into spans (block b
+// to span b mod S, so that under a causal mask every span gets early and late keys alike) whose
+// number S depends on the shape alone: enough to keep the threads busy when the heads are few, at
+// most 16, and fewer where the spans' dQ' buffers would outgrow a last-level cache. A task is one
+// span, its key blocks in order; so every dK and dV row is summed by one thread in one order (the
+// query heads of the group, then the query blocks, ascending). Each span writes its dQ' into a
+// buffer of its own, and a last pass sums the spans in order 0, 1, ... and scales by `scale`: the
+// gradients are bitwise the same for every thread count (for one build on one machine: the
+// vector width sets the order of the sums within a product).
 //
 // Masks (docs/MATH.md §8.6): a block pair that no visible pair reaches is skipped, one wholly
 // visible is not masked, and in the others the kernel sets the hidden scores to -inf (weight 0)
@@ -66,6 +68,9 @@ inline constexpr std::int64_t kBlockQueries = 64;  // queries per query block
 static_assert(kTokenAlign % kBlockKeys == 0 && kTokenAlign % kBlockQueries == 0, "block sizes");
 inline constexpr std::int64_t kTargetTasks = 32;  // spans are made until this many tasks exist
 inline constexpr std::int64_t kMaxSpans = 16;
+// The dQ' buffers of a call are kept under this size (each is read and written by every key
+// block of its span, and summed at the end) unless fewer than 2 spans would do it.
+inline constexpr std::int64_t kPartialBytes = std::int64_t{8} << 20;
 // Bytes of packed operands and dQ' buffers to hold at once; clouds are processed in groups.
 inline constexpr std::int64_t kGroupBytes = std::int64_t{160} << 20;
 inline constexpr double kSmallCallFlop = 4e6;
@@ -85,7 +90,7 @@ inline float kernel_fma(float a, float b, float c) {
 struct Shapes {
   std::int64_t Nq = 0, Nk = 0, padded_queries = 0, padded_tokens = 0;
   std::int64_t r = 0, rv = 0;
-  std::int64_t query_blocks = 0, key_blocks = 0, spans = 1, span_blocks = 1;
+  std::int64_t query_blocks = 0, key_blocks = 0, spans = 1;
   bool has_dO = false, has_dH = false;
 };
 
@@ -110,13 +115,15 @@ inline Cover cover(const QueryRule& rule, std::int64_t q0, std::int64_t live, st
   return bottom.first <= k0 && k1 <= top.last ? Cover::full : Cover::partial;
 }
 
-/// The spans of the key blocks: enough tasks for the threads when the (cloud, key head) pairs
-/// are few, never depending on the thread count.
-inline void plan_spans(Shapes& sh, std::int64_t pairs) {
+/// The number of spans: enough tasks for the threads when the (cloud, key head) pairs are few,
+/// fewer where `span_bytes` (the dQ' buffers of one span over the call) would make them outgrow
+/// kPartialBytes; never depending on the thread count.
+inline void plan_spans(Shapes& sh, std::int64_t pairs, std::int64_t span_bytes) {
   std::int64_t spans = (kTargetTasks + pairs - 1) / pairs;
   spans = std::clamp<std::int64_t>(spans, 1, std::min(kMaxSpans, sh.key_blocks));
-  sh.span_blocks = (sh.key_blocks + spans - 1) / spans;
-  sh.spans = (sh.key_blocks + sh.span_blocks - 1) / sh.span_blocks;
+  const std::int64_t fit =
+      std::max<std::int64_t>(2, kPartialBytes / std::max<std::int64_t>(span_bytes, 1));
+  sh.spans = std::min(spans, fit);
 }
 
 /// The row terms of the rows [row0, row_end) of the query head whose first row is `head_row`.
@@ -164,8 +171,8 @@ void run(const SdpaArrays& a, const SdpaBackwardArrays& saved, const SdpaGradien
   sh.key_blocks = sh.padded_tokens / kBlockKeys;
   sh.has_dO = saved.output_gradient != nullptr;
   sh.has_dH = saved.entropy_gradient != nullptr;
-  plan_spans(sh, B * Hkv);
   const K kernel(sh, a.scale);
+  plan_spans(sh, B * Hkv, B * Hq * sh.padded_queries * kernel.dq_stride * 4);
   const std::int64_t Nq = sh.Nq, Nk = sh.Nk, r = sh.r, rv = sh.rv;
 
   const double work = 5.0 * static_cast<double>(B * Hq) * static_cast<double>(Nq) *
@@ -235,8 +242,7 @@ void run(const SdpaArrays& a, const SdpaBackwardArrays& saved, const SdpaGradien
                          packed_key(e));
       }
 
-      // Phase 2, one span of key blocks of one key head per task, the first spans (under a
-      // causal mask those with the most queries) first.
+      // Phase 2, one span of key blocks of one key head per task.
       const std::int64_t span_tasks = sh.spans * count * Hkv;
 #pragma omp for schedule(dynamic, 1)
       for (std::int64_t task = 0; task < span_tasks; ++task) {
@@ -244,8 +250,7 @@ void run(const SdpaArrays& a, const SdpaBackwardArrays& saved, const SdpaGradien
         const std::int64_t e = task % (count * Hkv);  // c * Hkv + g
         const std::int64_t c = e / Hkv, g = e % Hkv, b = first + c;
         const QueryRule& rule = a.rules[b];
-        const std::int64_t block_end = std::min(sh.key_blocks, (span + 1) * sh.span_blocks);
-        for (std::int64_t block = span * sh.span_blocks; block < block_end; ++block) {
+        for (std::int64_t block = span; block < sh.key_blocks; block += sh.spans) {
           const std::int64_t k0 = block * kBlockKeys;
           std::fill(t.dk(), t.dk() + kBlockKeys * kernel.dk_stride, 0.0f);
           std::fill(t.dv(), t.dv() + kBlockKeys * kernel.dv_stride, 0.0f);
