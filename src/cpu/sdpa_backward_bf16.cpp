@@ -69,22 +69,31 @@ template <int NV, bool kTransposedA, bool kAccumulate>
 EMFLOW_BF16_TARGET inline void dp_kernel(std::int64_t K, const Word* A, std::int64_t lda,
                                          const Word* B, std::int64_t ldb, float* C,
                                          std::int64_t ldc) {
+  // Fully unrolled, so that the accumulators live in registers from the first load to the last
+  // store (left to itself GCC keeps the array on the stack outside the K loop).
   __m512 acc[kRows][NV];
+#pragma GCC unroll 16
   for (int m = 0; m < kRows; ++m) {
+#pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) {
       acc[m][v] = kAccumulate ? _mm512_loadu_ps(C + m * ldc + v * 16) : _mm512_setzero_ps();
     }
   }
   for (std::int64_t k = 0; k < K; ++k) {
     __m512bh b[NV];
+#pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(B + k * ldb + v * 16);
+#pragma GCC unroll 16
     for (int m = 0; m < kRows; ++m) {
       const Word word = kTransposedA ? A[k * lda + m] : A[m * lda + k];
       const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+#pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, b[v]);
     }
   }
+#pragma GCC unroll 16
   for (int m = 0; m < kRows; ++m) {
+#pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + m * ldc + v * 16, acc[m][v]);
   }
 }
