@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # AddressSanitizer + UndefinedBehaviorSanitizer build of the library, the CLI and the CPU test
-# suites that exercise them (core, reference, io, cli, cpu, attention, reliability; CUDA,
+# suites that exercise them (core, reference, io, cli, cpu, attention, backward, reliability; CUDA,
 # benchmarks and the slower flow suite are left out to keep CI short; the attention suite's GPU
 # cases skip), then ctest on those suites. Any sanitizer report aborts the test that caused it,
 # so ctest fails.
@@ -22,7 +22,7 @@ jobs=${SANITIZE_JOBS:-$(nproc 2>/dev/null || echo 2)}
 # more than most tests, so one process per test would spend most of the run starting up.
 # SANITIZE_SHARDS=0 gives one ctest test per gtest case (names each failure in the summary).
 shards=${SANITIZE_SHARDS:-6}
-read -r -a suites <<<"${SANITIZE_SUITES:-core reference io cli cpu attention reliability}"
+read -r -a suites <<<"${SANITIZE_SUITES:-core reference io cli cpu attention backward reliability}"
 flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g1"
 
 start=$(date +%s)
