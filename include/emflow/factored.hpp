@@ -87,6 +87,28 @@ struct Rotary {
 /// (invalid_argument) naming a bad field.
 std::vector<double> rotary_inverse_frequencies(const Rotary& rotary, std::int64_t sequence_length);
 
+/// How the relevance of one rotary head turns with the distance between query and key
+/// (docs/MATH.md §2.4). With A (rank x width) the head's query factor and B (rank x width) its
+/// key factor, a key t positions before its query is scored by the bilinear form
+///   M(t) = A^T R(-t) B   (width x width; M(0) = A^T B, the position-free form),
+/// and for each offset t of `offsets`:
+///   relative_change = ||M(t) - M(0)||_F / ||M(0)||_F,   cosine = <M(t), M(0)>_F / (||M(t)||
+///   ||M(0)||)
+/// (both 0 where M(0) = 0). A content head keeps cosine near 1 at every offset; a positional
+/// head's cosine falls within a few positions. Computed in rank x rank (Gram matrices of A and B,
+/// rotated), never forming M(t). `rotary` names dim, base, pairing, scaling (its positions are not
+/// read; dynamic_ntk's frequencies are those of a sequence of 1 + the largest offset).
+struct RotaryDrift {
+  std::vector<std::int64_t> offsets;
+  std::vector<double> relative_change;
+  std::vector<double> cosine;
+};
+/// Throws emflow::Error (invalid_argument) naming a bad argument: null factors, rank or width
+/// below 1, a rotary embedding that attend_factored would refuse for `rank`, an offset below 0.
+RotaryDrift rotary_drift(const double* query_factor, const double* key_factor, std::int64_t rank,
+                         std::int64_t width, const Rotary& rotary,
+                         const std::vector<std::int64_t>& offsets);
+
 /// "half_split", "interleaved".
 const char* to_string(RotaryPairing pairing) noexcept;
 /// "default", "linear", "dynamic", "llama3": the rope_type names of transformers.

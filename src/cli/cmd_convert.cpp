@@ -1,11 +1,13 @@
 // emflow convert: a pretrained checkpoint (config.json and model.safetensors) as EMF operators,
 // one folder of .npy files and a manifest (emflow/model.hpp, docs/MODELS.md), with an optional
-// report of the spectra the clustering theorems speak about.
+// report of the spectra the clustering theorems speak about, or for a rotary (llama) model of
+// how each head's relevance turns with the offset of query and key.
 #include <algorithm>
 #include <cmath>
 #include <complex>
 #include <cstdio>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -92,6 +94,67 @@ std::string spectrum_report(const model::Model& m) {
   return csv.str();
 }
 
+// Per layer and head of a llama model: how its rotary bilinear form M_h(t) = A_h^T R(-t) B_g
+// turns with the offset t of query and key (emflow::rotary_drift, docs/MATH.md §2.4), at
+// t = 1, 2, 4, ..., 4096. Qwen2's q and k biases take part as the extra coordinate the layer
+// lifts the cloud by. Prints a line per head (the cosine at a few offsets, the relative change
+// at the last, and the first offset where the cosine falls below 1/2) and returns the CSV
+// (layer, head, kv_head, offset, relative_change, cosine).
+std::string rotary_report(const model::Model& m) {
+  std::vector<std::int64_t> offsets;
+  for (std::int64_t t = 1; t <= 4096; t *= 2) offsets.push_back(t);
+  std::ostringstream csv;
+  csv << "layer,head,kv_head,offset,relative_change,cosine\n";
+  std::printf("%5s %4s %3s | %-44s | %-12s | %s\n", "layer", "head", "kv",
+              "cos(M(t), M(0)) at t = 1, 8, 64, 512, 4096", "|dM|/|M| 4096", "cos < 1/2 from t");
+  const std::int64_t d = m.dim, rank = m.head_dim, group = m.heads / m.key_heads();
+  for (std::int64_t l = 0; l < m.layer_count(); ++l) {
+    const MultiHeadAttentionWeights& w = m.layers[static_cast<std::size_t>(l)].attention;
+    const bool biases = w.query_bias.size() > 0 || w.key_bias.size() > 0;
+    const std::int64_t width = d + (biases ? 1 : 0);
+    // The factor of `head` as rank x width rows, its bias (if any) as the last column.
+    const auto factor = [&](const Tensor<double>& weights, const Tensor<double>& bias,
+                            std::int64_t head) {
+      std::vector<double> f(static_cast<std::size_t>(rank * width), 0.0);
+      for (std::int64_t a = 0; a < rank; ++a) {
+        const std::int64_t row = head * rank + a;
+        std::copy(weights.data() + row * d, weights.data() + (row + 1) * d, f.begin() + a * width);
+        if (biases && bias.size() > 0) f[static_cast<std::size_t>(a * width + d)] = bias[row];
+      }
+      return f;
+    };
+    for (std::int64_t h = 0; h < m.heads; ++h) {
+      const std::int64_t g = h / group;
+      const std::vector<double> a = factor(w.query, w.query_bias, h);
+      const std::vector<double> b = factor(w.key, w.key_bias, g);
+      for (const auto* f : {&a, &b}) {
+        const std::int64_t at = find_non_finite(f->data(), static_cast<std::int64_t>(f->size()));
+        if (at >= 0) {
+          fail_option("--report", "needs finite weights, but the ", f == &a ? "query" : "key",
+                      " factor of layer ", l, " head ", f == &a ? h : g, " holds ",
+                      (*f)[static_cast<std::size_t>(at)]);
+        }
+      }
+      const RotaryDrift drift = rotary_drift(a.data(), b.data(), rank, width, m.rotary, offsets);
+      std::int64_t half = -1;
+      for (std::size_t k = 0; k < offsets.size(); ++k) {
+        csv << l << ',' << h << ',' << g << ',' << offsets[k] << ','
+            << number(drift.relative_change[k]) << ',' << number(drift.cosine[k]) << '\n';
+        if (half < 0 && drift.cosine[k] < 0.5) half = offsets[k];
+      }
+      const auto cosine_at = [&](std::int64_t t) {
+        const auto k = std::find(offsets.begin(), offsets.end(), t) - offsets.begin();
+        return drift.cosine[static_cast<std::size_t>(k)];
+      };
+      std::printf("%5lld %4lld %3lld | %8.4f %8.4f %8.4f %8.4f %8.4f | %12.4g | %s\n",
+                  static_cast<long long>(l), static_cast<long long>(h), static_cast<long long>(g),
+                  cosine_at(1), cosine_at(8), cosine_at(64), cosine_at(512), cosine_at(4096),
+                  drift.relative_change.back(), half < 0 ? "-" : std::to_string(half).c_str());
+    }
+  }
+  return csv.str();
+}
+
 void run_convert(const ConvertArguments& args) {
   model::ConvertOptions options;
   options.layout = args.layout;
@@ -115,14 +178,13 @@ void run_convert(const ConvertArguments& args) {
   model::check_operators_target(args.out);
   const model::Model m = model::load_checkpoint(args.model_dir, options);
   const bool llama = m.layout == model::Layout::llama;
-  if (args.report && llama) {
-    fail_option("--report", "needs the dense operators M_h, F_h, which the llama model '",
-                args.model_dir,
-                "' has not (its rotary relevance depends on the offset of two "
-                "positions: docs/MATH.md 2.4)");
-  }
   std::map<std::string, std::string> extra;
-  if (args.report) extra["spectrum.csv"] = spectrum_report(m);
+  if (args.report && llama) {
+    // No single M_h (its relevance depends on the offset of two positions): how it turns.
+    extra["rotary.csv"] = rotary_report(m);
+  } else if (args.report) {
+    extra["spectrum.csv"] = spectrum_report(m);
+  }
   model::write_operators(m, args.out, extra, storage);
   std::cout << "emflow convert: " << to_string(m.layout) << " model ('" << m.model_type << "'), "
             << m.layer_count() << " layers, " << m.heads << " heads";
@@ -134,7 +196,11 @@ void run_convert(const ConvertArguments& args) {
   std::cout << ", d = " << m.dim << ", feed-forward " << m.ffn_dim << ", "
             << (m.pre_norm ? "pre" : "post") << "-norm (" << (llama ? "rms, " : "") << "eps "
             << m.norm_eps << "), " << to_string(m.activation) << (m.causal ? ", causal" : "")
-            << " -> " << args.out << (args.report ? " (spectra in spectrum.csv)" : "") << "\n";
+            << " -> " << args.out
+            << (args.report ? (llama ? " (the rotary forms' drift in rotary.csv)"
+                                     : " (spectra in spectrum.csv)")
+                            : "")
+            << "\n";
 }
 
 }  // namespace
@@ -172,7 +238,9 @@ refused. docs/MODELS.md has the layouts, the roles of --name and the folder's fi
                       "(roles: docs/MODELS.md)");
   command->add_flag("--report", args->report,
                     "print per layer and head the spectrum of sym(M_h) and of F_h, and write "
-                    "every eigenvalue to OPS_DIR/spectrum.csv");
+                    "every eigenvalue to OPS_DIR/spectrum.csv; for a llama model, how each "
+                    "head's rotary form M_h(t) turns with the offset t = 1, 2, ..., 4096 of "
+                    "query and key (cosine with M_h(0), relative change), in OPS_DIR/rotary.csv");
   command->callback([args] { run_convert(*args); });
 }
 

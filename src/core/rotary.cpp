@@ -185,6 +185,91 @@ RotaryPairing rotary_pairing_from_string(std::string_view name) {
                         "must be half_split or interleaved, got '", std::string(name), "'");
 }
 
+RotaryDrift rotary_drift(const double* query_factor, const double* key_factor, std::int64_t rank,
+                         std::int64_t width, const Rotary& rotary,
+                         const std::vector<std::int64_t>& offsets) {
+  const char* op = "rotary_drift";
+  detail::expect_not_null(op, "query_factor", query_factor);
+  detail::expect_not_null(op, "key_factor", key_factor);
+  detail::expect_positive(op, "rank", rank);
+  detail::expect_positive(op, "width", width);
+  std::int64_t longest = 0;
+  for (std::size_t k = 0; k < offsets.size(); ++k) {
+    if (offsets[k] < 0) {
+      detail::fail_argument(op, "offsets", "must be >= 0, got ", offsets[k], " at entry ", k);
+    }
+    longest = std::max(longest, offsets[k]);
+  }
+  Rotary plain = rotary;  // only the frequencies and the pairing are read
+  plain.key_positions = plain.query_positions = nullptr;
+  detail::check_grouping_and_rotary(1, rank, 0, plain, 1, 1, 1, op, detail::Lengths::host);
+
+  // Gram matrices G_A = A A^T and G_B = B B^T (rank x rank). With R(t) orthogonal,
+  //   <M(t), M(0)> = tr(B^T R(-t)^T A A^T B) = tr(R(t) G_A G_B),
+  //   ||M(t)||^2  = tr(R(t) G_A R(t)^T G_B),
+  // so X = R(t) G_A (each column rotated) and Y = X R(t)^T (each row of X rotated) suffice.
+  const auto gram = [&](const double* f) {
+    std::vector<double> g(static_cast<std::size_t>(rank * rank), 0.0);
+    for (std::int64_t a = 0; a < rank; ++a) {
+      for (std::int64_t b = 0; b < rank; ++b) {
+        double sum = 0.0;
+        for (std::int64_t c = 0; c < width; ++c) sum += f[a * width + c] * f[b * width + c];
+        g[static_cast<std::size_t>(a * rank + b)] = sum;
+      }
+    }
+    return g;
+  };
+  const std::vector<double> ga = gram(query_factor), gb = gram(key_factor);
+  const auto trace_with_gb = [&](const std::vector<double>& x) {
+    double sum = 0.0;
+    for (std::int64_t a = 0; a < rank; ++a) {
+      for (std::int64_t b = 0; b < rank; ++b) {
+        sum +=
+            x[static_cast<std::size_t>(a * rank + b)] * gb[static_cast<std::size_t>(b * rank + a)];
+      }
+    }
+    return sum;
+  };
+  detail::RotaryCall call;
+  call.dim = plain.dim;
+  call.interleaved = plain.pairing == RotaryPairing::interleaved;
+  if (plain.dim > 0) call.inverse_frequencies = rotary_inverse_frequencies(plain, longest + 1);
+  const double norm0 = std::sqrt(std::max(trace_with_gb(ga), 0.0));
+
+  RotaryDrift drift;
+  std::vector<double> cos(static_cast<std::size_t>(plain.dim / 2));
+  std::vector<double> sin(cos.size()), x(ga.size()), column(static_cast<std::size_t>(rank));
+  for (const std::int64_t t : offsets) {
+    call.angles(t, cos.data(), sin.data());
+    for (std::int64_t c = 0; c < rank; ++c) {  // X = R(t) G_A, column by column
+      for (std::int64_t a = 0; a < rank; ++a)
+        column[a] = ga[static_cast<std::size_t>(a * rank + c)];
+      call.rotate(column.data(), cos.data(), sin.data());
+      for (std::int64_t a = 0; a < rank; ++a) x[static_cast<std::size_t>(a * rank + c)] = column[a];
+    }
+    const double inner = trace_with_gb(x);
+    std::vector<double> y = x;  // Y = X R(t)^T: each row of X rotated
+    for (std::int64_t a = 0; a < rank; ++a) {
+      call.rotate(y.data() + a * rank, cos.data(), sin.data());
+    }
+    const double norm = std::sqrt(std::max(trace_with_gb(y), 0.0));
+    // ||M(t) - M(0)||^2 = tr((R(t) - I) G_A (R(t) - I)^T G_B), formed as such rather than as
+    // norm^2 + norm0^2 - 2 inner, which cancels to sqrt(epsilon) at small offsets.
+    std::vector<double> z(x.size());
+    for (std::size_t e = 0; e < z.size(); ++e) z[e] = x[e] - ga[e];
+    std::vector<double> rotated = z;
+    for (std::int64_t a = 0; a < rank; ++a) {
+      call.rotate(rotated.data() + a * rank, cos.data(), sin.data());
+    }
+    for (std::size_t e = 0; e < z.size(); ++e) z[e] = rotated[e] - z[e];
+    const double change2 = std::max(trace_with_gb(z), 0.0);
+    drift.offsets.push_back(t);
+    drift.relative_change.push_back(norm0 > 0.0 ? std::sqrt(change2) / norm0 : 0.0);
+    drift.cosine.push_back(norm0 > 0.0 && norm > 0.0 ? inner / (norm * norm0) : 0.0);
+  }
+  return drift;
+}
+
 namespace detail {
 
 void check_grouping_and_rotary(std::int64_t heads, std::int64_t rank, std::int64_t kv_heads,

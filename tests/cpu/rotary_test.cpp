@@ -3,7 +3,8 @@
 // F_h = U_h V_{h/g} explicitly for every pair of positions, on the CPU (float32 engine, double
 // reference of the factored form) and on the reference device; the frequencies of each scaling
 // against the formulas written out; shift invariance; the equalities with the position-free and
-// the repeated layer; the refusals and the argument checks.
+// the repeated layer; the refusals and the argument checks; rotary_drift, the per-offset report of
+// a rotary head's form, against those forms built entry by entry.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -88,12 +89,32 @@ std::vector<double> default_frequencies(const Rotary& rotary) {
   return f;
 }
 
+/// R(Delta), r x r, built entry by entry: the identity, with the block (a, b) -> (cos, -sin;
+/// sin, cos) of angle Delta w_t on each rotated pair t.
+std::vector<double> rotation(const Rotary& rotary, const std::vector<double>& frequencies,
+                             std::int64_t delta, std::int64_t r) {
+  const auto n = [](std::int64_t x) { return static_cast<std::size_t>(x); };
+  const std::int64_t rot = rotary.dim;
+  std::vector<double> R(n(r * r), 0.0);
+  for (std::int64_t k = 0; k < r; ++k) R[n(k * r + k)] = 1.0;
+  for (std::int64_t t = 0; t < rot / 2; ++t) {
+    const std::int64_t a = rotary.pairing == RotaryPairing::interleaved ? 2 * t : t;
+    const std::int64_t e = rotary.pairing == RotaryPairing::interleaved ? 2 * t + 1 : t + rot / 2;
+    const double angle = static_cast<double>(delta) * frequencies[n(t)];
+    R[n(a * r + a)] = std::cos(angle);
+    R[n(a * r + e)] = -std::sin(angle);
+    R[n(e * r + a)] = std::sin(angle);
+    R[n(e * r + e)] = std::cos(angle);
+  }
+  return R;
+}
+
 /// The naive computation: for every pair, M = A_h^T R(p_j - p_i) B_g with R(Delta) the r x r
 /// block rotation built entry by entry, s_ij = beta (q_i^T M x_j + u_h^T x_j), the softmax over
 /// the visible keys, and delta_i = sum_h sum_j p_ij U_h V_g x_j + c. Double, as MATH.md writes it.
 Outputs naive(const RotaryProblem& p, const std::vector<double>& frequencies) {
   const std::int64_t B = p.batch, N = p.tokens, Nq = p.Nq(), d = p.dim, H = p.heads, r = p.rank;
-  const std::int64_t group = H / p.kv_heads, rot = p.rotary.dim;
+  const std::int64_t group = H / p.kv_heads;
   const auto n = [](std::int64_t x) { return static_cast<std::size_t>(x); };
   Outputs o;
   o.update.assign(n(B * Nq * d), 0.0);
@@ -121,19 +142,7 @@ Outputs naive(const RotaryProblem& p, const std::vector<double>& frequencies) {
           visible_any = true;
           const std::int64_t pj =
               p.rotary.key_positions ? p.rotary.key_positions[b * N + j] : p.key_position + j;
-          // R(Delta): identity, with the block (a, b) -> (cos, -sin; sin, cos) of each pair.
-          std::vector<double> R(n(r * r), 0.0);
-          for (std::int64_t k = 0; k < r; ++k) R[n(k * r + k)] = 1.0;
-          for (std::int64_t t = 0; t < rot / 2; ++t) {
-            const std::int64_t a = p.rotary.pairing == RotaryPairing::interleaved ? 2 * t : t;
-            const std::int64_t e =
-                p.rotary.pairing == RotaryPairing::interleaved ? 2 * t + 1 : t + rot / 2;
-            const double angle = static_cast<double>(pj - pi) * frequencies[n(t)];
-            R[n(a * r + a)] = std::cos(angle);
-            R[n(a * r + e)] = -std::sin(angle);
-            R[n(e * r + a)] = std::sin(angle);
-            R[n(e * r + e)] = std::cos(angle);
-          }
+          const std::vector<double> R = rotation(p.rotary, frequencies, pj - pi, r);
           // M = A_h^T R B_g (d x d), then q_i^T M x_j.
           double score = 0.0;
           for (std::int64_t x = 0; x < d; ++x) {
@@ -655,6 +664,109 @@ TEST(RotaryRoutes, HostPathsComputeAndTheGpuRefusesByName) {
   }
   // And the layer runs where the table says.
   EXPECT_NO_THROW(attend_factored(in, layer, out, {Device::cpu}));
+}
+
+// emflow::rotary_drift (the report of `emflow convert --report` for rotary models) against the
+// forms M(t) = A^T R(-t) B built entry by entry, for both pairings and a partial rotary dim.
+TEST(RotaryDrift, EqualsTheDenseFormsBuiltEntryByEntry) {
+  const std::int64_t r = 4, w = 6;
+  const std::vector<double> A = testing::random_tensor({r, w}, 41).values(),
+                            B = testing::random_tensor({r, w}, 42).values();
+  const std::vector<std::int64_t> offsets = {0, 1, 3, 64, 1000};
+  for (RotaryPairing pairing : {RotaryPairing::half_split, RotaryPairing::interleaved}) {
+    for (std::int64_t dim : {2, 4}) {
+      Rotary rotary;
+      rotary.dim = dim;
+      rotary.base = 50.0;
+      rotary.pairing = pairing;
+      SCOPED_TRACE(std::string(to_string(pairing)) + " dim " + std::to_string(dim));
+      const RotaryDrift drift = rotary_drift(A.data(), B.data(), r, w, rotary, offsets);
+      ASSERT_EQ(drift.offsets, offsets);
+      const auto form = [&](std::int64_t t) {  // M(t) = A^T R(-t) B, w x w
+        const std::vector<double> R = rotation(rotary, default_frequencies(rotary), -t, r);
+        std::vector<double> M(static_cast<std::size_t>(w * w), 0.0);
+        for (std::int64_t x = 0; x < w; ++x) {
+          for (std::int64_t y = 0; y < w; ++y) {
+            for (std::int64_t k = 0; k < r; ++k) {
+              for (std::int64_t l = 0; l < r; ++l) {
+                M[static_cast<std::size_t>(x * w + y)] += A[static_cast<std::size_t>(k * w + x)] *
+                                                          R[static_cast<std::size_t>(k * r + l)] *
+                                                          B[static_cast<std::size_t>(l * w + y)];
+              }
+            }
+          }
+        }
+        return M;
+      };
+      const std::vector<double> M0 = form(0);
+      double norm0 = 0.0;
+      for (double v : M0) norm0 += v * v;
+      norm0 = std::sqrt(norm0);
+      for (std::size_t k = 0; k < offsets.size(); ++k) {
+        const std::vector<double> M = form(offsets[k]);
+        double inner = 0.0, norm = 0.0, change = 0.0;
+        for (std::size_t e = 0; e < M.size(); ++e) {
+          inner += M[e] * M0[e];
+          norm += M[e] * M[e];
+          change += (M[e] - M0[e]) * (M[e] - M0[e]);
+        }
+        EXPECT_NEAR(drift.cosine[k], inner / (std::sqrt(norm) * norm0), 1e-12) << offsets[k];
+        EXPECT_NEAR(drift.relative_change[k], std::sqrt(change) / norm0, 1e-12) << offsets[k];
+      }
+      // The form turns: some offset moves it by a fair part of its size.
+      EXPECT_GT(*std::max_element(drift.relative_change.begin(), drift.relative_change.end()), 0.1);
+    }
+  }
+}
+
+TEST(RotaryDrift, OnePlaneRotationAndNoRotation) {
+  // A = B = I of one rotated pair at frequency base^0 = 1: M(t) = R(-t), whose cosine with I is
+  // cos t and whose distance from it 2 |sin(t / 2)| times |I|.
+  const std::vector<double> identity = {1.0, 0.0, 0.0, 1.0};
+  Rotary rotary;
+  rotary.dim = 2;
+  const RotaryDrift drift = rotary_drift(identity.data(), identity.data(), 2, 2, rotary, {1, 2, 7});
+  for (std::size_t k = 0; k < 3; ++k) {
+    const double t = static_cast<double>(drift.offsets[k]);
+    EXPECT_NEAR(drift.cosine[k], std::cos(t), 1e-14);
+    EXPECT_NEAR(drift.relative_change[k], 2.0 * std::abs(std::sin(t / 2.0)), 1e-14);
+  }
+  // Without rotation the form is the same at every offset.
+  const RotaryDrift still = rotary_drift(identity.data(), identity.data(), 2, 2, Rotary{}, {5});
+  EXPECT_DOUBLE_EQ(still.cosine[0], 1.0);
+  EXPECT_DOUBLE_EQ(still.relative_change[0], 0.0);
+}
+
+TEST(RotaryDrift, BadArgumentsAreNamed) {
+  const std::vector<double> f(8, 1.0);
+  Rotary rotary;
+  rotary.dim = 2;
+  const auto message = [](auto&& call) {
+    try {
+      call();
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([&] {
+              rotary_drift(nullptr, f.data(), 2, 4, rotary, {1});
+            }).find("'query_factor' must not be null"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              rotary_drift(f.data(), f.data(), 0, 4, rotary, {1});
+            }).find("'rank' must be >= 1, got 0"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              rotary_drift(f.data(), f.data(), 2, 4, rotary, {1, -3});
+            }).find("'offsets' must be >= 0, got -3 at entry 1"),
+            std::string::npos);
+  rotary.dim = 3;
+  EXPECT_NE(message([&] {
+              rotary_drift(f.data(), f.data(), 2, 4, rotary, {1});
+            }).find("'rotary.dim' must be 0 (none) or even"),
+            std::string::npos);
 }
 
 TEST(RotaryArguments, EachBadFieldIsNamedWithItsValue) {

@@ -108,3 +108,55 @@ def test_llama_layers_and_logits_match_the_framework(converted, tmp_path, precis
     e = float(np.max(np.abs(ours - last)) / np.max(np.abs(last)))
     print(f"llama {case} {precision}: last-token logits rel err {e:.3e}")
     assert ours.shape == (3, VOCAB) and e < tol
+
+
+def test_rotary_report_is_the_framework_forms_drift(converted, tmp_path):
+    # `emflow convert --report` on a llama model writes rotary.csv: per layer, head and offset t,
+    # how M(t) = A^T R(-t) B (a key t positions before its query) compares with M(0). Here the
+    # forms are built from the framework's own weights and rotation (transformers' q_proj,
+    # k_proj and their biases as the extra coordinate, its inv_freq, its rotate_half pairing):
+    # a wrong sign, pairing or frequency would move the cosines by far more than the tolerance,
+    # which covers transformers' float32 inv_freq against emflow's double frequencies.
+    case, model, ops = converted
+    out = tmp_path / "ops"
+    printed = run("convert", ops.parent / "model", "--out", out, "--report").stdout
+    assert "rotary.csv" in printed and "cos(M(t), M(0))" in printed
+    rows = np.genfromtxt(out / "rotary.csv", delimiter=",", names=True)
+    config = model.config
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    dk = config.hidden_size // heads
+    offsets = sorted(set(int(t) for t in rows["offset"]))
+    assert offsets == [2**k for k in range(13)]
+    assert len(rows) == LAYERS * heads * len(offsets)
+    inv_freq = model.model.rotary_emb.inv_freq.double().numpy()
+    scaling = getattr(model.model.rotary_emb, "attention_scaling", 1.0)
+    assert scaling == 1.0
+
+    def rotation(position):  # transformers: x cos + rotate_half(x) sin, as a matrix
+        angles = np.concatenate([inv_freq, inv_freq]) * position
+        half = dk // 2
+        turn = np.zeros((dk, dk))
+        turn[:half, half:] = -np.eye(half)
+        turn[half:, :half] = np.eye(half)
+        return np.diag(np.cos(angles)) + np.diag(np.sin(angles)) @ turn
+
+    for layer in range(LAYERS):
+        attention = model.model.layers[layer].self_attn
+        q = attention.q_proj.weight.detach().double().numpy()
+        k = attention.k_proj.weight.detach().double().numpy()
+        if attention.q_proj.bias is not None:  # the cloud lifted by a last coordinate 1
+            q = np.hstack([q, attention.q_proj.bias.detach().double().numpy()[:, None]])
+            k = np.hstack([k, attention.k_proj.bias.detach().double().numpy()[:, None]])
+        for head in range(heads):
+            a = q[head * dk:(head + 1) * dk]
+            g = head // (heads // kv)
+            b = k[g * dk:(g + 1) * dk]
+            form0 = a.T @ b
+            mine = rows[(rows["layer"] == layer) & (rows["head"] == head)]
+            assert np.all(mine["kv_head"] == g)
+            for t, change, cosine in zip(mine["offset"], mine["relative_change"], mine["cosine"]):
+                form = a.T @ rotation(t).T @ rotation(0) @ b  # query at t, key at 0
+                want_cos = np.sum(form * form0) / (np.linalg.norm(form) * np.linalg.norm(form0))
+                want_change = np.linalg.norm(form - form0) / np.linalg.norm(form0)
+                assert abs(cosine - want_cos) < 2e-3, (case, layer, head, t)
+                assert abs(change - want_change) < 2e-3, (case, layer, head, t)
