@@ -1,8 +1,10 @@
 // emflow::sdpa_attend and emflow::sdpa_backward (include/emflow/sdpa.hpp): the arguments checked
 // once, the device chosen in one place (sdpa_device), and the host paths: the fused CPU engine in
 // float32 (src/cpu/sdpa.cpp, sdpa_backward.cpp), the 16-bit types widened exactly to float for
-// it, and the double reference (reference::sdpa_attend, reference::sdpa_backward) for double
-// input, for Device::reference and for input with a non-finite value the engine would read.
+// it (but the bfloat16 backward, which runs AVX512-BF16 products where this_machine() has them,
+// sdpa_backward_bf16.cpp), and the double reference (reference::sdpa_attend,
+// reference::sdpa_backward) for double input, for Device::reference and for input with a
+// non-finite value the engine would read.
 #include "emflow/sdpa.hpp"
 
 #include <cmath>

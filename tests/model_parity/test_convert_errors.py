@@ -356,9 +356,16 @@ def test_a_llama_checkpoint_converts(tmp_path):
     assert manifest["rotary"]["base"] == 10000.0 and manifest["rotary"]["dim"] == D // HEADS
     assert "unembedding" not in manifest["model_files"]
     assert not any(name.endswith(".M.npy") for name in os.listdir(tmp_path / "ops"))
+    # No single M_h to take the spectrum of: --report says how each head's rotary form turns
+    # with the offset instead (test_llama_parity.py checks its values against transformers).
     report = convert(model, "--out", tmp_path / "ops2", "--report")
-    assert report.returncode != 0
-    assert "needs the dense operators" in report.stderr and not (tmp_path / "ops2").exists()
+    assert report.returncode == 0, report.stderr
+    assert "rotary.csv" in report.stdout and not (tmp_path / "ops2" / "spectrum.csv").exists()
+    manifest = json.loads((tmp_path / "ops2" / "manifest.json").read_text())
+    assert "rotary.csv" in json.dumps(manifest)
+    lines = (tmp_path / "ops2" / "rotary.csv").read_text().splitlines()
+    assert lines[0] == "layer,head,kv_head,offset,relative_change,cosine"
+    assert len(lines) == 1 + LAYERS * HEADS * 13
 
 
 @pytest.mark.parametrize("change, config, phrases", [
