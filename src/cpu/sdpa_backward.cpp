@@ -71,27 +71,19 @@ class Float32Kernel {
   }
 
   /// Per-thread working memory.
-  class Tiles {
-   public:
-    explicit Tiles(const Float32Kernel& k)
+  struct Tiles {
+    explicit Tiles(const Float32Kernel& /*kernel*/)
         : centred(kBlockQueries * kBlockKeys),
           weights(kBlockQueries * kBlockKeys),
-          grads(kBlockQueries * kBlockKeys),
-          dk_(kBlockKeys * k.dk_stride),
-          dv_(kBlockKeys * k.dv_stride) {}
-    float* dk() const { return dk_.data(); }
-    float* dv() const { return dv_.data(); }
+          grads(kBlockQueries * kBlockKeys) {}
     AlignedBuffer centred;  // S, then S - lse: kBlockQueries x kBlockKeys
     AlignedBuffer weights;  // P
     AlignedBuffer grads;    // dP, then dS
-
-   private:
-    AlignedBuffer dk_, dv_;  // kBlockKeys x rs, kBlockKeys x vs
   };
 
   void block_pair(const float* query, const RowTerms& terms, const float* key,
                   const QueryRule& rule, std::int64_t q0, std::int64_t live, std::int64_t k0,
-                  bool partial, float* partial_dq, Tiles& t) const;
+                  bool partial, float* partial_dq, float* dk, float* dv, Tiles& t) const;
 
  private:
   std::int64_t upstream_stride() const { return sh_.has_dO ? dv_stride : 0; }
@@ -118,7 +110,8 @@ class Float32Kernel {
 /// [k0, k0 + kBlockKeys) of a key head (the algorithm of sdpa_backward_driver.hpp).
 void Float32Kernel::block_pair(const float* query, const RowTerms& terms, const float* key,
                                const QueryRule& rule, std::int64_t q0, std::int64_t live,
-                               std::int64_t k0, bool partial, float* partial_dq, Tiles& t) const {
+                               std::int64_t k0, bool partial, float* partial_dq, float* dk,
+                               float* dv, Tiles& t) const {
   constexpr std::int64_t W = kBlockKeys;
   constexpr std::int64_t kVectors = W / kLanes;
   const std::int64_t rs = dq_stride, vs = dv_stride;
@@ -147,12 +140,7 @@ void Float32Kernel::block_pair(const float* query, const RowTerms& terms, const 
       std::fill(p, p + W, 0.0f);
       continue;
     }
-    if (partial) {
-      const KeyRange keys = rule.keys(q0 + i);
-      for (std::int64_t j = 0; j < W; ++j) {
-        if (!keys.contains(k0 + j)) s[j] = kNegInf;
-      }
-    }
+    if (partial) backward::set_hidden(rule, q0 + i, k0, s, kNegInf);
     const Vec lse = splat(terms.lse[q0 + i]);
     for (std::int64_t v = 0; v < kVectors; ++v) {
       const Vec centred = load(s + v * kLanes) - lse;
@@ -163,7 +151,7 @@ void Float32Kernel::block_pair(const float* query, const RowTerms& terms, const 
   if (dO != nullptr) {
     // dV += P^T dO (the reduction over the block's query rows), then dP = dO V^T.
     for (std::int64_t j = 0; j < W; j += kChunkRows) {
-      row_block_gemm<kChunkRows, true>(rows, P + j, W, dO, vs, vs, t.dv() + j * vs, vs, true);
+      row_block_gemm<kChunkRows, true>(rows, P + j, W, dO, vs, vs, dv + j * vs, vs, true);
     }
     const float* values = value_panels(key);
     for (std::int64_t i = 0; i < rows; i += kChunkRows) {
@@ -190,17 +178,12 @@ void Float32Kernel::block_pair(const float* query, const RowTerms& terms, const 
       if (sh_.has_dH) inner = fma(dh, Vec{} - load(s + v * kLanes), inner);
       store(g + v * kLanes, load(p + v * kLanes) * inner);
     }
-    if (partial) {
-      // The hidden pairs: p = 0 there, but the entropy's term reads S - lse = -inf.
-      const KeyRange keys = rule.keys(q0 + i);
-      for (std::int64_t j = 0; j < W; ++j) {
-        if (!keys.contains(k0 + j)) g[j] = 0.0f;
-      }
-    }
+    // The hidden pairs: p = 0 there, but the entropy's term reads S - lse = -inf.
+    if (partial) backward::set_hidden(rule, q0 + i, k0, g, 0.0f);
   }
   // dK += dS^T Q~ and dQ' += dS K.
   for (std::int64_t j = 0; j < W; j += kChunkRows) {
-    row_block_gemm<kChunkRows, true>(rows, G + j, W, Q, rs, rs, t.dk() + j * rs, rs, true);
+    row_block_gemm<kChunkRows, true>(rows, G + j, W, Q, rs, rs, dk + j * rs, rs, true);
   }
   for (std::int64_t i = 0; i < rows; i += kChunkRows) {
     row_block_gemm<kChunkRows>(W, G + i * W, W, key + k0 * rs, rs, rs, partial_dq + (q0 + i) * rs,

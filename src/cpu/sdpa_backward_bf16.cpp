@@ -138,6 +138,19 @@ EMFLOW_BF16_TARGET inline __m512i interleave_rows(__m512 low, __m512 high) {
   return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
 }
 
+/// A 64 x 64 float tile's first `rows` rows (an even number) as pairs of rows by key: word
+/// (i / 2, j) holds (tile[i][j], tile[i + 1][j]) rounded to bfloat16.
+EMFLOW_BF16_TARGET void pair_rows(const float* tile, std::int64_t rows, Word* out) {
+  constexpr std::int64_t W = kBlockKeys;
+  for (std::int64_t i = 0; i < rows; i += 2) {
+    for (std::int64_t v = 0; v < W / 16; ++v) {
+      _mm512_storeu_si512(out + i / 2 * W + v * 16,
+                          interleave_rows(_mm512_loadu_ps(tile + i * W + v * 16),
+                                          _mm512_loadu_ps(tile + (i + 1) * W + v * 16)));
+    }
+  }
+}
+
 /// The AVX512-BF16 kernel of the driver.
 class Bf16Kernel {
  public:
@@ -173,24 +186,26 @@ class Bf16Kernel {
       return c < width ? rows[i * width + c] : 0.0f;
     };
     for (std::int64_t i = row0; i < row_end; ++i) {
+      const bool live = real(i);
       for (std::int64_t p = 0; p < rp_; ++p) {
         q.a[i * rp_ + p] =
-            real(i) ? pair_of(value(Q, sh_.r, i, 2 * p), value(Q, sh_.r, i, 2 * p + 1)) : 0;
+            live ? pair_of(value(Q, sh_.r, i, 2 * p), value(Q, sh_.r, i, 2 * p + 1)) : 0;
       }
       for (std::int64_t p = 0; p < vp_; ++p) {
         q.da[i * vp_ + p] =
-            real(i) ? pair_of(value(dO, sh_.rv, i, 2 * p), value(dO, sh_.rv, i, 2 * p + 1)) : 0;
+            live ? pair_of(value(dO, sh_.rv, i, 2 * p), value(dO, sh_.rv, i, 2 * p + 1)) : 0;
       }
     }
     for (std::int64_t i = row0; i < row_end; i += 2) {
       const std::int64_t ip = i / 2;
+      const bool first = real(i), second = real(i + 1);
       for (std::int64_t c = 0; c < sh_.r; ++c) {
         q.b[ip * dq_stride + c] =
-            pair_of(real(i) ? Q[i * sh_.r + c] : 0.0f, real(i + 1) ? Q[(i + 1) * sh_.r + c] : 0.0f);
+            pair_of(first ? Q[i * sh_.r + c] : 0.0f, second ? Q[(i + 1) * sh_.r + c] : 0.0f);
       }
       for (std::int64_t c = 0; c < (sh_.has_dO ? sh_.rv : 0); ++c) {
-        q.db[ip * dv_stride + c] = pair_of(real(i) ? dO[i * sh_.rv + c] : 0.0f,
-                                           real(i + 1) ? dO[(i + 1) * sh_.rv + c] : 0.0f);
+        q.db[ip * dv_stride + c] =
+            pair_of(first ? dO[i * sh_.rv + c] : 0.0f, second ? dO[(i + 1) * sh_.rv + c] : 0.0f);
       }
     }
   }
@@ -225,34 +240,26 @@ class Bf16Kernel {
   }
 
   /// Per-thread working memory.
-  class Tiles {
-   public:
-    explicit Tiles(const Bf16Kernel& k)
+  struct Tiles {
+    explicit Tiles(const Bf16Kernel& /*kernel*/)
         : scores(kBlockQueries * kBlockKeys),
           weights(kBlockQueries * kBlockKeys),
           grads(kBlockQueries * kBlockKeys),
           weight_pairs(kBlockQueries / 2 * kBlockKeys),
           grad_pairs(kBlockQueries / 2 * kBlockKeys),
-          grad_rows(kBlockQueries * kKeyPairs),
-          dk_(kBlockKeys * k.dk_stride),
-          dv_(kBlockKeys * k.dv_stride) {}
-    float* dk() const { return dk_.data(); }
-    float* dv() const { return dv_.data(); }
+          grad_rows(kBlockQueries * kKeyPairs) {}
     AlignedBuffer scores;        // scale Q K^T, then S - lse: 64 x 64
     AlignedBuffer weights;       // P: 64 x 64
     AlignedBuffer grads;         // dP, then dS: 64 x 64
     AlignedBuffer weight_pairs;  // P in pairs of rows, by key: 32 x 64 words
     AlignedBuffer grad_pairs;    // dS likewise
     AlignedBuffer grad_rows;     // dS in pairs of keys, by row: 64 x 32 words
-
-   private:
-    AlignedBuffer dk_, dv_;
   };
 
   EMFLOW_BF16_TARGET void block_pair(const float* query, const RowTerms& terms, const float* key,
                                      const QueryRule& rule, std::int64_t q0, std::int64_t live,
-                                     std::int64_t k0, bool partial, float* partial_dq,
-                                     Tiles& t) const;
+                                     std::int64_t k0, bool partial, float* partial_dq, float* dk,
+                                     float* dv, Tiles& t) const;
 
  private:
   struct Operands {
@@ -287,7 +294,8 @@ class Bf16Kernel {
 EMFLOW_BF16_TARGET void Bf16Kernel::block_pair(const float* query, const RowTerms& terms,
                                                const float* key, const QueryRule& rule,
                                                std::int64_t q0, std::int64_t live, std::int64_t k0,
-                                               bool partial, float* partial_dq, Tiles& t) const {
+                                               bool partial, float* partial_dq, float* dk,
+                                               float* dv, Tiles& t) const {
   constexpr std::int64_t W = kBlockKeys;
   constexpr std::int64_t kVectors = W / 16;
   const Operands q = query_operands(query);
@@ -312,12 +320,7 @@ EMFLOW_BF16_TARGET void Bf16Kernel::block_pair(const float* query, const RowTerm
       std::fill(p, p + W, 0.0f);
       continue;
     }
-    if (partial) {
-      const KeyRange keys = rule.keys(q0 + i);
-      for (std::int64_t j = 0; j < W; ++j) {
-        if (!keys.contains(k0 + j)) s[j] = kNegInf;
-      }
-    }
+    if (partial) backward::set_hidden(rule, q0 + i, k0, s, kNegInf);
     const __m512 lse = _mm512_set1_ps(terms.lse[q0 + i]);
     const __m512 factor = _mm512_set1_ps(scale);
     for (std::int64_t v = 0; v < kVectors; ++v) {
@@ -328,14 +331,8 @@ EMFLOW_BF16_TARGET void Bf16Kernel::block_pair(const float* query, const RowTerm
   }
   if (vp_ > 0) {
     // dV += P^T dO (P rounded to bfloat16, in pairs of query rows), then dP = dO V^T.
-    for (std::int64_t i = 0; i < rows; i += 2) {
-      for (std::int64_t v = 0; v < kVectors; ++v) {
-        _mm512_storeu_si512(P2 + i / 2 * W + v * 16,
-                            interleave_rows(_mm512_loadu_ps(P + i * W + v * 16),
-                                            _mm512_loadu_ps(P + (i + 1) * W + v * 16)));
-      }
-    }
-    dp_gemm<true, true>(W, rows / 2, P2, W, q.db + q0 / 2 * dv_stride, dv_stride, dv_stride, t.dv(),
+    pair_rows(P, rows, P2);
+    dp_gemm<true, true>(W, rows / 2, P2, W, q.db + q0 / 2 * dv_stride, dv_stride, dv_stride, dv,
                         dv_stride);
     dp_gemm<false, false>(rows, vp_, q.da + q0 * vp_, vp_, k.vb + block * vp_ * W, W, W, G, W);
   }
@@ -356,28 +353,17 @@ EMFLOW_BF16_TARGET void Bf16Kernel::block_pair(const float* query, const RowTerm
         if (sh_.has_dH) inner = _mm512_fnmadd_ps(dh, _mm512_loadu_ps(s + v * 16), inner);
         _mm512_storeu_ps(g + v * 16, _mm512_mul_ps(_mm512_loadu_ps(p + v * 16), inner));
       }
-      if (partial) {
-        // The hidden pairs: p = 0 there, but the entropy's term reads S - lse = -inf.
-        const KeyRange keys = rule.keys(q0 + i);
-        for (std::int64_t j = 0; j < W; ++j) {
-          if (!keys.contains(k0 + j)) g[j] = 0.0f;
-        }
-      }
+      // The hidden pairs: p = 0 there, but the entropy's term reads S - lse = -inf.
+      if (partial) backward::set_hidden(rule, q0 + i, k0, g, 0.0f);
     }
     for (std::int64_t v = 0; v < kVectors; ++v) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(Gr + i * kKeyPairs + v * 8),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(g + v * 16)));
     }
   }
-  for (std::int64_t i = 0; i < rows; i += 2) {
-    for (std::int64_t v = 0; v < kVectors; ++v) {
-      _mm512_storeu_si512(G2 + i / 2 * W + v * 16,
-                          interleave_rows(_mm512_loadu_ps(G + i * W + v * 16),
-                                          _mm512_loadu_ps(G + (i + 1) * W + v * 16)));
-    }
-  }
+  pair_rows(G, rows, G2);
   // dK += dS^T Q (the scale applied when the driver writes dK) and dQ' += dS K.
-  dp_gemm<true, true>(W, rows / 2, G2, W, q.b + q0 / 2 * dq_stride, dq_stride, dq_stride, t.dk(),
+  dp_gemm<true, true>(W, rows / 2, G2, W, q.b + q0 / 2 * dq_stride, dq_stride, dq_stride, dk,
                       dq_stride);
   dp_gemm<false, true>(rows, kKeyPairs, Gr, kKeyPairs, k.rows + k0 / 2 * dq_stride, dq_stride,
                        dq_stride, partial_dq + q0 * dq_stride, dq_stride);

@@ -42,8 +42,10 @@
 //   pack_query(a, saved, rule, head_row, row0, row_end, packed)
 //       the rows [row0, row_end) of the query head whose first row is `head_row` (of Q, dO)
 //   pack_keys(a, set, length, row0, row_end, packed)   the rows of key and value head `set`
-//   K::Tiles(K)                   a thread's working memory, with dk() and dv() tiles
-//   block_pair(query, terms, key, rule, q0, live, k0, partial, partial_dq, tiles)
+//   K::Tiles(K)                   a thread's working memory for block_pair
+//   block_pair(query, terms, key, rule, q0, live, k0, partial, partial_dq, dk, dv, tiles)
+//                                 adds the pair's dK and dV to the thread's key block tiles
+//                                 (kBlockKeys rows of dk_stride and dv_stride floats)
 #pragma once
 
 #include <omp.h>
@@ -126,6 +128,16 @@ inline void plan_spans(Shapes& sh, std::int64_t pairs, std::int64_t span_bytes) 
   sh.spans = std::min(spans, fit);
 }
 
+/// Sets the entries of `row` (the keys [k0, k0 + kBlockKeys) of query `query`) that `rule`
+/// hides to `value`: -inf on the scores of a partial pair of blocks, 0 on their dS.
+inline void set_hidden(const QueryRule& rule, std::int64_t query, std::int64_t k0, float* row,
+                       float value) {
+  const KeyRange keys = rule.keys(query);
+  for (std::int64_t j = 0; j < kBlockKeys; ++j) {
+    if (!keys.contains(k0 + j)) row[j] = value;
+  }
+}
+
 /// The row terms of the rows [row0, row_end) of the query head whose first row is `head_row`.
 inline void row_terms(const SdpaArrays& a, const SdpaBackwardArrays& saved, const QueryRule& rule,
                       std::int64_t head_row, std::int64_t row0, std::int64_t row_end,
@@ -203,6 +215,9 @@ void run(const SdpaArrays& a, const SdpaBackwardArrays& saved, const SdpaGradien
   const auto packed_key = [&](std::int64_t e) { return keys.data() + e * key_floats; };
   std::vector<std::unique_ptr<typename K::Tiles>> tiles;
   for (int t = 0; t < team; ++t) tiles.push_back(std::make_unique<typename K::Tiles>(kernel));
+  // Each thread's dK and dV of its current key block.
+  AlignedBuffer key_grads(team * kBlockKeys * kernel.dk_stride);
+  AlignedBuffer value_grads(team * kBlockKeys * kernel.dv_stride);
   // dL/dscale per (cloud, query head, query block), summed in that order at the end.
   std::vector<double> scale_terms(static_cast<std::size_t>(B * Hq * sh.query_blocks), 0.0);
 
@@ -210,7 +225,10 @@ void run(const SdpaArrays& a, const SdpaBackwardArrays& saved, const SdpaGradien
     const std::int64_t count = std::min(group, B - first);
 #pragma omp parallel num_threads(team)
     {
-      typename K::Tiles& t = *tiles[static_cast<std::size_t>(omp_get_thread_num())];
+      const int thread = omp_get_thread_num();
+      typename K::Tiles& t = *tiles[static_cast<std::size_t>(thread)];
+      float* const dk_tile = key_grads.data() + thread * kBlockKeys * kernel.dk_stride;
+      float* const dv_tile = value_grads.data() + thread * kBlockKeys * kernel.dv_stride;
       // Phase 1, one 64-row block of a query head or of a key head per task: the kernel's
       // packing (zero on the rows of queries without keys and past the key length), the row
       // terms, the dQ' buffers zeroed.
@@ -252,8 +270,8 @@ void run(const SdpaArrays& a, const SdpaBackwardArrays& saved, const SdpaGradien
         const QueryRule& rule = a.rules[b];
         for (std::int64_t block = span; block < sh.key_blocks; block += sh.spans) {
           const std::int64_t k0 = block * kBlockKeys;
-          std::fill(t.dk(), t.dk() + kBlockKeys * kernel.dk_stride, 0.0f);
-          std::fill(t.dv(), t.dv() + kBlockKeys * kernel.dv_stride, 0.0f);
+          std::fill(dk_tile, dk_tile + kBlockKeys * kernel.dk_stride, 0.0f);
+          std::fill(dv_tile, dv_tile + kBlockKeys * kernel.dv_stride, 0.0f);
           for (std::int64_t hh = 0; hh < group_heads; ++hh) {
             const std::int64_t q_head = c * Hq + g * group_heads + hh;
             float* partial_dq = partials_of(q_head) + span * partial_floats;
@@ -264,18 +282,18 @@ void run(const SdpaArrays& a, const SdpaBackwardArrays& saved, const SdpaGradien
               const Cover pair = cover(rule, q0, live, k0);
               if (pair == Cover::empty) continue;
               kernel.block_pair(packed_query(q_head), terms_of(q_head), packed_key(e), rule, q0,
-                                live, k0, pair == Cover::partial, partial_dq, t);
+                                live, k0, pair == Cover::partial, partial_dq, dk_tile, dv_tile, t);
             }
           }
           // This block's dK and dV rows, each written once (zero for keys no query sees).
           const std::int64_t set = b * Hkv + g;
           for (std::int64_t j = k0; j < std::min(k0 + kBlockKeys, Nk); ++j) {
-            const float* dk = t.dk() + (j - k0) * kernel.dk_stride;
+            const float* dk = dk_tile + (j - k0) * kernel.dk_stride;
             float* dst = out.keys + (set * Nk + j) * r;
             for (std::int64_t col = 0; col < r; ++col) dst[col] = kernel.dk_factor * dk[col];
             float* dv = out.values + (set * Nk + j) * rv;
             if (sh.has_dO) {
-              const float* src = t.dv() + (j - k0) * kernel.dv_stride;
+              const float* src = dv_tile + (j - k0) * kernel.dv_stride;
               std::copy(src, src + rv, dv);
             } else {
               std::fill(dv, dv + rv, 0.0f);
