@@ -29,6 +29,7 @@
 
 #include "backward/targets.hpp"
 #include "common/accuracy.hpp"
+#include "common/stored.hpp"
 #include "common/testing.hpp"
 #include "emflow/capability.hpp"
 #include "emflow/precision.hpp"
@@ -357,38 +358,17 @@ TEST(SdpaDeterminism, GradientsAreBitwiseTheSameForOneTwoAndThreeThreads) {
 // that kernel's products (the test says which path ran); EMFLOW_CPU_DISABLE=avx512bf16 sends it to
 // the widening float32 kernel, which ctest runs too (backward.bf16_widened).
 
-template <class T>
-T narrow(double value) {
-  if constexpr (std::is_same_v<T, bfloat16>) {
-    return to_bfloat16(static_cast<float>(value));
-  } else {
-    return to_float16(static_cast<float>(value));
-  }
-}
-
+/// `value` rounded to T and read back.
 template <class T>
 double round_trip(double value) {
-  return static_cast<double>(to_float(narrow<T>(value)));
+  return testing::value_of(testing::stored<T>(value));
 }
 
+/// Every value of `t` rounded to T and read back: inputs T holds exactly.
 template <class T>
-Tensor<double> stored(Tensor<double> t) {
+Tensor<double> rounded(Tensor<double> t) {
   for (double& v : t.values()) v = round_trip<T>(v);
   return t;
-}
-
-template <class T>
-std::vector<T> narrowed(const Tensor<double>& t) {
-  std::vector<T> out;
-  for (double v : t.values()) out.push_back(narrow<T>(v));
-  return out;
-}
-
-template <class T>
-std::vector<double> widened(const std::vector<T>& values) {
-  std::vector<double> out;
-  for (T v : values) out.push_back(static_cast<double>(to_float(v)));
-  return out;
 }
 
 /// What the forward pass leaves for the backward: O stored as T, lse and H in float32.
@@ -489,12 +469,14 @@ TYPED_TEST(SdpaLowPrecision, GradientsMeetTheAccuracyRule) {
   for (const SdpaCase& c : sdpa_cases()) {
     SCOPED_TRACE(c.name);
     Inputs in(c, 29);
-    in.Q = stored<T>(in.Q);
-    in.K = stored<T>(in.K);
-    in.V = stored<T>(in.V);
+    in.Q = rounded<T>(in.Q);
+    in.K = rounded<T>(in.K);
+    in.V = rounded<T>(in.V);
     const reference::SdpaAttention ref =
         reference::sdpa_attend(in.Q, in.K, in.V, c.scale, c.visibility, /*with_weights=*/true);
-    const std::vector<T> Q = narrowed<T>(in.Q), K = narrowed<T>(in.K), V = narrowed<T>(in.V);
+    const std::vector<T> Q = testing::stored<T>(in.Q.values()),
+                         K = testing::stored<T>(in.K.values()),
+                         V = testing::stored<T>(in.V.values());
     const SdpaInput<T> input = input_of(c, Q, K, V);
     Saved<T> saved{std::vector<T>(static_cast<std::size_t>(count(in.output))),
                    std::vector<float>(static_cast<std::size_t>(count(in.statistics))),
@@ -517,30 +499,31 @@ TYPED_TEST(SdpaLowPrecision, GradientsMeetTheAccuracyRule) {
       }
     }
     for (double& o : naive_output) o = round_trip<T>(o);
-    EXPECT_EQ(testing::check_rule("output", widened(saved.output), naive_output,
+    EXPECT_EQ(testing::check_rule("output", testing::values_of(saved.output), naive_output,
                                   zero_padding(ref.output)),
               "");
     for (Through through : testing::kEveryThrough) {
       SCOPED_TRACE(testing::to_string(through));
       reference::OutputGradients up = upstream_of(through, in, ref.lse, 31);
-      if (!(up.update.size() == 0)) up.update = stored<T>(up.update);
-      const std::vector<T> dO = narrowed<T>(up.update);
+      if (up.update.size() != 0) up.update = rounded<T>(up.update);
+      const std::vector<T> dO = testing::stored<T>(up.update.values());
       const std::vector<float> dlse = testing::as_vector<float>(up.lse),
                                dH = testing::as_vector<float>(up.entropy);
       UpstreamGradients<T> upstream;
       upstream.update = dO.empty() ? nullptr : dO.data();
       upstream.lse = dlse.empty() ? nullptr : dlse.data();
       upstream.entropy = dH.empty() ? nullptr : dH.data();
-      std::vector<T> dQ(static_cast<std::size_t>(in.Q.size()), narrow<T>(testing::kNaN)),
-          dK(static_cast<std::size_t>(in.K.size()), narrow<T>(testing::kNaN)),
-          dV(static_cast<std::size_t>(in.V.size()), narrow<T>(testing::kNaN));
+      std::vector<T> dQ(static_cast<std::size_t>(in.Q.size()), testing::stored<T>(testing::kNaN)),
+          dK(static_cast<std::size_t>(in.K.size()), testing::stored<T>(testing::kNaN)),
+          dV(static_cast<std::size_t>(in.V.size()), testing::stored<T>(testing::kNaN));
       sdpa_backward(input,
                     SdpaSaved<T>{saved.output.data(), saved.lse.data(), saved.entropy.data()},
                     upstream, SdpaGradientOutput<T>{dQ.data(), dK.data(), dV.data()}, options);
       const reference::SdpaGradients exact =
           reference::sdpa_backward(in.Q, in.K, in.V, c.scale, c.visibility, up);
       const Gradients naive = naive_backward<T>(c, in, ref.weights, saved, up);
-      const std::vector<double> ours[] = {widened(dQ), widened(dK), widened(dV)};
+      const std::vector<double> ours[] = {testing::values_of(dQ), testing::values_of(dK),
+                                          testing::values_of(dV)};
       const std::vector<double>* naives[] = {&naive.queries, &naive.keys, &naive.values};
       const std::vector<double> exacts[] = {zero_padding(exact.queries), zero_padding(exact.keys),
                                             zero_padding(exact.values)};
@@ -573,10 +556,11 @@ TYPED_TEST(SdpaLowPrecision,
                    24,
                    with_lengths(Mask::causal(), {333, 200}, {333, 200})};
   Inputs in(c, 7);
-  in.Q = stored<T>(in.Q);
-  in.K = stored<T>(in.K);
-  in.V = stored<T>(in.V);
-  const std::vector<T> Q = narrowed<T>(in.Q), K = narrowed<T>(in.K), V = narrowed<T>(in.V);
+  in.Q = rounded<T>(in.Q);
+  in.K = rounded<T>(in.K);
+  in.V = rounded<T>(in.V);
+  const std::vector<T> Q = testing::stored<T>(in.Q.values()), K = testing::stored<T>(in.K.values()),
+                       V = testing::stored<T>(in.V.values());
   const SdpaInput<T> input = input_of(c, Q, K, V);
   Saved<T> saved{std::vector<T>(static_cast<std::size_t>(count(in.output))),
                  std::vector<float>(static_cast<std::size_t>(count(in.statistics))),
@@ -586,8 +570,8 @@ TYPED_TEST(SdpaLowPrecision,
   const reference::SdpaAttention ref =
       reference::sdpa_attend(in.Q, in.K, in.V, c.scale, c.visibility);
   reference::OutputGradients up = upstream_of(Through::all, in, ref.lse, 3);
-  up.update = stored<T>(up.update);
-  const std::vector<T> dO = narrowed<T>(up.update);
+  up.update = rounded<T>(up.update);
+  const std::vector<T> dO = testing::stored<T>(up.update.values());
   const std::vector<float> dlse = testing::as_vector<float>(up.lse),
                            dH = testing::as_vector<float>(up.entropy);
   std::vector<T> dQ1, dK1, dV1;
@@ -604,9 +588,12 @@ TYPED_TEST(SdpaLowPrecision,
       const reference::SdpaGradients exact =
           reference::sdpa_backward(in.Q, in.K, in.V, c.scale, c.visibility, up);
       const std::vector<double> zeros(dQ.size(), 0.0);
-      EXPECT_EQ(testing::check_rule("dQ", widened(dQ), widened(dQ1), zero_padding(exact.queries)),
+      EXPECT_EQ(testing::check_rule("dQ", testing::values_of(dQ), testing::values_of(dQ1),
+                                    zero_padding(exact.queries)),
                 "");
-      EXPECT_NE(testing::check_rule("dQ", zeros, widened(dQ1), zero_padding(exact.queries)), "");
+      EXPECT_NE(
+          testing::check_rule("dQ", zeros, testing::values_of(dQ1), zero_padding(exact.queries)),
+          "");
       continue;
     }
     SCOPED_TRACE(threads);
