@@ -72,18 +72,6 @@ struct Problem : tools::BenchProblem {
       : BenchProblem(args.batch, args.tokens, args.dim, args.heads, mask) {}
 };
 
-/// `value` stored as S (rounded to nearest even for the 16-bit types).
-template <class S>
-S stored_as(float value) {
-  if constexpr (std::is_same_v<S, bfloat16>) {
-    return to_bfloat16(value);
-  } else if constexpr (std::is_same_v<S, float16>) {
-    return to_float16(value);
-  } else {
-    return value;
-  }
-}
-
 /// The SDPA-shaped problem of --backward, stored as S: per head the queries Q_h = X M_h, the
 /// keys X and the values X F_h^T of the seeded problem (the dense EMF update as SDPA with
 /// scale 1, as bench/torch_sdpa.py builds it for torch), an upstream gradient dO uniform in
@@ -120,17 +108,18 @@ struct SdpaProblem {
     }
     std::mt19937_64 engine(2025);
     std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
-    for (std::size_t e = 0; e < size; ++e) {
-      queries.push_back(stored_as<S>(q[e]));
-      values.push_back(stored_as<S>(v[e]));
-      d_output.push_back(stored_as<S>(unit(engine)));
-    }
+    std::vector<float> upstream(size), k;
+    for (float& e : upstream) e = unit(engine);
     for (std::int64_t b = 0; b < B; ++b) {
       for (std::int64_t h = 0; h < H; ++h) {
-        const float* x = p.cloud.data() + b * N * d;
-        for (std::int64_t e = 0; e < N * d; ++e) keys.push_back(stored_as<S>(x[e]));
+        k.insert(k.end(), p.cloud.data() + b * N * d, p.cloud.data() + (b + 1) * N * d);
       }
     }
+    const auto count = static_cast<std::int64_t>(size);
+    queries = stored<S>(q.data(), count);
+    keys = stored<S>(k.data(), count);
+    values = stored<S>(v.data(), count);
+    d_output = stored<S>(upstream.data(), count);
     output.resize(size);
     d_queries.resize(size);
     d_keys.resize(size);
@@ -334,13 +323,14 @@ std::string check_bench_memory(const BenchArguments& args,
   }
   if (args.baseline) parts.push_back({"--baseline", "the N x N matrix", N * N * f});
   if (args.backward) {
-    // Per precision: Q, K, V, O, dO, dQ, dK, dV of (batch, heads, tokens, dim), the float
-    // products before rounding and the lse; the operator's working memory is O(N d) per thread.
+    // Per precision: Q, K, V, O, dO, dQ, dK, dV of (batch, heads, tokens, dim), the four float
+    // arrays (Q, K, V, dO) before rounding and the lse; the operator's working memory is O(N d)
+    // per thread.
     const double n = static_cast<double>(precisions.size());
     parts.push_back({"--backward",
                      "the SDPA problem's 8 arrays of --batch x --heads x --tokens x --dim, per "
                      "precision",
-                     n * (8 * B * H * N * d * f + 3 * B * H * N * d * f + B * H * N * f)});
+                     n * (8 * B * H * N * d * f + 4 * B * H * N * d * f + B * H * N * f)});
   }
   double total = 0;
   const Part* largest = &parts.front();

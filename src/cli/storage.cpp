@@ -4,8 +4,6 @@
 #include <type_traits>
 
 namespace emflow::cli {
-namespace {
-
 template <class S>
 std::vector<S> stored(const float* values, std::int64_t count) {
   std::vector<S> out;
@@ -14,12 +12,20 @@ std::vector<S> stored(const float* values, std::int64_t count) {
   for (std::int64_t i = 0; i < count; ++i) {
     if constexpr (std::is_same_v<S, bfloat16>) {
       out.push_back(to_bfloat16(values[i]));
-    } else {
+    } else if constexpr (std::is_same_v<S, float16>) {
       out.push_back(to_float16(values[i]));
+    } else {
+      out.push_back(values[i]);
     }
   }
   return out;
 }
+
+template std::vector<float> stored<float>(const float*, std::int64_t);
+template std::vector<bfloat16> stored<bfloat16>(const float*, std::int64_t);
+template std::vector<float16> stored<float16>(const float*, std::int64_t);
+
+namespace {
 
 template <class S>
 const S* data_or_null(const std::vector<S>& values) {

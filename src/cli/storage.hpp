@@ -2,12 +2,17 @@
 // bfloat16 or float16, the operation run on them, the update widened back (exactly) to float32.
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "emflow/attention.hpp"
 #include "emflow/precision.hpp"
 
 namespace emflow::cli {
+
+/// `count` float values rounded to S (nearest even; float: copied); empty for null `values`.
+template <class S>
+std::vector<S> stored(const float* values, std::int64_t count);
 
 /// The arrays of `input` rounded to S (nearest even), and the input that points at them.
 template <class S>
