@@ -33,16 +33,22 @@ import sys
 import time
 
 
-def time_torch(torch, batch, heads, tokens, dim, causal, repeats, dtype):
+def problem(torch, batch, heads, tokens, dim, dtype):
+    """Queries X M, keys X and values X F^T (B, H, N, d) of a seeded problem, in dtype, and the
+    generator that made them."""
     gen = torch.Generator().manual_seed(2024)
     scale = 2.0 / dim**0.5
     x = torch.rand(batch, 1, tokens, dim, generator=gen) * 2 - 1
     m = (torch.rand(heads, dim, dim, generator=gen) * 2 - 1) * scale
     f = (torch.rand(heads, dim, dim, generator=gen) * 2 - 1) * scale
-    q = (x @ m).contiguous()  # (B, H, N, d): R = X M
-    k = x.expand(batch, heads, tokens, dim).contiguous()
-    v = (x @ f.transpose(-1, -2)).contiguous()  # C = X F^T
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    q = x @ m  # R = X M
+    k = x.expand(batch, heads, tokens, dim)
+    v = x @ f.transpose(-1, -2)  # C = X F^T
+    return [t.contiguous().to(dtype) for t in (q, k, v)], gen
+
+
+def time_torch(torch, batch, heads, tokens, dim, causal, repeats, dtype):
+    (q, k, v), _ = problem(torch, batch, heads, tokens, dim, dtype)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     with torch.no_grad():
         sdpa(q, k, v, is_causal=causal, scale=1.0)  # warm-up
@@ -57,13 +63,8 @@ def time_torch(torch, batch, heads, tokens, dim, causal, repeats, dtype):
 
 def time_torch_backward(torch, batch, heads, tokens, dim, causal, repeats, dtype):
     """Medians (wall ms, CPU ms) of torch's SDPA forward with autograd and of its backward."""
-    gen = torch.Generator().manual_seed(2024)
-    scale = 2.0 / dim**0.5
-    x = torch.rand(batch, 1, tokens, dim, generator=gen) * 2 - 1
-    m = (torch.rand(heads, dim, dim, generator=gen) * 2 - 1) * scale
-    f = (torch.rand(heads, dim, dim, generator=gen) * 2 - 1) * scale
-    inputs = [(x @ m), x.expand(batch, heads, tokens, dim), (x @ f.transpose(-1, -2))]
-    q, k, v = (t.contiguous().to(dtype).requires_grad_() for t in inputs)
+    inputs, gen = problem(torch, batch, heads, tokens, dim, dtype)
+    q, k, v = (t.requires_grad_() for t in inputs)
     d_out = (torch.rand(batch, heads, tokens, dim, generator=gen) * 2 - 1).to(dtype)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     forward, backward = ([], []), ([], [])
