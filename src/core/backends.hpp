@@ -81,6 +81,35 @@ std::string cpu_engine_mismatch(const Machine& machine);
 /// layer backward).
 void require_cpu_engine(const char* operation);
 
+/// The multiple that the columns of cpu_products' B and C are padded to (zero columns in B).
+inline constexpr std::int64_t kProductColumns = 16;
+/// The columns of one panel of cpu_products' B.
+inline constexpr std::int64_t kProductPanel = 256;
+
+/// Where element (k, c) of cpu_products' B (depth x columns) lies in its panels.
+inline std::int64_t product_index(std::int64_t depth, std::int64_t columns, std::int64_t k,
+                                  std::int64_t c) {
+  const std::int64_t first = c / kProductPanel * kProductPanel;
+  const std::int64_t width = columns - first < kProductPanel ? columns - first : kProductPanel;
+  return first * depth + k * width + (c - first);
+}
+
+/// C[rows x columns] = A[rows x depth] B[depth x columns] in float32 (src/cpu/products.cpp):
+/// the products of a model's layers around attention, where torch runs float32 GEMMs too. A and
+/// C are row-major; B is held in panels of kProductPanel columns (the last one narrower), each a
+/// row-major depth x width block after the one before (product_index), so that a panel is read
+/// as one stream: from memory for one row (decoding), from the L2 cache for many. `columns` is
+/// a multiple of kProductColumns. Every element is one chain of FMAs over k = 0..depth-1, so the
+/// result does not depend on `threads` (0: every core when the product is large). Only where the
+/// engine can run (Machine::cpu_missing empty).
+void cpu_products(const float* A, std::int64_t rows, std::int64_t depth, const float* B,
+                  std::int64_t columns, float* C, int threads);
+
+/// hidden[r][k] = silu(g) u for g = gate_up[r][k], u = gate_up[r][inner + k] (rows of 2 inner
+/// floats; hidden rows of inner), the gated block's middle in float32 with the engine's exp
+/// (relative error about 2 ulp); `inner` a multiple of kProductColumns. Where the engine runs.
+void cpu_gated_silu(const float* gate_up, std::int64_t rows, std::int64_t inner, float* hidden);
+
 /// The AVX512-BF16 CPU path (src/cpu/attend_bf16.cpp), Kernel::cpu_bf16, of bfloat16
 /// self-attention of a dense layer without weights: `input` holds the stored bfloat16 values
 /// widened to float, all finite; writes the update in bfloat16 and lse and entropy in float32

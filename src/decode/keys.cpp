@@ -11,7 +11,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
+#include "core/backends.hpp"
 #include "core/parallel.hpp"
 #include "core/partial_rows.hpp"
 
@@ -78,6 +80,36 @@ KeyStore<T>::KeyStore(const FactoredLayer<T>& layer, std::int64_t dim, double be
   if (layer.offset) offset_.assign(layer.offset, layer.offset + dim);
   per_set_.resize(static_cast<std::size_t>(sets_));
   if (layer.key_bias) bias_.resize(static_cast<std::size_t>(heads_));
+  if (std::is_same_v<T, float> && this_machine().cpu_missing.empty()) {
+    const std::int64_t r = width_, K = sets_, H = heads_;
+    const auto padded = [](std::int64_t n) {
+      return (n + kProductColumns - 1) / kProductColumns * kProductColumns;
+    };
+    // rows (outputs x depth, row-major) transposed into the panels of a depth x columns B.
+    const auto pack = [](std::vector<float>& out, std::int64_t depth, std::int64_t columns,
+                         std::int64_t outputs, const auto& row) {
+      out.assign(static_cast<std::size_t>(depth * columns), 0.0f);
+      for (std::int64_t c = 0; c < outputs; ++c) {
+        for (std::int64_t a = 0; a < depth; ++a) {
+          out[static_cast<std::size_t>(product_index(depth, columns, a, c))] =
+              static_cast<float>(row(c, a));
+        }
+      }
+    };
+    key_value_columns_ = padded(2 * K * r);
+    pack(key_value_panels_, dim, key_value_columns_, 2 * K * r,
+         [&](std::int64_t c, std::int64_t a) {
+           return c < K * r ? key_map_[c * dim + a] : value_map_[(c - K * r) * dim + a];
+         });
+    query_columns_ = padded(H * r);
+    pack(query_panels_, dim, query_columns_, H * r,
+         [&](std::int64_t c, std::int64_t a) { return query_map_[c * dim + a]; });
+    // B's element (k = h r + c, a) is U_h's (a, c): up_map_ holds U_h as d x r.
+    up_columns_ = padded(dim);
+    pack(up_panels_, H * r, up_columns_, dim, [&](std::int64_t a, std::int64_t k) {
+      return up_map_[(k / r) * dim * r + a * r + k % r];
+    });
+  }
   if (layer.rotary.dim != 0) {
     // The frequencies do not depend on the length (the constructor refused the dynamic scaling
     // without explicit ones), so they are fixed once for every key and query.
@@ -91,6 +123,12 @@ template <class T>
 void KeyStore<T>::append(const T* tokens, std::int64_t count) {
   const std::int64_t d = dim_, w = width_;
   if (!factored_) tokens_.insert(tokens_.end(), tokens, tokens + count * d);
+  if constexpr (std::is_same_v<T, float>) {
+    if (products()) {
+      append_products(tokens, count);
+      return;
+    }
+  }
   std::vector<double> key(static_cast<std::size_t>(factored_ ? w : 0));
   std::vector<double> cosines(static_cast<std::size_t>(rotary_.dim / 2)), sines(cosines.size());
   for (std::int64_t g = 0; g < sets_; ++g) {
@@ -113,6 +151,39 @@ void KeyStore<T>::append(const T* tokens, std::int64_t count) {
                      bias_[h]);
   }
   size_ += count;
+}
+
+template <class T>
+void KeyStore<T>::append_products(const T* tokens, std::int64_t count) {
+  if constexpr (std::is_same_v<T, float>) {
+    // The keys and values of every kv head in one float32 product (the engine's, as the fused
+    // factored form computes them), then each key rotated at its position in double.
+    const std::int64_t d = dim_, w = width_, K = sets_, columns = key_value_columns_;
+    std::vector<float> products(static_cast<std::size_t>(count * columns));
+    cpu_products(tokens, count, d, key_value_panels_.data(), columns, products.data(), 0);
+    std::vector<double> key(static_cast<std::size_t>(w));
+    std::vector<double> cosines(static_cast<std::size_t>(rotary_.dim / 2)), sines(cosines.size());
+    for (std::int64_t g = 0; g < K; ++g) {
+      Set& set = per_set_[static_cast<std::size_t>(g)];
+      for (std::int64_t t = 0; t < count; ++t) {
+        const float* row = products.data() + t * columns;
+        set.values.insert(set.values.end(), row + (K + g) * w, row + (K + g + 1) * w);
+        if (rotary_.dim == 0) {
+          set.keys.insert(set.keys.end(), row + g * w, row + (g + 1) * w);
+          continue;
+        }
+        std::copy(row + g * w, row + (g + 1) * w, key.begin());
+        rotary_.angles(size_ + t, cosines.data(), sines.data());
+        rotary_.rotate(key.data(), cosines.data(), sines.data());
+        for (const double k : key) set.keys.push_back(static_cast<T>(k));
+      }
+    }
+    for (std::size_t h = 0; h < bias_.size(); ++h) {
+      append_projected(tokens, count, d, key_bias_.data() + static_cast<std::int64_t>(h) * d, 1,
+                       bias_[h]);
+    }
+    size_ += count;
+  }
 }
 
 template <class T>
@@ -185,6 +256,17 @@ void KeyStore<T>::attend(const T* queries, std::int64_t count, const QueryRule& 
   std::vector<double> lse(static_cast<std::size_t>(spans * rows));
   std::vector<double> entropy(lse.size());
   std::vector<double> o(lse.size() * static_cast<std::size_t>(w));
+  // The float factored form where the engine runs: the queries of every head in one product, and
+  // the merged states of every head (stacked, count x H r) back to the cloud in another.
+  std::vector<float> query_products, stacked;
+  if constexpr (std::is_same_v<T, float>) {
+    if (products()) {
+      query_products.resize(static_cast<std::size_t>(count * query_columns_));
+      cpu_products(queries, count, d, query_panels_.data(), query_columns_, query_products.data(),
+                   threads);
+      stacked.resize(static_cast<std::size_t>(count * H * w));
+    }
+  }
   ParallelErrors errors;
 #pragma omp parallel num_threads(workers)
   {
@@ -192,8 +274,21 @@ void KeyStore<T>::attend(const T* queries, std::int64_t count, const QueryRule& 
 #pragma omp for schedule(static)
     for (std::int64_t row = 0; row < rows; ++row) {
       errors.run([&] {
-        const std::int64_t i = row % count;
-        project_query(queries + i * d, row / count, rule.query_origin + i, &projected[row * w]);
+        const std::int64_t i = row % count, h = row / count;
+        if (!query_products.empty()) {
+          // p = beta R(position) A_h q from the float32 product of every head.
+          double* p = &projected[static_cast<std::size_t>(row * w)];
+          const float* q = query_products.data() + i * query_columns_ + h * w;
+          for (std::int64_t k = 0; k < w; ++k) p[k] = beta_ * static_cast<double>(q[k]);
+          if (rotary_.dim != 0) {
+            std::vector<double> cosines(static_cast<std::size_t>(rotary_.dim / 2)),
+                sines(cosines.size());
+            rotary_.angles(rule.query_origin + i, cosines.data(), sines.data());
+            rotary_.rotate(p, cosines.data(), sines.data());
+          }
+          return;
+        }
+        project_query(queries + i * d, h, rule.query_origin + i, &projected[row * w]);
       });
     }
 #pragma omp for schedule(dynamic, 1)
@@ -286,6 +381,10 @@ void KeyStore<T>::attend(const T* queries, std::int64_t count, const QueryRule& 
                         entropy[static_cast<std::size_t>(other)],
                         &o[static_cast<std::size_t>(other * w)], w);
           }
+          if (!stacked.empty()) {
+            std::copy(state, state + w, stacked.begin() + (i * H + h) * w);
+            continue;
+          }
           double* back = &heads_out[static_cast<std::size_t>(h * d)];
           if (factored_) {
             const T* U = up_map_.data() + h * d * w;
@@ -298,6 +397,7 @@ void KeyStore<T>::attend(const T* queries, std::int64_t count, const QueryRule& 
           head_lse[static_cast<std::size_t>(h)] = l;
           head_entropy[static_cast<std::size_t>(h)] = e;
         }
+        if (!stacked.empty()) return;  // finished below, after the product
         finish_query<double>(H, 1, head_lse.data(), head_entropy.data(), heads_out.data(), d,
                              offset.empty() ? nullptr : offset.data(), delta.data(),
                              head_lse.data(), head_entropy.data());
@@ -310,6 +410,46 @@ void KeyStore<T>::attend(const T* queries, std::int64_t count, const QueryRule& 
     }
   }
   errors.rethrow();
+  if constexpr (std::is_same_v<T, float>) {
+    if (!stacked.empty()) finish_products(stacked, count, lse, entropy, output, threads);
+  }
+}
+
+template <class T>
+void KeyStore<T>::finish_products(const std::vector<float>& stacked, std::int64_t count,
+                                  const std::vector<double>& lse,
+                                  const std::vector<double>& entropy,
+                                  const AttentionOutput<T>& output, int threads) const {
+  if constexpr (std::is_same_v<T, float>) {
+    // delta_i = sum_h U_h o_h: one product over the stacked heads. Then the rules of
+    // finish_query: a head whose keys all scored -inf makes the update NaN, a query that saw no
+    // key gets 0 (its heads' states are 0) and no offset.
+    const std::int64_t d = dim_, H = heads_, columns = up_columns_;
+    std::vector<float> backs(static_cast<std::size_t>(count * columns));
+    cpu_products(stacked.data(), count, H * width_, up_panels_.data(), columns, backs.data(),
+                 threads);
+    const double inf = std::numeric_limits<double>::infinity();
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    for (std::int64_t i = 0; i < count; ++i) {
+      bool saw_key = false, undefined = false;
+      for (std::int64_t h = 0; h < H; ++h) {
+        double l = lse[static_cast<std::size_t>(h * count + i)];
+        double e = entropy[static_cast<std::size_t>(h * count + i)];
+        const bool none = saw_no_key(l, e);
+        saw_key = saw_key || !none;
+        if (l == -inf && !none) l = e = nan;
+        undefined = undefined || std::isnan(l);
+        if (output.lse) output.lse[h * count + i] = static_cast<T>(l);
+        if (output.entropy) output.entropy[h * count + i] = static_cast<T>(e);
+      }
+      const float* back = backs.data() + i * columns;
+      for (std::int64_t a = 0; a < d; ++a) {
+        double delta = undefined ? nan : static_cast<double>(back[a]);
+        if (saw_key && !offset_.empty()) delta += static_cast<double>(offset_[a]);
+        output.update[i * d + a] = static_cast<T>(delta);
+      }
+    }
+  }
 }
 
 template class KeyStore<float>;

@@ -1,5 +1,7 @@
 // The keys and contents of a growing cloud for one layer, in either form, held in T and computed
-// in double (BasicDecodeCache, include/emflow/decode.hpp, for double and for the factored form).
+// in double (BasicDecodeCache, include/emflow/decode.hpp, for double and for the factored form);
+// in the float factored form, where the engine runs, the projections are float32 products
+// (detail::cpu_products) and the scores and sums still double.
 //
 // Per head the store keeps what a later query needs of each token: its key k_j (the token itself
 // in the dense form, shared by every head; B_g x_j in the factored form), the key bias term
@@ -50,6 +52,12 @@ class KeyStore {
     std::vector<T> keys;    // N x width (factored form only; the dense form reads tokens_)
     std::vector<T> values;  // N x width
   };
+  /// append in the float factored form by one float32 product (key_value_panels_).
+  void append_products(const T* tokens, std::int64_t count);
+  /// The updates, lse and entropy of attend in the products() form from the merged states.
+  void finish_products(const std::vector<float>& stacked, std::int64_t count,
+                       const std::vector<double>& lse, const std::vector<double>& entropy,
+                       const AttentionOutput<T>& output, int threads) const;
   /// The projected query of head h at `position` (rotated there in the factored form).
   void project_query(const T* q, std::int64_t h, std::int64_t position, double* p) const;
   /// The set of keys and values that head h reads.
@@ -63,6 +71,14 @@ class KeyStore {
   // Dense: relevance M (H d d), content F (H d d). Factored: A (H r d), B (K r d), U (H d r),
   // V (K r d). key_bias u (H d) and offset c (d) in both, empty when absent.
   std::vector<T> query_map_, key_map_, up_map_, value_map_, key_bias_, offset_;
+  // The float factored form where the engine runs (products() true), its projections as float32
+  // products in the panels of detail::cpu_products: [B_0^T .. B_K-1^T | V_0^T .. V_K-1^T]
+  // (d x 2 K r) for append, [A_0^T .. A_H-1^T] (d x H r) for the queries, and
+  // [U_0^T ; .. ; U_H-1^T] (H r x d) for the heads' weighted values back in the cloud's space,
+  // summed over the heads in the same product. Columns padded to whole vectors.
+  bool products() const { return !key_value_panels_.empty(); }
+  std::vector<float> key_value_panels_, query_panels_, up_panels_;
+  std::int64_t key_value_columns_ = 0, query_columns_ = 0, up_columns_ = 0;
   std::vector<T> tokens_;  // dense form: N x d, the keys of every head
   std::vector<Set> per_set_;
   std::vector<std::vector<T>> bias_;  // factored form with a key bias: per head, N

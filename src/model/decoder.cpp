@@ -4,11 +4,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <memory>
+#include <type_traits>
 #include <utility>
 
 #include "core/check.hpp"
 #include "core/memory.hpp"
 #include "emflow/decode.hpp"
+#include "emflow/factored.hpp"
 #include "emflow/model.hpp"
 #include "llama_layers.hpp"
 
@@ -22,31 +25,40 @@ constexpr const char* kOp = "generate_greedy";
 // The layers of one llama model, decoding one cloud: per layer its factored cache (the factors
 // copied into it), which holds the layer's normalised inputs as rotated keys and values.
 // A Qwen2 layer (biases on q, k and v) runs in d + 1 with a last coordinate 1 (BiasedFactors).
+// A float run on a processor the engine runs on takes a prompt (the first call, several tokens)
+// through emflow::attend_factored, the fused engine, and only then fills the caches with it; its
+// feed-forward blocks are float32 products (layers::GatedFeedForward32).
 template <class T>
 class Decoder {
  public:
   Decoder(const Model& model, int threads) : model_(model), threads_(threads) {
     const std::int64_t d = model.dim;
+    const auto L = model.layers.size();
+    attention_.reserve(L);  // the FactoredLayers point into it
+    ffn32_.reserve(L);
     for (const ModelLayer& layer : model.layers) {
-      const bool biased = layer.attention.query_bias.size() > 0;
-      FactoredLayer<T> f;
+      Attention& a = attention_.emplace_back();
+      a.biased = layer.attention.query_bias.size() > 0;
+      if (a.biased) {
+        take(a, layers::BiasedFactors<T>(layer.attention, model.key_heads()));
+      } else {
+        take(a, layers::Factors<T>(layer.attention, model.key_heads()));
+      }
+      FactoredLayer<T>& f = a.layer;
       f.heads = model.heads;
       f.rank = model.head_dim;
       f.kv_heads = model.key_heads();
       f.rotary = model.rotary;
-      if (biased) {
-        const layers::BiasedFactors<T> factors(layer.attention, model.key_heads());
-        point(f, factors);
-        caches_.emplace_back(f, d + 1, 1.0, DecodeOptions{Device::cpu, 0, Precision::fp32});
-      } else {
-        const layers::Factors<T> factors(layer.attention, model.key_heads());
-        point(f, factors);
-        caches_.emplace_back(f, d, 1.0, DecodeOptions{Device::cpu, 0, Precision::fp32});
+      caches_.emplace_back(f, a.biased ? d + 1 : d, 1.0,
+                           DecodeOptions{Device::cpu, 0, Precision::fp32});
+      if constexpr (std::is_same_v<T, float>) {
+        if (layers::float_products()) ffn32_.emplace_back(layer, d);
       }
-      biased_.push_back(biased);
     }
     mask_ = model.sliding_window > 0 ? Mask::sliding_window(model.sliding_window) : Mask::causal();
   }
+  Decoder(const Decoder&) = delete;
+  Decoder& operator=(const Decoder&) = delete;
 
   // Moves `count` tokens (count x d, the cloud entering layer 0) through every layer, in place:
   // on return they are the cloud after the last layer, before the final norm.
@@ -57,32 +69,51 @@ class Decoder {
     for (std::size_t l = 0; l < caches_.size(); ++l) {
       const ModelLayer& layer = model_.layers[l];
       BasicDecodeCache<T>& cache = caches_[l];
+      const Attention& a = attention_[l];
+      const bool prompt = !ffn32_.empty() && count > 1 && cache.size() == 0;
       std::copy(x, x + n, normed_.begin());
       layers::rms_norm(normed_.data(), count, d, layer.norm1_gain, model_.norm_eps);
-      if (biased_[l]) {
+      const std::int64_t width = a.biased ? d + 1 : d;
+      const T* tokens = normed_.data();
+      T* update = update_.data();
+      if (a.biased) {
         lifted_.assign(static_cast<std::size_t>(count * (d + 1)), T(1));
         lifted_update_.resize(lifted_.size());
         for (std::int64_t r = 0; r < count; ++r) {
           std::copy(normed_.begin() + r * d, normed_.begin() + (r + 1) * d,
                     lifted_.begin() + r * (d + 1));
         }
-        cache.append(lifted_.data(), count);
-        AttentionOutput<T> out;
-        out.update = lifted_update_.data();
-        cache.attend(lifted_.data(), count, mask_, out, kAlignToEnd, threads_);
-        for (std::int64_t r = 0; r < count; ++r)
-          for (std::int64_t a = 0; a < d; ++a)
-            x[r * d + a] += lifted_update_[static_cast<std::size_t>(r * (d + 1) + a)];
-      } else {
-        cache.append(normed_.data(), count);
-        AttentionOutput<T> out;
-        out.update = update_.data();
-        cache.attend(normed_.data(), count, mask_, out, kAlignToEnd, threads_);
-        for (std::int64_t k = 0; k < n; ++k) x[k] += update_[static_cast<std::size_t>(k)];
+        tokens = lifted_.data();
+        update = lifted_update_.data();
       }
+      AttentionOutput<T> out;
+      out.update = update;
+      if (prompt) {  // self-attention of the prompt at positions 0..count-1, as the cache's
+        AttentionInput<T> in;
+        in.cloud = tokens;
+        in.batch = 1;
+        in.tokens = count;
+        in.dim = width;
+        in.mask = mask_;
+        ExecutionOptions options;
+        options.device = Device::cpu;
+        options.threads = threads_;
+        attend_factored(in, a.layer, out, options);
+        cache.append(tokens, count);
+      } else {
+        cache.append(tokens, count);
+        cache.attend(tokens, count, mask_, out, kAlignToEnd, threads_);
+      }
+      for (std::int64_t r = 0; r < count; ++r)
+        for (std::int64_t c = 0; c < d; ++c) x[r * d + c] += update[r * width + c];
       std::copy(x, x + n, normed_.begin());
       layers::rms_norm(normed_.data(), count, d, layer.norm2_gain, model_.norm_eps);
-      layers::gated_feed_forward(layer, normed_.data(), update_.data(), count, d);
+      if constexpr (std::is_same_v<T, float>) {
+        if (!ffn32_.empty()) ffn32_[l](normed_.data(), update_.data(), count, threads_, scratch_);
+      }
+      if (ffn32_.empty()) {
+        layers::gated_feed_forward(layer, normed_.data(), update_.data(), count, d);
+      }
       for (std::int64_t k = 0; k < n; ++k) x[k] += update_[static_cast<std::size_t>(k)];
     }
   }
@@ -92,20 +123,33 @@ class Decoder {
   }
 
  private:
+  // A layer's factors (the cache holds its own copy) and the FactoredLayer that points into them.
+  struct Attention {
+    std::vector<T> a, b, up, down;
+    FactoredLayer<T> layer;
+    bool biased = false;
+  };
+
   template <class Factors>
-  static void point(FactoredLayer<T>& f, const Factors& factors) {
-    f.query_factor = factors.a.data();
-    f.key_factor = factors.b.data();
-    f.content_up = factors.up.data();
-    f.content_down = factors.down.data();
+  static void take(Attention& into, Factors&& factors) {
+    into.a = std::move(factors.a);
+    into.b = std::move(factors.b);
+    into.up = std::move(factors.up);
+    into.down = std::move(factors.down);
+    into.layer.query_factor = into.a.data();
+    into.layer.key_factor = into.b.data();
+    into.layer.content_up = into.up.data();
+    into.layer.content_down = into.down.data();
   }
 
   const Model& model_;
   int threads_;
+  std::vector<Attention> attention_;
   std::vector<BasicDecodeCache<T>> caches_;
-  std::vector<bool> biased_;
+  std::vector<layers::GatedFeedForward32> ffn32_;  // float runs where layers::float_products()
   Mask mask_ = Mask::causal();
   std::vector<T> normed_, update_, lifted_, lifted_update_;
+  std::vector<float> scratch_;  // the float feed-forward blocks'
 };
 
 }  // namespace
@@ -173,6 +217,23 @@ Generated<T> generate_greedy(const Model& model, const Tensor<std::int64_t>& ids
     return std::chrono::duration<double>(clock::now() - start).count();
   };
   Decoder<T> decoder(model, settings.threads);
+  // A float run's logits: the final norm, then the unembedding as a float32 product.
+  std::unique_ptr<layers::Unembedding32> unembed32;
+  if (std::is_same_v<T, float> && layers::float_products()) {
+    unembed32 = std::make_unique<layers::Unembedding32>(model.output_matrix());
+  }
+  Tensor<T> logits(Shape{1, V});
+  const auto logits_of = [&](const Tensor<T>& last) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (unembed32) {
+        std::vector<float> h(last.values().begin(), last.values().end());
+        layers::rms_norm(h.data(), 1, d, model.final_gain, model.norm_eps);
+        (*unembed32)(h.data(), logits.data(), settings.threads);
+        return;
+      }
+    }
+    logits = next_token_logits(model, last, {});
+  };
   std::int64_t done = 0;
   const std::int64_t total = B * (K + 1);
   for (std::int64_t b = 0; b < B; ++b) {
@@ -187,7 +248,7 @@ Generated<T> generate_greedy(const Model& model, const Tensor<std::int64_t>& ids
     if (settings.progress) settings.progress(++done, total);
     for (std::int64_t k = 0; k < K; ++k) {
       start = clock::now();
-      const Tensor<T> logits = next_token_logits(model, last, {});
+      logits_of(last);
       const T* row = logits.data();
       const std::int64_t at = std::max_element(row, row + V) - row;
       for (std::int64_t t = 0; t < V; ++t) {

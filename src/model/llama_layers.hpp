@@ -1,12 +1,16 @@
 // The parts of a llama layer that run_model (run.cpp) and the greedy decoder (decoder.cpp)
 // share: the activations, RMSNorm, the gated feed-forward block and the factored form of a
-// layer's attention, all accumulating in double. Internal to src/model.
+// layer's attention, accumulating in double; and for float runs the feed-forward block and the
+// unembedding as float32 products (as torch computes them). Internal to src/model.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
+#include "core/backends.hpp"
+#include "emflow/capability.hpp"
 #include "emflow/model.hpp"
 
 namespace emflow::model::layers {
@@ -70,6 +74,90 @@ void rms_norm(T* x, std::int64_t rows, std::int64_t d, const Tensor<double>& gai
     }
   }
 }
+
+// Whether a float run takes its feed-forward block and unembedding as float32 products
+// (detail::cpu_products): wherever the CPU engine can run on this processor. Elsewhere, and for
+// double runs, the double loops above.
+inline bool float_products() { return this_machine().cpu_missing.empty(); }
+
+inline std::int64_t padded(std::int64_t n) {
+  return (n + detail::kProductColumns - 1) / detail::kProductColumns * detail::kProductColumns;
+}
+
+// w (rows x cols) transposed into out, the panels of a cols x stride matrix B as
+// detail::cpu_products reads it (detail::product_index), its column k at column at + k.
+inline void put_transposed(const Tensor<double>& w, std::vector<float>& out, std::int64_t stride,
+                           std::int64_t at) {
+  const std::int64_t rows = w.extent(0), cols = w.extent(1);
+  for (std::int64_t k = 0; k < rows; ++k)
+    for (std::int64_t a = 0; a < cols; ++a)
+      out[static_cast<std::size_t>(detail::product_index(cols, stride, a, at + k))] =
+          static_cast<float>(w[k * cols + a]);
+}
+
+// A llama layer's gated feed-forward block in float32 (float runs, where float_products()):
+// [W_gate^T | W_up^T] (d x 2 I', I' = I padded to whole vectors) and W_down^T (I' x d'), zero
+// in the padding, so that the block is two products by detail::cpu_products and silu(g) u
+// between them, each element accumulated in float32 in a fixed order.
+class GatedFeedForward32 {
+ public:
+  GatedFeedForward32(const ModelLayer& layer, std::int64_t d)
+      : d_(d), inner_(padded(layer.ffn_in.extent(0))), out_(padded(d)) {
+    gate_up_.assign(static_cast<std::size_t>(d * 2 * inner_), 0.0f);
+    put_transposed(layer.ffn_gate, gate_up_, 2 * inner_, 0);
+    put_transposed(layer.ffn_in, gate_up_, 2 * inner_, inner_);
+    down_.assign(static_cast<std::size_t>(inner_ * out_), 0.0f);
+    put_transposed(layer.ffn_out, down_, out_, 0);
+  }
+
+  // out (rows x d) = W_down (silu(W_gate x_r) * (W_up x_r)) for the rows x_r of in (rows x d);
+  // `scratch` is resized to what the call needs (one buffer for every layer of a model).
+  void operator()(const float* in, float* out, std::int64_t rows, int threads,
+                  std::vector<float>& scratch) const {
+    const std::int64_t I = inner_;
+    const bool wide = out_ != d_;
+    scratch.resize(static_cast<std::size_t>(rows * (3 * I + (wide ? out_ : 0))));
+    float* gate_up = scratch.data();
+    float* hidden = gate_up + rows * 2 * I;
+    detail::cpu_products(in, rows, d_, gate_up_.data(), 2 * I, gate_up, threads);
+    detail::cpu_gated_silu(gate_up, rows, I, hidden);
+    if (!wide) {
+      detail::cpu_products(hidden, rows, I, down_.data(), out_, out, threads);
+      return;
+    }
+    float* result = hidden + rows * I;
+    detail::cpu_products(hidden, rows, I, down_.data(), out_, result, threads);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      std::copy(result + r * out_, result + r * out_ + d_, out + r * d_);
+    }
+  }
+
+ private:
+  std::int64_t d_, inner_, out_;
+  std::vector<float> gate_up_, down_;
+};
+
+// The unembedding in float32 (float runs, where float_products()): W^T (d x V', V' the
+// vocabulary padded to whole vectors), the logits of a row by detail::cpu_products.
+class Unembedding32 {
+ public:
+  explicit Unembedding32(const Tensor<double>& w)
+      : d_(w.extent(1)), vocab_(w.extent(0)), stride_(padded(w.extent(0))) {
+    w_.assign(static_cast<std::size_t>(d_ * stride_), 0.0f);
+    put_transposed(w, w_, stride_, 0);
+  }
+
+  // logits (vocab) of one normed row h (d).
+  void operator()(const float* h, float* logits, int threads) {
+    wide_.resize(static_cast<std::size_t>(stride_));
+    detail::cpu_products(h, 1, d_, w_.data(), stride_, wide_.data(), threads);
+    std::copy(wide_.begin(), wide_.begin() + vocab_, logits);
+  }
+
+ private:
+  std::int64_t d_, vocab_, stride_;
+  std::vector<float> w_, wide_;
+};
 
 template <class T>
 std::vector<T> cast(const Tensor<double>& t) {

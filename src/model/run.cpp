@@ -3,6 +3,7 @@
 // feed-forward block in the order of the model's layout (emflow/model.hpp).
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "core/check.hpp"
 #include "emflow/factored.hpp"
@@ -194,7 +195,17 @@ ModelTrace<T> run_model(const Model& model, const Tensor<T>& clouds,
     if (settings.full_layer && llama) {
       normed = x;
       rms_norm(normed.data(), rows, d, layer.norm2_gain, model.norm_eps);
-      gated_feed_forward(layer, normed.data(), ffn.data(), rows, d);
+      if constexpr (std::is_same_v<T, float>) {
+        if (layers::float_products()) {
+          std::vector<float> scratch;
+          layers::GatedFeedForward32(layer, d)(normed.data(), ffn.data(), rows, options.threads,
+                                               scratch);
+        } else {
+          gated_feed_forward(layer, normed.data(), ffn.data(), rows, d);
+        }
+      } else {
+        gated_feed_forward(layer, normed.data(), ffn.data(), rows, d);
+      }
       for (std::size_t k = 0; k < x.size(); ++k) x[k] += ffn[k];
     } else if (settings.full_layer) {
       if (pre) {

@@ -1,0 +1,80 @@
+// Dense float32 products for the parts of a model's layer around attention (its feed-forward
+// block and the unembedding, src/model/): C = A B by the engine's register-blocked micro-kernel
+// (simd.hpp), panel by panel of B's columns: each panel is contiguous, so that one row (a
+// decoding step) streams it from memory, and many rows (a prompt) meet it in the L2 cache.
+#include <omp.h>
+
+#include <algorithm>
+
+#include "core/backends.hpp"
+#include "engine_internal.hpp"
+#include "simd.hpp"
+
+namespace emflow::detail {
+
+namespace {
+// The register block of a product: rows x vectors accumulators, with a row of B in registers and
+// one broadcast of A. AVX-512 has 32 vector registers: 6 x 4 = 24 accumulators, 10 loads per 24
+// FMAs (the attention engine's 8 x 2 issues 10 per 16); elsewhere the engine's block.
+#if defined(__AVX512F__)
+constexpr int kRows = 6, kVectors = 4;
+#else
+constexpr int kRows = cpu::engine::kChunkRows, kVectors = cpu::max_vectors(kRows);
+#endif
+}  // namespace
+
+void cpu_products(const float* A, std::int64_t rows, std::int64_t depth, const float* B,
+                  std::int64_t columns, float* C, int threads) {
+  using cpu::kLanes;
+  static_assert(kProductColumns % kLanes == 0 && kProductPanel % kProductColumns == 0,
+                "a padded row holds whole vectors");
+  const std::int64_t panels = (columns + kProductPanel - 1) / kProductPanel;
+  const double work =
+      static_cast<double>(rows) * static_cast<double>(depth) * static_cast<double>(columns);
+  const int team = threads > 0 ? threads : work < 2.5e5 ? 1 : omp_get_max_threads();
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && panels > 1)
+  for (std::int64_t p = 0; p < panels; ++p) {
+    const std::int64_t c0 = p * kProductPanel, width = std::min(kProductPanel, columns - c0);
+    const float* panel = B + c0 * depth;
+    const std::int64_t vectors = width / kLanes;
+    std::int64_t r = 0;
+    for (; r + kRows <= rows; r += kRows) {
+      const float* a = A + r * depth;
+      float* c = C + r * columns + c0;
+      std::int64_t v = 0;
+      for (; v + kVectors <= vectors; v += kVectors) {
+        cpu::micro_kernel<kRows, kVectors>(depth, a, depth, panel + v * kLanes, width,
+                                           c + v * kLanes, columns, false);
+      }
+      if (v < vectors) {
+        cpu::micro_kernel_remainder<kRows, kVectors - 1>(vectors - v, depth, a, depth,
+                                                         panel + v * kLanes, width, c + v * kLanes,
+                                                         columns, false);
+      }
+    }
+    for (; r < rows; ++r) {  // the last rows, and one row of a decoding step: a panel's stream
+      cpu::row_block_gemm<1>(depth, A + r * depth, depth, panel, width, width, C + r * columns + c0,
+                             columns, false);
+    }
+  }
+}
+
+void cpu_gated_silu(const float* gate_up, std::int64_t rows, std::int64_t inner, float* hidden) {
+  using namespace cpu;
+  const Vec one = splat(1.0f), zero{};
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* g = gate_up + r * 2 * inner;
+    const float* u = g + inner;
+    float* h = hidden + r * inner;
+    for (std::int64_t k = 0; k < inner; k += kLanes) {
+      // sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) below, with e = exp(-|x|) <= 1.
+      const Vec x = load(g + k);
+      const Vec negative = x < zero ? x : -x;
+      const Vec e = exp_nonpositive(negative);
+      const Vec sigmoid = (x < zero ? e : one) / (one + e);
+      store(h + k, x * sigmoid * load(u + k));
+    }
+  }
+}
+
+}  // namespace emflow::detail
