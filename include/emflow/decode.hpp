@@ -37,11 +37,12 @@
 // layer, storage type and DecodeOptions, asked once by the constructor:
 // * BasicDecodeCache<float> (DecodeCache) in the dense form on the host runs the fused float32
 //   engine of Device::cpu; the factored form and double compute each query's scores and sums in
-//   double (the keys and values held in T, each rounded once). The float factored form takes
-//   its projections (B_g x_j and V_g x_j when appending, A_h q and sum_h U_h o_h when attending)
-//   as the engine's float32 products, as attend_factored does, where the engine runs on the
-//   processor; elsewhere in double. Non-finite tokens are not supported (append refuses them,
-//   naming the row).
+//   double (the keys and values held in T, each rounded once). Where the engine runs on the
+//   processor, the float factored form computes in float32 as attend_factored does: its
+//   projections (B_g x_j and V_g x_j when appending, A_h q and sum_h U_h o_h when attending) are
+//   the engine's products, and each query's scores, softmax (the engine's exp) and weighted
+//   values are float32 sums; the merge of key splits stays in double. Elsewhere it computes in
+//   double. Non-finite tokens are not supported (append refuses them, naming the row).
 // * On the GPU (float, dense form, dim <= 256, a capacity): the keys and contents live in device
 //   buffers of a fixed capacity. append() copies the new tokens to the device on the cache's own
 //   stream and projects them there; attend() copies the queries in and runs the fused kernel with

@@ -105,6 +105,22 @@ inline std::int64_t product_index(std::int64_t depth, std::int64_t columns, std:
 void cpu_products(const float* A, std::int64_t rows, std::int64_t depth, const float* B,
                   std::int64_t columns, float* C, int threads);
 
+/// Keys per panel of the float factored decode cache (cpu_cached_partial).
+inline constexpr std::int64_t kCachedPanel = 16;
+
+/// One query's partial state (partial.hpp) for `heads` heads of one kv head's group against its
+/// cached keys [first, last) (src/cpu/cached_keys.cpp), in float32 as the engine computes:
+/// queries (heads x width) already scaled and rotated; `panels`, the keys transposed in panels of
+/// kCachedPanel keys (key j at panels[(j / P) P width + k P + j % P], the slots past the cache's
+/// end finite); `values`, rows of width floats; `bias`, per head the key bias term of every key
+/// (or null), scaled by bias_scale. Writes per head lse, entropy and o (the weighted value, width
+/// doubles); `scratch` holds heads (ceil(last / P) - floor(first / P)) P + width floats.
+/// first < last. Where the engine runs.
+void cpu_cached_partial(const float* queries, std::int64_t heads, std::int64_t width,
+                        const float* panels, const float* values, const float* const* bias,
+                        float bias_scale, std::int64_t first, std::int64_t last, float* scratch,
+                        double* lse, double* entropy, double* o);
+
 /// hidden[r][k] = silu(g) u for g = gate_up[r][k], u = gate_up[r][inner + k] (rows of 2 inner
 /// floats; hidden rows of inner), the gated block's middle in float32 with the engine's exp
 /// (relative error about 2 ulp); `inner` a multiple of kProductColumns. Where the engine runs.

@@ -157,25 +157,30 @@ template <class T>
 void KeyStore<T>::append_products(const T* tokens, std::int64_t count) {
   if constexpr (std::is_same_v<T, float>) {
     // The keys and values of every kv head in one float32 product (the engine's, as the fused
-    // factored form computes them), then each key rotated at its position in double.
+    // factored form computes them), then each key rotated at its position in double and written
+    // into the transposed panels of its kv head.
     const std::int64_t d = dim_, w = width_, K = sets_, columns = key_value_columns_;
     std::vector<float> products(static_cast<std::size_t>(count * columns));
     cpu_products(tokens, count, d, key_value_panels_.data(), columns, products.data(), 0);
     std::vector<double> key(static_cast<std::size_t>(w));
     std::vector<double> cosines(static_cast<std::size_t>(rotary_.dim / 2)), sines(cosines.size());
+    constexpr std::int64_t P = kCachedPanel;
+    const std::int64_t panels = (size_ + count + P - 1) / P;
     for (std::int64_t g = 0; g < K; ++g) {
       Set& set = per_set_[static_cast<std::size_t>(g)];
+      set.keys.resize(static_cast<std::size_t>(panels * P * w), 0.0f);
       for (std::int64_t t = 0; t < count; ++t) {
         const float* row = products.data() + t * columns;
         set.values.insert(set.values.end(), row + (K + g) * w, row + (K + g + 1) * w);
-        if (rotary_.dim == 0) {
-          set.keys.insert(set.keys.end(), row + g * w, row + (g + 1) * w);
-          continue;
-        }
         std::copy(row + g * w, row + (g + 1) * w, key.begin());
-        rotary_.angles(size_ + t, cosines.data(), sines.data());
-        rotary_.rotate(key.data(), cosines.data(), sines.data());
-        for (const double k : key) set.keys.push_back(static_cast<T>(k));
+        if (rotary_.dim != 0) {
+          rotary_.angles(size_ + t, cosines.data(), sines.data());
+          rotary_.rotate(key.data(), cosines.data(), sines.data());
+        }
+        // Key j at lane j % P of its panel's rows (cpu_cached_partial).
+        const std::int64_t j = size_ + t;
+        float* slot = set.keys.data() + (j / P) * P * w + j % P;
+        for (std::int64_t k = 0; k < w; ++k) slot[k * P] = static_cast<float>(key[k]);
       }
     }
     for (std::size_t h = 0; h < bias_.size(); ++h) {
@@ -271,6 +276,10 @@ void KeyStore<T>::attend(const T* queries, std::int64_t count, const QueryRule& 
 #pragma omp parallel num_threads(workers)
   {
     std::vector<double> scores, exponentials, maxima, expected, inverse;
+    // The float32 form's (products()): its group's queries, key bias rows and partial states.
+    std::vector<float> group_queries, panel_scratch;
+    std::vector<const float*> group_bias;
+    std::vector<double> group_lse, group_entropy, group_o;
 #pragma omp for schedule(static)
     for (std::int64_t row = 0; row < rows; ++row) {
       errors.run([&] {
@@ -310,6 +319,36 @@ void KeyStore<T>::attend(const T* queries, std::int64_t count, const QueryRule& 
         }
         if (n == 0) return;
         const Set& set = per_set_[static_cast<std::size_t>(g)];
+        if constexpr (std::is_same_v<T, float>) {
+          if (products()) {  // the group's heads in float32 on the keys' panels
+            constexpr std::int64_t P = kCachedPanel;
+            group_queries.resize(static_cast<std::size_t>(group * w));
+            group_bias.assign(static_cast<std::size_t>(group), nullptr);
+            for (std::int64_t k = 0; k < group; ++k) {
+              const std::int64_t h = g * group + k;
+              const double* p = &projected[static_cast<std::size_t>((h * count + i) * w)];
+              std::copy(p, p + w, group_queries.begin() + k * w);
+              if (!bias_.empty())
+                group_bias[static_cast<std::size_t>(k)] = bias_[static_cast<std::size_t>(h)].data();
+            }
+            const std::int64_t slots = ((last + P - 1) / P - first / P) * P;
+            panel_scratch.resize(static_cast<std::size_t>(group * slots + w));
+            group_lse.resize(static_cast<std::size_t>(group));
+            group_entropy.resize(group_lse.size());
+            group_o.resize(static_cast<std::size_t>(group * w));
+            cpu_cached_partial(group_queries.data(), group, w, set.keys.data(), set.values.data(),
+                               bias_.empty() ? nullptr : group_bias.data(),
+                               static_cast<float>(beta_), first, last, panel_scratch.data(),
+                               group_lse.data(), group_entropy.data(), group_o.data());
+            for (std::int64_t k = 0; k < group; ++k) {
+              const std::int64_t at = span * rows + (g * group + k) * count + i;
+              lse[static_cast<std::size_t>(at)] = group_lse[static_cast<std::size_t>(k)];
+              entropy[static_cast<std::size_t>(at)] = group_entropy[static_cast<std::size_t>(k)];
+              std::copy(group_o.begin() + k * w, group_o.begin() + (k + 1) * w, o.begin() + at * w);
+            }
+            return;
+          }
+        }
         const T* keys = head_keys(g * group);
         const auto cell = [n](std::int64_t k, std::int64_t j) {
           return static_cast<std::size_t>(k * n + j);

@@ -1,7 +1,8 @@
 // The keys and contents of a growing cloud for one layer, in either form, held in T and computed
 // in double (BasicDecodeCache, include/emflow/decode.hpp, for double and for the factored form);
-// in the float factored form, where the engine runs, the projections are float32 products
-// (detail::cpu_products) and the scores and sums still double.
+// in the float factored form, where the engine runs, float32 as the engine computes: the
+// projections by detail::cpu_products, each query against its keys (held transposed in panels)
+// by detail::cpu_cached_partial; the spans' merge in double.
 //
 // Per head the store keeps what a later query needs of each token: its key k_j (the token itself
 // in the dense form, shared by every head; B_g x_j in the factored form), the key bias term
