@@ -168,6 +168,50 @@ def gguf_types() -> list:
     [(code, name, block size, block bytes, dequantized)] for every tensor type emflow knows.
     """
 
+class Model:
+    """
+    emflow::model::Model: a pretrained transformer as EMF operators. Use emflow.model.Model.
+    """
+
+    def __init__(self, path: str) -> None: ...
+
+    @property
+    def layout(self) -> str: ...
+
+    @property
+    def layers(self) -> int: ...
+
+    @property
+    def dim(self) -> int: ...
+
+    @property
+    def heads(self) -> int: ...
+
+    @property
+    def kv_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def causal(self) -> bool: ...
+
+    @property
+    def vocabulary(self) -> list[str]: ...
+
+    def embed(self, ids: Sequence[int]) -> object: ...
+
+    def run(self, clouds: Annotated[NDArray, dict(writable=False)], key_lengths: Sequence[int] | None, full_layer: bool, factored: bool, threads: int) -> object: ...
+
+    def logits(self, clouds: Annotated[NDArray, dict(writable=False)], key_lengths: Sequence[int] | None) -> object: ...
+
+    def generate(self, ids: Annotated[NDArray, dict(writable=False)], lengths: Sequence[int] | None, new_tokens: int, float64: bool, keep_logits: bool, threads: int) -> object: ...
+
+    def detokenize(self, ids: Sequence[int]) -> bytes: ...
+
 def route(factored: bool, storage: str, precision: str, batch: int, tokens: int, dim: int, heads: int, rank: int, mask: str, key_lengths: bool, key_bias: bool, offset: bool, lse: bool, entropy: bool, weights: bool, device: str, operation: str) -> tuple:
     """
     emflow::route of the Problem these fields describe: (supported, device, kernel, computes, products, expanded, reason, device_missing). Use emflow.route.

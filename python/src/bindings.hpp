@@ -12,5 +12,6 @@ void bind_flow(nanobind::module_& m);        // flow.cpp: the flow, the phase di
 void bind_capability(nanobind::module_& m);  // capability.cpp: emflow::route, max_threads
 void bind_generate(nanobind::module_& m);    // generate.cpp: the decoding stack, generation
 void bind_gguf(nanobind::module_& m);        // gguf.cpp: GGUF files
+void bind_model(nanobind::module_& m);       // model.cpp: pretrained models
 
 }  // namespace emflow::python

@@ -87,5 +87,6 @@ NB_MODULE(_emflow, m) {
   emflow::python::bind_flow(m);
   emflow::python::bind_generate(m);
   emflow::python::bind_gguf(m);
+  emflow::python::bind_model(m);
   emflow::python::bind_capability(m);
 }
