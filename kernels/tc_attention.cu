@@ -191,10 +191,17 @@ __global__ void __launch_bounds__(kThreads)
   const int split_first = args.splits > 1 ? place.split * args.split_keys : 0;
   const int split_last = args.splits > 1 ? min(N, split_first + args.split_keys) : N;
   const std::size_t head_cloud = static_cast<std::size_t>(place.head_cloud);
-  const std::size_t key_cloud = args.shared_keys ? static_cast<std::size_t>(b) : head_cloud;
+  // Grouped-query heads: head h's keys and values are its kv head's (h / group, cloud b).
+  const int head = place.head_cloud / args.batch;
+  const std::size_t kv_cloud = args.kv_heads > 0
+                                   ? static_cast<std::size_t>(head / (args.heads / args.kv_heads)) *
+                                             static_cast<std::size_t>(args.batch) +
+                                         static_cast<std::size_t>(b)
+                                   : head_cloud;
+  const std::size_t key_cloud = args.shared_keys ? static_cast<std::size_t>(b) : kv_cloud;
   const T* const query = static_cast<const T*>(args.query) + head_cloud * Nq * dim;
   const T* const key = static_cast<const T*>(args.key) + key_cloud * N * dim;
-  const T* const value = static_cast<const T*>(args.value) + head_cloud * N * dim;
+  const T* const value = static_cast<const T*>(args.value) + kv_cloud * N * dim;
   const float* const bias = args.key_bias != nullptr ? args.key_bias + head_cloud * N : nullptr;
 
   // Key tiles that can hold a visible key of some query of the block, within its split.

@@ -47,10 +47,13 @@ enum class TcType { bf16, f16, tf32 };
 /// which hold the same as without splits up to the order of the sums: deterministic run to run.
 struct TcAttentionArgs {
   TcType type = TcType::bf16;
-  const void* query = nullptr;      ///< (heads, batch, queries, dim) of `type` (tf32: float)
-  const void* key = nullptr;        ///< (heads, batch, tokens, dim), or (batch, tokens, dim)
-  bool shared_keys = false;         ///< key is (batch, tokens, dim), every head's (the dense X)
-  const void* value = nullptr;      ///< (heads, batch, tokens, dim) of `type` (tf32: float)
+  const void* query = nullptr;  ///< (heads, batch, queries, dim) of `type` (tf32: float)
+  const void* key = nullptr;    ///< (heads, batch, tokens, dim), or (batch, tokens, dim)
+  bool shared_keys = false;     ///< key is (batch, tokens, dim), every head's (the dense X)
+  const void* value = nullptr;  ///< (heads, batch, tokens, dim) of `type` (tf32: float)
+  /// Grouped-query heads: key and value hold kv_heads heads, (kv_heads, batch, tokens, dim), and
+  /// query head h reads kv head h / (heads / kv_heads). 0: as many as the query heads.
+  int kv_heads = 0;
   const float* key_bias = nullptr;  ///< (heads, batch, tokens), added to <q_i, k_j>, or null
   float scale = 1.f;
   float* out = nullptr;      ///< (heads, batch, queries, dim)

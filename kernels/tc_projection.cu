@@ -8,6 +8,7 @@
 
 #include "emflow/precision.hpp"
 #include "launch.cuh"
+#include "mask.cuh"
 #include "tc_projection.hpp"
 
 namespace emflow::detail {
@@ -21,9 +22,25 @@ __device__ __forceinline__ float widen(bfloat16 v) { return to_float(v); }
 __device__ __forceinline__ float widen(float16 v) { return to_float(v); }
 __device__ __forceinline__ float widen(float v) { return v; }
 
+// sum_k w(h, c, k) x_k in float32.
+template <class T>
+__device__ __forceinline__ float project_one(const T* weights, bool transposed, const T* xr, int h,
+                                             int c, int dim, int rank) {
+  float sum = 0.f;
+  if (transposed) {
+    const T* const w = weights + static_cast<std::size_t>(h) * dim * rank + c;
+    for (int k = 0; k < dim; ++k)
+      sum += widen(w[static_cast<std::size_t>(k) * rank]) * widen(xr[k]);
+  } else {
+    const T* const w = weights + (static_cast<std::size_t>(h) * rank + c) * dim;
+    for (int k = 0; k < dim; ++k) sum += widen(w[k]) * widen(xr[k]);
+  }
+  return sum;
+}
+
 template <class T, class Out>
 __global__ void project_kernel(const T* weights, bool transposed, const T* x, Out* out, int heads,
-                               int rows, int dim, int rank) {
+                               int rows, int dim, int rank, const TcRotary rotary) {
   const std::size_t total = static_cast<std::size_t>(heads) * rows * rank;
   for (std::size_t index = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
        index < total; index += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
@@ -32,15 +49,23 @@ __global__ void project_kernel(const T* weights, bool transposed, const T* x, Ou
     const int row = static_cast<int>(head_row % rows);
     const int h = static_cast<int>(head_row / rows);
     const T* const xr = x + static_cast<std::size_t>(row) * dim;
-    float sum = 0.f;
-    if (transposed) {
-      const T* const w = weights + static_cast<std::size_t>(h) * dim * rank + c;
-      for (int k = 0; k < dim; ++k) {
-        sum += widen(w[static_cast<std::size_t>(k) * rank]) * widen(xr[k]);
-      }
-    } else {
-      const T* const w = weights + (static_cast<std::size_t>(h) * rank + c) * dim;
-      for (int k = 0; k < dim; ++k) sum += widen(w[k]) * widen(xr[k]);
+    float sum = project_one(weights, transposed, xr, h, c, dim, rank);
+    if (c < rotary.dim) {
+      // This coordinate and its partner of the pair, turned by the row's angle; the thread of
+      // the partner computes the same two sums and writes the other half of the pair.
+      const int half = rotary.dim / 2;
+      const bool first = rotary.interleaved ? c % 2 == 0 : c < half;
+      const int partner = rotary.interleaved ? c ^ 1 : first ? c + half : c - half;
+      const int t = rotary.interleaved ? c / 2 : first ? c : c - half;
+      const float other = project_one(weights, transposed, xr, h, partner, dim, rank);
+      const int cloud = row / rotary.cloud_rows, n = row % rotary.cloud_rows;
+      const long long origin =
+          rotary.queries
+              ? cloud_view(rotary.mask, cloud, rotary.tokens, rotary.query_tokens).first_position
+              : rotary.mask.key_position;
+      const double angle = static_cast<double>(origin + n) * rotary.inverse_frequencies[t];
+      const double cosine = cos(angle), sine = sin(angle);
+      sum = static_cast<float>(first ? sum * cosine - other * sine : sum * cosine + other * sine);
     }
     store(out + index, sum);
   }
@@ -82,10 +107,11 @@ __global__ void combine_kernel(const TcCombineArgs args, const T* up, const T* o
 
 template <class T, class Out>
 void launch_tc_project(const T* weights, TcWeights layout, const T* x, Out* out, int heads,
-                       int rows, int dim, int rank, cudaStream_t stream, const char* operation) {
+                       int rows, int dim, int rank, cudaStream_t stream, const char* operation,
+                       const TcRotary& rotary) {
   launch(operation, "project_kernel", project_kernel<T, Out>,
          grid_for(std::int64_t{heads} * rows * rank), kElementwiseThreads, 0, stream, weights,
-         layout == TcWeights::transposed, x, out, heads, rows, dim, rank);
+         layout == TcWeights::transposed, x, out, heads, rows, dim, rank, rotary);
 }
 
 template <class T>
@@ -98,9 +124,9 @@ void launch_tc_combine(const TcCombineArgs& args, const T* up, const T* offset, 
 
 #define EMFLOW_INSTANTIATE(T)                                                                     \
   template void launch_tc_project<T, T>(const T*, TcWeights, const T*, T*, int, int, int, int,    \
-                                        cudaStream_t, const char*);                               \
+                                        cudaStream_t, const char*, const TcRotary&);              \
   template void launch_tc_project<T, float>(const T*, TcWeights, const T*, float*, int, int, int, \
-                                            int, cudaStream_t, const char*);                      \
+                                            int, cudaStream_t, const char*, const TcRotary&);     \
   template void launch_tc_combine<T>(const TcCombineArgs&, const T*, const T*, T*, cudaStream_t,  \
                                      const char*);
 EMFLOW_INSTANTIATE(bfloat16)
@@ -108,7 +134,8 @@ EMFLOW_INSTANTIATE(float16)
 #undef EMFLOW_INSTANTIATE
 // float storage (TF32): the projections and the key bias terms are both float.
 template void launch_tc_project<float, float>(const float*, TcWeights, const float*, float*, int,
-                                              int, int, int, cudaStream_t, const char*);
+                                              int, int, int, cudaStream_t, const char*,
+                                              const TcRotary&);
 template void launch_tc_combine<float>(const TcCombineArgs&, const float*, const float*, float*,
                                        cudaStream_t, const char*);
 

@@ -22,11 +22,34 @@ enum class TcWeights {
   transposed  ///< weights[(h * dim + k) * rank + c]: out = W^T x (R = X M: r_i = M^T x_i)
 };
 
+/// Rotary pairs a projection can turn: rank <= kTcMaxDim (tc_attention.hpp), so 128.
+constexpr int kTcMaxRotaryPairs = 128;
+
+/// The rotation of a projection's rows by their rotary positions (docs/MATH.md §2.4), applied to
+/// the float32 sums before they are rounded: pair t of the first `dim` coordinates, (t, t + dim
+/// / 2) or (2t, 2t + 1), turned by the angle position * inverse_frequencies[t] (its cosine and
+/// sine in double), (a, b) -> (a cos - b sin, b cos + a sin), as the host's RotaryCall does. Row
+/// `row` of the projection is token n = row % cloud_rows of cloud b = row / cloud_rows, at the
+/// position the mask gives it: mask.key_position + n for keys, the cloud's first query position
+/// (cloud_view: query_positions[b], query_position, or aligned to the cloud's last key) + n for
+/// queries.
+struct TcRotary {
+  int dim = 0;  ///< rotated coordinates; 0: no rotation
+  bool interleaved = false;
+  bool queries = false;              ///< the rows are queries (else keys)
+  int cloud_rows = 1;                ///< rows of one cloud: the tokens, or the queries
+  int tokens = 1, query_tokens = 1;  ///< the call's N and Nq, as the mask's view reads them
+  KernelMask mask;
+  double inverse_frequencies[kTcMaxRotaryPairs] = {};
+};
+
 /// out[(h * rows + row) * rank + c] = sum_k w(h, c, k) x[row * dim + k], accumulated in float32
-/// from the stored values and rounded once to Out (T, or float for the key bias terms).
+/// from the stored values, turned by `rotary` (rotary.dim 0: not), and rounded once to Out (T,
+/// or float for the key bias terms).
 template <class T, class Out>
 void launch_tc_project(const T* weights, TcWeights layout, const T* x, Out* out, int heads,
-                       int rows, int dim, int rank, cudaStream_t stream, const char* operation);
+                       int rows, int dim, int rank, cudaStream_t stream, const char* operation,
+                       const TcRotary& rotary = TcRotary{});
 
 /// The sum over heads after the attention.
 struct TcCombineArgs {

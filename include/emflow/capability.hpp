@@ -70,6 +70,8 @@ struct Problem {
   /// dense form. Fewer than heads: grouped-query heads.
   std::int64_t kv_heads = 0;
   std::int64_t rotary_dim = 0;  ///< FactoredLayer::rotary.dim: rotated coordinates, 0 for none
+  /// Explicit rotary positions (Rotary::key_positions or query_positions: host memory).
+  bool rotary_positions = false;
   Mask mask;
   bool cross = false;          ///< queries of their own (AttentionInput::queries)
   bool query_lengths = false;  ///< per-cloud query lengths

@@ -156,8 +156,13 @@ struct FactoredLayer {
 /// input) in the double reference of the factored form, which rotates in double; so does
 /// Device::reference. Grouped kv heads run on the same paths (the engine projects each key and
 /// value once per kv head and shares it across the group; the expansion repeats B and V).
-/// Device::cuda refuses both (ErrorCode::unsupported: no GPU kernel yet); automatic then runs
-/// on the CPU. Device::cuda
+/// On Device::cuda both run on the tensor cores (bfloat16 and float16 storage, float with
+/// Precision::tf32): each projected query and key is turned at its position in float32 before
+/// it is rounded (the angles in double), and query head h reads kv head h / (heads / kv_heads).
+/// The positions there are the ones the mask gives the rows (key_position + j, the queries'
+/// first position + i): explicit Rotary::key_positions / query_positions (host memory) are
+/// refused, as are the float32 and float64 paths (which expand the layer) and the dynamic
+/// scaling without explicit inverse_frequencies; automatic then runs on the CPU. Device::cuda
 /// without the tensor cores (below) expands to dense operators in T and runs the GPU's dense
 /// kernels (fused or unfused, as attend would).
 /// bfloat16 and float16 (docs/MATH.md §7): the inputs are widened exactly to float and the float

@@ -217,11 +217,11 @@ struct ModelTrace {
 /// feed-forward block are computed per token, accumulating in double.
 ///
 /// llama: x <- x + Attn(RMS_1(x)) through emflow::attend_factored (the causal mask or the
-/// model's sliding window, the key
-/// lengths, kv_heads and the model's rotary embedding at positions 0..N-1; CPU or reference: the
-/// GPU refuses rotary layers), then with full_layer x <- x + down(silu(gate(g)) * up(g)),
-/// g = RMS_2(x). The last record is the cloud after the last layer, before the final norm
-/// (next_token_logits applies it); gpt2's last record is after ln_f, as before.
+/// model's sliding window, the key lengths, kv_heads and the model's rotary embedding at
+/// positions 0..N-1; CPU or reference: the GPU's float32 and float64 paths refuse rotary
+/// layers), then with full_layer x <- x + down(silu(gate(g)) * up(g)), g = RMS_2(x). The last
+/// record is the cloud after the last layer, before the final norm (next_token_logits applies it);
+/// gpt2's last record is after ln_f, as before.
 template <class T>
 ModelTrace<T> run_model(const Model& model, const Tensor<T>& clouds,
                         const std::vector<std::int64_t>& key_lengths, const RunSettings& settings,

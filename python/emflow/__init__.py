@@ -327,7 +327,9 @@ def _run(dense: bool, x: Any, operators: tuple, key_bias: Any, offset: Any, beta
                 raise NotImplementedError(where.reason)
             if not dense and rotary_arguments and (rotary_arguments[0] or rotary_arguments[1]):
                 raise NotImplementedError(f"{operation}: rotary positions and grouped kv heads "
-                                          "run on the host only (no GPU kernel yet)")
+                                          "run on the GPU's tensor cores through the C++ API "
+                                          "(cuda::attend_factored_async), which the Python "
+                                          "package does not call yet; run on the host")
             if not dense:
                 if not where.expanded:
                     raise NotImplementedError(f"{operation}: {where} runs through "
@@ -445,7 +447,8 @@ def attend_factored(x: Any, query_factor: Any, key_factor: Any, content_up: Any,
     kv_heads (grouped-query heads, §2.4): key_factor and content_down hold (kv_heads, r, d)
     and query head h reads kv head h // (H // kv_heads); 0 means H. rotary: a ``Rotary``.
     Both run on the host (float32 in the factored engine, float64 in the double reference of
-    the factored form); CUDA tensors with either are refused (no GPU kernel yet).
+    the factored form); CUDA tensors with either are refused (the GPU's tensor-core path for them
+    is C++ only).
     """
     return _run(False, x, (query_factor, key_factor, content_up, content_down), key_bias,
                 offset, beta, mask, key_lengths, lse, entropy, weights, device, threads, out,

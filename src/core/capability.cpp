@@ -35,8 +35,11 @@
 // in the double reference of the factored form (cpu, reference); grouped heads without rotation
 // expand as before (B and V repeated). The factored partial state and decode cache compute in the
 // factored form in double, rotating each key and query at its position (the cache each key once,
-// when it is appended), and store kv_heads projected keys and values. cuda refuses both (no GPU
-// kernel yet).
+// when it is appended), and store kv_heads projected keys and values. On cuda the factored
+// update with either runs on the tensor cores (16-bit storage, or float with tf32: the
+// projections turned at the rows' positions in tc_factored.cpp, a kv head per group of query
+// heads in the attention); the float32 and float64 paths, which expand the layer, the partial
+// state, the decode cache and explicit rotary positions (host memory) are refused there.
 #include "emflow/capability.hpp"
 
 #include <algorithm>
@@ -241,11 +244,20 @@ Route on_cuda(const Problem& p, const Machine& machine, const char* op) {
   }
   const std::string limit = cuda_size_limit(p);
   if (!limit.empty()) return refused(Device::cuda, op, limit);
-  if (rotary_or_grouped(p)) {
-    return refused(Device::cuda, op, rotary_or_grouped_names(p),
-                   " have no GPU kernel yet: run on the cpu or the reference");
-  }
   const bool factored = p.form == Form::factored;
+  // Rotary positions and grouped kv heads: the tensor-core path of the factored update alone
+  // turns the projected queries and keys and reads a kv head per group of query heads.
+  if (rotary_or_grouped(p) && p.operation != Operation::update) {
+    return refused(Device::cuda, op, rotary_or_grouped_names(p), " have no GPU kernel for ",
+                   p.operation == Operation::decode ? "the decode cache" : "partial states",
+                   ": run on the cpu or the reference");
+  }
+  if (rotary_or_grouped(p) && p.rotary_positions) {
+    return refused(Device::cuda, op,
+                   "explicit rotary positions (Rotary::key_positions, query_positions: host "
+                   "memory) are not read on the GPU: give the positions through the mask's "
+                   "key_position and query_position(s), or run on the cpu");
+  }
   switch (p.operation) {
     case Operation::partial:
       if (factored) {
@@ -279,6 +291,14 @@ Route on_cuda(const Problem& p, const Machine& machine, const char* op) {
   const bool tensor_cores = is_16bit(p.storage) || (factored && p.storage == Dtype::float32 &&
                                                     p.precision == Precision::tf32 && !p.weights &&
                                                     p.rank <= kTensorCoreMaxDim);
+  if (factored && !tensor_cores && rotary_or_grouped(p)) {
+    return refused(Device::cuda, op, rotary_or_grouped_names(p),
+                   " run on the GPU's tensor cores (bfloat16 or float16 storage, or float with "
+                   "Precision::tf32; rank <= ",
+                   kTensorCoreMaxDim,
+                   ", no weights): the float32 and float64 paths expand the "
+                   "layer to dense M_h, which a rotary layer does not have; else run on the cpu");
+  }
   if (factored && !tensor_cores) return cuda_dense_products(p, op, true);
   if (!factored && !is_16bit(p.storage)) return cuda_dense_products(p, op, false);
   // The tensor cores: 16-bit storage (either form), or the factored form in TF32.
@@ -442,6 +462,8 @@ void describe_factors(const FactoredLayer<T>& layer, Problem& p) {
   p.rank = layer.rank;
   p.kv_heads = layer.key_heads();
   p.rotary_dim = layer.rotary.dim;
+  p.rotary_positions =
+      layer.rotary.key_positions != nullptr || layer.rotary.query_positions != nullptr;
   p.key_bias = layer.key_bias != nullptr;
 }
 
@@ -497,6 +519,8 @@ Problem describe(const FactoredLayer<T>& layer, std::int64_t dim, const DecodeOp
   p.rank = layer.rank;
   p.kv_heads = layer.key_heads();
   p.rotary_dim = layer.rotary.dim;
+  p.rotary_positions =
+      layer.rotary.key_positions != nullptr || layer.rotary.query_positions != nullptr;
   p.key_bias = layer.key_bias != nullptr;
   p.offset = layer.offset != nullptr;
   return p;

@@ -58,7 +58,7 @@ class Uploads {
   template <class T>
   FactoredLayer<T> layer(const FactoredLayer<T>& layer, std::int64_t dim) {
     const auto H = static_cast<std::size_t>(layer.heads);
-    const auto K = static_cast<std::size_t>(layer.key_heads());  // route(): K == H on cuda
+    const auto K = static_cast<std::size_t>(layer.key_heads());  // grouped heads: K < H
     const auto r = static_cast<std::size_t>(layer.rank);
     const auto d = static_cast<std::size_t>(dim);
     FactoredLayer<T> on_device = layer;

@@ -278,8 +278,9 @@ void check_form(const Problem& planned, Operation operation, Form form, const ch
 // The first difference between a run's Problem and its plan's: false, or an invalid_argument
 // naming it when `raise`.
 bool same_problem(const Problem& planned, const Problem& given, const char* op, bool raise) {
-  // kv_heads and rotary.dim too: a plan never computes rotary positions or grouped heads
-  // (route() refuses them on cuda), so a layer that has them never matches one.
+  // kv_heads and rotary.dim too: the tensor-core strategy lays out kv_heads keys and values and
+  // turns rotary.dim coordinates of the queries and keys (the pairing, base and scaling are read
+  // from the run's layer).
   const std::int64_t planned_sizes[] = {planned.batch,    planned.tokens,    planned.query_tokens,
                                         planned.dim,      planned.heads,     planned.rank,
                                         planned.kv_heads, planned.rotary_dim};
@@ -301,12 +302,14 @@ bool same_problem(const Problem& planned, const Problem& given, const char* op, 
                   to_string(planned.mask));
   }
   // The optional arrays that change what a strategy computes or lays out.
-  const bool planned_arrays[] = {planned.cross, planned.key_bias, planned.lse, planned.entropy,
-                                 planned.weights};
-  const bool given_arrays[] = {given.cross, given.key_bias, given.lse, given.entropy,
-                               given.weights};
-  const char* const array_names[] = {"queries", "key_bias", "lse", "entropy", "weights"};
-  const int arrays = planned.operation == Operation::partial ? 2 : 5;
+  const bool planned_arrays[] = {planned.cross, planned.key_bias, planned.rotary_positions,
+                                 planned.lse,   planned.entropy,  planned.weights};
+  const bool given_arrays[] = {given.cross, given.key_bias, given.rotary_positions,
+                               given.lse,   given.entropy,  given.weights};
+  const char* const array_names[] = {
+      "queries", "key_bias", "rotary.key_positions or query_positions",
+      "lse",     "entropy",  "weights"};
+  const int arrays = planned.operation == Operation::partial ? 3 : 6;
   for (int k = 0; k < arrays; ++k) {
     if (given_arrays[k] == planned_arrays[k]) continue;
     if (!raise) return false;

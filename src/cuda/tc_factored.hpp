@@ -1,6 +1,7 @@
 // The factored EMF form on the tensor cores (tc_factored.cpp), a strategy of cuda::AttentionPlan
 // (plan_strategy.hpp): what route() sends to cuda_tensor_cores for the factored form, bfloat16
-// and float16 storage and float with Precision::tf32 (rank <= 256, no weights).
+// and float16 storage and float with Precision::tf32 (rank <= 256, no weights), rotary positions
+// and grouped kv heads included.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,6 +31,7 @@ class TcFactoredStrategy final : public PlanStrategy<T> {
 
  private:
   int batch_ = 0, tokens_ = 0, queries_ = 0, dim_ = 0, heads_ = 0, rank_ = 0;
+  int kv_heads_ = 0;  // the heads of keys and values (grouped-query heads: fewer than heads_)
   // Where each array lives in the workspace (byte offsets, each aligned).
   std::size_t query_ = 0, key_ = 0, value_ = 0, bias_ = 0, total_ = 0;
   TcAttentionState state_;  // the head outputs and the key splits' states

@@ -187,6 +187,41 @@ TEST(Capability, TheGpuRefusesWhatItsKernelsCannotCompute) {
   expect_refusal(route(big, Device::cuda, with_gpu()), "32-bit index limit");
 }
 
+// Rotary positions and grouped kv heads on the GPU: the factored update on the tensor cores
+// (16-bit storage, or float with tf32); the expanding float paths, partial states, decode caches
+// and explicit positions are refused by name, and automatic then stays on the CPU.
+TEST(Capability, RotaryAndGroupedHeadsRunOnTheGpusTensorCoresOnly) {
+  Problem p = factored(Dtype::bfloat16);
+  p.kv_heads = 1;
+  p.rotary_dim = 8;
+  expect_route(route(p, Device::cuda, with_gpu()), Device::cuda, Kernel::cuda_tensor_cores,
+               Precision::bf16);
+  expect_route(route(p, Device::automatic, with_gpu()), Device::cuda, Kernel::cuda_tensor_cores,
+               Precision::bf16);
+  Problem tf32 = p;
+  tf32.storage = Dtype::float32;
+  tf32.precision = Precision::tf32;
+  expect_route(route(tf32, Device::cuda, with_gpu()), Device::cuda, Kernel::cuda_tensor_cores,
+               Precision::tf32);
+  Problem fp32 = tf32;
+  fp32.precision = Precision::fp32;
+  const Route expanded = route(fp32, Device::cuda, with_gpu());
+  expect_refusal(expanded,
+                 "rotary positions (rotary.dim 8) and grouped kv heads (kv_heads 1 of 2)");
+  expect_refusal(expanded, "run on the GPU's tensor cores");
+  expect_route(route(fp32, Device::automatic, with_gpu()), Device::cpu, Kernel::cpu_fused,
+               Precision::fp32);
+  Problem grouped_only = fp32;
+  grouped_only.rotary_dim = 0;
+  expect_refusal(route(grouped_only, Device::cuda, with_gpu()), "grouped kv heads");
+  Problem positions = p;
+  positions.rotary_positions = true;
+  expect_refusal(route(positions, Device::cuda, with_gpu()), "explicit rotary positions");
+  Problem partial = p;
+  partial.operation = Operation::partial;
+  expect_refusal(route(partial, Device::cuda, with_gpu()), "no GPU kernel for partial states");
+}
+
 TEST(Capability, AMissingDeviceIsSaidAsSuch) {
   const Route r = route(dense(Dtype::float32), Device::cuda, cpu_only());
   EXPECT_FALSE(r.supported);

@@ -44,6 +44,18 @@ struct FactoredCase {
   Mask mask;
   std::vector<std::int64_t> key_lengths;  // empty: all keys
   bool bias, offset;
+  int kv_heads = 0;    // grouped-query heads: fewer than heads (0: heads)
+  int rotary_dim = 0;  // rotated coordinates of the queries and keys (0: none)
+  RotaryPairing pairing = RotaryPairing::half_split;
+
+  int key_heads() const { return kv_heads == 0 ? heads : kv_heads; }
+  Rotary rotary() const {
+    Rotary r;
+    r.dim = rotary_dim;
+    r.base = 500.0;  // angles that turn visibly over a few positions
+    r.pairing = pairing;
+    return r;
+  }
 };
 
 void PrintTo(const FactoredCase& c, std::ostream* os) { *os << c.name; }
@@ -65,13 +77,13 @@ Inputs make_inputs(const FactoredCase& c) {
   std::mt19937 random(77u + static_cast<unsigned>(c.tokens * 13 + c.dim + c.rank));
   const auto B = static_cast<std::size_t>(c.batch), N = static_cast<std::size_t>(c.tokens);
   const auto d = static_cast<std::size_t>(c.dim), H = static_cast<std::size_t>(c.heads);
-  const auto r = static_cast<std::size_t>(c.rank);
+  const auto r = static_cast<std::size_t>(c.rank), K = static_cast<std::size_t>(c.key_heads());
   const float range = 1.7f / std::sqrt(static_cast<float>(d));  // projections of order one
   Inputs in;
   in.x = random_rounded(c.type, B * N * d, random);
   in.a = random_rounded(c.type, H * r * d, random, range);
-  in.b = random_rounded(c.type, H * r * d, random, range);
-  in.v = random_rounded(c.type, H * r * d, random, range);
+  in.b = random_rounded(c.type, K * r * d, random, range);
+  in.v = random_rounded(c.type, K * r * d, random, range);
   in.u = random_rounded(c.type, H * d * r, random, 1.7f / std::sqrt(static_cast<float>(r)));
   if (c.bias) in.bias = random_rounded(c.type, H * d, random, range);
   if (c.offset) in.offset = random_rounded(c.type, d, random, 0.5f);
@@ -91,36 +103,68 @@ Expected factored_attention(const FactoredCase& c, const Inputs& in, bool naive)
   // Per head, rows of X projected by W (H, rows_out, d): (H, B, N, rows_out); naive: in float,
   // rounded to the 16-bit type when `round`. The double result is kept as the nearest float,
   // far below the 16-bit errors tested.
-  auto project = [&](const Rounded& w, int rows_out, bool round) {
+  // Grouped heads: head h projects with map h / (H / K) of w (K maps). Rotary: each row (token
+  // n of its cloud, at position n: self-attention, key_position 0) turned before the rounding,
+  // in double for the exact result and in float for the naive one.
+  const int K = c.key_heads();
+  const Rotary rotary = c.rotary();
+  const std::vector<double> frequencies =
+      c.rotary_dim != 0 ? rotary_inverse_frequencies(rotary, 1) : std::vector<double>{};
+  auto project = [&](const Rounded& w, int maps, int rows_out, bool round, bool turn) {
     std::vector<float> out(static_cast<std::size_t>(H) * B * N * rows_out);
+    std::vector<double> exact(static_cast<std::size_t>(rows_out));
+    std::vector<float> rounded(static_cast<std::size_t>(rows_out));
     for (int h = 0; h < H; ++h) {
+      const int map = h / (H / maps);
       for (int row = 0; row < B * N; ++row) {
         for (int k = 0; k < rows_out; ++k) {
           float sum_f = 0.f;
           double sum = 0.0;
           for (int a = 0; a < d; ++a) {
-            const float wa = w.values[(static_cast<std::size_t>(h) * rows_out + k) * d + a];
+            const float wa = w.values[(static_cast<std::size_t>(map) * rows_out + k) * d + a];
             const float xa = in.x.values[static_cast<std::size_t>(row) * d + a];
             sum_f += wa * xa;
             sum += static_cast<double>(wa) * xa;
           }
+          exact[static_cast<std::size_t>(k)] = sum;
+          rounded[static_cast<std::size_t>(k)] = sum_f;
+        }
+        if (turn && c.rotary_dim != 0) {
+          const int half = c.rotary_dim / 2;
+          const bool interleaved = c.pairing == RotaryPairing::interleaved;
+          for (int t = 0; t < half; ++t) {
+            const auto first = static_cast<std::size_t>(interleaved ? 2 * t : t);
+            const auto second = static_cast<std::size_t>(interleaved ? 2 * t + 1 : t + half);
+            const double angle = (row % N) * frequencies[static_cast<std::size_t>(t)];
+            const double cosine = std::cos(angle), sine = std::sin(angle);
+            const double x = exact[first], y = exact[second];
+            exact[first] = x * cosine - y * sine;
+            exact[second] = y * cosine + x * sine;
+            const float xf = rounded[first], yf = rounded[second];
+            const auto cf = static_cast<float>(cosine), sf = static_cast<float>(sine);
+            rounded[first] = xf * cf - yf * sf;
+            rounded[second] = yf * cf + xf * sf;
+          }
+        }
+        for (int k = 0; k < rows_out; ++k) {
+          const float sum_f = rounded[static_cast<std::size_t>(k)];
           out[(static_cast<std::size_t>(h) * B * N + row) * rows_out + k] =
               naive ? (round && !tf32_case ? round_to(c.type, sum_f) : sum_f)
-                    : static_cast<float>(sum);
+                    : static_cast<float>(exact[static_cast<std::size_t>(k)]);
         }
       }
     }
     return out;
   };
-  std::vector<float> q = project(in.a, r, true), k = project(in.b, r, true),
-                     v = project(in.v, r, true);
+  std::vector<float> q = project(in.a, H, r, true, true), k = project(in.b, K, r, true, true),
+                     v = project(in.v, K, r, true, false);
   if (naive && tf32_case) {  // the naive TF32 kernel's operands (tc_reference.hpp)
     q = tf32(q);
     k = tf32(k);
     v = tf32(v);
   }
   std::vector<float> bias;
-  if (c.bias) bias = project(in.bias, 1, false);
+  if (c.bias) bias = project(in.bias, H, 1, false, false);
   const float scale = static_cast<float>(in.beta * 1.4426950408889634);
   const Result heads = attention(head, q, k, v, bias, scale, naive);
 
@@ -181,6 +225,8 @@ struct HostProblem {
              v.data(),
              c.bias ? bias.data() : nullptr,
              c.offset ? offset.data() : nullptr};
+    layer.kv_heads = c.kv_heads;
+    layer.rotary = c.rotary();
     input.cloud = x.data();
     input.batch = c.batch;
     input.tokens = c.tokens;
@@ -239,14 +285,16 @@ void check_case(const FactoredCase& c, int key_splits = 0) {
   AttentionInput<T> input = host.input;
   input.cloud = dx.data();
   input.key_lengths = c.key_lengths.empty() ? nullptr : dlengths.data();
-  const FactoredLayer<T> layer{c.heads,
-                               c.rank,
-                               da.data(),
-                               db.data(),
-                               du.data(),
-                               dv.data(),
-                               c.bias ? dbias.data() : nullptr,
-                               c.offset ? doffset.data() : nullptr};
+  FactoredLayer<T> layer{c.heads,
+                         c.rank,
+                         da.data(),
+                         db.data(),
+                         du.data(),
+                         dv.data(),
+                         c.bias ? dbias.data() : nullptr,
+                         c.offset ? doffset.data() : nullptr};
+  layer.kv_heads = c.kv_heads;
+  layer.rotary = c.rotary();
   const AttentionOutput<T> output{dupdate.data(), dlse.data(), dentropy.data()};
   const cuda::PlanOptions options{cuda::Algorithm::automatic, tensor_core_precision<T>(),
                                   key_splits};
@@ -340,7 +388,61 @@ INSTANTIATE_TEST_SUITE_P(
             "tf32_N17_d40_r20_causal_len", kTf32, 2, 2, 17, 40, 20, kCausal, {17, 0}, true, true},
         FactoredCase{
             "tf32_N130_d24_r36_window5_len", kTf32, 1, 1, 130, 24, 36, kWindow5, {97}, true, false},
-        FactoredCase{"tf32_N70_d16_r130_none", kTf32, 1, 1, 70, 16, 130, kNone, {}, false, true}),
+        FactoredCase{"tf32_N70_d16_r130_none", kTf32, 1, 1, 70, 16, 130, kNone, {}, false, true},
+        // Rotary positions (half-split and interleaved, over the whole rank and part of it) and
+        // grouped kv heads, alone and together.
+        FactoredCase{"bf16_N130_d32_r16_causal_rotary16_kv2of4",
+                     kBf16,
+                     1,
+                     4,
+                     130,
+                     32,
+                     16,
+                     kCausal,
+                     {},
+                     false,
+                     true,
+                     2,
+                     16},
+        FactoredCase{"f16_N17_d40_r24_window5_len_rotary8_interleaved",
+                     kF16,
+                     2,
+                     2,
+                     17,
+                     40,
+                     24,
+                     kWindow5,
+                     {17, 6},
+                     true,
+                     false,
+                     0,
+                     8,
+                     RotaryPairing::interleaved},
+        FactoredCase{"bf16_N70_d24_r32_none_len_kv1of3",
+                     kBf16,
+                     2,
+                     3,
+                     70,
+                     24,
+                     32,
+                     kNone,
+                     {70, 33},
+                     false,
+                     true,
+                     1},
+        FactoredCase{"tf32_N130_d20_r36_causal_len_rotary36_kv2of6",
+                     kTf32,
+                     1,
+                     6,
+                     130,
+                     20,
+                     36,
+                     kCausal,
+                     {101},
+                     true,
+                     true,
+                     2,
+                     36}),
     [](const ::testing::TestParamInfo<FactoredCase>& info) {
       return std::string(info.param.name);
     });
