@@ -21,6 +21,7 @@
 
 #include "emflow/attention.hpp"
 #include "emflow/distributed.hpp"
+#include "emflow/factored.hpp"
 #include "emflow/tensor.hpp"
 
 namespace emflow::distributed {
@@ -86,6 +87,18 @@ template <class T>
 void attend(Communicator& comm, const ShardInput<T>& input, const ShardOutput<T>& output,
             const ExecutionOptions& options = {}, RingTimes* times = nullptr);
 
+/// The same for a layer in the factored form (factored.hpp): input.layer empty, the operators
+/// from `layer`, its rotary positions and grouped kv heads included. Each block of keys is turned
+/// at its positions in the whole sequence (the shard's), the queries at theirs, so the ring's
+/// result equals emflow::attend_factored over the whole cloud to rounding (partial.hpp: the
+/// factored partial states merge exactly). The positions are the sequence's: Rotary's explicit
+/// key_positions and query_positions must be null (invalid_argument naming them); the dynamic
+/// scaling needs explicit inverse_frequencies (unsupported otherwise, as for attend_partial).
+template <class T>
+void attend(Communicator& comm, const ShardInput<T>& input, const FactoredLayer<T>& layer,
+            const ShardOutput<T>& output, const ExecutionOptions& options = {},
+            RingTimes* times = nullptr);
+
 /// Rows of a whole batch (batch, tokens, width) that a shard holds, segment-major (for tests and
 /// for callers that hold the whole batch): width = dim for clouds.
 template <class T>
@@ -104,13 +117,15 @@ template <class T>
 std::vector<T> read_shard(const std::string& path, Layout layout, int ranks, int rank,
                           Shape* shape);
 
-#define EMFLOW_DISTRIBUTED_DECLARE(T)                                                        \
-  extern template void attend<T>(Communicator&, const ShardInput<T>&, const ShardOutput<T>&, \
-                                 const ExecutionOptions&, RingTimes*);                       \
-  extern template std::vector<T> gather_shard<T>(const T*, std::int64_t, std::int64_t,       \
-                                                 std::int64_t, const std::vector<Segment>&); \
-  extern template void scatter_shard<T>(const T*, std::int64_t, std::int64_t, std::int64_t,  \
-                                        const std::vector<Segment>&, T*);                    \
+#define EMFLOW_DISTRIBUTED_DECLARE(T)                                                          \
+  extern template void attend<T>(Communicator&, const ShardInput<T>&, const ShardOutput<T>&,   \
+                                 const ExecutionOptions&, RingTimes*);                         \
+  extern template void attend<T>(Communicator&, const ShardInput<T>&, const FactoredLayer<T>&, \
+                                 const ShardOutput<T>&, const ExecutionOptions&, RingTimes*);  \
+  extern template std::vector<T> gather_shard<T>(const T*, std::int64_t, std::int64_t,         \
+                                                 std::int64_t, const std::vector<Segment>&);   \
+  extern template void scatter_shard<T>(const T*, std::int64_t, std::int64_t, std::int64_t,    \
+                                        const std::vector<Segment>&, T*);                      \
   extern template std::vector<T> read_shard<T>(const std::string&, Layout, int, int, Shape*);
 EMFLOW_DISTRIBUTED_DECLARE(float)
 EMFLOW_DISTRIBUTED_DECLARE(double)

@@ -67,9 +67,10 @@ std::vector<std::int64_t> local_lengths(const std::vector<std::int64_t>& lengths
 
 // The arguments of a call, and the device of its partial states (route()'s, for the whole
 // batch's partial state under `options`; every block's attend_partial runs there).
+// `factored`: the layer in the factored form (in.layer then empty), or null for in.layer.
 template <class T>
-Device check_input(Communicator& comm, const ShardInput<T>& in, const ShardOutput<T>& out,
-                   const ExecutionOptions& options) {
+Device check_input(Communicator& comm, const ShardInput<T>& in, const FactoredLayer<T>* factored,
+                   const ShardOutput<T>& out, const ExecutionOptions& options) {
   const char* op = "distributed attend";
   if (comm.memory() != Memory::host) {
     detail::fail(ErrorCode::unsupported, op,
@@ -79,9 +80,27 @@ Device check_input(Communicator& comm, const ShardInput<T>& in, const ShardOutpu
   detail::expect_positive(op, "batch", in.batch);
   detail::expect_positive(op, "tokens", in.tokens);
   detail::expect_positive(op, "dim", in.dim);
-  detail::expect_positive(op, "heads", in.layer.heads);
-  detail::expect_not_null(op, "relevance", in.layer.relevance);
-  detail::expect_not_null(op, "content", in.layer.content);
+  if (factored != nullptr) {
+    if (in.layer.relevance != nullptr || in.layer.content != nullptr) {
+      detail::fail_argument(op, "layer",
+                            "must be empty with a FactoredLayer (the operators come from it)");
+    }
+    detail::expect_positive(op, "heads", factored->heads);
+    detail::expect_positive(op, "rank", factored->rank);
+    detail::expect_not_null(op, "query_factor", factored->query_factor);
+    detail::expect_not_null(op, "key_factor", factored->key_factor);
+    detail::expect_not_null(op, "content_up", factored->content_up);
+    detail::expect_not_null(op, "content_down", factored->content_down);
+    if (factored->rotary.key_positions != nullptr || factored->rotary.query_positions != nullptr) {
+      detail::fail_argument(op, "rotary.key_positions",
+                            "and query_positions must be null: the ring turns each token at its "
+                            "position in the sequence (the shard's)");
+    }
+  } else {
+    detail::expect_positive(op, "heads", in.layer.heads);
+    detail::expect_not_null(op, "relevance", in.layer.relevance);
+    detail::expect_not_null(op, "content", in.layer.content);
+  }
   if (in.queries != nullptr || in.query_tokens != 0 || in.query_lengths != nullptr ||
       in.key_position != 0 || in.query_position != kAlignToEnd || in.query_positions != nullptr) {
     detail::fail_argument(op, "queries",
@@ -107,8 +126,9 @@ Device check_input(Communicator& comm, const ShardInput<T>& in, const ShardOutpu
     detail::expect_not_null(op, "update", out.update);
   }
   // The whole batch's partial state: the shapes that bound every block's.
-  Problem problem =
-      describe(static_cast<const AttentionInput<T>&>(in), PartialOutput<T>{}, options);
+  const auto& whole = static_cast<const AttentionInput<T>&>(in);
+  Problem problem = factored != nullptr ? describe(whole, *factored, PartialOutput<T>{}, options)
+                                        : describe(whole, PartialOutput<T>{}, options);
   problem.lse = problem.entropy = true;
   return require_route(problem, options.device, op).device;
 }
@@ -116,11 +136,12 @@ Device check_input(Communicator& comm, const ShardInput<T>& in, const ShardOutpu
 // One call's buffers and state; made (and so allocated) before the first transfer.
 template <class T>
 struct Ring {
-  Ring(Communicator& comm, const ShardInput<T>& input) : in(input) {
+  Ring(Communicator& comm, const ShardInput<T>& input, const FactoredLayer<T>* layer)
+      : in(input), factored(layer) {
     P = comm.size();
     r = comm.rank();
     B = in.batch;
-    H = in.layer.heads;
+    H = factored != nullptr ? factored->heads : in.layer.heads;
     d = in.dim;
     queries = shard(in.layout, in.tokens, P, r);
     std::int64_t capacity = 0;
@@ -194,14 +215,18 @@ struct Ring {
           block.query_lengths = in.key_lengths ? query_lengths.data() : nullptr;
           block.key_position = k.position;
           block.query_position = q.position;
+          if (factored != nullptr) block.layer = {};
           State<T>& state = states[a];
-          if (!state.started) {
-            attend_partial(block, state.out(), options);
-            state.started = true;
+          const PartialOutput<T> into = state.started ? part.out() : state.out();
+          if (factored != nullptr) {
+            // The block's keys turned at key_position + j, its queries at query_position + i:
+            // their positions in the whole sequence.
+            attend_partial(block, *factored, into, options);
           } else {
-            attend_partial(block, part.out(), options);
-            merge_partial(shape, part.in(), state.out());
+            attend_partial(block, into, options);
           }
+          if (state.started) merge_partial(shape, part.in(), state.out());
+          state.started = true;
           if (transfer) comm.poll(*transfer);
         }
         key_rows += B * whole.count * d;
@@ -220,7 +245,8 @@ struct Ring {
       result.update = update;
       result.lse = lse;
       result.entropy = entropy;
-      finish_partial(shape, states[a].in(), in.layer.offset, result);
+      finish_partial(shape, states[a].in(),
+                     factored != nullptr ? factored->offset : in.layer.offset, result);
       update += B * queries[a].count * d;
       if (lse) lse += B * H * queries[a].count;
       if (entropy) entropy += B * H * queries[a].count;
@@ -228,6 +254,7 @@ struct Ring {
   }
 
   const ShardInput<T>& in;
+  const FactoredLayer<T>* factored = nullptr;
   int P = 1, r = 0;
   std::int64_t B = 1, H = 1, d = 1;
   std::vector<Segment> queries;
@@ -237,18 +264,16 @@ struct Ring {
   std::vector<std::int64_t> lengths;
 };
 
-}  // namespace
-
 template <class T>
-void attend(Communicator& comm, const ShardInput<T>& input, const ShardOutput<T>& output,
-            const ExecutionOptions& options, RingTimes* times) {
+void ring_attend(Communicator& comm, const ShardInput<T>& input, const FactoredLayer<T>* factored,
+                 const ShardOutput<T>& output, const ExecutionOptions& options, RingTimes* times) {
   // Every block on the device route() named for the whole batch.
   ExecutionOptions host = options;
   std::unique_ptr<Ring<T>> ring;
   agreed(comm, [&] {
-    host.device = check_input(comm, input, output, options);
+    host.device = check_input(comm, input, factored, output, options);
     check_threads(options.threads, "sequence_parallel::attend");
-    ring = std::make_unique<Ring<T>>(comm, input);
+    ring = std::make_unique<Ring<T>>(comm, input, factored);
   });
   RingTimes local;
   const int P = comm.size(), r = comm.rank();
@@ -291,9 +316,25 @@ void attend(Communicator& comm, const ShardInput<T>& input, const ShardOutput<T>
   if (times) *times = local;
 }
 
-#define EMFLOW_DISTRIBUTED_ATTEND(T)                                                  \
-  template void attend<T>(Communicator&, const ShardInput<T>&, const ShardOutput<T>&, \
-                          const ExecutionOptions&, RingTimes*);
+}  // namespace
+
+template <class T>
+void attend(Communicator& comm, const ShardInput<T>& input, const ShardOutput<T>& output,
+            const ExecutionOptions& options, RingTimes* times) {
+  ring_attend<T>(comm, input, nullptr, output, options, times);
+}
+
+template <class T>
+void attend(Communicator& comm, const ShardInput<T>& input, const FactoredLayer<T>& layer,
+            const ShardOutput<T>& output, const ExecutionOptions& options, RingTimes* times) {
+  ring_attend(comm, input, &layer, output, options, times);
+}
+
+#define EMFLOW_DISTRIBUTED_ATTEND(T)                                                    \
+  template void attend<T>(Communicator&, const ShardInput<T>&, const ShardOutput<T>&,   \
+                          const ExecutionOptions&, RingTimes*);                         \
+  template void attend<T>(Communicator&, const ShardInput<T>&, const FactoredLayer<T>&, \
+                          const ShardOutput<T>&, const ExecutionOptions&, RingTimes*);
 EMFLOW_DISTRIBUTED_ATTEND(float)
 EMFLOW_DISTRIBUTED_ATTEND(double)
 #undef EMFLOW_DISTRIBUTED_ATTEND

@@ -14,6 +14,7 @@
 #include "common/testing.hpp"
 #include "emflow/attention.hpp"
 #include "emflow/capability.hpp"
+#include "emflow/factored.hpp"
 #include "emflow/partial.hpp"
 #include "emflow/sequence_parallel.hpp"
 
@@ -129,6 +130,99 @@ TEST_P(RingAttention, DoubleEqualsOneProcess) { expect_matches_one_process<doubl
 
 INSTANTIATE_TEST_SUITE_P(Shapes, RingAttention, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return case_name(info.param); });
+
+// A llama-like layer in the factored form (rotary positions over part of the rank, 2 query heads
+// sharing 1 kv head, an offset) through the ring against attend_factored over the whole batch:
+// every mask, both layouts, ragged lengths, float and double.
+template <class T>
+void expect_factored_matches_one_process(const Mask& mask, Layout layout) {
+  const std::int64_t B = 3, N = 23, d = 6, H = 2, K = 1, r = 4;
+  const auto values = [](std::size_t count, std::uint64_t seed) {
+    const std::vector<double> u = uniform(count, seed);
+    return std::vector<T>(u.begin(), u.end());
+  };
+  const std::vector<T> x = values(B * N * d, 1), a = values(H * r * d, 2), b = values(K * r * d, 3),
+                       up = values(H * d * r, 4), down = values(K * r * d, 5),
+                       offset = values(d, 6);
+  const std::vector<std::int64_t> lengths{N, 0, 11};
+  FactoredLayer<T> layer{H, r, a.data(), b.data(), up.data(), down.data(), nullptr, offset.data()};
+  layer.kv_heads = K;
+  layer.rotary.dim = 2;
+  layer.rotary.base = 50.0;
+  AttentionInput<T> whole_input;
+  whole_input.cloud = x.data();
+  whole_input.batch = B;
+  whole_input.tokens = N;
+  whole_input.dim = d;
+  whole_input.beta = 1.3;
+  whole_input.mask = mask;
+  whole_input.key_lengths = lengths.data();
+  std::vector<T> update(B * N * d, T(-7)), lse(B * H * N, T(-7)), entropy(lse.size(), T(-7));
+  attend_factored(whole_input, layer, {update.data(), lse.data(), entropy.data()},
+                  ExecutionOptions{Device::cpu, 1});
+  // The rotation turns: the same layer without it gives another update, which the ring's must
+  // not match.
+  FactoredLayer<T> plain = layer;
+  plain.rotary.dim = 0;
+  std::vector<T> unturned(update.size());
+  attend_factored(whole_input, plain, {unturned.data()}, ExecutionOptions{Device::cpu, 1});
+  ASSERT_GT(relative_error(unturned, update), 1e-3);
+
+  const auto segments = distributed::shard(layout, N, comm().size(), comm().rank());
+  const std::int64_t local = distributed::shard_tokens(segments);
+  const std::vector<T> cloud = distributed::gather_shard(x.data(), B, N, d, segments);
+  distributed::ShardInput<T> in;
+  in.cloud = cloud.data();
+  in.batch = B;
+  in.tokens = N;
+  in.dim = d;
+  in.beta = whole_input.beta;
+  in.mask = mask;
+  in.key_lengths = lengths.data();
+  in.layout = layout;
+  std::vector<T> got(B * local * d, T(-7)), got_lse(B * H * local, T(-7)),
+      got_entropy(got_lse.size(), T(-7));
+  distributed::attend(comm(), in, layer, {got.data(), got_lse.data(), got_entropy.data()},
+                      ExecutionOptions{Device::cpu, 1});
+  if (segments.empty()) return;
+  const double tolerance = sizeof(T) == 4 ? 1e-6 : 1e-12;
+  EXPECT_TRUE(
+      close_to(got, distributed::gather_shard(update.data(), B, N, d, segments), tolerance));
+  EXPECT_TRUE(
+      close_to(got_lse, distributed::gather_shard(lse.data(), B * H, N, 1, segments), tolerance));
+  EXPECT_TRUE(close_to(
+      got_entropy, distributed::gather_shard(entropy.data(), B * H, N, 1, segments), tolerance));
+}
+
+TEST(RingAttentionFactored, RotaryAndGroupedHeadsEqualOneProcess) {
+  for (const Mask mask : {Mask::none(), Mask::causal(), Mask::sliding_window(4)}) {
+    for (const Layout layout : {Layout::contiguous, Layout::zigzag}) {
+      SCOPED_TRACE(to_string(mask) + (layout == Layout::zigzag ? " zigzag" : " contiguous"));
+      expect_factored_matches_one_process<float>(mask, layout);
+      expect_factored_matches_one_process<double>(mask, layout);
+    }
+  }
+}
+
+// The ring turns each token at its position in the sequence: positions of its own are refused.
+TEST(RingAttentionFactored, ExplicitRotaryPositionsAreRefusedByName) {
+  const std::int64_t B = 1, N = 4, d = 2, H = 1, r = 2;
+  const std::vector<float> x(B * N * d, 0.5f), f(H * r * d, 0.25f);
+  const std::vector<std::int64_t> positions(B * N, 3);
+  FactoredLayer<float> layer{H, r, f.data(), f.data(), f.data(), f.data()};
+  layer.rotary.dim = 2;
+  layer.rotary.key_positions = positions.data();
+  const auto segments = distributed::shard(Layout::contiguous, N, comm().size(), comm().rank());
+  const std::vector<float> cloud = distributed::gather_shard(x.data(), B, N, d, segments);
+  distributed::ShardInput<float> in;
+  in.cloud = cloud.data();
+  in.batch = B;
+  in.tokens = N;
+  in.dim = d;
+  std::vector<float> out(B * N * d);
+  EXPECT_TRUE(throws_error([&] { distributed::attend(comm(), in, layer, {out.data()}); },
+                           ErrorCode::invalid_argument, {"'rotary.key_positions'"}));
+}
 
 TEST(RingAttentionShards, CoverTheSequenceOnceAndZigzagBalancesCausalWork) {
   for (const int P : {1, 2, 3, 4, 8}) {
