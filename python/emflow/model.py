@@ -148,21 +148,28 @@ class Model:
         return out[0] if single else out
 
     def generate(self, ids: Any, new_tokens: int, *, lengths: Any = None,
-                 precision: str = "float32", logits: bool = False, threads: int = 0) -> Generated:
+                 precision: str = "float32", products: str = "fp32", logits: bool = False,
+                 threads: int = 0) -> Generated:
         """Greedy generation (llama): the prompts' ids (N) or right-padded (B, N), lengths (B)
         their real tokens; each prompt once through every layer with a decode cache per layer,
         then new_tokens greedy steps, as ``emflow generate`` runs them. precision: "float32" or
-        "float64" (the state and the caches' element type). logits=True keeps every step's."""
+        "float64" (the state and the caches' element type). products: "fp32", or "bf16" for the
+        feed-forward blocks and the unembedding of a float32 run in bfloat16 (weights stored in
+        bfloat16, float32 sums; AVX512-BF16 only, NotImplementedError elsewhere).
+        logits=True keeps every step's."""
         if precision not in ("float32", "float64"):
             raise ValueError(f"Model.generate: 'precision' must be 'float32' or 'float64', "
                              f"got {precision!r}")
+        if products not in ("fp32", "bf16"):
+            raise ValueError(f"Model.generate: 'products' must be 'fp32' or 'bf16', "
+                             f"got {products!r}")
         array = np.asarray(ids, dtype=np.int64)
         single = array.ndim == 1
         if single:
             array = array[None]
         out = Generated(*self._model.generate(np.ascontiguousarray(array), _lengths(lengths),
                                               int(new_tokens), precision == "float64",
-                                              bool(logits), int(threads)))
+                                              products == "bf16", bool(logits), int(threads)))
         if single:
             return Generated(out.ids[0], None if out.logits is None else out.logits[0],
                              out.prefill_seconds, out.step_seconds[0])

@@ -166,7 +166,7 @@ void bind_model(nb::module_& m) {
           "generate",
           [](const model::Model& x, const InArray& ids,
              const std::optional<std::vector<std::int64_t>>& lengths, std::int64_t new_tokens,
-             bool float64, bool keep_logits, int threads) {
+             bool float64, bool bf16_products, bool keep_logits, int threads) {
             const Placement place{"Model.generate",
                                   nb::dtype<std::int64_t>(),
                                   nb::device::cpu::value,
@@ -178,11 +178,12 @@ void bind_model(nb::module_& m) {
             settings.new_tokens = new_tokens;
             settings.keep_logits = keep_logits;
             settings.threads = threads;
+            settings.products = bf16_products ? Precision::bf16 : Precision::fp32;
             return float64 ? generate<double>(x, id_tensor, lengths_of(lengths), settings)
                            : generate<float>(x, id_tensor, lengths_of(lengths), settings);
           },
           nb::arg("ids"), nb::arg("lengths").none(), nb::arg("new_tokens"), nb::arg("float64"),
-          nb::arg("keep_logits"), nb::arg("threads"))
+          nb::arg("bf16_products"), nb::arg("keep_logits"), nb::arg("threads"))
       .def(
           "detokenize",
           [](const model::Model& x, const std::vector<std::int64_t>& ids) {

@@ -71,11 +71,28 @@ def test_a_padded_batch_and_float64_give_the_ids_of_each_prompt_alone(model):
         np.testing.assert_array_equal(out.ids[1], alone[1])
 
 
+def test_bf16_products_continue_the_prompt_alike(model):
+    try:
+        out = model.generate(PROMPT, 3, products="bf16", logits=True)
+    except NotImplementedError as e:
+        assert "AVX512-BF16" in str(e)
+        pytest.skip("this processor has no AVX512-BF16: bf16 products are refused, as checked")
+    reference = model.generate(PROMPT, 3, logits=True)
+    assert model.detokenize(out.ids).startswith(" Paris.")
+    scale = np.abs(reference.logits[0]).max()
+    difference = np.abs(out.logits[0] - reference.logits[0]).max()
+    assert 1e-6 * scale < difference < 0.1 * scale
+
+
 def test_refusals_name_the_argument(model, tmp_path):
     with pytest.raises(ValueError, match="ids"):
         model.generate([0, model.vocab_size], 1)
     with pytest.raises(ValueError, match="precision"):
         model.generate(PROMPT, 1, precision="bfloat16")
+    with pytest.raises(ValueError, match="products"):
+        model.generate(PROMPT, 1, products="fp16")
+    with pytest.raises(ValueError, match="products"):
+        model.generate(PROMPT, 1, precision="float64", products="bf16")
     with pytest.raises(ValueError, match="new_tokens"):
         model.generate(PROMPT, 0)
     with pytest.raises(ValueError, match="ids"):

@@ -8,10 +8,12 @@
 #include <memory>
 #include <numeric>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "commands.hpp"
 #include "common.hpp"
+#include "emflow/capability.hpp"
 #include "emflow/gguf.hpp"
 #include "emflow/io.hpp"
 #include "emflow/model.hpp"
@@ -23,6 +25,7 @@ namespace {
 struct GenerateArguments {
   std::string model, ids, lengths, out, logits;
   std::string precision = "float32";
+  std::string products = "fp32";
   std::int64_t new_tokens = 0;
   int threads = 0;
 };
@@ -38,6 +41,20 @@ void run(const GenerateArguments& args) {
     outputs.declare_input("--model", file);
   }
   if (args.new_tokens < 1) fail_option("--new", "must be >= 1, got ", args.new_tokens);
+  if (args.products != "fp32" && args.products != "bf16") {
+    fail_option("--products", "expects fp32 or bf16, got '", args.products, "'");
+  }
+  if (args.products == "bf16" && !std::is_same_v<T, float>) {
+    fail_option("--products",
+                "bf16 needs --precision float32 (a float64 run's products are "
+                "double), got --precision ",
+                args.precision);
+  }
+  if (args.products == "bf16" && !this_machine().avx512_bf16) {
+    fail_option("--products",
+                "bf16 needs AVX512-BF16, which this processor lacks (or "
+                "EMFLOW_CPU_DISABLE names it): use fp32");
+  }
 
   Tensor<std::int64_t> ids = read_integer_input("--ids", args.ids, 1, 2);
   if (ids.rank() == 1) ids = ids.reshaped({1, ids.extent(0)});
@@ -78,6 +95,7 @@ void run(const GenerateArguments& args) {
   settings.new_tokens = args.new_tokens;
   settings.keep_logits = !args.logits.empty();
   settings.threads = args.threads;
+  settings.products = args.products == "bf16" ? Precision::bf16 : Precision::fp32;
   tools::ProgressBar bar("emflow generate");
   settings.progress = bar.callback();
   const model::Generated<T> g = model::generate_greedy<T>(m, ids, lengths, settings);
@@ -91,7 +109,8 @@ void run(const GenerateArguments& args) {
   const double prefill = std::accumulate(g.prefill_seconds.begin(), g.prefill_seconds.end(), 0.0);
   const double decode = std::accumulate(g.step_seconds.begin(), g.step_seconds.end(), 0.0);
   std::cout << std::setprecision(4) << "emflow generate: model '" << args.model << "' ("
-            << m.layer_count() << " layers, d = " << m.dim << ", " << args.precision << "), " << B
+            << m.layer_count() << " layers, d = " << m.dim << ", " << args.precision
+            << (args.products == "bf16" ? ", bf16 products" : "") << "), " << B
             << " prompt(s) of up to " << N << " tokens, " << K << " new tokens each\n"
             << "  prefill " << prefill << " s, decode " << decode / static_cast<double>(B * K)
             << " s per new token (" << static_cast<double>(B * K) / decode << " tokens/s)\n";
@@ -150,6 +169,10 @@ tokenizer (transformers' AutoTokenizer); docs/MODELS.md has an example.)");
                       "every step's logits, (B, K, vocab) .npy (optional)");
   command->add_option("--precision", args->precision,
                       "float32 (default) or float64: the state and the caches' element type");
+  command->add_option("--products", args->products,
+                      "fp32 (default) or bf16: the feed-forward blocks' and the unembedding's "
+                      "products in a float32 run; bf16 stores their weights in bfloat16 and "
+                      "rounds the activations entering them (float32 sums; AVX512-BF16 only)");
   add_threads_option(*command, args->threads);
   command->callback([args] { run_generate(*args); });
 }

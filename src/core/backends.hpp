@@ -121,6 +121,25 @@ void cpu_cached_partial(const float* queries, std::int64_t heads, std::int64_t w
                         float bias_scale, std::int64_t first, std::int64_t last, float* scratch,
                         double* lse, double* entropy, double* o);
 
+/// Where element (k, c) of cpu_products_bf16's B (depth x columns, bfloat16) lies: the panels of
+/// cpu_products, each a row of `width` pairs per pair of depth rows, (k, c) and (k + 1, c) side
+/// by side (an odd depth padded with a zero row).
+inline std::int64_t product_index_bf16(std::int64_t depth, std::int64_t columns, std::int64_t k,
+                                       std::int64_t c) {
+  const std::int64_t first = c / kProductPanel * kProductPanel;
+  const std::int64_t width = columns - first < kProductPanel ? columns - first : kProductPanel;
+  const std::int64_t pairs = (depth + 1) / 2;
+  return first * 2 * pairs + (k / 2) * 2 * width + 2 * (c - first) + k % 2;
+}
+
+/// C = A B as cpu_products, in bfloat16 (src/cpu/products_bf16.cpp): A's elements rounded to
+/// bfloat16 (to nearest even) once, B stored in bfloat16 (product_index_bf16), each pair of
+/// products summed into float32 by vdpbf16ps: what a bfloat16 model's layers compute, reading
+/// half the bytes of B. Every element's sum runs over the pairs in order, so the result does not
+/// depend on `threads`. Only where Machine::avx512_bf16.
+void cpu_products_bf16(const float* A, std::int64_t rows, std::int64_t depth, const bfloat16* B,
+                       std::int64_t columns, float* C, int threads);
+
 /// hidden[r][k] = silu(g) u for g = gate_up[r][k], u = gate_up[r][inner + k] (rows of 2 inner
 /// floats; hidden rows of inner), the gated block's middle in float32 with the engine's exp
 /// (relative error about 2 ulp); `inner` a multiple of kProductColumns. Where the engine runs.

@@ -27,15 +27,17 @@ constexpr const char* kOp = "generate_greedy";
 // A Qwen2 layer (biases on q, k and v) runs in d + 1 with a last coordinate 1 (BiasedFactors).
 // A float run on a processor the engine runs on takes a prompt (the first call, several tokens)
 // through emflow::attend_factored, the fused engine, and only then fills the caches with it; its
-// feed-forward blocks are float32 products (layers::GatedFeedForward32).
+// feed-forward blocks are products (layers::GatedFeedForwardProducts) of float32 weights, or of
+// bfloat16 ones with GenerateSettings::products bf16.
 template <class T>
 class Decoder {
  public:
-  Decoder(const Model& model, int threads) : model_(model), threads_(threads) {
+  Decoder(const Model& model, int threads, bool bf16) : model_(model), threads_(threads) {
     const std::int64_t d = model.dim;
     const auto L = model.layers.size();
     attention_.reserve(L);  // the FactoredLayers point into it
     ffn32_.reserve(L);
+    ffn16_.reserve(L);
     for (const ModelLayer& layer : model.layers) {
       Attention& a = attention_.emplace_back();
       a.biased = layer.attention.query_bias.size() > 0;
@@ -52,7 +54,11 @@ class Decoder {
       caches_.emplace_back(f, a.biased ? d + 1 : d, 1.0,
                            DecodeOptions{Device::cpu, 0, Precision::fp32});
       if constexpr (std::is_same_v<T, float>) {
-        if (layers::float_products()) ffn32_.emplace_back(layer, d);
+        if (layers::float_products() && bf16) {
+          ffn16_.emplace_back(layer, d);
+        } else if (layers::float_products()) {
+          ffn32_.emplace_back(layer, d);
+        }
       }
     }
     mask_ = model.sliding_window > 0 ? Mask::sliding_window(model.sliding_window) : Mask::causal();
@@ -70,7 +76,7 @@ class Decoder {
       const ModelLayer& layer = model_.layers[l];
       BasicDecodeCache<T>& cache = caches_[l];
       const Attention& a = attention_[l];
-      const bool prompt = !ffn32_.empty() && count > 1 && cache.size() == 0;
+      const bool prompt = products() && count > 1 && cache.size() == 0;
       std::copy(x, x + n, normed_.begin());
       layers::rms_norm(normed_.data(), count, d, layer.norm1_gain, model_.norm_eps);
       const std::int64_t width = a.biased ? d + 1 : d;
@@ -110,10 +116,9 @@ class Decoder {
       layers::rms_norm(normed_.data(), count, d, layer.norm2_gain, model_.norm_eps);
       if constexpr (std::is_same_v<T, float>) {
         if (!ffn32_.empty()) ffn32_[l](normed_.data(), update_.data(), count, threads_, scratch_);
+        if (!ffn16_.empty()) ffn16_[l](normed_.data(), update_.data(), count, threads_, scratch_);
       }
-      if (ffn32_.empty()) {
-        layers::gated_feed_forward(layer, normed_.data(), update_.data(), count, d);
-      }
+      if (!products()) layers::gated_feed_forward(layer, normed_.data(), update_.data(), count, d);
       for (std::int64_t k = 0; k < n; ++k) x[k] += update_[static_cast<std::size_t>(k)];
     }
   }
@@ -146,7 +151,11 @@ class Decoder {
   int threads_;
   std::vector<Attention> attention_;
   std::vector<BasicDecodeCache<T>> caches_;
-  std::vector<layers::GatedFeedForward32> ffn32_;  // float runs where layers::float_products()
+  // Float runs where layers::float_products(): the feed-forward blocks' weights in float32 or
+  // in bfloat16 (one of the two is filled).
+  bool products() const { return !ffn32_.empty() || !ffn16_.empty(); }
+  std::vector<layers::GatedFeedForwardProducts<float>> ffn32_;
+  std::vector<layers::GatedFeedForwardProducts<bfloat16>> ffn16_;
   Mask mask_ = Mask::causal();
   std::vector<T> normed_, update_, lifted_, lifted_update_;
   std::vector<float> scratch_;  // the float feed-forward blocks'
@@ -196,6 +205,22 @@ Generated<T> generate_greedy(const Model& model, const Tensor<std::int64_t>& ids
     }
   }
   if (K < 1) fail_argument(kOp, "settings.new_tokens", "must be >= 1, got ", K);
+  if (settings.products != Precision::fp32 && settings.products != Precision::bf16) {
+    fail_argument(kOp, "settings.products", "must be fp32 or bf16, got ",
+                  to_string(settings.products));
+  }
+  if (settings.products == Precision::bf16) {
+    if (!std::is_same_v<T, float>) {
+      fail_argument(kOp, "settings.products",
+                    "is bf16, which a float64 run does not take (its products are double): "
+                    "generate in float32");
+    }
+    if (!this_machine().avx512_bf16) {
+      detail::fail(ErrorCode::unsupported, kOp,
+                   ": 'settings.products' bf16 needs AVX512-BF16, which this processor lacks "
+                   "(or EMFLOW_CPU_DISABLE names it): use fp32");
+    }
+  }
   check_threads(settings.threads, kOp);
   const std::int64_t logit_values =
       settings.keep_logits ? detail::checked_product(kOp, "settings.new_tokens", Shape{B, K, V})
@@ -216,19 +241,27 @@ Generated<T> generate_greedy(const Model& model, const Tensor<std::int64_t>& ids
   const auto seconds = [](clock::time_point start) {
     return std::chrono::duration<double>(clock::now() - start).count();
   };
-  Decoder<T> decoder(model, settings.threads);
-  // A float run's logits: the final norm, then the unembedding as a float32 product.
-  std::unique_ptr<layers::Unembedding32> unembed32;
+  const bool bf16 = settings.products == Precision::bf16;
+  Decoder<T> decoder(model, settings.threads, bf16);
+  // A float run's logits: the final norm, then the unembedding as a product of float32 weights
+  // (or bfloat16 ones).
+  std::unique_ptr<layers::UnembeddingProducts<float>> unembed32;
+  std::unique_ptr<layers::UnembeddingProducts<bfloat16>> unembed16;
   if (std::is_same_v<T, float> && layers::float_products()) {
-    unembed32 = std::make_unique<layers::Unembedding32>(model.output_matrix());
+    if (bf16) {
+      unembed16 = std::make_unique<layers::UnembeddingProducts<bfloat16>>(model.output_matrix());
+    } else {
+      unembed32 = std::make_unique<layers::UnembeddingProducts<float>>(model.output_matrix());
+    }
   }
   Tensor<T> logits(Shape{1, V});
   const auto logits_of = [&](const Tensor<T>& last) {
     if constexpr (std::is_same_v<T, float>) {
-      if (unembed32) {
+      if (unembed32 || unembed16) {
         std::vector<float> h(last.values().begin(), last.values().end());
         layers::rms_norm(h.data(), 1, d, model.final_gain, model.norm_eps);
-        (*unembed32)(h.data(), logits.data(), settings.threads);
+        if (unembed32) (*unembed32)(h.data(), logits.data(), settings.threads);
+        if (unembed16) (*unembed16)(h.data(), logits.data(), settings.threads);
         return;
       }
     }

@@ -7,11 +7,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "core/backends.hpp"
 #include "emflow/capability.hpp"
 #include "emflow/model.hpp"
+#include "emflow/precision.hpp"
 
 namespace emflow::model::layers {
 
@@ -84,29 +86,66 @@ inline std::int64_t padded(std::int64_t n) {
   return (n + detail::kProductColumns - 1) / detail::kProductColumns * detail::kProductColumns;
 }
 
-// w (rows x cols) transposed into out, the panels of a cols x stride matrix B as
-// detail::cpu_products reads it (detail::product_index), its column k at column at + k.
-inline void put_transposed(const Tensor<double>& w, std::vector<float>& out, std::int64_t stride,
-                           std::int64_t at) {
+// The products of a float run's weights: float32 (detail::cpu_products) or bfloat16
+// (detail::cpu_products_bf16: the activations rounded to bfloat16, float32 sums), with W the
+// weights' element type; where their panels put element (k, c) of a depth x columns B, and how
+// many elements they hold.
+inline void products(const float* a, std::int64_t rows, std::int64_t depth, const float* b,
+                     std::int64_t columns, float* c, int threads) {
+  detail::cpu_products(a, rows, depth, b, columns, c, threads);
+}
+inline void products(const float* a, std::int64_t rows, std::int64_t depth, const bfloat16* b,
+                     std::int64_t columns, float* c, int threads) {
+  detail::cpu_products_bf16(a, rows, depth, b, columns, c, threads);
+}
+template <class W>
+std::int64_t panel_index(std::int64_t depth, std::int64_t columns, std::int64_t k, std::int64_t c) {
+  if constexpr (std::is_same_v<W, bfloat16>) {
+    return detail::product_index_bf16(depth, columns, k, c);
+  } else {
+    return detail::product_index(depth, columns, k, c);
+  }
+}
+template <class W>
+std::vector<W> panels(std::int64_t depth, std::int64_t columns) {
+  const std::int64_t rows = std::is_same_v<W, bfloat16> ? (depth + 1) / 2 * 2 : depth;
+  return std::vector<W>(static_cast<std::size_t>(rows * columns), W{});
+}
+template <class W>
+W weight(double value) {
+  if constexpr (std::is_same_v<W, bfloat16>) {
+    return to_bfloat16(static_cast<float>(value));
+  } else {
+    return static_cast<float>(value);
+  }
+}
+
+// w (rows x cols) transposed into out, the panels of a cols x stride matrix B (panel_index),
+// its column k at column at + k.
+template <class W>
+void put_transposed(const Tensor<double>& w, std::vector<W>& out, std::int64_t stride,
+                    std::int64_t at) {
   const std::int64_t rows = w.extent(0), cols = w.extent(1);
   for (std::int64_t k = 0; k < rows; ++k)
     for (std::int64_t a = 0; a < cols; ++a)
-      out[static_cast<std::size_t>(detail::product_index(cols, stride, a, at + k))] =
-          static_cast<float>(w[k * cols + a]);
+      out[static_cast<std::size_t>(panel_index<W>(cols, stride, a, at + k))] =
+          weight<W>(w[k * cols + a]);
 }
 
-// A llama layer's gated feed-forward block in float32 (float runs, where float_products()):
+// A llama layer's gated feed-forward block as products of a float run (where float_products()),
+// its weights in W (float, or bfloat16 where the processor has AVX512-BF16):
 // [W_gate^T | W_up^T] (d x 2 I', I' = I padded to whole vectors) and W_down^T (I' x d'), zero
-// in the padding, so that the block is two products by detail::cpu_products and silu(g) u
-// between them, each element accumulated in float32 in a fixed order.
-class GatedFeedForward32 {
+// in the padding, so that the block is two products and silu(g) u between them, each element
+// accumulated in float32 in a fixed order.
+template <class W>
+class GatedFeedForwardProducts {
  public:
-  GatedFeedForward32(const ModelLayer& layer, std::int64_t d)
+  GatedFeedForwardProducts(const ModelLayer& layer, std::int64_t d)
       : d_(d), inner_(padded(layer.ffn_in.extent(0))), out_(padded(d)) {
-    gate_up_.assign(static_cast<std::size_t>(d * 2 * inner_), 0.0f);
+    gate_up_ = panels<W>(d, 2 * inner_);
     put_transposed(layer.ffn_gate, gate_up_, 2 * inner_, 0);
     put_transposed(layer.ffn_in, gate_up_, 2 * inner_, inner_);
-    down_.assign(static_cast<std::size_t>(inner_ * out_), 0.0f);
+    down_ = panels<W>(inner_, out_);
     put_transposed(layer.ffn_out, down_, out_, 0);
   }
 
@@ -119,14 +158,14 @@ class GatedFeedForward32 {
     scratch.resize(static_cast<std::size_t>(rows * (3 * I + (wide ? out_ : 0))));
     float* gate_up = scratch.data();
     float* hidden = gate_up + rows * 2 * I;
-    detail::cpu_products(in, rows, d_, gate_up_.data(), 2 * I, gate_up, threads);
+    products(in, rows, d_, gate_up_.data(), 2 * I, gate_up, threads);
     detail::cpu_gated_silu(gate_up, rows, I, hidden);
     if (!wide) {
-      detail::cpu_products(hidden, rows, I, down_.data(), out_, out, threads);
+      products(hidden, rows, I, down_.data(), out_, out, threads);
       return;
     }
     float* result = hidden + rows * I;
-    detail::cpu_products(hidden, rows, I, down_.data(), out_, result, threads);
+    products(hidden, rows, I, down_.data(), out_, result, threads);
     for (std::int64_t r = 0; r < rows; ++r) {
       std::copy(result + r * out_, result + r * out_ + d_, out + r * d_);
     }
@@ -134,29 +173,32 @@ class GatedFeedForward32 {
 
  private:
   std::int64_t d_, inner_, out_;
-  std::vector<float> gate_up_, down_;
+  std::vector<W> gate_up_, down_;
 };
+using GatedFeedForward32 = GatedFeedForwardProducts<float>;
 
-// The unembedding in float32 (float runs, where float_products()): W^T (d x V', V' the
-// vocabulary padded to whole vectors), the logits of a row by detail::cpu_products.
-class Unembedding32 {
+// The unembedding as products of a float run (where float_products()), its weights in W:
+// W^T (d x V', V' the vocabulary padded to whole vectors), the logits of a row by one product.
+template <class W>
+class UnembeddingProducts {
  public:
-  explicit Unembedding32(const Tensor<double>& w)
+  explicit UnembeddingProducts(const Tensor<double>& w)
       : d_(w.extent(1)), vocab_(w.extent(0)), stride_(padded(w.extent(0))) {
-    w_.assign(static_cast<std::size_t>(d_ * stride_), 0.0f);
+    w_ = panels<W>(d_, stride_);
     put_transposed(w, w_, stride_, 0);
   }
 
   // logits (vocab) of one normed row h (d).
   void operator()(const float* h, float* logits, int threads) {
     wide_.resize(static_cast<std::size_t>(stride_));
-    detail::cpu_products(h, 1, d_, w_.data(), stride_, wide_.data(), threads);
+    products(h, 1, d_, w_.data(), stride_, wide_.data(), threads);
     std::copy(wide_.begin(), wide_.begin() + vocab_, logits);
   }
 
  private:
   std::int64_t d_, vocab_, stride_;
-  std::vector<float> w_, wide_;
+  std::vector<W> w_;
+  std::vector<float> wide_;
 };
 
 template <class T>

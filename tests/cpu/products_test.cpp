@@ -14,6 +14,7 @@
 #include "common/testing.hpp"
 #include "core/backends.hpp"
 #include "emflow/capability.hpp"
+#include "emflow/precision.hpp"
 
 namespace {
 
@@ -77,6 +78,59 @@ TEST(CpuProducts, EveryElementIsTheDoubleProductWithinTheFloatBound) {
       cpu_products(a.data(), s.rows, s.depth, panels.data(), s.columns, again.data(), threads);
       EXPECT_EQ(again, c) << threads << " threads, " << s.rows << " x " << s.depth << " x "
                           << s.columns;
+    }
+  }
+}
+
+TEST(CpuProducts, TheBf16ProductIsTheDoubleProductOfTheRoundedValues) {
+  if (!emflow::this_machine().avx512_bf16) {
+    GTEST_SKIP() << "this processor has no AVX512-BF16 (or EMFLOW_CPU_DISABLE names it): "
+                    "bfloat16 products are not offered here";
+  }
+  using emflow::bfloat16;
+  using emflow::to_bfloat16;
+  using emflow::to_float;
+  struct Shape {
+    std::int64_t rows, depth, columns;
+  };
+  for (const Shape s :
+       {Shape{1, 1, kProductColumns}, Shape{1, 37, 2 * kProductPanel + 48}, Shape{7, 64, 80},
+        Shape{6, 17, kProductPanel}, Shape{13, 70, kProductPanel + kProductColumns}}) {
+    const std::vector<float> a = floats(s.rows * s.depth, 31 + s.rows);
+    const std::vector<float> b = floats(s.depth * s.columns, 41 + s.columns);
+    const std::int64_t pairs = (s.depth + 1) / 2;
+    std::vector<bfloat16> panels(static_cast<std::size_t>(2 * pairs * s.columns));
+    for (std::int64_t k = 0; k < s.depth; ++k)
+      for (std::int64_t c = 0; c < s.columns; ++c)
+        panels[static_cast<std::size_t>(
+            emflow::detail::product_index_bf16(s.depth, s.columns, k, c))] =
+            to_bfloat16(b[static_cast<std::size_t>(k * s.columns + c)]);
+    std::vector<float> c(static_cast<std::size_t>(s.rows * s.columns),
+                         std::numeric_limits<float>::quiet_NaN());
+    emflow::detail::cpu_products_bf16(a.data(), s.rows, s.depth, panels.data(), s.columns, c.data(),
+                                      1);
+    for (std::int64_t r = 0; r < s.rows; ++r) {
+      for (std::int64_t j = 0; j < s.columns; ++j) {
+        double want = 0.0, magnitude = 0.0;
+        for (std::int64_t k = 0; k < s.depth; ++k) {
+          const double term = static_cast<double>(to_float(
+                                  to_bfloat16(a[static_cast<std::size_t>(r * s.depth + k)]))) *
+                              to_float(to_bfloat16(b[static_cast<std::size_t>(k * s.columns + j)]));
+          want += term;
+          magnitude += std::abs(term);
+        }
+        const double bound =
+            static_cast<double>(s.depth + 1) * std::numeric_limits<float>::epsilon() * magnitude;
+        ASSERT_LE(std::abs(c[static_cast<std::size_t>(r * s.columns + j)] - want), bound)
+            << "element (" << r << ", " << j << ") of " << s.rows << " x " << s.depth << " x "
+            << s.columns;
+      }
+    }
+    for (const int threads : {2, 0}) {
+      std::vector<float> again(c.size(), -1.0f);
+      emflow::detail::cpu_products_bf16(a.data(), s.rows, s.depth, panels.data(), s.columns,
+                                        again.data(), threads);
+      EXPECT_EQ(again, c) << threads << " threads";
     }
   }
 }

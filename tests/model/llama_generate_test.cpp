@@ -18,6 +18,7 @@
 #include "common/cli.hpp"
 #include "common/files.hpp"
 #include "common/testing.hpp"
+#include "emflow/capability.hpp"
 #include "emflow/io.hpp"
 #include "emflow/model.hpp"
 #include "tiny_llama.hpp"
@@ -165,6 +166,58 @@ TEST(LlamaGenerate, BadArgumentsAreRefusedNamingThem) {
   EXPECT_NE(message.find("'settings.new_tokens'"), std::string::npos) << message;
 }
 
+// bfloat16 products (GenerateSettings::products bf16, on AVX512-BF16): the feed-forward blocks
+// and the unembedding read bfloat16 weights and round their inputs, so the logits move from the
+// float32 run's by bfloat16's rounding (a few parts in a thousand of their scale, compounded over
+// the layers) and no more; a float64 run and other precisions are refused by name.
+TEST(LlamaGenerate, Bf16ProductsStayWithinBfloat16RoundingOfTheFloat32Run) {
+  const Model m = make_llama(false, false, 0);
+  const Tensor<std::int64_t> ids(Shape{2, 5}, {3, 14, 1, 27, 8, 5, 22, 9, 0, 0});
+  emflow::model::GenerateSettings settings;
+  settings.new_tokens = 4;
+  settings.keep_logits = true;
+  emflow::model::GenerateSettings bf16 = settings;
+  bf16.products = emflow::Precision::bf16;
+  const auto refused = [&](const emflow::model::GenerateSettings& s, auto type) {
+    return emflow::testing::error_of(emflow::ErrorCode::invalid_argument, [&] {
+      emflow::model::generate_greedy<decltype(type)>(m, ids, {5, 3}, s);
+    });
+  };
+  std::string message = refused(bf16, 0.0);
+  EXPECT_NE(message.find("'settings.products'"), std::string::npos) << message;
+  EXPECT_NE(message.find("float64"), std::string::npos) << message;
+  emflow::model::GenerateSettings tf32 = settings;
+  tf32.products = emflow::Precision::tf32;
+  message = refused(tf32, 0.0f);
+  EXPECT_NE(message.find("'settings.products'"), std::string::npos) << message;
+  if (!emflow::this_machine().avx512_bf16) {
+    EXPECT_TRUE(emflow::testing::throws_error(
+        [&] {
+          emflow::model::generate_greedy<float>(m, ids, {5, 3}, bf16);
+        },
+        emflow::ErrorCode::unsupported, {"'settings.products'", "AVX512-BF16"}));
+    GTEST_SKIP() << "this processor has no AVX512-BF16 (or EMFLOW_CPU_DISABLE names it): the "
+                    "refusal is checked, the bfloat16 products are not offered here";
+  }
+  if (!emflow::this_machine().cpu_missing.empty()) GTEST_SKIP() << "the engine cannot run here";
+  const auto f32 = emflow::model::generate_greedy<float>(m, ids, {5, 3}, settings);
+  const auto b16 = emflow::model::generate_greedy<float>(m, ids, {5, 3}, bf16);
+  // The first step of each prompt: the same prompt in both runs (later steps may follow
+  // different ids where two logits are within rounding of each other).
+  for (std::int64_t b = 0; b < 2; ++b) {
+    double scale = 0, worst = 0;
+    for (std::int64_t t = 0; t < kVocab; ++t) {
+      const double want = f32.logits[(b * 4) * kVocab + t];
+      scale = std::max(scale, std::abs(want));
+      worst =
+          std::max(worst, std::abs(static_cast<double>(b16.logits[(b * 4) * kVocab + t]) - want));
+    }
+    EXPECT_GT(scale, 0.1);
+    EXPECT_LT(worst, 0.05 * scale) << "prompt " << b;
+    EXPECT_GT(worst, 1e-6 * scale) << "prompt " << b << ": the bf16 products did not run";
+  }
+}
+
 // emflow generate on the tiny model's operator folder: the ids the library gives, written all or
 // none; bad options refused naming them, leaving no output.
 class GenerateCli : public emflow::testing::CliFolder {
@@ -196,7 +249,10 @@ TEST_F(GenerateCli, WritesTheLibrarysIdsAndLogitsAndRefusesBadOptions) {
   }
   fs::remove(path("new.npy"));
   for (const auto& [option, arguments] : std::vector<std::pair<std::string, std::string>>{
-           {"--new", "--new 0"}, {"--precision", "--new 2 --precision float16"}}) {
+           {"--new", "--new 0"},
+           {"--precision", "--new 2 --precision float16"},
+           {"--products", "--new 2 --products fp16"},
+           {"--products", "--new 2 --precision float64 --products bf16"}}) {
     const auto run = emflow(common + " " + arguments);
     EXPECT_EQ(run.status, 1) << arguments;
     EXPECT_NE(run.err.find(option), std::string::npos) << run.err;
