@@ -1,5 +1,6 @@
-// What the AVX512-BF16 kernels share (attend_bf16.cpp, sdpa_backward_bf16.cpp): their target and
-// the float32 exp of their softmax.
+// What the AVX512-BF16 kernels share (attend_bf16.cpp, sdpa_backward_bf16.cpp,
+// products_bf16.cpp): their target, the float32 exp of their softmax, and the register-blocked
+// vdpbf16ps micro-kernel of their products.
 //
 // The kernel functions carry __attribute__((target(...))) instead of their files being compiled
 // with -mavx512bf16: inline functions and templates of a translation unit compiled for another
@@ -10,6 +11,9 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
+
+#include "emflow/precision.hpp"
 #include "simd.hpp"
 
 #define EMFLOW_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -33,6 +37,50 @@ EMFLOW_BF16_TARGET inline __m512 exp_nonpositive_avx512(__m512 x) {
       _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   const __m512 result = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), result);
+}
+
+/// Two bfloat16 values side by side, as vdpbf16ps pairs them.
+using Word = std::uint32_t;
+
+/// The word holding the bfloat16 roundings of `low` (bits 0-15) and `high` (bits 16-31).
+EMFLOW_BF16_TARGET inline Word pair_of(float low, float high) {
+  return static_cast<Word>(to_bfloat16(low).bits) | static_cast<Word>(to_bfloat16(high).bits) << 16;
+}
+
+/// C[R x 16 NV] (+)= A[R x K] B[K x 16 NV] over K pairs by vdpbf16ps: A's word (m, k) is
+/// A[m * lda + k], or A[k * lda + m] with kTransposedA; B's row k of words (a pair of bfloat16
+/// for each of 16 NV columns) is B + k * ldb.
+template <int R, int NV, bool kTransposedA, bool kAccumulate>
+EMFLOW_BF16_TARGET inline void dp_kernel(std::int64_t K, const Word* A, std::int64_t lda,
+                                         const Word* B, std::int64_t ldb, float* C,
+                                         std::int64_t ldc) {
+  // Fully unrolled, so that the accumulators live in registers from the first load to the last
+  // store (left to itself GCC keeps the array on the stack outside the K loop).
+  __m512 acc[R][NV];
+#pragma GCC unroll 16
+  for (int m = 0; m < R; ++m) {
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      acc[m][v] = kAccumulate ? _mm512_loadu_ps(C + m * ldc + v * 16) : _mm512_setzero_ps();
+    }
+  }
+  for (std::int64_t k = 0; k < K; ++k) {
+    __m512bh b[NV];
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(B + k * ldb + v * 16);
+#pragma GCC unroll 16
+    for (int m = 0; m < R; ++m) {
+      const Word word = kTransposedA ? A[k * lda + m] : A[m * lda + k];
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, b[v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < R; ++m) {
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + m * ldc + v * 16, acc[m][v]);
+  }
 }
 
 }  // namespace emflow::detail::cpu

@@ -51,52 +51,11 @@ using backward::RowTerms;
 using engine::AlignedBuffer;
 using engine::kNegInf;
 using engine::round_up;
-using Word = std::uint32_t;
 
 constexpr int kRows = 4;        // rows of C per micro-kernel call
 constexpr int kMaxVectors = 4;  // vectors of 16 columns per micro-kernel call
 constexpr std::int64_t kKeyPairs = kBlockKeys / 2;
 static_assert(kBlockQueries % (2 * kRows) == 0 && kBlockKeys % 16 == 0, "block sizes");
-
-/// The word holding the bfloat16 roundings of `low` (bits 0-15) and `high` (bits 16-31).
-Word pair_of(float low, float high) {
-  return static_cast<Word>(to_bfloat16(low).bits) | static_cast<Word>(to_bfloat16(high).bits) << 16;
-}
-
-/// C[kRows x 16 NV] (+)= A[kRows x K] B[K x 16 NV] over K pairs: A's word (m, k) is
-/// A[m * lda + k], or A[k * lda + m] with kTransposedA; B's row k of words is B + k * ldb.
-template <int NV, bool kTransposedA, bool kAccumulate>
-EMFLOW_BF16_TARGET inline void dp_kernel(std::int64_t K, const Word* A, std::int64_t lda,
-                                         const Word* B, std::int64_t ldb, float* C,
-                                         std::int64_t ldc) {
-  // Fully unrolled, so that the accumulators live in registers from the first load to the last
-  // store (left to itself GCC keeps the array on the stack outside the K loop).
-  __m512 acc[kRows][NV];
-#pragma GCC unroll 16
-  for (int m = 0; m < kRows; ++m) {
-#pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) {
-      acc[m][v] = kAccumulate ? _mm512_loadu_ps(C + m * ldc + v * 16) : _mm512_setzero_ps();
-    }
-  }
-  for (std::int64_t k = 0; k < K; ++k) {
-    __m512bh b[NV];
-#pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(B + k * ldb + v * 16);
-#pragma GCC unroll 16
-    for (int m = 0; m < kRows; ++m) {
-      const Word word = kTransposedA ? A[k * lda + m] : A[m * lda + k];
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
-#pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, b[v]);
-    }
-  }
-#pragma GCC unroll 16
-  for (int m = 0; m < kRows; ++m) {
-#pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + m * ldc + v * 16, acc[m][v]);
-  }
-}
 
 /// C[rows x columns] (+)= A[rows x K] B[K x columns] for `rows` a multiple of kRows and
 /// `columns` of 16, in strips of kMaxVectors vectors; A as for dp_kernel.
@@ -112,18 +71,18 @@ EMFLOW_BF16_TARGET __attribute__((noinline)) void dp_gemm(std::int64_t rows, std
     std::int64_t v = 0;
     const std::int64_t vectors = columns / 16;
     for (; v + kMaxVectors <= vectors; v += kMaxVectors) {
-      dp_kernel<kMaxVectors, kTransposedA, kAccumulate>(K, a, lda, B + v * 16, ldb, c + v * 16,
-                                                        ldc);
+      dp_kernel<kRows, kMaxVectors, kTransposedA, kAccumulate>(K, a, lda, B + v * 16, ldb,
+                                                               c + v * 16, ldc);
     }
     switch (vectors - v) {
       case 3:
-        dp_kernel<3, kTransposedA, kAccumulate>(K, a, lda, B + v * 16, ldb, c + v * 16, ldc);
+        dp_kernel<kRows, 3, kTransposedA, kAccumulate>(K, a, lda, B + v * 16, ldb, c + v * 16, ldc);
         break;
       case 2:
-        dp_kernel<2, kTransposedA, kAccumulate>(K, a, lda, B + v * 16, ldb, c + v * 16, ldc);
+        dp_kernel<kRows, 2, kTransposedA, kAccumulate>(K, a, lda, B + v * 16, ldb, c + v * 16, ldc);
         break;
       case 1:
-        dp_kernel<1, kTransposedA, kAccumulate>(K, a, lda, B + v * 16, ldb, c + v * 16, ldc);
+        dp_kernel<kRows, 1, kTransposedA, kAccumulate>(K, a, lda, B + v * 16, ldb, c + v * 16, ldc);
         break;
       default:
         break;
