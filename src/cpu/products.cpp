@@ -8,6 +8,7 @@
 
 #include "core/backends.hpp"
 #include "engine_internal.hpp"
+#include "product_tasks.hpp"
 #include "simd.hpp"
 
 namespace emflow::detail {
@@ -28,17 +29,19 @@ void cpu_products(const float* A, std::int64_t rows, std::int64_t depth, const f
   using cpu::kLanes;
   static_assert(kProductColumns % kLanes == 0 && kProductPanel % kProductColumns == 0,
                 "a padded row holds whole vectors");
-  const std::int64_t panels = (columns + kProductPanel - 1) / kProductPanel;
   const double work =
       static_cast<double>(rows) * static_cast<double>(depth) * static_cast<double>(columns);
   const int team = threads > 0 ? threads : work < 2.5e5 ? 1 : omp_get_max_threads();
-#pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && panels > 1)
-  for (std::int64_t p = 0; p < panels; ++p) {
+  const cpu::ProductTasks tasks = cpu::product_tasks(rows, columns, team, kRows);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && tasks.count() > 1)
+  for (std::int64_t task = 0; task < tasks.count(); ++task) {
+    const std::int64_t p = task / tasks.chunks, first = task % tasks.chunks * tasks.chunk_rows;
+    const std::int64_t last = std::min(rows, first + tasks.chunk_rows);
     const std::int64_t c0 = p * kProductPanel, width = std::min(kProductPanel, columns - c0);
     const float* panel = B + c0 * depth;
     const std::int64_t vectors = width / kLanes;
-    std::int64_t r = 0;
-    for (; r + kRows <= rows; r += kRows) {
+    std::int64_t r = first;
+    for (; r + kRows <= last; r += kRows) {
       const float* a = A + r * depth;
       float* c = C + r * columns + c0;
       std::int64_t v = 0;
@@ -52,7 +55,7 @@ void cpu_products(const float* A, std::int64_t rows, std::int64_t depth, const f
                                                          columns, false);
       }
     }
-    for (; r < rows; ++r) {  // the last rows, and one row of a decoding step: a panel's stream
+    for (; r < last; ++r) {  // the last rows, and one row of a decoding step: a panel's stream
       cpu::row_block_gemm<1>(depth, A + r * depth, depth, panel, width, width, C + r * columns + c0,
                              columns, false);
     }

@@ -12,6 +12,7 @@
 #include "avx512_bf16.hpp"
 #include "core/backends.hpp"
 #include "emflow/precision.hpp"
+#include "product_tasks.hpp"
 
 namespace emflow::detail {
 
@@ -49,21 +50,23 @@ void cpu_products_bf16(const float* A, std::int64_t rows, std::int64_t depth, co
   }
   // B's pairs as words: a panel of width w holds a row of w words per pair of depth rows.
   const auto* b = reinterpret_cast<const cpu::Word*>(B);
-  const std::int64_t panels = (columns + kProductPanel - 1) / kProductPanel;
   const double work =
       static_cast<double>(rows) * static_cast<double>(depth) * static_cast<double>(columns);
   const int team = threads > 0 ? threads : work < 2.5e5 ? 1 : omp_get_max_threads();
   constexpr int kRows = 6;
-#pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && panels > 1)
-  for (std::int64_t p = 0; p < panels; ++p) {
+  const cpu::ProductTasks tasks = cpu::product_tasks(rows, columns, team, kRows);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && tasks.count() > 1)
+  for (std::int64_t task = 0; task < tasks.count(); ++task) {
+    const std::int64_t p = task / tasks.chunks, first = task % tasks.chunks * tasks.chunk_rows;
+    const std::int64_t last = std::min(rows, first + tasks.chunk_rows);
     const std::int64_t c0 = p * kProductPanel, width = std::min(kProductPanel, columns - c0);
     const cpu::Word* panel = b + c0 * pairs;
-    std::int64_t r = 0;
-    for (; r + kRows <= rows; r += kRows) {
+    std::int64_t r = first;
+    for (; r + kRows <= last; r += kRows) {
       panel_rows<kRows, 4>(a.data() + r * pairs, pairs, pairs, panel, width, C + r * columns + c0,
                            columns);
     }
-    for (; r < rows; ++r) {  // the last rows, and one row of a decoding step: a panel's stream
+    for (; r < last; ++r) {  // the last rows, and one row of a decoding step: a panel's stream
       panel_rows<1, 16>(a.data() + r * pairs, pairs, pairs, panel, width, C + r * columns + c0,
                         columns);
     }
