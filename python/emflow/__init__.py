@@ -14,8 +14,9 @@ Errors of the library (emflow::Error) become Python exceptions with the library'
 * io, device, internal: RuntimeError
 
 Submodules: ``emflow.reference`` (the double-precision ground truth), ``emflow.io`` (.npy
-files), ``emflow.gguf`` (GGUF files), ``emflow.torch`` (the PyTorch operators and their
-gradients, and a drop-in for torch's scaled_dot_product_attention; imported on demand).
+files), ``emflow.gguf`` (GGUF files), ``emflow.model`` (pretrained models: load, run, logits,
+greedy generation), ``emflow.torch`` (the PyTorch operators and their gradients, and a drop-in
+for torch's scaled_dot_product_attention; imported on demand).
 """
 from __future__ import annotations
 
