@@ -2,7 +2,6 @@
 // block and the unembedding, src/model/): C = A B by the engine's register-blocked micro-kernel
 // (simd.hpp), panel by panel of B's columns: each panel is contiguous, so that one row (a
 // decoding step) streams it from memory, and many rows (a prompt) meet it in the L2 cache.
-#include <omp.h>
 
 #include <algorithm>
 
@@ -29,14 +28,11 @@ void cpu_products(const float* A, std::int64_t rows, std::int64_t depth, const f
   using cpu::kLanes;
   static_assert(kProductColumns % kLanes == 0 && kProductPanel % kProductColumns == 0,
                 "a padded row holds whole vectors");
-  const double work =
-      static_cast<double>(rows) * static_cast<double>(depth) * static_cast<double>(columns);
-  const int team = threads > 0 ? threads : work < 2.5e5 ? 1 : omp_get_max_threads();
-  const cpu::ProductTasks tasks = cpu::product_tasks(rows, columns, team, kRows);
-#pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && tasks.count() > 1)
+  const cpu::ProductTasks tasks = cpu::product_tasks(rows, depth, columns, threads, kRows);
+#pragma omp parallel for schedule(static) \
+    num_threads(tasks.team) if (tasks.team > 1 && tasks.count() > 1)
   for (std::int64_t task = 0; task < tasks.count(); ++task) {
-    const std::int64_t p = task / tasks.chunks, first = task % tasks.chunks * tasks.chunk_rows;
-    const std::int64_t last = std::min(rows, first + tasks.chunk_rows);
+    const auto [p, first, last] = tasks.at(task, rows);
     const std::int64_t c0 = p * kProductPanel, width = std::min(kProductPanel, columns - c0);
     const float* panel = B + c0 * depth;
     const std::int64_t vectors = width / kLanes;

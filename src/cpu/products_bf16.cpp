@@ -2,7 +2,6 @@
 // the rows of A rounded to bfloat16 once, B's bfloat16 pairs in panels, and the vdpbf16ps
 // micro-kernel of avx512_bf16.hpp summing each pair of products into float32 lanes. As
 // products.cpp, panel by panel of B's columns.
-#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -50,15 +49,12 @@ void cpu_products_bf16(const float* A, std::int64_t rows, std::int64_t depth, co
   }
   // B's pairs as words: a panel of width w holds a row of w words per pair of depth rows.
   const auto* b = reinterpret_cast<const cpu::Word*>(B);
-  const double work =
-      static_cast<double>(rows) * static_cast<double>(depth) * static_cast<double>(columns);
-  const int team = threads > 0 ? threads : work < 2.5e5 ? 1 : omp_get_max_threads();
   constexpr int kRows = 6;
-  const cpu::ProductTasks tasks = cpu::product_tasks(rows, columns, team, kRows);
-#pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && tasks.count() > 1)
+  const cpu::ProductTasks tasks = cpu::product_tasks(rows, depth, columns, threads, kRows);
+#pragma omp parallel for schedule(static) \
+    num_threads(tasks.team) if (tasks.team > 1 && tasks.count() > 1)
   for (std::int64_t task = 0; task < tasks.count(); ++task) {
-    const std::int64_t p = task / tasks.chunks, first = task % tasks.chunks * tasks.chunk_rows;
-    const std::int64_t last = std::min(rows, first + tasks.chunk_rows);
+    const auto [p, first, last] = tasks.at(task, rows);
     const std::int64_t c0 = p * kProductPanel, width = std::min(kProductPanel, columns - c0);
     const cpu::Word* panel = b + c0 * pairs;
     std::int64_t r = first;
