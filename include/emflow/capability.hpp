@@ -129,7 +129,7 @@ struct Machine {
   bool cuda_built = false;   ///< emflow was built with the CUDA backend
   bool cuda_device = false;  ///< and a device is usable
   std::string cuda_reason;   ///< why not, when !cuda_device
-  bool avx512_bf16 = false;  ///< the processor has AVX512-BF16, not disabled (cpu_bf16)
+  bool avx512_bf16 = false;  ///< the engine takes its avx512bf16 path here (cpu_bf16)
   /// The processor: its CPUID brand string with family and model ("" where unknown) and the
   /// extensions found of avx2, fma, f16c, bmi2, avx512f, avx512dq, avx512bw, avx512vl,
   /// avx512vnni, avx512vbmi, avx512bf16, avx512fp16, amx-tile, amx-bf16, amx-int8 (each only
@@ -139,14 +139,18 @@ struct Machine {
   /// The extensions the environment variable EMFLOW_CPU_DISABLE lists (comma-separated): the
   /// paths that need them are not taken (cpu_bf16 without avx512bf16), a way to test the others.
   std::vector<std::string> cpu_disabled;
-  /// What the fused CPU engine (src/cpu) was compiled for, the build host's target by default
-  /// (EMFLOW_NATIVE): its vector width ("avx512", "avx2+fma", "avx", "sse2", "generic") and the
-  /// extensions of the list above that its code may use.
+  /// The fused CPU engine (src/cpu) is built once per instruction-set path, and each process
+  /// takes the highest path whose extensions the processor has (and EMFLOW_CPU_DISABLE leaves),
+  /// or the one the environment variable EMFLOW_CPU_PATH names. cpu_paths: the paths of this
+  /// build, lowest first ("avx2", "avx512", "avx512bf16" on x86-64; "generic" elsewhere).
+  std::vector<std::string> cpu_paths;
+  /// The path taken ("none" where the processor has none of them) and the extensions it uses
+  /// (the lowest path's where none runs).
   std::string cpu_instruction_set;
   std::vector<std::string> cpu_compiled_for;
-  /// Those of cpu_compiled_for this processor lacks, space-separated ("" when none): the
-  /// engine would stop on an illegal instruction, so its kernels are refused with the reason
-  /// (the double reference still runs on Device::reference).
+  /// Those of cpu_compiled_for this processor lacks, space-separated ("" when a path runs):
+  /// the engine's kernels are then refused with the reason (the double reference still runs on
+  /// Device::reference).
   std::string cpu_missing;
 };
 

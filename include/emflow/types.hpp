@@ -95,7 +95,8 @@ std::string to_string(const Mask& mask);
 
 /// Where an operation runs.
 enum class Device {
-  automatic,  ///< CUDA when a device is present and emflow was built with CUDA, else cpu
+  automatic,  ///< CUDA when a device is present and emflow was built with CUDA, else cpu (the
+              ///< reference on a processor none of the CPU engine's paths runs on)
   cpu,        ///< the fast multi-threaded CPU backend
   cuda,       ///< the CUDA backend; an error if no device is present
   reference,  ///< the double-precision CPU reference (slow, exact ground truth)

@@ -1,5 +1,6 @@
 #include "machine.hpp"
 
+#include <cstdlib>
 #include <string>
 #include <utility>
 #include <vector>
@@ -63,11 +64,14 @@ std::string version_text() {
   if (!m.cpu_disabled.empty()) {
     out += "\n  paths not taken (EMFLOW_CPU_DISABLE): " + joined(m.cpu_disabled);
   }
-  out +=
-      "\n  engine compiled for: " + m.cpu_instruction_set + " (" + joined(m.cpu_compiled_for) + ")";
+  const char* forced = std::getenv("EMFLOW_CPU_PATH");
+  out += "\n  engine paths built: " + joined(m.cpu_paths);
+  out += "\n  engine path taken: " + m.cpu_instruction_set + " (uses " +
+         joined(m.cpu_compiled_for) + ")" +
+         (forced != nullptr && *forced != '\0' ? ", as EMFLOW_CPU_PATH asks" : "");
   if (!m.cpu_missing.empty()) {
     out += "\n  MISSING here: " + m.cpu_missing +
-           " (the engine is refused; rebuild on this machine or with -DEMFLOW_NATIVE=OFF)";
+           " (the engine is refused: its lowest path needs it; the reference still runs)";
   }
   out += "\ngpu: ";
   if (!m.cuda_built) {

@@ -50,9 +50,6 @@ void cpu_partial(const AttentionInput<float>& input, const PartialOutput<float>&
 void cpu_attend_factored(const AttentionInput<float>& input, const FactoredLayer<float>& layer,
                          const AttentionOutput<float>& output, int threads);
 
-/// Whether this processor has AVX512-BF16, which cpu_attend_bf16 needs (Machine::avx512_bf16).
-bool cpu_bf16_available();
-
 /// The processor as src/core/cpu_features.cpp reads it (CPUID, XCR0), in baseline code.
 struct CpuProbe {
   std::string name;                   ///< the brand string, "" where unknown
@@ -68,12 +65,17 @@ CpuProbe probe_cpu(const char* disabled);
 /// The names of `required` that `found` lacks, space-separated ("" when none).
 std::string cpu_missing_features(const std::vector<std::string>& required,
                                  const std::vector<std::string>& found);
-/// The extensions of cpu_feature_names() that src/cpu was compiled to use (its target's macros),
-/// space-separated: src/cpu/compiled_for.cpp, compiled as the engine is. A plain string, so
-/// that no template is instantiated in code built for another target than the caller's.
-const char* cpu_compiled_features();
-/// The engine's vector width: "avx512", "avx2+fma", "avx", "sse2" or "generic".
-const char* cpu_instruction_set();
+/// The instruction-set path the CPU engine takes in this process (src/cpu/dispatch.cpp).
+struct CpuPath {
+  std::vector<std::string> built;     ///< the paths of this build, lowest first
+  std::string name;                   ///< the path taken, or "none"
+  std::vector<std::string> required;  ///< the extensions it needs (the lowest path's if none)
+  std::string missing;                ///< those of `required` the processor lacks ("" if any runs)
+};
+/// The highest path of this build whose extensions are all in `usable` (the processor's, less
+/// the disabled ones), or the one `forced` names (EMFLOW_CPU_PATH; an unknown name, or a path the
+/// processor cannot run, is invalid_argument naming it and the choices). Baseline code.
+CpuPath choose_cpu_path(const std::vector<std::string>& usable, const char* forced);
 /// Why the engine cannot run on this machine (Machine::cpu_missing is not empty).
 std::string cpu_engine_mismatch(const Machine& machine);
 /// Throws ErrorCode::unsupported (naming `operation` and cpu_engine_mismatch) where the engine

@@ -13,10 +13,11 @@
 //              says. The partial state: float in the engine (the reference for non-finite
 //              input), double in the reference; the factored form's, float or double, in the
 //              double reference of the factored form (never expanded). The decode cache: float
-//              dense in the engine, the factored form and double in double. Where the processor
-//              lacks an extension the engine was compiled for (Machine::cpu_missing), every
-//              engine kernel and the host decode cache (its key store is compiled as the engine
-//              is) are refused with the reason; the reference kernels still run.
+//              in the engine (the factored form in double where the engine cannot run), double
+//              in double. The engine runs the highest of its instruction-set paths that the
+//              processor has (avx512bf16, avx512, avx2: src/cpu/dispatch.cpp); where it has
+//              none (Machine::cpu_missing), every engine kernel is refused with the reason; the
+//              reference kernels still run.
 //   cuda       dense float: the tensor cores for tf32 where they compute what is asked (no
 //              weights, dim <= kTensorCoreMaxDim, not Algorithm::unfused), else fused (no
 //              weights, dim <= kCudaFusedMaxDim) or unfused (cuBLAS); double: unfused; bfloat16
@@ -27,7 +28,8 @@
 //              weights; not the factored form's. The decode cache: float, dense,
 //              dim <= kCudaFusedMaxDim, with a capacity.
 //              Index arithmetic is 32-bit: larger problems are refused.
-//   automatic  cuda when a device is usable and computes the problem, else cpu.
+//   automatic  cuda when a device is usable and computes the problem, else cpu; where the
+//              processor has none of the engine's paths, the reference.
 //
 // Rotary positions and grouped kv heads (FactoredLayer::rotary, kv_heads) run on the host, for
 // the update, the partial state and the decode cache: a rotary layer has no single M_h, so it is
@@ -172,12 +174,10 @@ Route on_cpu_kernels(const Problem& p, const Machine& machine, const char* op) {
   return runs(Device::cpu, Kernel::cpu_fused, Dtype::float32, Precision::fp32);
 }
 
-// The engine's kernels, and the host decode cache (src/decode/keys.cpp is compiled as the engine
-// is), only where the processor has what they were compiled for.
+// The engine's kernels only where one of its paths runs on this processor.
 Route on_cpu(const Problem& p, const Machine& machine, const char* op) {
   Route r = on_cpu_kernels(p, machine, op);
-  const bool engine_code = r.kernel != Kernel::reference || p.operation == Operation::decode;
-  if (r.supported && engine_code && !machine.cpu_missing.empty()) {
+  if (r.supported && r.kernel != Kernel::reference && !machine.cpu_missing.empty()) {
     return refused(Device::cpu, op, detail::cpu_engine_mismatch(machine));
   }
   return r;
@@ -331,18 +331,18 @@ Machine probe_machine() {
   m.cpu_name = cpu.name;
   m.cpu_features = cpu.features;
   m.cpu_disabled = cpu.disabled;
-  m.cpu_instruction_set = detail::cpu_instruction_set();
-  std::istringstream compiled(detail::cpu_compiled_features());
-  for (std::string name; compiled >> name;) m.cpu_compiled_for.push_back(name);
-  m.cpu_missing = detail::cpu_missing_features(m.cpu_compiled_for, m.cpu_features);
-  const auto usable = [&m](const char* name) {
-    const auto has = [name](const std::vector<std::string>& names) {
-      return std::find(names.begin(), names.end(), name) != names.end();
-    };
-    return has(m.cpu_features) && !has(m.cpu_disabled);
-  };
-  // cpu_bf16_available is engine code: asked only where the engine can run.
-  m.avx512_bf16 = m.cpu_missing.empty() && usable("avx512bf16") && detail::cpu_bf16_available();
+  std::vector<std::string> usable;
+  for (const std::string& name : m.cpu_features) {
+    if (std::find(m.cpu_disabled.begin(), m.cpu_disabled.end(), name) == m.cpu_disabled.end()) {
+      usable.push_back(name);
+    }
+  }
+  const detail::CpuPath path = detail::choose_cpu_path(usable, std::getenv("EMFLOW_CPU_PATH"));
+  m.cpu_paths = path.built;
+  m.cpu_instruction_set = path.name;
+  m.cpu_compiled_for = path.required;
+  m.cpu_missing = path.missing;
+  m.avx512_bf16 = path.name == "avx512bf16";
   return m;
 }
 
@@ -371,12 +371,19 @@ Route route(const Problem& p, Device requested, const Machine& machine, const ch
       return on_cpu(p, machine, op);
     case Device::cuda:
       return on_cuda(p, machine, op);
-    case Device::automatic:
+    case Device::automatic: {
       if (machine.cuda_device) {
         Route gpu = on_cuda(p, machine, op);
         if (gpu.supported) return gpu;
       }
-      return on_cpu(p, machine, op);
+      Route cpu = on_cpu(p, machine, op);
+      // A processor none of the engine's paths runs on still computes: in the reference.
+      if (!cpu.supported && !machine.cpu_missing.empty()) {
+        Route reference = on_reference(p, op);
+        if (reference.supported) return reference;
+      }
+      return cpu;
+    }
   }
   return refused(named, op, "unknown device");
 }
@@ -388,11 +395,14 @@ Route route(const Problem& problem, Device requested, const char* operation) {
 namespace detail {
 
 std::string cpu_engine_mismatch(const Machine& machine) {
-  std::string compiled;
-  for (const std::string& name : machine.cpu_compiled_for) compiled += " " + name;
-  return "the CPU engine was compiled for" + compiled + " (" + machine.cpu_instruction_set +
-         ") and this processor lacks " + machine.cpu_missing +
-         " (rebuild emflow on this machine, or with -DEMFLOW_NATIVE=OFF)";
+  std::string paths;
+  for (const std::string& name : machine.cpu_paths) paths += (paths.empty() ? "" : ", ") + name;
+  std::string required;
+  for (const std::string& name : machine.cpu_compiled_for) required += " " + name;
+  return "the CPU engine's paths (" + paths + ") need at least" + required +
+         ", and this processor lacks " + machine.cpu_missing +
+         " (or EMFLOW_CPU_DISABLE turns it off); the double reference still runs "
+         "(Device::reference)";
 }
 
 void require_cpu_engine(const char* operation) {

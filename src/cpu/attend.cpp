@@ -13,49 +13,16 @@
 #include "core/backends.hpp"
 #include "core/queries.hpp"
 #include "engine.hpp"
+#include "target.hpp"
 
-namespace emflow::detail {
-
-namespace cpu {
-
-DenseMaps::DenseMaps(const AttentionInput<float>& in) {
-  const std::int64_t H = in.layer.heads, d = in.dim;
-  const std::int64_t stride = cpu::padded_columns(d);
-  const float beta = static_cast<float>(in.beta);
-  query_map.assign(static_cast<std::size_t>(H * d * stride), 0.0f);
-  value_map.assign(query_map.size(), 0.0f);
-  if (in.layer.key_bias != nullptr) query_bias.assign(static_cast<std::size_t>(H * stride), 0.0f);
-  for (std::int64_t h = 0; h < H; ++h) {
-    const float* M = in.layer.relevance + h * d * d;
-    const float* F = in.layer.content + h * d * d;
-    for (std::int64_t k = 0; k < d; ++k) {
-      for (std::int64_t a = 0; a < d; ++a) {
-        query_map[static_cast<std::size_t>((h * d + k) * stride + a)] = beta * M[k * d + a];
-        value_map[static_cast<std::size_t>((h * d + k) * stride + a)] = F[a * d + k];
-      }
-    }
-    if (!query_bias.empty()) {
-      for (std::int64_t a = 0; a < d; ++a) {
-        query_bias[static_cast<std::size_t>(h * stride + a)] = beta * in.layer.key_bias[h * d + a];
-      }
-    }
-  }
-  layer.heads = H;
-  layer.dim = layer.score_dim = layer.value_dim = d;
-  layer.query_map = query_map.data();
-  layer.query_bias = query_bias.empty() ? nullptr : query_bias.data();
-  layer.value_map = value_map.data();
-  layer.offset = in.layer.offset;
-}
-
-}  // namespace cpu
+EMFLOW_CPU_BEGIN
 
 namespace {
 
 /// The clouds and rules of a call, for the engine.
 struct Clouds {
   std::vector<QueryRule> rules;
-  cpu::EngineClouds clouds;
+  EngineClouds clouds;
 
   explicit Clouds(const AttentionInput<float>& in) {
     for (std::int64_t b = 0; b < in.batch; ++b) rules.push_back(query_rule(in, b));
@@ -73,19 +40,19 @@ struct Clouds {
 }  // namespace
 
 void cpu_attend(const AttentionInput<float>& in, const AttentionOutput<float>& out, int threads) {
-  const cpu::DenseMaps maps(in);
+  const DenseMaps maps(in);
   const Clouds clouds(in);
-  cpu::EngineOutput sink;
+  EngineOutput sink;
   sink.attend = out;
-  cpu::fused_attend(clouds.clouds, maps.layer, sink, threads);
+  fused_attend(clouds.clouds, maps.layer, sink, threads);
 }
 
 void cpu_partial(const AttentionInput<float>& in, const PartialOutput<float>& out, int threads) {
-  const cpu::DenseMaps maps(in);
+  const DenseMaps maps(in);
   const Clouds clouds(in);
-  cpu::EngineOutput sink;
+  EngineOutput sink;
   sink.partial = out;
-  cpu::fused_attend(clouds.clouds, maps.layer, sink, threads);
+  fused_attend(clouds.clouds, maps.layer, sink, threads);
 }
 
-}  // namespace emflow::detail
+EMFLOW_CPU_END

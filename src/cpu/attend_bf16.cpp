@@ -19,8 +19,8 @@
 // CPU time the thread it waits for needs. Every output is computed by one thread in one order,
 // so results do not depend on the thread count.
 //
-// The kernel functions carry the AVX512-BF16 target attribute (avx512_bf16.hpp says why); the
-// caller checks __builtin_cpu_supports("avx512bf16") first.
+// On the avx512bf16 path only (target.hpp); route() sends bfloat16 calls here where
+// Machine::avx512_bf16.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -46,8 +46,11 @@
 #include "engine.hpp"
 #include "phased_tasks.hpp"
 #include "simd.hpp"
+#include "target.hpp"
 
-namespace emflow::detail::cpu {
+#if EMFLOW_CPU_AVX512BF16  // the avx512bf16 path only
+
+EMFLOW_CPU_BEGIN
 
 namespace {
 
@@ -62,8 +65,8 @@ std::uint32_t pair_of(float a, float b) {
 }
 
 /// S[kRows x 32] = beta Q[kRows rows] K_tile (pairs coordinate pairs).
-EMFLOW_BF16_TARGET void score_tile(const std::uint32_t* q, std::int64_t pairs,
-                                   const std::uint32_t* panel, float beta, float* scores) {
+void score_tile(const std::uint32_t* q, std::int64_t pairs, const std::uint32_t* panel, float beta,
+                float* scores) {
   __m512 acc[kRows][2];
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (std::int64_t k = 0; k < pairs; ++k) {
@@ -84,8 +87,8 @@ EMFLOW_BF16_TARGET void score_tile(const std::uint32_t* q, std::int64_t pairs,
 
 /// O[4 rows x 64 columns] += P[4 rows, 16 key pairs] V[16 key pairs x 64 columns].
 template <int V>
-EMFLOW_BF16_TARGET void content_tile(const std::uint32_t* p, const std::uint32_t* values,
-                                     std::int64_t columns, float* o, std::int64_t ldo) {
+void content_tile(const std::uint32_t* p, const std::uint32_t* values, std::int64_t columns,
+                  float* o, std::int64_t ldo) {
   __m512 acc[4][V];
   for (int r = 0; r < 4; ++r) {
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_loadu_ps(o + r * ldo + v * 16);
@@ -105,8 +108,8 @@ EMFLOW_BF16_TARGET void content_tile(const std::uint32_t* p, const std::uint32_t
   }
 }
 
-EMFLOW_BF16_TARGET void content_rows(const std::uint32_t* p, const std::uint32_t* values,
-                                     std::int64_t columns, float* o, std::int64_t ldo) {
+void content_rows(const std::uint32_t* p, const std::uint32_t* values, std::int64_t columns,
+                  float* o, std::int64_t ldo) {
   for (std::int64_t c = 0; c < columns; c += 64) {
     const std::int64_t v = std::min<std::int64_t>(4, (columns - c) / 16);
     const std::uint32_t* vv = values + c;
@@ -133,9 +136,8 @@ struct BlockState {
 /// Rows [c, c + kRows) of a block on the key tile at key0: masks a partial tile, updates the
 /// state, rescales O where the max grows, and writes the weights exp(s - m) rounded to bfloat16
 /// (adjacent keys paired) to `weights`.
-EMFLOW_BF16_TARGET void softmax_tile(float* scores, std::int64_t c, std::int64_t key0,
-                                     BlockState& st, float* o, std::int64_t columns,
-                                     std::uint32_t* weights) {
+void softmax_tile(float* scores, std::int64_t c, std::int64_t key0, BlockState& st, float* o,
+                  std::int64_t columns, std::uint32_t* weights) {
   for (int r = 0; r < kRows; ++r) {
     const std::int64_t row_index = c + r;
     float* row = scores + r * kTile;
@@ -254,8 +256,8 @@ void pack_chunk(const Call& call, std::int64_t b, std::int64_t task, CloudOperan
 /// One query block (rows [i0, i0 + rows)) of cloud b, all heads; projects its own queries and
 /// writes update, lse, entropy. Key tiles outside, row chunks inside, so each tile is read once
 /// per block.
-EMFLOW_BF16_TARGET void attend_rows(const Call& call, std::int64_t b, std::int64_t i0,
-                                    const QueryRule& rule, const CloudOperands& ops, Scratch& s) {
+void attend_rows(const Call& call, std::int64_t b, std::int64_t i0, const QueryRule& rule,
+                 const CloudOperands& ops, Scratch& s) {
   const AttentionInput<float>& in = call.in;
   const AttentionOutput<bfloat16>& out = call.out;
   const std::int64_t d = call.d, N = call.N, H = call.H, pairs = call.pairs;
@@ -352,18 +354,12 @@ EMFLOW_BF16_TARGET void attend_rows(const Call& call, std::int64_t b, std::int64
 
 }  // namespace
 
-}  // namespace emflow::detail::cpu
+EMFLOW_CPU_END
 
-namespace emflow::detail {
-
-bool cpu_bf16_available() {
-  static const bool available = __builtin_cpu_supports("avx512bf16") != 0;
-  return available;
-}
+EMFLOW_CPU_BEGIN
 
 void cpu_attend_bf16(const AttentionInput<float>& in, const AttentionOutput<bfloat16>& out,
                      int threads) {
-  using namespace cpu;
   const std::int64_t B = in.batch, N = in.tokens, d = in.dim, H = in.layer.heads;
   // The maps without beta: beta scales the scores in float32, after the queries are rounded, as
   // in the naive kernel of the rule; folded into the queries it would make every product
@@ -436,4 +432,6 @@ void cpu_attend_bf16(const AttentionInput<float>& in, const AttentionOutput<bflo
   errors.rethrow();
 }
 
-}  // namespace emflow::detail
+EMFLOW_CPU_END
+
+#endif  // EMFLOW_CPU_AVX512BF16

@@ -1,12 +1,7 @@
 // What the AVX512-BF16 kernels share (attend_bf16.cpp, sdpa_backward_bf16.cpp,
-// products_bf16.cpp): their target, the float32 exp of their softmax, and the register-blocked
-// vdpbf16ps micro-kernel of their products.
-//
-// The kernel functions carry __attribute__((target(...))) instead of their files being compiled
-// with -mavx512bf16: inline functions and templates of a translation unit compiled for another
-// instruction set can be picked by the linker for the whole program, and would then fault on a
-// processor without it. Every function here carries the attribute, so whichever copy the linker
-// keeps is one of them. Callers check cpu_bf16_available() (core/backends.hpp) first.
+// products_bf16.cpp): the float32 exp of their softmax and the register-blocked vdpbf16ps
+// micro-kernel of their products. All of them exist on the avx512bf16 path only (target.hpp),
+// which dispatch.cpp takes where the processor has AVX512-BF16.
 #pragma once
 
 #include <immintrin.h>
@@ -15,14 +10,15 @@
 
 #include "emflow/precision.hpp"
 #include "simd.hpp"
+#include "target.hpp"
 
-#define EMFLOW_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#if EMFLOW_CPU_AVX512BF16  // the avx512bf16 path only
 
-namespace emflow::detail::cpu {
+EMFLOW_CPU_BEGIN
 
 /// exp(x) for x <= 0 (and -inf, giving 0): exp_nonpositive of simd.hpp with its constants, in
 /// AVX-512 intrinsics for the AVX512-BF16 target.
-EMFLOW_BF16_TARGET inline __m512 exp_nonpositive_avx512(__m512 x) {
+inline __m512 exp_nonpositive_avx512(__m512 x) {
   const __m512 lowest = _mm512_set1_ps(kExpLowest);
   const __mmask16 tiny = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ);
   const __m512 xc = _mm512_max_ps(x, lowest);
@@ -43,7 +39,7 @@ EMFLOW_BF16_TARGET inline __m512 exp_nonpositive_avx512(__m512 x) {
 using Word = std::uint32_t;
 
 /// The word holding the bfloat16 roundings of `low` (bits 0-15) and `high` (bits 16-31).
-EMFLOW_BF16_TARGET inline Word pair_of(float low, float high) {
+inline Word pair_of(float low, float high) {
   return static_cast<Word>(to_bfloat16(low).bits) | static_cast<Word>(to_bfloat16(high).bits) << 16;
 }
 
@@ -51,9 +47,8 @@ EMFLOW_BF16_TARGET inline Word pair_of(float low, float high) {
 /// A[m * lda + k], or A[k * lda + m] with kTransposedA; B's row k of words (a pair of bfloat16
 /// for each of 16 NV columns) is B + k * ldb.
 template <int R, int NV, bool kTransposedA, bool kAccumulate>
-EMFLOW_BF16_TARGET inline void dp_kernel(std::int64_t K, const Word* A, std::int64_t lda,
-                                         const Word* B, std::int64_t ldb, float* C,
-                                         std::int64_t ldc) {
+inline void dp_kernel(std::int64_t K, const Word* A, std::int64_t lda, const Word* B,
+                      std::int64_t ldb, float* C, std::int64_t ldc) {
   // Fully unrolled, so that the accumulators live in registers from the first load to the last
   // store (left to itself GCC keeps the array on the stack outside the K loop).
   __m512 acc[R][NV];
@@ -83,4 +78,6 @@ EMFLOW_BF16_TARGET inline void dp_kernel(std::int64_t K, const Word* A, std::int
   }
 }
 
-}  // namespace emflow::detail::cpu
+EMFLOW_CPU_END
+
+#endif  // EMFLOW_CPU_AVX512BF16

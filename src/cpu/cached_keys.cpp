@@ -8,16 +8,16 @@
 
 #include "core/backends.hpp"
 #include "simd.hpp"
+#include "target.hpp"
 
-namespace emflow::detail {
+EMFLOW_CPU_BEGIN
 
-static_assert(kCachedPanel % cpu::kLanes == 0, "a panel is whole vectors");
+static_assert(kCachedPanel % kLanes == 0, "a panel is whole vectors");
 
 void cpu_cached_partial(const float* queries, std::int64_t heads, std::int64_t width,
                         const float* panels, const float* values, const float* const* bias,
                         float bias_scale, std::int64_t first, std::int64_t last, float* scratch,
                         double* lse, double* entropy, double* o) {
-  using namespace cpu;
   constexpr std::int64_t P = kCachedPanel;
   constexpr int kPerPanel = static_cast<int>(P / kLanes);
   // Panels scored at once, and vectors of o summed at once: independent chains of FMAs.
@@ -119,4 +119,4 @@ void cpu_cached_partial(const float* queries, std::int64_t heads, std::int64_t w
   }
 }
 
-}  // namespace emflow::detail
+EMFLOW_CPU_END

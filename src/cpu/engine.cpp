@@ -29,8 +29,9 @@
 
 #include "engine_internal.hpp"
 #include "simd.hpp"
+#include "target.hpp"
 
-namespace emflow::detail::cpu {
+EMFLOW_CPU_BEGIN
 
 using namespace engine;  // the tile sizes, buffers and shapes shared with engine_block.cpp
 
@@ -266,9 +267,9 @@ void fused_attend(const EngineClouds& clouds, const EngineLayer& layer, const En
   }
 }
 
-}  // namespace emflow::detail::cpu
+EMFLOW_CPU_END
 
-namespace emflow::detail::cpu {
+EMFLOW_CPU_BEGIN
 
 using namespace engine;
 
@@ -321,4 +322,4 @@ void attend_cached(const float* queries, std::int64_t query_tokens, const QueryR
   }
 }
 
-}  // namespace emflow::detail::cpu
+EMFLOW_CPU_END

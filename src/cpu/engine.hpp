@@ -25,6 +25,7 @@
 #include "core/rotary.hpp"
 #include "emflow/attention.hpp"
 #include "emflow/partial.hpp"
+#include "target.hpp"
 
 namespace emflow::detail::cpu {
 
@@ -51,9 +52,6 @@ struct EngineLayer {
   const RotaryCall* rotary = nullptr;
 };
 
-/// Row length of a padded map with `columns` columns.
-std::int64_t padded_columns(std::int64_t columns);
-
 /// The clouds of one engine call: queries Q (batch, query_tokens, dim) against keys X (batch,
 /// tokens, dim), each cloud with its visibility rule. For self-attention Q = X.
 struct EngineClouds {
@@ -76,6 +74,53 @@ struct EngineOutput {
   PartialOutput<float> partial;
 };
 
+/// A dense layer (M_h, F_h, u_h, c, beta of `input`) in the engine's terms (dispatch.cpp):
+/// query_map_h = beta M_h (R = Q M_h), query_bias_h = beta u_h, value_map_h = F_h^T; the keys
+/// are the cloud itself.
+struct DenseMaps {
+  std::vector<float> query_map, value_map, query_bias;
+  EngineLayer layer;
+  explicit DenseMaps(const AttentionInput<float>& input);
+  DenseMaps(const DenseMaps&) = delete;
+  DenseMaps& operator=(const DenseMaps&) = delete;
+};
+
+/// Keys and contents already in the engine's layout (a decode cache's), for one cloud: `panels`
+/// shared by every head (dense form, score_dim = dim) and per head `values` rows of
+/// padded_columns(value_dim) floats, both holding at least tokens rounded up to 64 rows.
+struct CachedOperands {
+  std::int64_t tokens = 0;
+  const float* panels = nullptr;
+  std::vector<const float*> values;
+};
+
+}  // namespace emflow::detail::cpu
+
+// The functions of a path (target.hpp): in a path's compilation its own, elsewhere the calls
+// through the path this process takes (dispatch.cpp).
+EMFLOW_CPU_BEGIN
+
+/// Row length of a padded map with `columns` columns.
+std::int64_t padded_columns(std::int64_t columns);
+
+/// Writes the keys [first, first + count) (rows of `dim` floats) into transposed panels of
+/// dim x key_tile() floats, as attend_cached reads them.
+void pack_key_rows(const float* rows, std::int64_t dim, std::int64_t first, std::int64_t count,
+                   float* panels);
+
+/// out[count x columns] = rows[count x dim] map[dim x columns]; writes whole groups of four rows,
+/// so `out` must hold count rounded up to 4 rows (the extra rows get 0).
+void project_rows(const float* rows, std::int64_t count, std::int64_t dim, const float* map,
+                  std::int64_t columns, float* out);
+
+/// emflow::attend of `query_tokens` queries (one cloud) against cached operands under `rule`;
+/// the keys split across threads when the queries are few. output.weights must be null.
+void attend_cached(const float* queries, std::int64_t query_tokens, const QueryRule& rule,
+                   const CachedOperands& keys, const EngineLayer& layer,
+                   const AttentionOutput<float>& output, int threads);
+
+#if defined(EMFLOW_CPU_TARGET)  // within the paths only
+
 /// Computes the outputs for every query of `clouds` on `threads` OpenMP threads (0: the OpenMP
 /// default, or one thread for a call of under 4 MFLOP).
 /// Results do not depend on the thread count: every output element is computed by one thread
@@ -91,43 +136,9 @@ void fused_attend(const EngineClouds& clouds, const EngineLayer& layer, const En
 std::vector<QueryRule> self_rules(std::int64_t batch, std::int64_t tokens, const Mask& mask,
                                   const std::int64_t* key_lengths);
 
-/// A dense layer (M_h, F_h, u_h, c, beta of `input`) in the engine's terms (attend.cpp):
-/// query_map_h = beta M_h (R = Q M_h), query_bias_h = beta u_h, value_map_h = F_h^T; the keys
-/// are the cloud itself.
-struct DenseMaps {
-  std::vector<float> query_map, value_map, query_bias;
-  EngineLayer layer;
-  explicit DenseMaps(const AttentionInput<float>& input);
-  DenseMaps(const DenseMaps&) = delete;
-  DenseMaps& operator=(const DenseMaps&) = delete;
-};
-
 /// Keys of tiles: the panels of attend_cached hold keys [t kKeyTile, (t + 1) kKeyTile) each.
 std::int64_t key_tile();
 
-/// Writes the keys [first, first + count) (rows of `dim` floats) into transposed panels of
-/// dim x key_tile() floats, as attend_cached reads them.
-void pack_key_rows(const float* rows, std::int64_t dim, std::int64_t first, std::int64_t count,
-                   float* panels);
+#endif
 
-/// out[count x columns] = rows[count x dim] map[dim x columns]; writes whole groups of four rows,
-/// so `out` must hold count rounded up to 4 rows (the extra rows get 0).
-void project_rows(const float* rows, std::int64_t count, std::int64_t dim, const float* map,
-                  std::int64_t columns, float* out);
-
-/// Keys and contents already in the engine's layout (a decode cache's), for one cloud: `panels`
-/// shared by every head (dense form, score_dim = dim) and per head `values` rows of
-/// padded_columns(value_dim) floats, both holding at least tokens rounded up to 64 rows.
-struct CachedOperands {
-  std::int64_t tokens = 0;
-  const float* panels = nullptr;
-  std::vector<const float*> values;
-};
-
-/// emflow::attend of `query_tokens` queries (one cloud) against cached operands under `rule`;
-/// the keys split across threads when the queries are few. output.weights must be null.
-void attend_cached(const float* queries, std::int64_t query_tokens, const QueryRule& rule,
-                   const CachedOperands& keys, const EngineLayer& layer,
-                   const AttentionOutput<float>& output, int threads);
-
-}  // namespace emflow::detail::cpu
+EMFLOW_CPU_END

@@ -5,8 +5,10 @@
 #include <vector>
 
 #include "engine_internal.hpp"
+#include "target.hpp"
 
-namespace emflow::detail::cpu::engine {
+EMFLOW_CPU_BEGIN
+namespace engine {
 
 namespace {
 
@@ -266,4 +268,5 @@ void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
   }
 }
 
-}  // namespace emflow::detail::cpu::engine
+}  // namespace engine
+EMFLOW_CPU_END

@@ -12,8 +12,10 @@
 #include "core/check.hpp"
 #include "engine.hpp"
 #include "simd.hpp"
+#include "target.hpp"
 
-namespace emflow::detail::cpu::engine {
+EMFLOW_CPU_BEGIN
+namespace engine {
 
 inline constexpr std::int64_t kKeyTile = 32;     // keys per score tile
 inline constexpr std::int64_t kTokenAlign = 64;  // buffers hold the tokens rounded up to this
@@ -147,4 +149,5 @@ void attend_tasks(const Geometry& g, const SpanPlan& plan, const QueryRule* rule
                   const std::vector<std::vector<HeadOperands>>& operands, const EngineLayer& layer,
                   const EngineOutput& out, SpanStates& states, Scratch& s);
 
-}  // namespace emflow::detail::cpu::engine
+}  // namespace engine
+EMFLOW_CPU_END

@@ -9,8 +9,10 @@
 
 #include "core/partial_rows.hpp"
 #include "engine_internal.hpp"
+#include "target.hpp"
 
-namespace emflow::detail::cpu::engine {
+EMFLOW_CPU_BEGIN
+namespace engine {
 
 namespace {
 // Split only below this many query blocks in a group, into spans of at least this many keys (a
@@ -112,4 +114,5 @@ void attend_tasks(const Geometry& g, const SpanPlan& plan, const QueryRule* rule
   }
 }
 
-}  // namespace emflow::detail::cpu::engine
+}  // namespace engine
+EMFLOW_CPU_END

@@ -19,17 +19,18 @@
 #include "core/queries.hpp"
 #include "core/rotary.hpp"
 #include "engine.hpp"
+#include "target.hpp"
 
-namespace emflow::detail {
+EMFLOW_CPU_BEGIN
 
 void cpu_attend_factored(const AttentionInput<float>& input, const FactoredLayer<float>& f,
                          const AttentionOutput<float>& output, int threads) {
   const std::int64_t H = f.heads, K = f.key_heads(), r = f.rank, d = input.dim;
   const bool bias = f.key_bias != nullptr;
   const std::int64_t score_dim = r + (bias ? 1 : 0);
-  const std::int64_t score_stride = cpu::padded_columns(score_dim);
-  const std::int64_t value_stride = cpu::padded_columns(r);
-  const std::int64_t dim_stride = cpu::padded_columns(d);
+  const std::int64_t score_stride = padded_columns(score_dim);
+  const std::int64_t value_stride = padded_columns(r);
+  const std::int64_t dim_stride = padded_columns(d);
   const std::int64_t group = H / K;  // query head h reads kv head h / group
   // Keys: one set per kv head, shared by its group; with a key bias, whose column belongs to the
   // query head, one per head. Values: one set per kv head.
@@ -73,7 +74,7 @@ void cpu_attend_factored(const AttentionInput<float>& input, const FactoredLayer
   }
   const RotaryCall rotary = rotary_call(input, f.rotary);
 
-  cpu::EngineLayer layer;
+  EngineLayer layer;
   layer.heads = H;
   layer.dim = d;
   layer.score_dim = score_dim;
@@ -89,16 +90,16 @@ void cpu_attend_factored(const AttentionInput<float>& input, const FactoredLayer
   layer.rotary = rotary.dim != 0 ? &rotary : nullptr;
   std::vector<QueryRule> rules;
   for (std::int64_t b = 0; b < input.batch; ++b) rules.push_back(query_rule(input, b));
-  cpu::EngineClouds clouds;
+  EngineClouds clouds;
   clouds.keys = input.cloud;
   clouds.queries = query_rows(input);
   clouds.batch = input.batch;
   clouds.tokens = input.tokens;
   clouds.query_tokens = query_count(input);
   clouds.rules = rules.data();
-  cpu::EngineOutput sink;
+  EngineOutput sink;
   sink.attend = output;
-  cpu::fused_attend(clouds, layer, sink, threads);
+  fused_attend(clouds, layer, sink, threads);
 }
 
-}  // namespace emflow::detail
+EMFLOW_CPU_END

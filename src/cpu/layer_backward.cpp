@@ -25,8 +25,9 @@
 
 #include "engine_internal.hpp"
 #include "sdpa.hpp"
+#include "target.hpp"
 
-namespace emflow::detail::cpu {
+EMFLOW_CPU_BEGIN
 
 using namespace engine;
 
@@ -398,4 +399,4 @@ bool layer_backward(const BackwardClouds& cl, const BackwardLayer& L, const Laye
   return true;
 }
 
-}  // namespace emflow::detail::cpu
+EMFLOW_CPU_END

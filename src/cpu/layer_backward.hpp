@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "core/queries.hpp"
+#include "target.hpp"
 
 namespace emflow::detail::cpu {
 
@@ -63,6 +64,12 @@ struct BackwardLayerGradients {
   double* beta = nullptr;
 };
 
+}  // namespace emflow::detail::cpu
+
+// The functions of a path (target.hpp): in a path's compilation its own, elsewhere the calls
+// through the path this process takes (dispatch.cpp).
+EMFLOW_CPU_BEGIN
+
 /// The backward pass of the layer (docs/MATH.md §8.4, §8.5) on `threads` OpenMP threads (0: the
 /// OpenMP default, or one for a small call), bitwise the same for any thread count. Returns
 /// false, having written nothing, when a value it would read is not finite (the caller then runs
@@ -71,4 +78,4 @@ bool layer_backward(const BackwardClouds& clouds, const BackwardLayer& layer,
                     const LayerUpstream& upstream, const BackwardLayerGradients& gradients,
                     int threads);
 
-}  // namespace emflow::detail::cpu
+EMFLOW_CPU_END

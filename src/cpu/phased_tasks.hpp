@@ -22,7 +22,9 @@
 #include <utility>
 #include <vector>
 
-namespace emflow::detail::cpu {
+#include "target.hpp"
+
+EMFLOW_CPU_BEGIN
 
 class PhasedTasks {
  public:
@@ -100,4 +102,4 @@ class PhasedTasks {
   std::condition_variable finished_;
 };
 
-}  // namespace emflow::detail::cpu
+EMFLOW_CPU_END

@@ -11,8 +11,9 @@
 #include <cstdint>
 
 #include "core/backends.hpp"
+#include "target.hpp"
 
-namespace emflow::detail::cpu {
+EMFLOW_CPU_BEGIN
 
 struct ProductTasks {
   int team = 1;  ///< the threads: `threads`, or with 0 every core when the product is large
@@ -45,4 +46,4 @@ inline ProductTasks product_tasks(std::int64_t rows, std::int64_t depth, std::in
   return t;
 }
 
-}  // namespace emflow::detail::cpu
+EMFLOW_CPU_END

@@ -9,26 +9,26 @@
 #include "engine_internal.hpp"
 #include "product_tasks.hpp"
 #include "simd.hpp"
+#include "target.hpp"
 
-namespace emflow::detail {
+EMFLOW_CPU_BEGIN
 
 namespace {
 // The register block of a product: rows x vectors accumulators, with a row of B in registers and
 // one broadcast of A. AVX-512 has 32 vector registers: 6 x 4 = 24 accumulators, 10 loads per 24
 // FMAs (the attention engine's 8 x 2 issues 10 per 16); elsewhere the engine's block.
-#if defined(__AVX512F__)
+#if EMFLOW_CPU_AVX512
 constexpr int kRows = 6, kVectors = 4;
 #else
-constexpr int kRows = cpu::engine::kChunkRows, kVectors = cpu::max_vectors(kRows);
+constexpr int kRows = engine::kChunkRows, kVectors = max_vectors(kRows);
 #endif
 }  // namespace
 
 void cpu_products(const float* A, std::int64_t rows, std::int64_t depth, const float* B,
                   std::int64_t columns, float* C, int threads) {
-  using cpu::kLanes;
   static_assert(kProductColumns % kLanes == 0 && kProductPanel % kProductColumns == 0,
                 "a padded row holds whole vectors");
-  const cpu::ProductTasks tasks = cpu::product_tasks(rows, depth, columns, threads, kRows);
+  const ProductTasks tasks = product_tasks(rows, depth, columns, threads, kRows);
 #pragma omp parallel for schedule(static) \
     num_threads(tasks.team) if (tasks.team > 1 && tasks.count() > 1)
   for (std::int64_t task = 0; task < tasks.count(); ++task) {
@@ -42,24 +42,23 @@ void cpu_products(const float* A, std::int64_t rows, std::int64_t depth, const f
       float* c = C + r * columns + c0;
       std::int64_t v = 0;
       for (; v + kVectors <= vectors; v += kVectors) {
-        cpu::micro_kernel<kRows, kVectors>(depth, a, depth, panel + v * kLanes, width,
-                                           c + v * kLanes, columns, false);
+        micro_kernel<kRows, kVectors>(depth, a, depth, panel + v * kLanes, width, c + v * kLanes,
+                                      columns, false);
       }
       if (v < vectors) {
-        cpu::micro_kernel_remainder<kRows, kVectors - 1>(vectors - v, depth, a, depth,
-                                                         panel + v * kLanes, width, c + v * kLanes,
-                                                         columns, false);
+        micro_kernel_remainder<kRows, kVectors - 1>(vectors - v, depth, a, depth,
+                                                    panel + v * kLanes, width, c + v * kLanes,
+                                                    columns, false);
       }
     }
     for (; r < last; ++r) {  // the last rows, and one row of a decoding step: a panel's stream
-      cpu::row_block_gemm<1>(depth, A + r * depth, depth, panel, width, width, C + r * columns + c0,
-                             columns, false);
+      row_block_gemm<1>(depth, A + r * depth, depth, panel, width, width, C + r * columns + c0,
+                        columns, false);
     }
   }
 }
 
 void cpu_gated_silu(const float* gate_up, std::int64_t rows, std::int64_t inner, float* hidden) {
-  using namespace cpu;
   const Vec one = splat(1.0f), zero{};
   for (std::int64_t r = 0; r < rows; ++r) {
     const float* g = gate_up + r * 2 * inner;
@@ -76,4 +75,4 @@ void cpu_gated_silu(const float* gate_up, std::int64_t rows, std::int64_t inner,
   }
 }
 
-}  // namespace emflow::detail
+EMFLOW_CPU_END

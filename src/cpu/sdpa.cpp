@@ -17,8 +17,9 @@
 
 #include "core/dispatch.hpp"
 #include "engine_internal.hpp"
+#include "target.hpp"
 
-namespace emflow::detail::cpu {
+EMFLOW_CPU_BEGIN
 
 using namespace engine;
 
@@ -187,4 +188,4 @@ void sdpa_forward(const SdpaArrays& a, float* output, float* lse, float* entropy
   }
 }
 
-}  // namespace emflow::detail::cpu
+EMFLOW_CPU_END

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "core/queries.hpp"
+#include "target.hpp"
 
 namespace emflow::detail::cpu {
 
@@ -29,15 +30,6 @@ struct SdpaArrays {
   std::int64_t group() const { return query_heads / kv_heads; }
 };
 
-/// True when every value of `arrays` that a query reads is finite: the query rows i < Lq_b and
-/// the key and value rows j < Lk_b of each cloud (the rows the rule can make visible).
-bool sdpa_inputs_finite(const SdpaArrays& arrays);
-
-/// The forward pass: O (batch, query_heads, query_tokens, value_rank) and, when not null, lse and
-/// entropy (batch, query_heads, query_tokens), on `threads` OpenMP threads (0: the OpenMP
-/// default, or one thread for a call of under 4 MFLOP). Bitwise the same for any thread count.
-void sdpa_forward(const SdpaArrays& arrays, float* output, float* lse, float* entropy, int threads);
-
 /// What the backward pass reads besides the operator's inputs: the forward's O, lse and H, and
 /// the upstream gradients dO, dlse and dH (each null when the loss does not depend on it; O is
 /// read only with dO, H only with dH). Rows of queries that see no key are never read.
@@ -50,10 +42,6 @@ struct SdpaBackwardArrays {
   const float* entropy_gradient = nullptr;
 };
 
-/// True when every value of `saved` that the backward pass reads is finite: the rows of the
-/// queries that see a key.
-bool sdpa_backward_finite(const SdpaArrays& arrays, const SdpaBackwardArrays& saved);
-
 /// Where the backward pass writes: dQ, dK and dV in the layouts of Q, K and V (every element
 /// written), and dL/dscale when not null.
 struct SdpaGradientArrays {
@@ -62,6 +50,25 @@ struct SdpaGradientArrays {
   float* values = nullptr;
   double* scale = nullptr;
 };
+
+}  // namespace emflow::detail::cpu
+
+// The functions of a path (target.hpp): in a path's compilation its own, elsewhere the calls
+// through the path this process takes (dispatch.cpp).
+EMFLOW_CPU_BEGIN
+
+/// True when every value of `arrays` that a query reads is finite: the query rows i < Lq_b and
+/// the key and value rows j < Lk_b of each cloud (the rows the rule can make visible).
+bool sdpa_inputs_finite(const SdpaArrays& arrays);
+
+/// The forward pass: O (batch, query_heads, query_tokens, value_rank) and, when not null, lse and
+/// entropy (batch, query_heads, query_tokens), on `threads` OpenMP threads (0: the OpenMP
+/// default, or one thread for a call of under 4 MFLOP). Bitwise the same for any thread count.
+void sdpa_forward(const SdpaArrays& arrays, float* output, float* lse, float* entropy, int threads);
+
+/// True when every value of `saved` that the backward pass reads is finite: the rows of the
+/// queries that see a key.
+bool sdpa_backward_finite(const SdpaArrays& arrays, const SdpaBackwardArrays& saved);
 
 /// The backward pass (docs/MATH.md §8.3; the algorithm at the top of sdpa_backward.cpp), on
 /// `threads` OpenMP threads as sdpa_forward. Bitwise the same for any thread count: the keys
@@ -73,10 +80,12 @@ void sdpa_backward(const SdpaArrays& arrays, const SdpaBackwardArrays& saved,
 /// The backward pass with bfloat16 products (sdpa_backward_bf16.cpp): the arguments and the
 /// guarantees of sdpa_backward, for Q, K, V and dO holding bfloat16 values (widened to float,
 /// exactly), whose products run on AVX512-BF16 with float32 accumulation, P and dS rounded to
-/// bfloat16 before the products that read them (docs/MATH.md §8.8). Only where
-/// cpu_bf16_available() (core/backends.hpp).
+/// bfloat16 before the products that read them (docs/MATH.md §8.8). On the avx512bf16 path only
+/// (Machine::avx512_bf16).
 void sdpa_backward_bf16(const SdpaArrays& arrays, const SdpaBackwardArrays& saved,
                         const SdpaGradientArrays& gradients, int threads);
+
+#if defined(EMFLOW_CPU_TARGET)  // within the paths only
 
 // Packing, shared by the two passes: each helper writes the rows [row0, row_end) of one head.
 
@@ -92,4 +101,6 @@ void pack_real_rows(const float* rows, std::int64_t width, std::int64_t length, 
 void pack_real_panels(const float* rows, std::int64_t width, std::int64_t length, std::int64_t row0,
                       std::int64_t row_end, float* panels);
 
-}  // namespace emflow::detail::cpu
+#endif
+
+EMFLOW_CPU_END

@@ -15,8 +15,9 @@
 #include "engine_internal.hpp"
 #include "sdpa.hpp"
 #include "sdpa_backward_driver.hpp"
+#include "target.hpp"
 
-namespace emflow::detail::cpu {
+EMFLOW_CPU_BEGIN
 
 using namespace engine;
 
@@ -221,4 +222,4 @@ void sdpa_backward(const SdpaArrays& a, const SdpaBackwardArrays& saved,
   backward::run<Float32Kernel>(a, saved, out, threads);
 }
 
-}  // namespace emflow::detail::cpu
+EMFLOW_CPU_END

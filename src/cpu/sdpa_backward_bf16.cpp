@@ -40,8 +40,11 @@
 #include "emflow/precision.hpp"
 #include "sdpa.hpp"
 #include "sdpa_backward_driver.hpp"
+#include "target.hpp"
 
-namespace emflow::detail::cpu {
+#if EMFLOW_CPU_AVX512BF16  // the avx512bf16 path only
+
+EMFLOW_CPU_BEGIN
 
 namespace {
 
@@ -60,11 +63,9 @@ static_assert(kBlockQueries % (2 * kRows) == 0 && kBlockKeys % 16 == 0, "block s
 /// C[rows x columns] (+)= A[rows x K] B[K x columns] for `rows` a multiple of kRows and
 /// `columns` of 16, in strips of kMaxVectors vectors; A as for dp_kernel.
 template <bool kTransposedA, bool kAccumulate>
-EMFLOW_BF16_TARGET __attribute__((noinline)) void dp_gemm(std::int64_t rows, std::int64_t K,
-                                                          const Word* A, std::int64_t lda,
-                                                          const Word* B, std::int64_t ldb,
-                                                          std::int64_t columns, float* C,
-                                                          std::int64_t ldc) {
+__attribute__((noinline)) void dp_gemm(std::int64_t rows, std::int64_t K, const Word* A,
+                                       std::int64_t lda, const Word* B, std::int64_t ldb,
+                                       std::int64_t columns, float* C, std::int64_t ldc) {
   for (std::int64_t m = 0; m < rows; m += kRows) {
     const Word* a = kTransposedA ? A + m : A + m * lda;
     float* c = C + m * ldc;
@@ -91,7 +92,7 @@ EMFLOW_BF16_TARGET __attribute__((noinline)) void dp_gemm(std::int64_t rows, std
 }
 
 /// The words of 16 columns of two rows: (low[c], high[c]) rounded to bfloat16, c = 0..15.
-EMFLOW_BF16_TARGET inline __m512i interleave_rows(__m512 low, __m512 high) {
+inline __m512i interleave_rows(__m512 low, __m512 high) {
   const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(low));
   const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(high));
   return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
@@ -99,7 +100,7 @@ EMFLOW_BF16_TARGET inline __m512i interleave_rows(__m512 low, __m512 high) {
 
 /// A 64 x 64 float tile's first `rows` rows (an even number) as pairs of rows by key: word
 /// (i / 2, j) holds (tile[i][j], tile[i + 1][j]) rounded to bfloat16.
-EMFLOW_BF16_TARGET void pair_rows(const float* tile, std::int64_t rows, Word* out) {
+void pair_rows(const float* tile, std::int64_t rows, Word* out) {
   constexpr std::int64_t W = kBlockKeys;
   for (std::int64_t i = 0; i < rows; i += 2) {
     for (std::int64_t v = 0; v < W / 16; ++v) {
@@ -215,10 +216,9 @@ class Bf16Kernel {
     AlignedBuffer grad_rows;     // dS in pairs of keys, by row: 64 x 32 words
   };
 
-  EMFLOW_BF16_TARGET void block_pair(const float* query, const RowTerms& terms, const float* key,
-                                     const QueryRule& rule, std::int64_t q0, std::int64_t live,
-                                     std::int64_t k0, bool partial, float* partial_dq, float* dk,
-                                     float* dv, Tiles& t) const;
+  void block_pair(const float* query, const RowTerms& terms, const float* key,
+                  const QueryRule& rule, std::int64_t q0, std::int64_t live, std::int64_t k0,
+                  bool partial, float* partial_dq, float* dk, float* dv, Tiles& t) const;
 
  private:
   struct Operands {
@@ -250,11 +250,10 @@ class Bf16Kernel {
 
 /// One pair of blocks: the live rows [q0, q0 + live) of a query head against the keys
 /// [k0, k0 + kBlockKeys) of a key head (the algorithm of sdpa_backward_driver.hpp).
-EMFLOW_BF16_TARGET void Bf16Kernel::block_pair(const float* query, const RowTerms& terms,
-                                               const float* key, const QueryRule& rule,
-                                               std::int64_t q0, std::int64_t live, std::int64_t k0,
-                                               bool partial, float* partial_dq, float* dk,
-                                               float* dv, Tiles& t) const {
+void Bf16Kernel::block_pair(const float* query, const RowTerms& terms, const float* key,
+                            const QueryRule& rule, std::int64_t q0, std::int64_t live,
+                            std::int64_t k0, bool partial, float* partial_dq, float* dk, float* dv,
+                            Tiles& t) const {
   constexpr std::int64_t W = kBlockKeys;
   constexpr std::int64_t kVectors = W / 16;
   const Operands q = query_operands(query);
@@ -335,4 +334,6 @@ void sdpa_backward_bf16(const SdpaArrays& a, const SdpaBackwardArrays& saved,
   backward::run<Bf16Kernel>(a, saved, out, threads);
 }
 
-}  // namespace emflow::detail::cpu
+EMFLOW_CPU_END
+
+#endif  // EMFLOW_CPU_AVX512BF16

@@ -58,8 +58,10 @@
 
 #include "engine_internal.hpp"
 #include "sdpa.hpp"
+#include "target.hpp"
 
-namespace emflow::detail::cpu::backward {
+EMFLOW_CPU_BEGIN
+namespace backward {
 
 using engine::AlignedBuffer;
 using engine::kTokenAlign;
@@ -77,11 +79,11 @@ inline constexpr std::int64_t kPartialBytes = std::int64_t{8} << 20;
 inline constexpr std::int64_t kGroupBytes = std::int64_t{160} << 20;
 inline constexpr double kSmallCallFlop = 4e6;
 
-/// a * b + c rounded as the micro-kernel's fma (simd.hpp) rounds it: once where the target has
-/// FMA. D_i summed so, in the order of dP_ij's sum, equals dP_ij exactly where O_i = v_j (a
-/// query with one key), and dS_ij is then exactly 0, as the reference's.
+/// a * b + c rounded as the micro-kernel's fma (simd.hpp) rounds it: once on the x86-64 paths.
+/// D_i summed so, in the order of dP_ij's sum, equals dP_ij exactly where O_i = v_j (a query
+/// with one key), and dS_ij is then exactly 0, as the reference's.
 inline float kernel_fma(float a, float b, float c) {
-#if defined(__FMA__) || defined(__AVX512F__)
+#if EMFLOW_CPU_AVX2
   return std::fma(a, b, c);
 #else
   return a * b + c;
@@ -340,4 +342,5 @@ void run(const SdpaArrays& a, const SdpaBackwardArrays& saved, const SdpaGradien
   }
 }
 
-}  // namespace emflow::detail::cpu::backward
+}  // namespace backward
+EMFLOW_CPU_END

@@ -1,39 +1,35 @@
-// The vector layer of the fast CPU backend: one float vector type whose width is chosen for the
-// build host at compile time (AVX-512: 16 lanes, AVX: 8, otherwise 4), the register-blocked
+// The vector layer of the fast CPU backend: one float vector type whose width is the path's
+// (target.hpp: AVX-512 16 lanes, AVX2 8; the generic path off x86-64 4), the register-blocked
 // GEMM micro-kernel the fused attention and its backward pass are built from, and a vectorised
 // exp.
 //
 // Vec is a GCC/Clang vector type, so +, *, comparisons and ?: work on it directly; on x86 it is
-// the intrinsic type itself. A build without SSE/AVX (another architecture, or EMFLOW_NATIVE=OFF
-// with a baseline target) keeps the 4-lane generic vector, which the compiler lowers to whatever
-// the target has, down to scalar code: that is the portable fallback.
+// the intrinsic type itself. The generic path keeps a 4-lane generic vector, which the compiler
+// lowers to whatever the target has, down to scalar code: the portable fallback.
 //
-// Only src/cpu/*.cpp include this header; they are all compiled with the same flags.
-// (src/tools/measure.cpp, the FMA peak of `emflow bench`, keeps a vector of its own that this
-// header's choice of width rules.)
+// Only the paths' files (src/cpu) include this header. (src/tools/measure.cpp, the FMA peak of
+// `emflow bench`, keeps a vector of its own of the same widths.)
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
-#if defined(__SSE2__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 
-namespace emflow::detail::cpu {
+#include "target.hpp"
 
-#if defined(__AVX512F__)
+EMFLOW_CPU_BEGIN
+
+#if EMFLOW_CPU_AVX512
 #define EMFLOW_CPU_LANES 16
 using Vec = __m512;
 /// Vector registers the micro-kernel may use as accumulators (of 32).
 inline constexpr int kAccumulators = 16;
-#elif defined(__AVX__)
+#elif EMFLOW_CPU_AVX2
 #define EMFLOW_CPU_LANES 8
 using Vec = __m256;
-inline constexpr int kAccumulators = 8;  // of 16
-#elif defined(__SSE2__)
-#define EMFLOW_CPU_LANES 4
-using Vec = __m128;
 inline constexpr int kAccumulators = 8;  // of 16
 #else
 #define EMFLOW_CPU_LANES 4
@@ -45,21 +41,6 @@ inline constexpr int kAccumulators = 8;
 typedef std::int32_t VecInt __attribute__((vector_size(EMFLOW_CPU_LANES * 4)));
 
 inline constexpr int kLanes = EMFLOW_CPU_LANES;
-
-/// The name of the instruction set the backend was compiled for (for benchmark reports).
-inline const char* instruction_set() {
-#if defined(__AVX512F__)
-  return "avx512";
-#elif defined(__AVX2__) && defined(__FMA__)
-  return "avx2+fma";
-#elif defined(__AVX__)
-  return "avx";
-#elif defined(__SSE2__)
-  return "sse2";
-#else
-  return "generic";
-#endif
-}
 
 /// n rounded up to a whole number of vectors.
 inline constexpr std::int64_t round_to_lanes(std::int64_t n) {
@@ -73,12 +54,10 @@ inline Vec load(const float* p) {
 }
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 inline Vec splat(float x) {
-#if defined(__AVX512F__)
+#if EMFLOW_CPU_AVX512
   return _mm512_set1_ps(x);
-#elif defined(__AVX__)
+#elif EMFLOW_CPU_AVX2
   return _mm256_set1_ps(x);
-#elif defined(__SSE2__)
-  return _mm_set1_ps(x);
 #else
   Vec v;
   for (int i = 0; i < kLanes; ++i) v[i] = x;
@@ -86,15 +65,13 @@ inline Vec splat(float x) {
 #endif
 }
 
-/// a * b + c with one rounding where the target has FMA. (The build is ISO C++, which turns off
-/// floating-point contraction, so a * b + c would never become an FMA by itself.)
+/// a * b + c with one rounding on the x86-64 paths (which all have FMA). (The build is ISO C++,
+/// which turns off floating-point contraction, so a * b + c would never become an FMA by itself.)
 inline Vec fma(Vec a, Vec b, Vec c) {
-#if defined(__AVX512F__)
+#if EMFLOW_CPU_AVX512
   return _mm512_fmadd_ps(a, b, c);
-#elif defined(__FMA__) && EMFLOW_CPU_LANES == 8
+#elif EMFLOW_CPU_AVX2
   return _mm256_fmadd_ps(a, b, c);
-#elif defined(__FMA__)
-  return _mm_fmadd_ps(a, b, c);
 #else
   return a * b + c;
 #endif
@@ -104,12 +81,10 @@ inline Vec max(Vec a, Vec b) { return a > b ? a : b; }
 
 /// True when some lane of a is greater than the same lane of b.
 inline bool any_greater(Vec a, Vec b) {
-#if defined(__AVX512F__)
+#if EMFLOW_CPU_AVX512
   return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ) != 0;
-#elif defined(__AVX__)
+#elif EMFLOW_CPU_AVX2
   return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)) != 0;
-#elif defined(__SSE2__)
-  return _mm_movemask_ps(_mm_cmpgt_ps(a, b)) != 0;
 #else
   for (int i = 0; i < kLanes; ++i) {
     if (a[i] > b[i]) return true;
@@ -178,7 +153,7 @@ inline Vec exp_nonpositive(Vec x) {
 /// 102 GFLOP/s in an L1-resident loop, 95 with B in registers; docs/PERF.md). The empty asm emits
 /// nothing. AVX-512 builds keep the compiler's choice: not yet measured there.
 inline void keep_in_register([[maybe_unused]] Vec& v) {
-#if defined(__SSE2__) && !defined(__AVX512F__)
+#if EMFLOW_CPU_AVX2 && !EMFLOW_CPU_AVX512
   asm("" : "+x"(v));
 #endif
 }
@@ -260,4 +235,4 @@ __attribute__((noinline)) void row_block_gemm(std::int64_t K, const float* A, st
   }
 }
 
-}  // namespace emflow::detail::cpu
+EMFLOW_CPU_END

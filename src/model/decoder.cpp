@@ -102,7 +102,8 @@ class Decoder {
         in.dim = width;
         in.mask = mask_;
         ExecutionOptions options;
-        options.device = Device::cpu;
+        // The engine where it runs; elsewhere the reference, in double.
+        options.device = this_machine().cpu_missing.empty() ? Device::cpu : Device::reference;
         options.threads = threads_;
         attend_factored(in, a.layer, out, options);
         cache.append(tokens, count);

@@ -1,8 +1,9 @@
-// Measuring tools for benchmarks (tools/measure.hpp) on a small vector kernel of their own: the
-// vector the CPU backend chooses for the same flags (src/cpu/simd.hpp; this file is compiled
-// with the backend's -march), so `emflow bench --peak` times the FMA instructions the backend
-// issues, at its width: AVX-512 16 lanes, AVX 8, otherwise 4 (SSE, or a generic vector the
-// compiler lowers to what the target has).
+// Measuring tools for benchmarks (tools/measure.hpp) on a small vector kernel of their own,
+// compiled once per path of the CPU backend as src/cpu is (src/cpu/target.hpp, the only header
+// of the library's tree this file reads): measure_paths.cpp calls the path the engine takes in
+// this process, so `emflow bench --peak` times the FMA instructions the engine issues, at its
+// width: AVX-512 16 lanes, AVX2 8, the generic path 4 (a generic vector the compiler lowers to
+// what the target has).
 #include "tools/measure.hpp"
 
 #include <omp.h>
@@ -13,23 +14,26 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__SSE2__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 
-namespace emflow::tools {
+#include "target.hpp"
+
+#define EMFLOW_TOOLS_PATH_NAME(name) #name
+#define EMFLOW_TOOLS_PATH(name) EMFLOW_TOOLS_PATH_NAME(name)
+
+EMFLOW_CPU_TARGET_PUSH
+namespace emflow::tools::EMFLOW_CPU_TARGET {
 
 namespace {
 
-#if defined(__AVX512F__)
+#if EMFLOW_CPU_AVX512
 using Vec = __m512;
 constexpr int kLanes = 16;
-#elif defined(__AVX__)
+#elif EMFLOW_CPU_AVX2
 using Vec = __m256;
 constexpr int kLanes = 8;
-#elif defined(__SSE2__)
-using Vec = __m128;
-constexpr int kLanes = 4;
 #else
 typedef float Vec __attribute__((vector_size(16)));
 constexpr int kLanes = 4;
@@ -44,14 +48,12 @@ Vec load(const float* p) {
 }
 void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 
-// a * b + c in one instruction where the target has FMA (ISO C++ never contracts a * b + c).
+// a * b + c in one instruction on the x86-64 paths (ISO C++ never contracts a * b + c).
 Vec fma(Vec a, Vec b, Vec c) {
-#if defined(__AVX512F__)
+#if EMFLOW_CPU_AVX512
   return _mm512_fmadd_ps(a, b, c);
-#elif defined(__FMA__) && defined(__AVX__)
+#elif EMFLOW_CPU_AVX2
   return _mm256_fmadd_ps(a, b, c);
-#elif defined(__FMA__)
-  return _mm_fmadd_ps(a, b, c);
 #else
   return a * b + c;
 #endif
@@ -84,39 +86,60 @@ Vec exp_nonpositive(Vec x) {
 
 }  // namespace
 
-const char* compiled_instruction_set() {
-#if defined(__AVX512F__)
-  return "avx512";
-#elif defined(__AVX2__) && defined(__FMA__)
-  return "avx2+fma";
-#elif defined(__AVX__)
-  return "avx";
-#elif defined(__SSE2__)
-  return "sse2";
-#else
-  return "generic";
-#endif
+const char* path() { return EMFLOW_TOOLS_PATH(EMFLOW_CPU_TARGET); }
+
+namespace {
+
+// FMA latency (4 cycles) x FMA issue rate (up to 2 per cycle) chains keep every pipe busy.
+constexpr int kChains = kLanes == 16 ? 16 : 10;
+
+// One thread's chains (a function of the path's own, so that the vectors never cross the code
+// OpenMP outlines, which Clang compiles for the baseline target).
+float run_chains(std::int64_t iterations) {
+  Vec chain[kChains];
+  for (int c = 0; c < kChains; ++c) chain[c] = splat(0.01f * static_cast<float>(c));
+  // x -> 0.9999 x + 1e-4 converges to 1: no overflow, no denormals.
+  const Vec scale = splat(0.9999f), shift = splat(1.0e-4f);
+  for (std::int64_t i = 0; i < iterations; ++i) {
+#pragma GCC unroll 16
+    for (int c = 0; c < kChains; ++c) chain[c] = fma(chain[c], scale, shift);
+  }
+  Vec total = chain[0];
+  for (int c = 1; c < kChains; ++c) total += chain[c];
+  return horizontal_sum(total);
 }
 
+// The softmax of one row over its visible keys [begin, end).
+void softmax_row(float* row, std::int64_t begin, std::int64_t end, std::int64_t columns) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  std::fill(row, row + begin, 0.0f);
+  std::fill(row + std::max(begin, end), row + columns, 0.0f);
+  if (end <= begin) return;
+  float m = kNegInf;
+  for (std::int64_t j = begin; j < end; ++j) m = std::max(m, row[j]);
+  std::int64_t j = begin;
+  Vec sum = Vec{};
+  for (; j + kLanes <= end; j += kLanes) {
+    const Vec p = exp_nonpositive(load(row + j) - splat(m));
+    sum += p;
+    store(row + j, p);
+  }
+  float total = horizontal_sum(sum);
+  for (; j < end; ++j) {
+    row[j] = std::exp(row[j] - m);
+    total += row[j];
+  }
+  const float inverse = 1.0f / total;
+  for (j = begin; j < end; ++j) row[j] *= inverse;
+}
+
+}  // namespace
+
 double fma_peak_work(int threads, std::int64_t iterations) {
-  // FMA latency (4 cycles) x FMA issue rate (up to 2 per cycle) chains keep every pipe busy.
-  constexpr int kChains = kLanes == 16 ? 16 : 10;
   const int team = threads > 0 ? threads : omp_get_max_threads();
   float sink = 0.0f;
 #pragma omp parallel num_threads(team) reduction(+ : sink)
-  {
-    Vec chain[kChains];
-    for (int c = 0; c < kChains; ++c) chain[c] = splat(0.01f * static_cast<float>(c));
-    // x -> 0.9999 x + 1e-4 converges to 1: no overflow, no denormals.
-    const Vec scale = splat(0.9999f), shift = splat(1.0e-4f);
-    for (std::int64_t i = 0; i < iterations; ++i) {
-#pragma GCC unroll 16
-      for (int c = 0; c < kChains; ++c) chain[c] = fma(chain[c], scale, shift);
-    }
-    Vec total = chain[0];
-    for (int c = 1; c < kChains; ++c) total += chain[c];
-    sink += horizontal_sum(total);
-  }
+  sink += run_chains(iterations);
   // The sum is used, so the loop cannot be removed.
   if (!(sink > 0.0f)) return 0.0;
   return 2.0 * kLanes * kChains * static_cast<double>(iterations) * team;
@@ -125,34 +148,15 @@ double fma_peak_work(int threads, std::int64_t iterations) {
 void softmax_rows(float* scores, std::int64_t rows, std::int64_t columns, const Mask& mask,
                   int threads) {
   const int team = threads > 0 ? threads : omp_get_max_threads();
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 #pragma omp parallel for num_threads(team) schedule(static)
   for (std::int64_t i = 0; i < rows; ++i) {
-    float* row = scores + i * columns;
     // Visible keys of row i form one interval [begin, end).
     std::int64_t begin = 0, end = columns;
     if (mask.kind != MaskKind::none) end = std::min(columns, i + 1);
     if (mask.kind == MaskKind::window) begin = std::max<std::int64_t>(0, i - mask.window + 1);
-    std::fill(row, row + begin, 0.0f);
-    std::fill(row + std::max(begin, end), row + columns, 0.0f);
-    if (end <= begin) continue;
-    float m = kNegInf;
-    for (std::int64_t j = begin; j < end; ++j) m = std::max(m, row[j]);
-    std::int64_t j = begin;
-    Vec sum = Vec{};
-    for (; j + kLanes <= end; j += kLanes) {
-      const Vec p = exp_nonpositive(load(row + j) - splat(m));
-      sum += p;
-      store(row + j, p);
-    }
-    float total = horizontal_sum(sum);
-    for (; j < end; ++j) {
-      row[j] = std::exp(row[j] - m);
-      total += row[j];
-    }
-    const float inverse = 1.0f / total;
-    for (j = begin; j < end; ++j) row[j] *= inverse;
+    softmax_row(scores + i * columns, begin, end, columns);
   }
 }
 
-}  // namespace emflow::tools
+}  // namespace emflow::tools::EMFLOW_CPU_TARGET
+EMFLOW_CPU_TARGET_POP

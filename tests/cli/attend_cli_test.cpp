@@ -339,10 +339,11 @@ TEST_F(Cli, HelpAndVersion) {
   Result r = run("--version");
   EXPECT_EQ(r.status, 0);
   EXPECT_EQ(r.out.rfind("emflow ", 0), 0u) << r.out;
-  // The processor, what the engine was compiled for, and the path of every storage type.
-  for (const char* text : {"\ncpu: ", "extensions found: ", "engine compiled for: ", "\ngpu: ",
-                           "\n  float64  cpu reference fp64", "\n  float32  cpu cpu_fused fp32",
-                           "\n  bfloat16 cpu cpu_", "\n  float16  cpu cpu_fused fp32"}) {
+  // The processor, the engine's paths and the one taken, and the path of every storage type.
+  for (const char* text :
+       {"\ncpu: ", "extensions found: ", "engine paths built: ", "engine path taken: ", "\ngpu: ",
+        "\n  float64  cpu reference fp64", "\n  float32  cpu cpu_fused fp32",
+        "\n  bfloat16 cpu cpu_", "\n  float16  cpu cpu_fused fp32"}) {
     EXPECT_NE(r.out.find(text), std::string::npos) << text << " missing in\n" << r.out;
   }
   // EMFLOW_CPU_DISABLE=avx512bf16 sends bfloat16 to the widening path, and says so.
@@ -351,6 +352,20 @@ TEST_F(Cli, HelpAndVersion) {
   EXPECT_NE(r.out.find("\n  bfloat16 cpu cpu_fused fp32"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("paths not taken (EMFLOW_CPU_DISABLE): avx512bf16"), std::string::npos)
       << r.out;
+  // EMFLOW_CPU_PATH forces a path the processor has, and refuses another name with the choices.
+  r = run("--version", "EMFLOW_CPU_PATH=avx2");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(
+      r.out.find("engine path taken: avx2 (uses avx2 fma f16c bmi2), as EMFLOW_CPU_PATH asks"),
+      std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("\n  bfloat16 cpu cpu_fused fp32"), std::string::npos) << r.out;
+  r = run("--version", "EMFLOW_CPU_PATH=sse9");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("emflow: error: environment variable EMFLOW_CPU_PATH names 'sse9', "
+                       "expected one of this build's paths: avx2, avx512, avx512bf16"),
+            std::string::npos)
+      << r.err;
   r = run("--version", "EMFLOW_CPU_DISABLE=avx9");
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.err.find("emflow: error: environment variable EMFLOW_CPU_DISABLE names 'avx9'"),

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "emflow/attention.hpp"
+#include "emflow/capability.hpp"
 #include "emflow/error.hpp"
 #include "emflow/tensor.hpp"
 
@@ -25,6 +26,12 @@ std::vector<double> uniform(std::size_t count, std::uint64_t seed, double lo = -
 /// A tensor of `shape` filled by uniform(): the same values as a Problem's arrays would hold.
 Tensor<double> random_tensor(const Shape& shape, std::uint64_t seed, double lo = -1.0,
                              double hi = 1.0);
+
+/// The host's fast device: Device::cpu, or Device::reference where none of the CPU engine's
+/// paths runs (a processor without AVX2, or EMFLOW_CPU_DISABLE naming avx2).
+inline Device host_device() {
+  return this_machine().cpu_missing.empty() ? Device::cpu : Device::reference;
+}
 
 /// The two precisions every backend computes in, for typed tests.
 using FloatTypes = ::testing::Types<float, double>;

@@ -1,7 +1,7 @@
 # cmake -P script behind the consumer.subproject test (see consumer_test.cmake): configures
 # tests/consumer/subproject, which adds this source tree with add_subdirectory, builds and runs its
-# program, and checks the compile lines: emflow's warning flags and -march=native stay on emflow's
-# own files and never reach the consumer's. The consumer gives no build type (so emflow's code is
+# program, and checks the compile lines: emflow's warning flags and CPU path definitions stay on
+# emflow's own files and never reach the consumer's. The consumer gives no build type (so emflow's code is
 # compiled without optimisation, the cheapest build that links) and builds without CUDA: what is
 # checked here is the configuration and the flags, which the CUDA build shares.
 cmake_minimum_required(VERSION 3.25)
@@ -47,7 +47,7 @@ if(NOT consumer_line OR NOT emflow_line)
   message(FATAL_ERROR "consumer subproject test: compile_commands.json lacks example.cpp or "
                       "src/cpu/engine.cpp")
 endif()
-set(flags -Wall -Wextra -Wpedantic -march=native)
+set(flags -Wall -Wextra -Wpedantic -DEMFLOW_CPU_LEVEL=)
 foreach(flag IN LISTS flags)
   string(FIND "${emflow_line}" " ${flag}" at)
   if(at EQUAL -1)
@@ -68,5 +68,5 @@ if(consumer_line MATCHES "-I[^ ]*/src( |$)")
   message(FATAL_ERROR "consumer subproject test: emflow's src/ is on the consumer's include "
                       "path:\n${consumer_line}")
 endif()
-message(STATUS "consumer subproject test: no warning flag, -march=native or private include "
+message(STATUS "consumer subproject test: no warning flag, CPU path definition or private include "
                "folder of emflow's on the consumer's compile line")

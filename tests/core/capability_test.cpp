@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -404,10 +405,77 @@ TEST(Capability, TheProcessorHasWhatTheEngineWasCompiledFor) {
   EXPECT_FALSE(m.cpu_name.empty());
   EXPECT_NE(m.cpu_name.find("family "), std::string::npos) << m.cpu_name;
 #endif
-  if (m.cpu_instruction_set == "avx512") {
+  // The path taken is one of the build's, the highest whose extensions the processor has
+  // (EMFLOW_CPU_PATH or EMFLOW_CPU_DISABLE may ask for a lower one).
+  EXPECT_NE(std::find(m.cpu_paths.begin(), m.cpu_paths.end(), m.cpu_instruction_set),
+            m.cpu_paths.end())
+      << m.cpu_instruction_set;
+  const bool asked_lower = std::getenv("EMFLOW_CPU_PATH") != nullptr || !m.cpu_disabled.empty();
+#if defined(__x86_64__)
+  EXPECT_EQ(m.cpu_paths, (std::vector<std::string>{"avx2", "avx512", "avx512bf16"}));
+  const auto has = [&m](const char* name) {
+    return std::find(m.cpu_features.begin(), m.cpu_features.end(), name) != m.cpu_features.end();
+  };
+  if (!asked_lower) {
+    const char* highest = has("avx512bf16") && has("avx512f") ? "avx512bf16"
+                          : has("avx512f") && has("avx512bw") ? "avx512"
+                                                              : "avx2";
+    EXPECT_EQ(m.cpu_instruction_set, highest);
+  }
+#endif
+  if (m.cpu_instruction_set.rfind("avx512", 0) == 0) {
     EXPECT_NE(std::find(m.cpu_compiled_for.begin(), m.cpu_compiled_for.end(), "avx512f"),
               m.cpu_compiled_for.end());
   }
+  EXPECT_EQ(m.avx512_bf16, m.cpu_instruction_set == "avx512bf16");
+}
+
+// The choice of a path: the highest the usable extensions allow, or the one EMFLOW_CPU_PATH
+// names, which must be the build's and must run here.
+TEST(Capability, ThePathIsTheHighestTheProcessorHasOrTheOneAskedFor) {
+#if defined(__x86_64__)
+  const std::vector<std::string> v3{"avx2", "fma", "f16c", "bmi2"};
+  std::vector<std::string> v4 = v3;
+  for (const char* name : {"avx512f", "avx512dq", "avx512bw", "avx512vl"}) v4.emplace_back(name);
+  std::vector<std::string> bf16 = v4;
+  bf16.emplace_back("avx512bf16");
+  EXPECT_EQ(detail::choose_cpu_path(v3, nullptr).name, "avx2");
+  EXPECT_EQ(detail::choose_cpu_path(v4, nullptr).name, "avx512");
+  EXPECT_EQ(detail::choose_cpu_path(bf16, nullptr).name, "avx512bf16");
+  EXPECT_EQ(detail::choose_cpu_path(bf16, "").name, "avx512bf16");
+  EXPECT_EQ(detail::choose_cpu_path(bf16, "avx2").name, "avx2");
+  EXPECT_EQ(detail::choose_cpu_path(bf16, "avx512").required, v4);
+  // AVX512-BF16 without the rest of AVX-512 is no path of its own.
+  std::vector<std::string> odd = v3;
+  odd.emplace_back("avx512bf16");
+  EXPECT_EQ(detail::choose_cpu_path(odd, nullptr).name, "avx2");
+  // No AVX2: no path; what the lowest needs is named.
+  const detail::CpuPath none = detail::choose_cpu_path({"fma", "f16c"}, nullptr);
+  EXPECT_EQ(none.name, "none");
+  EXPECT_EQ(none.missing, "avx2 bmi2");
+  EXPECT_EQ(none.required, v3);
+  try {
+    detail::choose_cpu_path(v4, "avx512bf16");
+    ADD_FAILURE() << "a path the processor lacks was taken";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("EMFLOW_CPU_PATH names 'avx512bf16', which needs "
+                                         "avx512bf16 that this processor lacks"),
+              std::string::npos)
+        << e.what();
+  }
+  try {
+    detail::choose_cpu_path(v4, "sse2");
+    ADD_FAILURE() << "an unknown path was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("expected one of this build's paths: avx2, avx512, "
+                                         "avx512bf16"),
+              std::string::npos)
+        << e.what();
+  }
+#else
+  GTEST_SKIP() << "the x86-64 paths are built on x86-64 only";
+#endif
 }
 
 // On a processor without an extension the engine was compiled for, the engine's kernels are
@@ -420,18 +488,25 @@ TEST(Capability, AnEngineBuiltForMoreThanTheProcessorHasIsRefused) {
   m.cpu_features = {"avx2", "fma"};
   m.cpu_missing = detail::cpu_missing_features(m.cpu_compiled_for, m.cpu_features);
   ASSERT_EQ(m.cpu_missing, "avx512f");
-  for (const Device device : {Device::cpu, Device::automatic}) {
-    for (const Dtype storage : {Dtype::float32, Dtype::bfloat16, Dtype::float16}) {
-      const Route r = route(dense(storage), device, m, "attend");
-      EXPECT_FALSE(r.supported) << to_string(r);
-      EXPECT_FALSE(r.device_missing);
-      EXPECT_NE(r.reason.find("lacks avx512f"), std::string::npos) << r.reason;
-      EXPECT_NE(r.reason.find("EMFLOW_NATIVE=OFF"), std::string::npos) << r.reason;
-    }
+  for (const Dtype storage : {Dtype::float32, Dtype::bfloat16, Dtype::float16}) {
+    const Route r = route(dense(storage), Device::cpu, m, "attend");
+    EXPECT_FALSE(r.supported) << to_string(r);
+    EXPECT_FALSE(r.device_missing);
+    EXPECT_NE(r.reason.find("lacks avx512f"), std::string::npos) << r.reason;
+    EXPECT_NE(r.reason.find("the double reference still runs"), std::string::npos) << r.reason;
+    // Asked for no device in particular, the call computes in the reference instead.
+    const Route automatic = route(dense(storage), Device::automatic, m, "attend");
+    EXPECT_TRUE(automatic.supported) << automatic.reason;
+    EXPECT_EQ(automatic.device, Device::reference);
+    EXPECT_EQ(automatic.kernel, Kernel::reference);
   }
-  Problem cache = dense(Dtype::float64);
+  // The dense float decode cache is the engine's; a double one, and the factored form's in
+  // double loops, run anywhere.
+  Problem cache = dense(Dtype::float32);
   cache.operation = Operation::decode;
   EXPECT_FALSE(route(cache, Device::cpu, m, "DecodeCache").supported);
+  cache.storage = Dtype::float64;
+  EXPECT_TRUE(route(cache, Device::cpu, m, "DecodeCache").supported);
   const Route f64 = route(dense(Dtype::float64), Device::cpu, m, "attend");
   EXPECT_TRUE(f64.supported) << f64.reason;
   EXPECT_EQ(f64.kernel, Kernel::reference);

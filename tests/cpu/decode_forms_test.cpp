@@ -69,10 +69,10 @@ Rows<T> one_pass(const Layer<T>& layer, bool factored, const std::vector<T>& clo
   in.beta = beta;
   const AttentionOutput<T> o{out.update.data(), out.lse.data(), out.entropy.data(), nullptr};
   if (factored) {
-    attend_factored(in, layer.factored(), o, {Device::cpu, 2});
+    attend_factored(in, layer.factored(), o, {testing::host_device(), 2});
   } else {
     in.layer = layer.dense();
-    attend(in, o, {Device::cpu, 2});
+    attend(in, o, {testing::host_device(), 2});
   }
   return out;
 }
@@ -118,6 +118,11 @@ TYPED_TEST(DecodeForms, TokenByTokenAndBlocksEqualTheOnePass) {
   const std::vector<double> values = testing::uniform(N * 12, 9);
   const std::vector<T> cloud(values.begin(), values.end());
   for (bool factored : {false, true}) {
+    // The dense float cache is the engine's: where no path of it runs, it is refused by name.
+    if (std::is_same_v<T, float> && !factored && !this_machine().cpu_missing.empty()) {
+      EXPECT_THROW(BasicDecodeCache<T>(layer.dense(), 12), Error);
+      continue;
+    }
     for (const Mask& mask : {Mask::causal(), Mask::sliding_window(6)}) {
       const Rows<T> want = one_pass(layer, factored, cloud, N, mask, 0.7);
       for (std::int64_t step : {1, 4, 33}) {

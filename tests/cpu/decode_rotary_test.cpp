@@ -67,7 +67,7 @@ template <class T>
 Rows<T> one_pass(const FactoredLayer<T>& layer, std::int64_t dim, const std::vector<T>& cloud,
                  std::int64_t tokens, const Mask& mask, double beta, const T* queries = nullptr,
                  std::int64_t count = 0, std::int64_t query_position = kAlignToEnd,
-                 Device device = Device::cpu) {
+                 Device device = testing::host_device()) {
   const std::int64_t Nq = queries ? count : tokens, H = layer.heads;
   Rows<T> out{std::vector<T>(static_cast<std::size_t>(Nq * dim), T(NAN)),
               std::vector<T>(static_cast<std::size_t>(H * Nq), T(NAN)),

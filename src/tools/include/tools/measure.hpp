@@ -1,6 +1,6 @@
-// Measuring tools for `emflow bench` and the CPU benchmarks, compiled with the CPU backend's
-// flags and its vector layer, so they use the same vector instructions: the machine's fp32 FMA
-// rate and the row softmax of the unfused baseline.
+// Measuring tools for `emflow bench` and the CPU benchmarks, built once per path of the CPU
+// engine and run on the path it takes, so they use the same vector instructions: the machine's
+// fp32 FMA rate and the row softmax of the unfused baseline.
 #pragma once
 
 #include <cstdint>
@@ -9,8 +9,8 @@
 
 namespace emflow::tools {
 
-/// The instruction set the CPU backend's vector layer is compiled for here ("avx512",
-/// "avx2+fma", ...).
+/// The CPU engine's path in this process (Machine::cpu_instruction_set: "avx512bf16",
+/// "avx512", "avx2", ...), which the two functions below run on.
 const char* compiled_instruction_set();
 
 /// Runs `iterations` steps of independent FMA chains (enough of them to hide the FMA latency,
