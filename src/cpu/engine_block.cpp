@@ -37,14 +37,14 @@ TileCover cover(const QueryRule& rule, KeySpan span, std::int64_t row_begin, std
   return bottom.first <= key_begin && key_end <= top.last ? TileCover::full : TileCover::partial;
 }
 
-/// Online-softmax step for the rows [row0, row0 + kChunkRows) of a block on one key tile:
-/// masks the scores if the tile is partial, updates m, Z, E and rescales O rows where m grows,
-/// and turns the scores into unnormalised weights exp(s - m) in place.
-void softmax_step(float* scores, std::int64_t local_row0, std::int64_t query0, std::int64_t key0,
-                  bool partial, const QueryRule& rule, KeySpan span, const Geometry& g,
-                  Scratch& s) {
+/// Online-softmax step for the rows [row0, row0 + rows) of a block on one key tile: masks the
+/// scores if the tile is partial, updates m, Z, E and rescales O rows where m grows, and turns
+/// the scores into unnormalised weights exp(s - m) in place.
+void softmax_step(float* scores, int rows, std::int64_t local_row0, std::int64_t query0,
+                  std::int64_t key0, bool partial, const QueryRule& rule, KeySpan span,
+                  const Geometry& g, Scratch& s) {
   constexpr std::int64_t kVectors = kKeyTile / kLanes;
-  for (int r = 0; r < kChunkRows; ++r) {
+  for (int r = 0; r < rows; ++r) {
     const std::int64_t local = local_row0 + r;
     float* row = scores + r * kKeyTile;
     if (partial) {
@@ -103,6 +103,24 @@ void softmax_step(float* scores, std::int64_t local_row0, std::int64_t query0, s
   }
 }
 
+/// One chunk of R query rows (R of 1, 2, 4 or kChunkRows) against one key tile: the scores,
+/// the softmax step, and O += P V. A chunk of fewer live rows than kChunkRows (a decode step's
+/// one query, a few queries of their own) takes the smallest R that holds them, so it computes
+/// its own rows and not a whole chunk's.
+template <int R>
+void chunk_tile(const HeadOperands& op, const float* panel, const float* values,
+                std::int64_t local_row0, std::int64_t query0, std::int64_t key0, bool partial,
+                const QueryRule& rule, KeySpan span, const Geometry& g, Scratch& s) {
+  float* scores = s.scores.data();
+  row_block_gemm<R>(g.score_dim, op.queries + query0 * g.score_stride, g.score_stride, panel,
+                    kKeyTile, kKeyTile, scores, kKeyTile, false);
+  softmax_step(scores, R, local_row0, query0, key0, partial, rule, span, g, s);
+  // A row whose running max is still -inf has weights 0: it adds nothing that counts (its O is
+  // set when the block is finished).
+  row_block_gemm<R>(kKeyTile, scores, kKeyTile, values, g.value_stride, g.value_stride,
+                    s.head_output.data() + local_row0 * g.value_stride, g.value_stride, true);
+}
+
 }  // namespace
 
 void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
@@ -146,18 +164,16 @@ void attend_block(std::int64_t b, std::int64_t query_begin, const Geometry& g,
           const TileCover tile =
               cover(rule, span, query0, std::min(query0 + kChunkRows, query_begin + live), key0);
           if (tile == TileCover::empty) continue;
-          float* scores = s.scores.data();
-          row_block_gemm<kChunkRows>(g.score_dim, op.queries + query0 * g.score_stride,
-                                     g.score_stride, panel, kKeyTile, kKeyTile, scores, kKeyTile,
-                                     false);
-          softmax_step(scores, c, query0, key0, tile == TileCover::partial, rule, span, g, s);
-          for (int r = 0; r < kChunkRows; r += kContentRows) {
-            const std::int64_t local = c + r;
-            // A row whose running max is still -inf has weights 0: it adds nothing that counts
-            // (its O is set below).
-            row_block_gemm<kContentRows>(
-                kKeyTile, scores + r * kKeyTile, kKeyTile, values, g.value_stride, g.value_stride,
-                s.head_output.data() + local * g.value_stride, g.value_stride, true);
+          const bool masked = tile == TileCover::partial;
+          const std::int64_t chunk_live = std::min<std::int64_t>(kChunkRows, live - c);
+          if (chunk_live == 1) {
+            chunk_tile<1>(op, panel, values, c, query0, key0, masked, rule, span, g, s);
+          } else if (chunk_live == 2 && kChunkRows > 2) {
+            chunk_tile<2>(op, panel, values, c, query0, key0, masked, rule, span, g, s);
+          } else if (chunk_live <= 4 && kChunkRows > 4) {
+            chunk_tile<4>(op, panel, values, c, query0, key0, masked, rule, span, g, s);
+          } else {
+            chunk_tile<kChunkRows>(op, panel, values, c, query0, key0, masked, rule, span, g, s);
           }
         }
       }
