@@ -177,10 +177,9 @@ CpuPath choose_cpu_path(const std::vector<std::string>& usable, const char* forc
       if (path.kernels->name == std::string(forced)) taken = &path;
     }
     if (taken == nullptr) {
-      throw Error(ErrorCode::invalid_argument, "environment variable EMFLOW_CPU_PATH names '" +
-                                                   std::string(forced) +
-                                                   "', expected one of this build's paths: " +
-                                                   choices);
+      throw Error(ErrorCode::invalid_argument,
+                  "environment variable EMFLOW_CPU_PATH names '" + std::string(forced) +
+                      "', expected one of this build's paths: " + choices);
     }
     if (!missing(*taken).empty()) {
       throw Error(ErrorCode::invalid_argument,
@@ -224,8 +223,8 @@ void cpu_cached_partial(const float* queries, std::int64_t heads, std::int64_t w
                         const float* panels, const float* values, const float* const* bias,
                         float bias_scale, std::int64_t first, std::int64_t last, float* scratch,
                         double* lse, double* entropy, double* o) {
-  cpu::chosen().cached_partial(queries, heads, width, panels, values, bias, bias_scale, first,
-                               last, scratch, lse, entropy, o);
+  cpu::chosen().cached_partial(queries, heads, width, panels, values, bias, bias_scale, first, last,
+                               scratch, lse, entropy, o);
 }
 
 void cpu_products_bf16(const float* A, std::int64_t rows, std::int64_t depth, const bfloat16* B,

@@ -36,19 +36,18 @@
 #define EMFLOW_CPU_TARGET_POP
 #elif defined(__clang__)
 // (A region of declarations only, such as kernels.cpp's table, is no mistake.)
-#define EMFLOW_CPU_TARGET_PUSH                                                   \
-  _Pragma("clang diagnostic push")                                               \
-      _Pragma("clang diagnostic ignored \"-Wpragma-clang-attribute\"")           \
-          EMFLOW_CPU_PRAGMA(clang attribute push(__attribute__((target(EMFLOW_CPU_ISA))), \
-                                                 apply_to = function))
+#define EMFLOW_CPU_TARGET_PUSH                                                            \
+  _Pragma("clang diagnostic push")                                                        \
+      _Pragma("clang diagnostic ignored \"-Wpragma-clang-attribute\"") EMFLOW_CPU_PRAGMA( \
+          clang attribute push(__attribute__((target(EMFLOW_CPU_ISA))), apply_to = function))
 #define EMFLOW_CPU_TARGET_POP _Pragma("clang attribute pop") _Pragma("clang diagnostic pop")
 #else
-#define EMFLOW_CPU_TARGET_PUSH _Pragma("GCC push_options") EMFLOW_CPU_PRAGMA(GCC target(EMFLOW_CPU_ISA))
+#define EMFLOW_CPU_TARGET_PUSH \
+  _Pragma("GCC push_options") EMFLOW_CPU_PRAGMA(GCC target(EMFLOW_CPU_ISA))
 #define EMFLOW_CPU_TARGET_POP _Pragma("GCC pop_options")
 #endif
 /// Opens the path's namespace with its target applied to every function until EMFLOW_CPU_END.
-#define EMFLOW_CPU_BEGIN \
-  EMFLOW_CPU_TARGET_PUSH namespace emflow::detail::cpu::EMFLOW_CPU_TARGET {
+#define EMFLOW_CPU_BEGIN EMFLOW_CPU_TARGET_PUSH namespace emflow::detail::cpu::EMFLOW_CPU_TARGET {
 #define EMFLOW_CPU_END \
   }                    \
   EMFLOW_CPU_TARGET_POP

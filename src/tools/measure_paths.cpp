@@ -9,12 +9,12 @@
 
 namespace emflow::tools {
 
-#define EMFLOW_TOOLS_DECLARE_PATH(name)                                                   \
-  namespace name {                                                                        \
-  const char* path();                                                                     \
-  double fma_peak_work(int threads, std::int64_t iterations);                             \
+#define EMFLOW_TOOLS_DECLARE_PATH(name)                                                       \
+  namespace name {                                                                            \
+  const char* path();                                                                         \
+  double fma_peak_work(int threads, std::int64_t iterations);                                 \
   void softmax_rows(float* scores, std::int64_t rows, std::int64_t columns, const Mask& mask, \
-                    int threads);                                                         \
+                    int threads);                                                             \
   }
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -33,7 +33,8 @@ struct Path {
   void (*softmax_rows)(float*, std::int64_t, std::int64_t, const Mask&, int);
 };
 
-#define EMFLOW_TOOLS_PATH_ENTRY(name) Path{&name::path, &name::fma_peak_work, &name::softmax_rows}
+#define EMFLOW_TOOLS_PATH_ENTRY(name) \
+  Path { &name::path, &name::fma_peak_work, &name::softmax_rows }
 
 /// The engine's path here; where it has none (no AVX2), the lowest, which is then refused.
 const Path& taken() {
@@ -47,9 +48,10 @@ const Path& taken() {
   for (const Path& p : paths) {
     if (machine.cpu_instruction_set == p.path()) return p;
   }
-  throw Error(ErrorCode::unsupported, "the measuring tools run on the CPU engine's path, and "
-                                      "this processor has none: it lacks " +
-                                          machine.cpu_missing);
+  throw Error(ErrorCode::unsupported,
+              "the measuring tools run on the CPU engine's path, and "
+              "this processor has none: it lacks " +
+                  machine.cpu_missing);
 }
 
 }  // namespace
