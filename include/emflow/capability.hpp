@@ -34,9 +34,12 @@ enum class Form {
 
 /// What a call computes.
 enum class Operation {
-  update,   ///< the contextual update (attend, attend_factored)
-  partial,  ///< the partial state over a block of keys (attend_partial, partial.hpp)
-  decode,   ///< queries against a decode cache's keys (decode.hpp)
+  update,         ///< the contextual update (attend, attend_factored)
+  partial,        ///< the partial state over a block of keys (attend_partial, partial.hpp)
+  decode,         ///< queries against a decode cache's keys (decode.hpp)
+  sdpa,           ///< the SDPA-shaped operator on projected queries, keys, values (sdpa.hpp)
+  sdpa_backward,  ///< its gradients (sdpa_backward)
+  backward,       ///< the gradients of a layer (attend_backward, attend_factored_backward)
 };
 
 /// The algorithm a caller asks of the GPU (cuda.hpp): automatic, or one of the two float32

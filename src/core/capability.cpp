@@ -4,7 +4,8 @@
 // The rules, by device:
 //   reference  every storage type, the update and the partial state; the factored form expanded
 //              to dense operators in double (its partial state in the factored form, in double).
-//              No decode cache (its keys live on cpu or cuda).
+//              No decode cache (its keys live on cpu or cuda). The SDPA-shaped operator and its
+//              backward, and the gradients of a layer (float or double), in double.
 //   cpu        the update: float in the fused engine (dense and factored), double in the
 //              reference; bfloat16 and float16 widened exactly to float and computed there, except
 //              bfloat16 self-attention without weights on a processor with AVX512-BF16, whose
@@ -17,7 +18,11 @@
 //              in double. The engine runs the highest of its instruction-set paths that the
 //              processor has (avx512bf16, avx512, avx2: src/cpu/dispatch.cpp); where it has
 //              none (Machine::cpu_missing), every engine kernel is refused with the reason; the
-//              reference kernels still run.
+//              reference kernels still run. The SDPA-shaped operator and its backward: the
+//              engine in float32 (16-bit storage widened exactly), the bfloat16 backward on
+//              AVX512-BF16 (cpu_bf16), double in the reference; a layer's gradients: float in
+//              the engine, double in the reference (non-finite input: the reference, by the
+//              entry point, as for the update).
 //   cuda       dense float: the tensor cores for tf32 where they compute what is asked (no
 //              weights, dim <= kTensorCoreMaxDim, not Algorithm::unfused), else fused (no
 //              weights, dim <= kCudaFusedMaxDim) or unfused (cuBLAS); double: unfused; bfloat16
@@ -27,7 +32,8 @@
 //              the dense form. The partial state: float and double as the dense update without
 //              weights; not the factored form's. The decode cache: float, dense,
 //              dim <= kCudaFusedMaxDim, with a capacity.
-//              Index arithmetic is 32-bit: larger problems are refused.
+//              Index arithmetic is 32-bit: larger problems are refused. No GPU path for the
+//              SDPA-shaped operator or any backward pass yet.
 //   automatic  cuda when a device is usable and computes the problem, else cpu; where the
 //              processor has none of the engine's paths, the reference.
 //
@@ -117,6 +123,14 @@ std::string rotary_or_grouped_names(const Problem& p) {
 }
 
 Route on_reference(const Problem& p, const char* op) {
+  if (p.operation == Operation::backward && is_16bit(p.storage)) {
+    return refused(Device::reference, op, "the gradients of a layer are float or double, got ",
+                   to_string(p.storage));
+  }
+  if (p.operation == Operation::sdpa || p.operation == Operation::sdpa_backward ||
+      p.operation == Operation::backward) {
+    return runs(Device::reference, Kernel::reference, Dtype::float64, Precision::fp32);
+  }
   if (p.operation == Operation::decode) {
     return refused(Device::reference, op,
                    "a decode cache lives on cpu or cuda (the reference holds no cache)");
@@ -137,6 +151,25 @@ Route on_reference(const Problem& p, const char* op) {
 Route on_cpu_kernels(const Problem& p, const Machine& machine, const char* op) {
   const bool factored = p.form == Form::factored;
   switch (p.operation) {
+    case Operation::sdpa:
+    case Operation::sdpa_backward:
+    case Operation::backward:
+      // The engine in float32 (16-bit storage widened exactly), the bfloat16 backward of the
+      // SDPA operator on AVX512-BF16; double in the reference. A value the engine would read
+      // that is not finite sends the call to the reference there (src/core/sdpa.cpp,
+      // layer_backward.cpp), which puts NaN where docs/MATH.md says.
+      if (p.storage == Dtype::float64) {
+        return runs(Device::cpu, Kernel::reference, Dtype::float64, Precision::fp32);
+      }
+      if (p.operation == Operation::sdpa_backward && p.storage == Dtype::bfloat16 &&
+          machine.avx512_bf16) {
+        return runs(Device::cpu, Kernel::cpu_bf16, Dtype::float32, Precision::bf16);
+      }
+      if (p.operation == Operation::backward && is_16bit(p.storage)) {
+        return refused(Device::cpu, op, "the gradients of a layer are float or double, got ",
+                       to_string(p.storage));
+      }
+      return runs(Device::cpu, Kernel::cpu_fused, Dtype::float32, Precision::fp32);
     case Operation::partial:
       if (factored && (p.storage == Dtype::float32 || p.storage == Dtype::float64)) {
         // The double reference of the factored form, never expanded (a rotary layer has no
@@ -234,6 +267,13 @@ Route cuda_dense_products(const Problem& p, const char* op, bool expanded) {
 }
 
 Route on_cuda(const Problem& p, const Machine& machine, const char* op) {
+  if (p.operation == Operation::sdpa || p.operation == Operation::sdpa_backward) {
+    return refused(Device::cuda, op,
+                   "the SDPA-shaped operator has no GPU path yet (use Device::cpu)");
+  }
+  if (p.operation == Operation::backward) {
+    return refused(Device::cuda, op, "the backward pass has no GPU path yet (use Device::cpu)");
+  }
   if (!machine.cuda_built || !machine.cuda_device) {
     Route r = refused(Device::cuda, op, "device 'cuda' requested but unavailable: ",
                       machine.cuda_built
@@ -285,6 +325,9 @@ Route on_cuda(const Problem& p, const Machine& machine, const char* op) {
                        "the GPU decode cache needs a capacity (DecodeOptions::capacity >= 1)");
       }
       return runs(Device::cuda, Kernel::cuda_fused, Dtype::float32, Precision::fp32);
+    case Operation::sdpa:
+    case Operation::sdpa_backward:
+    case Operation::backward:  // refused above
     case Operation::update:
       break;
   }
@@ -564,6 +607,12 @@ const char* to_string(Operation operation) noexcept {
       return "partial";
     case Operation::decode:
       return "decode";
+    case Operation::sdpa:
+      return "sdpa";
+    case Operation::sdpa_backward:
+      return "sdpa_backward";
+    case Operation::backward:
+      return "backward";
   }
   return "unknown";
 }

@@ -1,7 +1,7 @@
 // emflow::attend_backward and emflow::attend_factored_backward (include/emflow/backward.hpp): the
-// arguments checked once, the device chosen in one place (backward_device), and the two host
-// paths: the CPU's float kernel (src/cpu/layer_backward.cpp) with the layer given to it as the
-// engine's per-head maps, and the double reference (reference::attend_backward,
+// arguments checked once, the route asked of capability.cpp (route(), Operation::backward), and
+// the two host paths: the CPU's float kernel (src/cpu/layer_backward.cpp) with the layer given to
+// it as the engine's per-head maps, and the double reference (reference::attend_backward,
 // reference::attend_factored_backward) for double input, Device::reference and input with a
 // non-finite value the kernel would read.
 #include "cpu/layer_backward.hpp"
@@ -23,21 +23,6 @@ namespace emflow {
 namespace detail {
 
 namespace {
-
-/// Where a layer's backward pass runs: the one place that decides it.
-Device backward_device(Device requested, const char* op) {
-  switch (requested) {
-    case Device::cuda:
-      fail(ErrorCode::unsupported, op,
-           ": cuda: the backward pass has no GPU path yet (use Device::cpu)");
-    case Device::reference:
-      return Device::reference;
-    case Device::automatic:
-    case Device::cpu:
-      return Device::cpu;
-  }
-  return Device::cpu;
-}
 
 /// The shapes of a validated call.
 struct Sizes {
@@ -220,7 +205,6 @@ bool cpu_dense(const AttentionInput<float>& in, const UpstreamGradients<float>& 
   g.offset = out.offset;
   g.beta = out.beta;
   const Clouds clouds(in);
-  require_cpu_engine("attend_backward");
   if (!cpu::layer_backward(clouds.clouds, layer, upstream_arrays(up), g, threads)) return false;
   if (out.content) {  // dF_h = (dL/d value_map_h)^T
     for (std::int64_t h = 0; h < H; ++h) {
@@ -288,7 +272,6 @@ bool cpu_factored(const AttentionInput<float>& in, const FactoredLayer<float>& f
   g.offset = out.offset;
   g.beta = out.beta;
   const Clouds clouds(in);
-  require_cpu_engine("attend_factored_backward");
   if (!cpu::layer_backward(clouds.clouds, layer, upstream_arrays(up), g, threads)) return false;
   for (std::int64_t h = 0; h < H; ++h) {
     for (std::int64_t k = 0; k < d; ++k) {
@@ -338,9 +321,12 @@ void attend_backward(const AttentionInput<T>& input, const UpstreamGradients<T>&
         s, op);
     detail::check_options(options, op);
     detail::check_precision<T>(options, op);
-    const Device device = detail::backward_device(options.device, op);
+    Problem problem = describe(input, AttentionOutput<T>{}, options);
+    problem.operation = Operation::backward;
+    const Route route = require_route(problem, options.device, op);
     if constexpr (std::is_same_v<T, float>) {
-      if (device == Device::cpu && detail::cpu_dense(input, upstream, gradients, options.threads)) {
+      if (route.kernel == Kernel::cpu_fused &&
+          detail::cpu_dense(input, upstream, gradients, options.threads)) {
         return;
       }
     }
@@ -388,9 +374,11 @@ void attend_factored_backward(const AttentionInput<T>& input, const FactoredLaye
         s, op);
     detail::check_options(options, op);
     detail::check_precision<T>(options, op);
-    const Device device = detail::backward_device(options.device, op);
+    Problem problem = describe(input, layer, AttentionOutput<T>{}, options);
+    problem.operation = Operation::backward;
+    const Route route = require_route(problem, options.device, op);
     if constexpr (std::is_same_v<T, float>) {
-      if (device == Device::cpu &&
+      if (route.kernel == Kernel::cpu_fused &&
           detail::cpu_factored(input, layer, upstream, gradients, options.threads)) {
         return;
       }

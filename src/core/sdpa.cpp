@@ -1,10 +1,11 @@
 // emflow::sdpa_attend and emflow::sdpa_backward (include/emflow/sdpa.hpp): the arguments checked
-// once, the device chosen in one place (sdpa_device), and the host paths: the fused CPU engine in
-// float32 (src/cpu/sdpa.cpp, sdpa_backward.cpp), the 16-bit types widened exactly to float for
-// it (but the bfloat16 backward, which runs AVX512-BF16 products where this_machine() has them,
-// sdpa_backward_bf16.cpp), and the double reference (reference::sdpa_attend,
-// reference::sdpa_backward) for double input, for Device::reference and for input with a
-// non-finite value the engine would read.
+// once, the route asked of capability.cpp (route(), Operation::sdpa and sdpa_backward), and the
+// host paths it names: the fused CPU engine in float32 (src/cpu/sdpa.cpp, sdpa_backward.cpp),
+// the 16-bit types widened exactly to float for it (but the bfloat16 backward on AVX512-BF16,
+// Kernel::cpu_bf16, sdpa_backward_bf16.cpp), and the double reference (reference::sdpa_attend,
+// reference::sdpa_backward) for double input, for Device::reference, where the engine has no
+// path on this processor under Device::automatic, and for input with a non-finite value the
+// engine would read.
 #include "emflow/sdpa.hpp"
 
 #include <cmath>
@@ -174,21 +175,28 @@ void expect_threads(const ExecutionOptions& options, const char* op) {
   check_threads(options.threads, op);
 }
 
-/// Where an SDPA-shaped call runs: the one place that decides it. Automatic and cpu run the
-/// fused CPU engine (its float and 16-bit paths; double there is the reference), reference the
-/// reference; no GPU path exists yet.
-Device sdpa_device(Device requested, const char* op) {
-  switch (requested) {
-    case Device::cuda:
-      fail(ErrorCode::unsupported, op,
-           ": cuda: the SDPA-shaped operator has no GPU path yet (use Device::cpu)");
-    case Device::reference:
-      return Device::reference;
-    case Device::automatic:
-    case Device::cpu:
-      return Device::cpu;
-  }
-  return Device::cpu;
+/// The Problem of an SDPA-shaped call (its route is capability.cpp's: route()).
+template <class T>
+Problem sdpa_problem(const SdpaInput<T>& in, Operation operation, const ExecutionOptions& options) {
+  Problem p;
+  p.operation = operation;
+  p.form = Form::factored;  // the inner part of the factored form, in rank r
+  p.storage = dtype_of<T>();
+  p.precision = options.precision;
+  p.batch = in.batch;
+  p.tokens = in.tokens;
+  p.query_tokens = in.query_tokens;
+  p.dim = in.value_rank;
+  p.heads = in.query_heads;
+  p.kv_heads = in.kv_heads;
+  p.rank = in.rank;
+  p.mask = in.mask;
+  p.cross = true;
+  p.query_lengths = in.query_lengths != nullptr;
+  p.positions =
+      in.key_position != 0 || in.query_position != kAlignToEnd || in.query_positions != nullptr;
+  p.key_lengths = in.key_lengths != nullptr;
+  return p;
 }
 
 /// The rules of the clouds of validated input.
@@ -279,7 +287,6 @@ struct FloatInput {
 
 template <class T>
 void cpu_forward(const SdpaInput<T>& in, const SdpaOutput<T>& out, int threads) {
-  require_cpu_engine("sdpa_attend");
   const FloatInput<T> f(in);
   if (!cpu::sdpa_inputs_finite(f.arrays)) {
     reference_forward(in, out);  // NaN exactly where docs/MATH.md §6.6 puts it
@@ -297,8 +304,7 @@ void cpu_forward(const SdpaInput<T>& in, const SdpaOutput<T>& out, int threads) 
 
 template <class T>
 void cpu_backward(const SdpaInput<T>& in, const SdpaSaved<T>& saved, const UpstreamGradients<T>& up,
-                  const SdpaGradientOutput<T>& out, int threads) {
-  require_cpu_engine("sdpa_backward");
+                  const SdpaGradientOutput<T>& out, bool bf16_products, int threads) {
   const SdpaShape s(in);
   const FloatInput<T> f(in);
   cpu::SdpaBackwardArrays b;
@@ -327,7 +333,7 @@ void cpu_backward(const SdpaInput<T>& in, const SdpaSaved<T>& saved, const Upstr
     std::vector<float> dk(static_cast<std::size_t>(s.count(s.keys())));
     std::vector<float> dv(static_cast<std::size_t>(s.count(s.values())));
     const cpu::SdpaGradientArrays gradients{dq.data(), dk.data(), dv.data(), out.scale};
-    if (std::is_same_v<T, bfloat16> && this_machine().avx512_bf16) {
+    if (std::is_same_v<T, bfloat16> && bf16_products) {
       cpu::sdpa_backward_bf16(f.arrays, b, gradients, threads);
     } else {
       cpu::sdpa_backward(f.arrays, b, gradients, threads);
@@ -359,8 +365,9 @@ void sdpa_attend(const SdpaInput<T>& input, const SdpaOutput<T>& output,
     detail::check_disjoint(ranges.data(), ranges.size(), op);
     detail::expect_threads(options, op);
     detail::check_precision<T>(options, op);
-    const Device device = detail::sdpa_device(options.device, op);
-    if (device == Device::reference || std::is_same_v<T, double>) {
+    const Route route =
+        require_route(detail::sdpa_problem(input, Operation::sdpa, options), options.device, op);
+    if (route.kernel == Kernel::reference || std::is_same_v<T, double>) {
       detail::reference_forward(input, output);
     } else if constexpr (!std::is_same_v<T, double>) {
       detail::cpu_forward(input, output, options.threads);
@@ -409,11 +416,13 @@ void sdpa_backward(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
     detail::check_disjoint(ranges.data(), ranges.size(), op);
     detail::expect_threads(options, op);
     detail::check_precision<T>(options, op);
-    const Device device = detail::sdpa_device(options.device, op);
-    if (device == Device::reference || std::is_same_v<T, double>) {
+    const Route route = require_route(
+        detail::sdpa_problem(input, Operation::sdpa_backward, options), options.device, op);
+    if (route.kernel == Kernel::reference || std::is_same_v<T, double>) {
       detail::reference_backward(input, upstream, gradients);
     } else if constexpr (!std::is_same_v<T, double>) {
-      detail::cpu_backward(input, saved, upstream, gradients, options.threads);
+      detail::cpu_backward(input, saved, upstream, gradients, route.kernel == Kernel::cpu_bf16,
+                           options.threads);
     }
   });
 }

@@ -534,5 +534,49 @@ TEST(Capability, TheDisableListIsCheckedAndKept) {
   }
 }
 
+// The SDPA-shaped operator, its backward and a layer's backward are routed as every other call:
+// the engine (its bfloat16 backward where the machine has AVX512-BF16), double in the reference,
+// no GPU path, and the reference under Device::automatic where no engine path runs.
+TEST(Capability, TheSdpaOperatorAndTheBackwardPassAreRouted) {
+  Machine bf16 = cpu_only();
+  bf16.avx512_bf16 = true;
+  const Machine widened = cpu_only();
+  for (const Operation operation :
+       {Operation::sdpa, Operation::sdpa_backward, Operation::backward}) {
+    SCOPED_TRACE(to_string(operation));
+    Problem p = operation == Operation::backward ? dense(Dtype::float32) : factored(Dtype::float32);
+    p.operation = operation;
+    Route r = route(p, Device::cpu, bf16, "op");
+    EXPECT_TRUE(r.supported) << r.reason;
+    EXPECT_EQ(r.kernel, Kernel::cpu_fused);
+    EXPECT_EQ(route(p, Device::automatic, with_gpu(), "op").device, Device::cpu);
+    r = route(p, Device::cuda, with_gpu(), "op");
+    EXPECT_FALSE(r.supported);
+    EXPECT_NE(r.reason.find("op: cuda: "), std::string::npos) << r.reason;
+    EXPECT_NE(r.reason.find("no GPU path yet"), std::string::npos) << r.reason;
+    EXPECT_EQ(route(p, Device::reference, bf16, "op").kernel, Kernel::reference);
+    p.storage = Dtype::float64;
+    EXPECT_EQ(route(p, Device::cpu, bf16, "op").kernel, Kernel::reference);
+    p.storage = Dtype::bfloat16;
+    r = route(p, Device::cpu, bf16, "op");
+    if (operation == Operation::backward) {
+      EXPECT_FALSE(r.supported);
+      EXPECT_NE(r.reason.find("float or double, got bfloat16"), std::string::npos) << r.reason;
+      continue;
+    }
+    EXPECT_EQ(r.kernel,
+              operation == Operation::sdpa_backward ? Kernel::cpu_bf16 : Kernel::cpu_fused);
+    EXPECT_EQ(route(p, Device::cpu, widened, "op").kernel, Kernel::cpu_fused);
+    // No path of the engine here: refused on the cpu, computed in the reference when automatic.
+    Machine old = cpu_only();
+    old.cpu_missing = "avx2";
+    p.storage = Dtype::float32;
+    EXPECT_FALSE(route(p, Device::cpu, old, "op").supported);
+    r = route(p, Device::automatic, old, "op");
+    EXPECT_TRUE(r.supported) << r.reason;
+    EXPECT_EQ(r.device, Device::reference);
+  }
+}
+
 }  // namespace
 }  // namespace emflow
