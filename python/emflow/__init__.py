@@ -28,7 +28,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 import numpy as np
 
 from . import _emflow
-from ._emflow import cuda_available, max_threads, resolve_device
+from ._emflow import cuda_available, machine, max_threads, resolve_device
 
 __version__ = _emflow.__version__
 #: True when the extension was built with the CUDA backend.
@@ -37,7 +37,7 @@ with_cuda: bool = _emflow.built_with_cuda()
 __all__ = [
     "Attention", "Decoded", "DecodingStack", "FlowResult", "Generation", "PhaseDiagram", "Rotary",
     "Route", "attend", "attend_factored", "cuda_available", "flow", "generate", "initial_clouds",
-    "max_threads", "mha_reference", "mha_to_emf", "phase", "resolve_device", "route",
+    "machine", "max_threads", "mha_reference", "mha_to_emf", "phase", "resolve_device", "route",
     "route_factored", "Sdpa", "sdpa_attend", "with_cuda",
 ]
 

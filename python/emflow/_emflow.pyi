@@ -217,6 +217,11 @@ def route(factored: bool, storage: str, precision: str, batch: int, tokens: int,
     emflow::route of the Problem these fields describe: (supported, device, kernel, computes, products, expanded, reason, device_missing). Use emflow.route.
     """
 
+def machine() -> dict:
+    """
+    emflow::this_machine(): the processor (cpu, cpu_features), the CPU engine's paths built and the one taken (cpu_paths, cpu_path and the extensions it uses; cpu_missing where none runs), and the CUDA device (cuda_built, cuda_device, cuda_reason), as a dict.
+    """
+
 def max_threads() -> int:
     """
     emflow::max_threads: the most CPU threads a call may ask for (4 per core).

@@ -6,6 +6,7 @@
 #include "emflow/capability.hpp"
 
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <string>
 
@@ -60,6 +61,27 @@ void bind_capability(nb::module_& m) {
       nb::arg("entropy"), nb::arg("weights"), nb::arg("device"), nb::arg("operation"),
       "emflow::route of the Problem these fields describe: (supported, device, kernel, "
       "computes, products, expanded, reason, device_missing). Use emflow.route.");
+  m.def(
+      "machine",
+      [] {
+        const Machine& machine = this_machine();
+        nb::dict out;
+        out["cpu"] = machine.cpu_name;
+        out["cpu_features"] = machine.cpu_features;
+        out["cpu_disabled"] = machine.cpu_disabled;
+        out["cpu_paths"] = machine.cpu_paths;
+        out["cpu_path"] = machine.cpu_instruction_set;
+        out["cpu_path_uses"] = machine.cpu_compiled_for;
+        out["cpu_missing"] = machine.cpu_missing;
+        out["avx512_bf16"] = machine.avx512_bf16;
+        out["cuda_built"] = machine.cuda_built;
+        out["cuda_device"] = machine.cuda_device;
+        out["cuda_reason"] = machine.cuda_reason;
+        return out;
+      },
+      "emflow::this_machine(): the processor (cpu, cpu_features), the CPU engine's paths built and "
+      "the one taken (cpu_paths, cpu_path and the extensions it uses; cpu_missing where none "
+      "runs), and the CUDA device (cuda_built, cuda_device, cuda_reason), as a dict.");
   m.def("max_threads", &max_threads,
         "emflow::max_threads: the most CPU threads a call may ask for (4 per core).");
 }

@@ -167,3 +167,46 @@ def test_reference_pieces_compose_to_attend():
     np.testing.assert_allclose(emflow.reference.residual_update(x, delta), x + delta)
     with pytest.raises(ValueError, match="relevance"):
         emflow.reference.relevance_gradients(x, np.eye(3))
+
+
+def test_machine_names_the_cpu_path_and_every_path_computes_the_same():
+    """emflow.machine(): the CPU engine's paths and the one taken; a process made to take each
+    lower path (EMFLOW_CPU_PATH) computes the update that the reference does."""
+    import json
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    info = emflow.machine()
+    for key in ("cpu", "cpu_features", "cpu_paths", "cpu_path", "cpu_path_uses", "cpu_missing",
+                "avx512_bf16", "cuda_built", "cuda_device", "cuda_reason"):
+        assert key in info, key
+    if info["cpu_missing"]:
+        pytest.skip("no path of the CPU engine runs here: " + info["cpu_missing"])
+    assert info["cpu_path"] in info["cpu_paths"]
+    assert info["avx512_bf16"] == (info["cpu_path"] == "avx512bf16")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return
+    assert info["cpu_paths"] == ["avx2", "avx512", "avx512bf16"]
+    script = ("import json, numpy as np, emflow\n"
+              "rng = np.random.default_rng(3)\n"
+              "x = rng.standard_normal((2, 40, 8)).astype(np.float32)\n"
+              "m = (rng.standard_normal((2, 8, 8)) / 3).astype(np.float32)\n"
+              "f = (rng.standard_normal((2, 8, 8)) / 3).astype(np.float32)\n"
+              "got = emflow.attend(x, m, f, mask='causal', device='cpu')\n"
+              "ref = emflow.reference.attend(x, m, f, mask='causal')[0]\n"
+              "print(json.dumps([emflow.machine()['cpu_path'],"
+              " float(np.abs(got - ref).max() / np.abs(ref).max())]))\n")
+    for path in info["cpu_paths"][:info["cpu_paths"].index(info["cpu_path"]) + 1]:
+        env = dict(os.environ, EMFLOW_CPU_PATH=path)
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, check=True)
+        taken, error = json.loads(run.stdout.strip().splitlines()[-1])
+        assert taken == path
+        assert 0 < error < 1e-5
+    refused = subprocess.run([sys.executable, "-c", "import emflow; emflow.machine()"],
+                             env=dict(os.environ, EMFLOW_CPU_PATH="sse9"), capture_output=True,
+                             text=True)
+    assert refused.returncode != 0
+    assert "EMFLOW_CPU_PATH names 'sse9'" in refused.stderr
