@@ -4,7 +4,8 @@ reference of a transformers llama model.
 transformers computes LlamaRMSNorm (it casts to float32) and the rotary angles, cosines and sines
 (LlamaRotaryEmbedding, inv_freq in float32) in float32 whatever the model's dtype. The float64
 reference is a float64 copy of the model with those two computed by the same formulas in float64
-(the default and the linear rotary scaling); the attention must be sdpa, which computes in the
+(the default, linear, llama3 and, for prompts within max_position_embeddings, dynamic rotary
+scalings); the attention must be sdpa, which computes in the
 model's dtype (eager's softmax is float32 too)."""
 import copy
 import importlib.util
@@ -46,11 +47,24 @@ def float64_reference(model):
     config = model.config
     params = config.rope_parameters
     kind = params.get("rope_type", "default")
-    assert kind in ("default", "linear"), f"no float64 reference for rope_type {kind}"
+    assert kind in ("default", "linear", "llama3", "dynamic"), \
+        f"no float64 reference for rope_type {kind}"
     dim = config.hidden_size // config.num_attention_heads
     inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if kind == "linear":
         inv_freq = inv_freq / params["factor"]
+    elif kind == "llama3":  # _compute_llama3_parameters, in float64
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old = params["original_max_position_embeddings"]
+        wavelength = 2 * torch.pi / inv_freq
+        scaled = torch.where(wavelength > old / low, inv_freq / factor, inv_freq)
+        smooth = (old / wavelength - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelength < old / high) & ~(wavelength > old / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    # dynamic: up to max_position_embeddings tokens transformers keeps the default frequencies
+    # (_compute_dynamic_ntk_parameters with seq_len = max_position_embeddings scales the base by
+    # 1); the parity prompts are shorter.
 
     def rotary_forward(self, x, position_ids):
         freqs = position_ids[..., None].double() * inv_freq

@@ -1,7 +1,7 @@
 """The llama layout from a Hugging Face checkpoint (config.json and model.safetensors, the names
 model.layers.N.self_attn.q_proj, ..., mlp.gate_proj, ...): small randomly initialised
 LlamaForCausalLM models built by transformers from a config (grouped kv heads, rotary with the
-default and the linear scaling, tied and untied unembedding), a MistralForCausalLM (its
+default, linear, llama3 and dynamic scalings, tied and untied unembedding), a MistralForCausalLM (its
 sliding window, narrower than the prompts) and a Qwen2ForCausalLM (biases on q, k and v, which
 emflow runs as a factored layer in d + 1 dimensions), converted by `emflow convert` and
 run by `emflow flow --model --logits` on a right-padded batch, equal the framework's hidden
@@ -22,6 +22,17 @@ CASES = {
     "tied": dict(tie_word_embeddings=True, rope={"rope_type": "default", "rope_theta": 5000.0}),
     "untied-linear": dict(tie_word_embeddings=False,
                           rope={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+    # llama3's scaling: frequencies of wavelength above 16 / low_freq_factor divided by the
+    # factor, below 16 / high_freq_factor kept, the band between blended (head dim 16, so both
+    # ends and the band have frequencies).
+    "llama3": dict(tie_word_embeddings=True,
+                   rope={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+                         "rope_theta": 10000.0}),
+    # dynamic NTK: up to max_position_embeddings the frequencies are the default ones, as
+    # transformers computes them for these prompts.
+    "dynamic": dict(tie_word_embeddings=False,
+                    rope={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
     "mistral-window": dict(kind="mistral", tie_word_embeddings=False, sliding_window=4,
                            rope={"rope_type": "default", "rope_theta": 10000.0}),
     "qwen2-biases": dict(kind="qwen2", tie_word_embeddings=True,
@@ -131,6 +142,14 @@ def test_rotary_report_is_the_framework_forms_drift(converted, tmp_path):
     inv_freq = model.model.rotary_emb.inv_freq.double().numpy()
     scaling = getattr(model.model.rotary_emb, "attention_scaling", 1.0)
     assert scaling == 1.0
+    if config.rope_parameters.get("rope_type") == "dynamic":
+        # The dynamic scaling's frequencies depend on the sequence's length: the report takes a
+        # sequence of 1 + the largest offset (factored.hpp, rotary_drift), here transformers' own
+        # frequencies for that length.
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        inv_freq, factor = ROPE_INIT_FUNCTIONS["dynamic"](config, None, seq_len=max(offsets) + 1)
+        inv_freq = inv_freq.double().numpy()
+        assert factor == 1.0
 
     def rotation(position):  # transformers: x cos + rotate_half(x) sin, as a matrix
         angles = np.concatenate([inv_freq, inv_freq]) * position
