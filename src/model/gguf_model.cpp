@@ -1,6 +1,7 @@
-// Reading a llama-architecture GGUF file (llama.cpp's format) into a model::Model: the config from
-// the metadata, every tensor dequantized by emflow::gguf::File and checked against the shape the
-// config implies, and llama.cpp's permutation of the query and key rows undone (emflow/model.hpp).
+// Reading a GGUF file (llama.cpp's format) of the llama or qwen2 architecture into a
+// model::Model: the config from the metadata, every tensor dequantized by emflow::gguf::File and
+// checked against the shape the config implies, llama.cpp's permutation of a llama model's query
+// and key rows undone (emflow/model.hpp), and a qwen2 model's q, k and v biases.
 #include <cmath>
 #include <filesystem>
 #include <string>
@@ -102,10 +103,13 @@ Model load_gguf(const std::string& path) {
     fail(ErrorCode::io, kOp, ": '", path, "': lacks the key '", arch_key, "'");
   }
   const std::string& arch = file.get_string(arch_key);
-  if (arch != "llama") {
+  if (arch != "llama" && arch != "qwen2") {
     fail(ErrorCode::unsupported, kOp, ": '", path, "': general.architecture '", arch,
-         "' is not supported (emflow converts GGUF files of the llama architecture)");
+         "' is not supported (emflow converts GGUF files of the llama and qwen2 architectures)");
   }
+  // llama.cpp permutes the query and key rows of a llama model for its interleaved rotary, and
+  // writes a qwen2 model's as they are (its rotary pairs the halves); qwen2 has q, k, v biases.
+  const bool qwen2 = arch == "qwen2";
   const Metadata meta{file, arch};
   if (file.contains(meta.key("expert_count")) && file.get_integer(meta.key("expert_count")) > 0) {
     fail(ErrorCode::unsupported, kOp, ": '", path, "': '", meta.key("expert_count"), "' is ",
@@ -204,9 +208,18 @@ Model load_gguf(const std::string& path) {
     auto get = [&](const char* role, const char* name, const Shape& shape) {
       return tensors.get(&layer.sources, role, b + name, l, shape);
     };
-    w.query = unpermute_rows(get("query.weight", "attn_q.weight", {H * k, d}), H);
-    w.key = unpermute_rows(get("key.weight", "attn_k.weight", {K * k, d}), K);
+    w.query = get("query.weight", "attn_q.weight", {H * k, d});
+    w.key = get("key.weight", "attn_k.weight", {K * k, d});
+    if (!qwen2) {
+      w.query = unpermute_rows(w.query, H);
+      w.key = unpermute_rows(w.key, K);
+    }
     w.value = get("value.weight", "attn_v.weight", {K * k, d});
+    if (qwen2) {
+      w.query_bias = get("query.bias", "attn_q.bias", {H * k});
+      w.key_bias = get("key.bias", "attn_k.bias", {K * k});
+      w.value_bias = get("value.bias", "attn_v.bias", {K * k});
+    }
     w.output = get("output.weight", "attn_output.weight", {d, H * k});
     layer.norm1_gain = get("norm1.weight", "attn_norm.weight", {d});
     layer.ffn_gate = get("ffn_gate.weight", "ffn_gate.weight", {I, d});
@@ -214,9 +227,10 @@ Model load_gguf(const std::string& path) {
     layer.ffn_out = get("ffn_out.weight", "ffn_down.weight", {d, I});
     layer.norm2_gain = get("norm2.weight", "ffn_norm.weight", {d});
     for (const char* bias : {"attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias"}) {
-      if (file.has_tensor(b + bias)) {
+      if (file.has_tensor(b + bias) && !(qwen2 && std::string(bias) != "attn_output.bias")) {
         fail(ErrorCode::unsupported, kOp, ": '", path, "': tensor '", b, bias,
-             "': attention biases are not supported in the llama layout");
+             "': ", qwen2 ? "an output bias is" : "attention biases are", " not supported in the ",
+             arch, " architecture");
       }
     }
     model.layers.push_back(std::move(layer));

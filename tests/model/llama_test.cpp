@@ -351,6 +351,63 @@ TEST_F(LlamaFiles, AGgufFileReadsBackTheModelWithQueryAndKeyRowsUnpermuted) {
   expect_same(m.final_gain, g.final_gain, "final norm");
 }
 
+// A qwen2 GGUF file: the keys under "qwen2.", the query and key rows as they are (llama.cpp
+// permutes a llama model's only), and the q, k, v biases.
+TEST_F(LlamaFiles, AQwen2GgufFileReadsBackTheModelWithItsBiasesAndRowsAsTheyAre) {
+  const Model m = make_llama(false, true);
+  auto meta = llama_metadata();
+  for (auto& [key, value] : meta) {
+    if (key.rfind("llama.", 0) == 0) key = "qwen2." + key.substr(6);
+  }
+  meta[0].second.s = "qwen2";
+  std::vector<std::pair<std::string, Tensor<double>>> tensors;
+  for (auto& [name, tensor] : llama_tensors(m)) {
+    const std::string::size_type dot = name.find('.', 4);
+    const std::int64_t l = name.rfind("blk.", 0) == 0 ? std::stoll(name.substr(4, dot - 4)) : -1;
+    if (l < 0) {
+      tensors.emplace_back(name, tensor);
+      continue;
+    }
+    const emflow::MultiHeadAttentionWeights& w = m.layers[static_cast<std::size_t>(l)].attention;
+    if (name.find("attn_q.weight") != std::string::npos) {
+      tensors.emplace_back(name, w.query);  // not permuted
+    } else if (name.find("attn_k.weight") != std::string::npos) {
+      tensors.emplace_back(name, w.key);
+    } else {
+      tensors.emplace_back(name, tensor);
+    }
+  }
+  for (std::int64_t l = 0; l < kLayers; ++l) {
+    const emflow::MultiHeadAttentionWeights& w = m.layers[static_cast<std::size_t>(l)].attention;
+    const std::string b = "blk." + std::to_string(l) + ".";
+    tensors.emplace_back(b + "attn_q.bias", w.query_bias);
+    tensors.emplace_back(b + "attn_k.bias", w.key_bias);
+    tensors.emplace_back(b + "attn_v.bias", w.value_bias);
+  }
+  const std::string file = write("q.gguf", gguf_bytes(meta, tensors));
+  const Model g = emflow::model::load_checkpoint(file);
+  EXPECT_EQ(g.layout, Layout::llama);
+  EXPECT_EQ(g.model_type, "qwen2");
+  EXPECT_EQ(g.kv_heads, kKv);
+  for (std::int64_t l = 0; l < kLayers; ++l) {
+    const auto& a = m.layers[static_cast<std::size_t>(l)].attention;
+    const auto& b = g.layers[static_cast<std::size_t>(l)].attention;
+    ASSERT_GT(a.query_bias.size(), 0);
+    expect_same(a.query, b.query, "query");
+    expect_same(a.key, b.key, "key");
+    expect_same(a.query_bias, b.query_bias, "query bias");
+    expect_same(a.key_bias, b.key_bias, "key bias");
+    expect_same(a.value_bias, b.value_bias, "value bias");
+  }
+  // Without its biases a qwen2 file is incomplete, and says which tensor is missing.
+  tensors.pop_back();
+  const std::string cut = write("q_cut.gguf", gguf_bytes(meta, tensors));
+  const std::string message = emflow::testing::error_of(
+      emflow::ErrorCode::io, [&] { emflow::model::load_checkpoint(cut); });
+  EXPECT_NE(message.find("blk." + std::to_string(kLayers - 1) + ".attn_v.bias"), std::string::npos)
+      << message;
+}
+
 TEST_F(LlamaFiles, TheOperatorFolderRoundTripsInFloat64AndFloat32) {
   Model m = make_llama(true, true, 3);
   m.vocabulary = {"a", "b", "Ġc"};
@@ -431,12 +488,21 @@ TEST_F(LlamaFiles, BadGgufFilesAreRefusedNamingTheFileAndTheTensor) {
   }
   {
     auto meta = llama_metadata();
-    meta[0].second.s = "qwen2";
-    cases.push_back({"qwen2.gguf",
+    meta[0].second.s = "gemma";
+    cases.push_back({"gemma.gguf",
                      meta,
                      tensors,
                      emflow::ErrorCode::unsupported,
-                     {"general.architecture 'qwen2' is not supported"}});
+                     {"general.architecture 'gemma' is not supported", "llama and qwen2"}});
+  }
+  {
+    auto biased = tensors;
+    biased.emplace_back("blk.0.attn_q.bias", Tensor<double>({kHeads * kHead}));
+    cases.push_back({"llama_bias.gguf",
+                     llama_metadata(),
+                     biased,
+                     emflow::ErrorCode::unsupported,
+                     {"tensor 'blk.0.attn_q.bias'", "not supported in the llama architecture"}});
   }
   {
     auto meta = llama_metadata();

@@ -179,3 +179,83 @@ def test_rotary_report_is_the_framework_forms_drift(converted, tmp_path):
                 want_change = np.linalg.norm(form - form0) / np.linalg.norm(form0)
                 assert abs(cosine - want_cos) < 2e-3, (case, layer, head, t)
                 assert abs(change - want_change) < 2e-3, (case, layer, head, t)
+
+
+def write_qwen2_gguf(model, path):
+    """`model` (a Qwen2ForCausalLM) as llama.cpp's converter writes a qwen2 GGUF file: the keys
+    under "qwen2.", the tensors in float32 under llama.cpp's names, the query and key rows as
+    they are (its qwen2 rotary pairs halves, so they are not permuted as a llama model's are), the
+    q, k, v biases, and a token list for the vocabulary size."""
+    gguf = pytest.importorskip("gguf")
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for name, tensor in model.state_dict().items():
+        array = tensor.detach().float().numpy()
+        if name == "model.embed_tokens.weight":
+            writer.add_tensor("token_embd.weight", array)
+        elif name == "model.norm.weight":
+            writer.add_tensor("output_norm.weight", array)
+        elif name == "lm_head.weight":
+            writer.add_tensor("output.weight", array)
+        else:
+            parts = name.split(".")  # model.layers.N.<module>.<sub>.weight|bias
+            layer, module, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
+            writer.add_tensor(f"blk.{layer}.{names[module]}.{kind}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+def test_a_qwen2_gguf_file_matches_the_framework(tmp_path, precision):
+    # transformers reads the file back to the model it was written from (so the file follows
+    # the format's conventions), and emflow's conversion of the file runs as that model does.
+    model = make_model("qwen2-biases", tmp_path / "model")
+    write_qwen2_gguf(model, tmp_path / "model.gguf")
+    read = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="model.gguf", torch_dtype=torch.float32).eval()
+    for (name, theirs), (_, mine) in zip(model.state_dict().items(), read.state_dict().items()):
+        assert torch.equal(theirs, mine), name
+    run("convert", str(tmp_path / "model.gguf"), "--out", str(tmp_path / "ops"), "--dtype",
+        precision)
+    manifest = json.loads((tmp_path / "ops" / "manifest.json").read_text())
+    assert manifest["layout"] == "llama" and manifest["kv_heads"] == 2
+    assert "query_bias" in manifest["layer_files"][0]["files"]
+    reference = float64_reference(model) if precision == "float64" else model
+    np_dtype = np.float64 if precision == "float64" else np.float32
+    ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(5))
+    lengths = np.array([10, 6], dtype=np.int64)
+    mask = (torch.arange(10)[None, :] < torch.from_numpy(lengths)[:, None]).long()
+    with torch.no_grad():
+        out = reference(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    hidden = [h.numpy() for h in out.hidden_states]
+    last = np.stack([out.logits.numpy()[b, n - 1] for b, n in enumerate(lengths)])
+    np.save(tmp_path / "x.npy", hidden[0].astype(np_dtype))
+    np.save(tmp_path / "k.npy", lengths)
+    run("flow", "--model", str(tmp_path / "ops"), "--cloud", str(tmp_path / "x.npy"),
+        "--key-lengths", str(tmp_path / "k.npy"), "--device", "cpu", "--out",
+        str(tmp_path / "traj.npy"), "--logits", str(tmp_path / "logits.npy"))
+    traj, ours = np.load(tmp_path / "traj.npy"), np.load(tmp_path / "logits.npy")
+    tol = 1e-12 if precision == "float64" else 1e-5
+    for layer in range(1, LAYERS):  # the last layer's state is after the final norm there
+        e = token_error(traj[layer], hidden[layer], lengths)
+        print(f"qwen2 gguf {precision} after layer {layer - 1}: per token rel err {e:.3e}")
+        assert e < tol, (layer, e)
+    e = float(np.max(np.abs(ours - last)) / np.max(np.abs(last)))
+    print(f"qwen2 gguf {precision}: last-token logits rel err {e:.3e}")
+    assert e < tol
