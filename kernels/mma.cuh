@@ -32,8 +32,30 @@
 // The exchange area is double-buffered by the parity of the lane's MMA count: a lane can run one
 // MMA ahead of the slowest lane of its warp, never two (the next rendezvous waits for it).
 //
-// The fragment loads are plain 32-bit (16-bit pairs) or float loads of shared or global memory,
-// the same code on the device and in the emulation; ldmatrix is a tuning candidate.
+// Fragment loads, two kinds. The plain ones (load_a, load_b_col, ...) are 32-bit (16-bit pairs)
+// or float loads of shared or global memory, the same code on the device and in the emulation.
+// The *_ldsm ones read shared memory with ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: four
+// 8 x 8 matrices of 16-bit values, lane l giving the address of row l % 8 of matrix l / 8 (16
+// bytes, 16-byte aligned); lane (g, t) receives in register i the pair (row g, columns 2t,
+// 2t + 1) of matrix i, or with .trans the pair (rows 2t, 2t + 1, column g): the matrix
+// transposed ("Warp-level matrix load instruction: ldmatrix" in the PTX ISA). One instruction
+// gives a whole A operand, or the B operands of two 8-wide tiles, each lane reading 16 bytes
+// where the plain loads read 4 (or 2); .trans reads B from a row-major tile (the values of P V),
+// so no transposed copy is stored. An 8 x 8 b16 matrix is also 8 rows of 4 floats, and lane
+// (g, t) receives float t of row g: the TF32 A and B (column) operands load the same way (the
+// transposed TF32 B cannot: .trans moves 16-bit halves).
+//
+// Asynchronous copies: cp_async<Bytes>(dst, src, src_bytes) issues cp.async (.cg for 16 bytes,
+// .ca for 4 and 8) of `Bytes` bytes from global to shared memory, the bytes past src_bytes
+// filled with zeros (0: no read, all zeros); cp_async_commit closes the thread's copies issued
+// since the last commit into a group; cp_async_wait<N> waits until at most the newest N groups
+// of the thread are pending. A copy is visible to its own thread after the wait, to the block
+// after a barrier that follows it.
+//
+// The emulation's models: ldmatrix exchanges the 32 row addresses through a per-warp area with
+// the same full-warp rendezvous as the MMA (and checks alignment and that the rows lie in shared
+// memory); cp.async is emu::AsyncCopies (tests/cuda/emulation/emu_block.h): the destination
+// holds poison from the issue until the thread's wait for its group, when the bytes land.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -200,6 +222,40 @@ namespace model {
 
 enum class Kind { bf16, f16, tf32 };
 
+// ldmatrix: the row addresses of the warp's 32 lanes, by warp and parity of the lane's count
+// of ldmatrix (as the MMA's exchange below).
+struct Rows {
+  const unsigned char* row[32];
+};
+inline Rows rows[32][2];
+inline thread_local unsigned rows_parity = 0;
+
+template <bool Trans>
+inline void ldmatrix_x4(std::uint32_t (&r)[4], const void* row) {
+  const int lane = lane_id(), warp = static_cast<int>(threadIdx.x) >> 5;
+  if (reinterpret_cast<std::uintptr_t>(row) % 16 != 0) {
+    emu::kernel_violation(emu::thread_name() + ": ldmatrix with a row address not 16-byte aligned");
+  }
+  if (!emu::in_shared(row, 16)) {
+    emu::kernel_violation(emu::thread_name() + ": ldmatrix with a row outside shared memory");
+  }
+  Rows& area = rows[warp][rows_parity];
+  rows_parity ^= 1u;
+  area.row[lane] = static_cast<const unsigned char*>(row);
+  (void)__shfl_xor_sync(0xffffffffu, 0, 1);  // the whole warp's addresses are in place
+  const int g = lane >> 2, t = lane & 3;
+  for (int i = 0; i < 4; ++i) {
+    if (Trans) {
+      std::uint16_t lo, hi;  // column g of rows 2t and 2t + 1
+      std::memcpy(&lo, area.row[8 * i + 2 * t] + 2 * g, 2);
+      std::memcpy(&hi, area.row[8 * i + 2 * t + 1] + 2 * g, 2);
+      r[i] = static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
+    } else {
+      std::memcpy(&r[i], area.row[8 * i + g] + 4 * t, 4);  // columns 2t, 2t + 1 of row g
+    }
+  }
+}
+
 struct Exchange {
   std::uint32_t a[32][4];
   std::uint32_t b[32][2];
@@ -278,5 +334,141 @@ __device__ __forceinline__ void mma_1688_tf32(FragC& d, const FragA& a, const Fr
 }
 
 #undef EMFLOW_MMA_SYNC
+
+// --- ldmatrix --------------------------------------------------------------------------------
+
+/// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 (the layout above): `row` is this lane's
+/// row address, row l % 8 of matrix l / 8. Every lane of the warp takes part.
+template <bool Trans>
+__device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], const void* row) {
+#if defined(EMFLOW_CUDA_EMULATION)
+  model::ldmatrix_x4<Trans>(r, row);
+#elif defined(__CUDA_ARCH__)
+  const auto address = static_cast<std::uint32_t>(__cvta_generic_to_shared(row));
+  if constexpr (Trans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+  }
+#else
+  (void)row;
+  r[0] = r[1] = r[2] = r[3] = 0;
+#endif
+}
+
+/// A 16 x 16 A tile of 16-bit values, row-major at `base` (ld elements a row; rows 16-byte
+/// aligned), by one ldmatrix: lane l gives row l % 16 at column 8 (l / 16), so matrices 0..3 are
+/// the quarters (rows 0-7, 8-15) x (columns 0-7, 8-15) that registers x[0..3] hold.
+template <class T>
+__device__ __forceinline__ FragA load_a_ldsm(const T* base, int ld) {
+  const int l = lane_id();
+  FragA a;
+  ldmatrix_x4<false>(a.x, base + (l % 16) * ld + 8 * (l / 16));
+  return a;
+}
+
+/// The B operands (16 x 8 each) of two 8-wide tiles stored column-major, B[k][n] at
+/// base[n * ld + k] (rows of keys, as for Q K^T): `first` for n = 0..7, `second` for n = 8..15,
+/// by one ldmatrix: lane l gives row (l % 8) + 8 (l / 16) at column 8 ((l / 8) % 2).
+template <class T>
+__device__ __forceinline__ void load_b_col_pair_ldsm(const T* base, int ld, FragB& first,
+                                                     FragB& second) {
+  const int l = lane_id();
+  std::uint32_t r[4];
+  ldmatrix_x4<false>(r, base + ((l % 8) + 8 * (l / 16)) * ld + 8 * ((l / 8) % 2));
+  first.x[0] = r[0];
+  first.x[1] = r[1];
+  second.x[0] = r[2];
+  second.x[1] = r[3];
+}
+
+/// The B operands (16 x 8 each) of two 8-wide tiles stored row-major, B[k][n] at base[k * ld + n]
+/// (the values of P V, keys down the rows): `first` for columns n = 0..7, `second` for 8..15, by
+/// one ldmatrix.trans: lane l gives row (l % 8) + 8 ((l / 8) % 2) at column 8 (l / 16).
+template <class T>
+__device__ __forceinline__ void load_b_row_pair_ldsm(const T* base, int ld, FragB& first,
+                                                     FragB& second) {
+  const int l = lane_id();
+  std::uint32_t r[4];
+  ldmatrix_x4<true>(r, base + ((l % 8) + 8 * ((l / 8) % 2)) * ld + 8 * (l / 16));
+  first.x[0] = r[0];
+  first.x[1] = r[1];
+  second.x[0] = r[2];
+  second.x[1] = r[3];
+}
+
+/// A 16 x 8 TF32 A tile from row-major floats (rows 16-byte aligned) by one ldmatrix, each value
+/// rounded to TF32 (cvt.rna): lane l gives row (l % 8) + 8 ((l / 8) % 2) at float 4 (l / 16).
+__device__ __forceinline__ FragA load_a_tf32_ldsm(const float* base, int ld) {
+  const int l = lane_id();
+  FragA a;
+  ldmatrix_x4<false>(a.x, base + ((l % 8) + 8 * ((l / 8) % 2)) * ld + 4 * (l / 16));
+  for (int r = 0; r < 4; ++r)
+    a.x[r] = detail::float_bits(round_to_tf32(detail::bits_float(a.x[r])));
+  return a;
+}
+
+/// The TF32 B operands (8 x 8 each) of two 8-wide tiles stored column-major (B[k][n] at
+/// base[n * ld + k]), rounded to TF32: `first` for n = 0..7, `second` for 8..15, by one
+/// ldmatrix: lane l gives row (l % 8) + 8 (l / 16) at float 4 ((l / 8) % 2).
+__device__ __forceinline__ void load_b_col_pair_tf32_ldsm(const float* base, int ld, FragB& first,
+                                                          FragB& second) {
+  const int l = lane_id();
+  std::uint32_t r[4];
+  ldmatrix_x4<false>(r, base + ((l % 8) + 8 * (l / 16)) * ld + 4 * ((l / 8) % 2));
+  for (std::uint32_t& v : r) v = detail::float_bits(round_to_tf32(detail::bits_float(v)));
+  first.x[0] = r[0];
+  first.x[1] = r[1];
+  second.x[0] = r[2];
+  second.x[1] = r[3];
+}
+
+// --- cp.async --------------------------------------------------------------------------------
+
+/// Issues an asynchronous copy of `Bytes` (4, 8 or 16) bytes from global `src` to shared `dst`,
+/// both aligned to `Bytes`; the bytes past `src_bytes` are zeros (src_bytes = 0 reads nothing).
+template <int Bytes>
+__device__ __forceinline__ void cp_async(void* dst, const void* src, int src_bytes) {
+  static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "cp.async copies 4, 8 or 16 bytes");
+#if defined(EMFLOW_CUDA_EMULATION)
+  emu::async_copies.issue(dst, src, Bytes, static_cast<unsigned>(src_bytes));
+#elif defined(__CUDA_ARCH__)
+  const auto address = static_cast<std::uint32_t>(__cvta_generic_to_shared(dst));
+  if constexpr (Bytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(src),
+                 "r"(src_bytes));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(address), "l"(src),
+                 "n"(Bytes), "r"(src_bytes));
+  }
+#else
+  (void)dst;
+  (void)src;
+  (void)src_bytes;
+#endif
+}
+
+/// Closes the copies this thread issued since the last commit into one group.
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(EMFLOW_CUDA_EMULATION)
+  emu::async_copies.commit();
+#elif defined(__CUDA_ARCH__)
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+/// Waits until at most the newest `Newest` committed groups of this thread are pending.
+template <int Newest>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(EMFLOW_CUDA_EMULATION)
+  emu::async_copies.wait(Newest);
+#elif defined(__CUDA_ARCH__)
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Newest) : "memory");
+#endif
+}
 
 }  // namespace emflow::detail::mma

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 
 #include "attention_kernels.hpp"
 
@@ -23,6 +24,28 @@ enum class MmaKind { bf16, f16, tf32, tf32_pairs };
 /// and b hold floats, rounded to TF32 on load).
 void launch_mma_check(MmaKind kind, const void* a, const void* b, const float* c, float* d,
                       cudaStream_t stream, const char* operation);
+
+/// Registers a lane writes in the fragment-load check, and the bytes of the async-copy check.
+constexpr int kFragmentLoadRegisters = 28;
+constexpr int kAsyncCopyBytes = 896;
+
+/// One warp brings a 32 x 32 row-major tile of 16-bit values (`halves`, raw bits) and a 16 x 16
+/// row-major tile of floats into shared memory by 16-byte cp.async, then writes per lane l
+/// (out[l * 28 + i]) the registers of: ldmatrix.x4 with lane l giving row l of the 16-bit tile
+/// (i = 0..3) and the same with .trans (4..7); load_a_ldsm of rows 0..15, columns 0..15 (8..11);
+/// load_b_col_pair_ldsm (12..15: first.x[0..1], second.x[0..1]) and load_b_row_pair_ldsm
+/// (16..19) on the same 16 x 16 corner; load_a_tf32_ldsm of the float tile's rows 0..15, columns
+/// 0..7 (20..23) and load_b_col_pair_tf32_ldsm of its rows 0..15, columns 0..7 (24..27).
+void launch_fragment_load_check(const std::uint16_t* halves, const float* floats,
+                                std::uint32_t* out, cudaStream_t stream, const char* operation);
+
+/// One warp's asynchronous copies into shared memory (kAsyncCopyBytes of `src` and `out`): lane i
+/// copies bytes [16 i, 16 i + 16) with i % 17 of them from src (zeros after), [512 + 4 i, +4)
+/// with i % 5 and [640 + 8 i, +8) with i % 9; out receives the shared bytes, the first region
+/// read by each lane after waiting for the 16-byte group only (cp.async.wait_group 1), the rest
+/// by another lane after waiting for both groups and a barrier.
+void launch_async_copy_check(const unsigned char* src, unsigned char* out, cudaStream_t stream,
+                             const char* operation);
 
 /// The storage type of a tensor-core attention and its products: bf16 and f16 (16-bit storage,
 /// m16n8k16), tf32 (float storage, the operands rounded to TF32 for m16n8k8).
@@ -78,8 +101,9 @@ constexpr int kTcMaxDim = 256;
 constexpr int kTcBlockQueries = 64;
 constexpr int kTcBlockKeys = 64;
 
-/// Dynamic shared memory the tensor-core attention of `type` needs at width `dim` (bytes): 27, 53
-/// and 104 KiB for 16-bit storage at dim <= 64, 128, 256; 51, 99 and 195 KiB for TF32.
+/// Dynamic shared memory the tensor-core attention of `type` needs at width `dim` (bytes): 27.25,
+/// 51.25 and 99.25 KiB for 16-bit storage at dim <= 64, 128, 256; 51.25, 99.25 and 195.25 KiB
+/// for TF32.
 std::size_t tc_shared_bytes(TcType type, int dim);
 
 /// Allows the tensor-core attention of `type` at width `dim` its tc_shared_bytes on the current

@@ -139,8 +139,10 @@ run_step() {  # $1 name, $2 timeout seconds, rest: command
 
 # 2. The GPU tests (the CPU reference they compare with runs on the host). First the MMA layer
 #    of the tensor-core kernels (tests/cuda/mma_test.cpp): one instruction of each kind against
-#    a plain product, so a fragment layout that differs from the hardware's shows in a minute.
-run_step "gpu tests: mma layer" 60 "$TESTS" --gtest_filter='Kinds/Mma.*' --gtest_color=no
+#    a plain product, and its shared-memory loads (ldmatrix, .trans and the fragment loads built
+#    on them; cp.async with every zero-fill length) register by register against the PTX ISA's
+#    layout, so a layout that differs from the hardware's shows in a minute.
+run_step "gpu tests: mma layer" 60 "$TESTS" --gtest_filter='Kinds/Mma.*:MmaLoads.*' --gtest_color=no
 GPU_ATTENTION='*/cuda_*:CudaAsync.*:CudaWorkspace.*:CudaWithoutDevice.*'
 run_step "gpu tests: attention" 240 "$ATTENTION" --gtest_filter="$GPU_ATTENTION" --gtest_color=no
 run_step "gpu tests: cuda suite" 180 "$TESTS" --gtest_color=no

@@ -2,9 +2,11 @@
 // a GPU, so each rule of the hardware it enforces has a kernel here that breaks the rule and must
 // be caught: shared memory poisoned at every block start, the per-kernel dynamic shared-memory
 // limit, devices that keep their streams, events, memory and kernel attributes apart, shuffle
-// masks, barriers reached by part of a block, the shuffled order of the blocks,
-// and asynchronous work deferred until the host synchronises (a host source freed early is a
-// use-after-free). Built into the emulated test binary only.
+// masks, barriers reached by part of a block, the shuffled order of the blocks, asynchronous
+// copies (cp.async) that land only at their thread's wait and are checked when issued, ldmatrix
+// rows that must be aligned and in shared memory, and asynchronous work deferred until the host
+// synchronises (a host source freed early is a use-after-free). Built into the emulated test binary
+// only.
 #if defined(EMFLOW_CUDA_EMULATION)
 
 #include <gtest/gtest.h>
@@ -17,6 +19,7 @@
 #include <vector>
 
 #include "kernels/launch.cuh"
+#include "kernels/mma.cuh"
 
 namespace {
 
@@ -33,6 +36,7 @@ cudaError_t run(unsigned grid, unsigned threads, std::size_t shared, void (*kern
   cudaError_t status = cudaGetLastError();
   if (status == cudaSuccess) status = cudaStreamSynchronize(s);
   cudaStreamDestroy(s);
+  cudaGetLastError();  // the next test's launches start clean
   return status;
 }
 
@@ -349,6 +353,84 @@ TEST(EmulationStrictness, LaunchesAndCopiesWaitForTheHostToSynchronise) {
   EXPECT_EQ(host[31], 5);
   cudaEventDestroy(copied);
   cudaStreamDestroy(s);
+}
+
+// --- Asynchronous copies and ldmatrix (kernels/mma.cuh) -----------------------------------------
+
+// Each thread copies 16 bytes of `src` into shared memory by cp.async and records what its own
+// destination holds right after the issue (before any wait), after a wait that leaves the group
+// pending (wait_group 1 with one group: nothing need land) and after wait_group 0.
+__global__ void async_copy_visibility_kernel(const std::int32_t* src, std::int32_t* seen) {
+  EMFLOW_DYNAMIC_SHARED(raw);
+  auto* const slots = reinterpret_cast<std::int32_t*>(raw);
+  const unsigned t = threadIdx.x;
+  slots[4 * t] = 7;  // an old value the copy replaces
+  emflow::detail::mma::cp_async<16>(slots + 4 * t, src + 4 * t, 16);
+  seen[3 * t] = slots[4 * t];
+  emflow::detail::mma::cp_async_commit();
+  emflow::detail::mma::cp_async_wait<1>();
+  seen[3 * t + 1] = slots[4 * t];
+  emflow::detail::mma::cp_async_wait<0>();
+  seen[3 * t + 2] = slots[4 * t];
+}
+
+TEST(EmulationStrictness, AnAsyncCopyIsPoisonUntilItsThreadWaitsForItsGroup) {
+  DeviceArray<std::int32_t> src(4 * 32), seen(3 * 32);
+  for (int i = 0; i < 4 * 32; ++i) src.data[i] = 1000 + i;
+  ASSERT_EQ(run(1, 32, 16 * 32, async_copy_visibility_kernel, src.data, seen.data), cudaSuccess);
+  for (int t = 0; t < 32; ++t) {
+    EXPECT_EQ(seen.data[3 * t], -1) << "thread " << t << " read its copy before waiting";
+    EXPECT_EQ(seen.data[3 * t + 1], -1) << "thread " << t << ": wait_group 1 with one group";
+    EXPECT_EQ(seen.data[3 * t + 2], 1000 + 4 * t) << "thread " << t << " after wait_group 0";
+  }
+}
+
+// One copy that breaks a rule of cp.async: `rule` 0 a misaligned destination, 1 a misaligned
+// source, 2 a destination outside shared memory, 3 more source bytes than the copy holds.
+__global__ void bad_async_copy_kernel(const std::int32_t* src, std::int32_t* global, int rule) {
+  EMFLOW_DYNAMIC_SHARED(raw);
+  auto* const bytes = reinterpret_cast<unsigned char*>(raw);
+  const auto* const from = reinterpret_cast<const unsigned char*>(src);
+  if (rule == 0) emflow::detail::mma::cp_async<16>(bytes + 8, from, 16);
+  if (rule == 1) emflow::detail::mma::cp_async<16>(bytes, from + 4, 16);
+  if (rule == 2) emflow::detail::mma::cp_async<16>(global, from, 16);
+  if (rule == 3) emflow::detail::mma::cp_async<8>(bytes, from, 12);
+  emflow::detail::mma::cp_async_commit();
+  emflow::detail::mma::cp_async_wait<0>();
+}
+
+TEST(EmulationStrictness, AnAsyncCopyThatBreaksItsRulesIsCaught) {
+  DeviceArray<std::int32_t> src(64), global(64);
+  const char* const expected[] = {"not aligned", "not aligned", "not shared", "source bytes"};
+  for (int rule = 0; rule < 4; ++rule) {
+    emu::ExpectViolation expect;
+    EXPECT_NE(run(1, 32, 1024, bad_async_copy_kernel, src.data, global.data, rule), cudaSuccess)
+        << "rule " << rule;
+    EXPECT_TRUE(any_contains(expect.messages(), expected[rule])) << "rule " << rule << ":\n"
+                                                                 << joined(expect.messages());
+  }
+}
+
+// ldmatrix with lane 5's row address 8 bytes off (misaligned: `misaligned`), or every row in
+// global memory.
+__global__ void bad_ldmatrix_kernel(const std::uint16_t* global, bool misaligned) {
+  EMFLOW_DYNAMIC_SHARED(raw);
+  auto* const rows = reinterpret_cast<std::uint16_t*>(raw);
+  const unsigned lane = threadIdx.x;
+  const std::uint16_t* row = misaligned ? rows + 8 * lane + (lane == 5 ? 4 : 0) : global;
+  std::uint32_t r[4];
+  emflow::detail::mma::ldmatrix_x4<false>(r, row);
+}
+
+TEST(EmulationStrictness, AnLdmatrixRowThatIsMisalignedOrNotSharedIsCaught) {
+  DeviceArray<std::uint16_t> global(256);
+  for (const bool misaligned : {true, false}) {
+    emu::ExpectViolation expect;
+    EXPECT_NE(run(1, 32, 1024, bad_ldmatrix_kernel, global.data, misaligned), cudaSuccess);
+    EXPECT_TRUE(any_contains(expect.messages(),
+                             misaligned ? "not 16-byte aligned" : "outside shared memory"))
+        << joined(expect.messages());
+  }
 }
 
 #if defined(__SANITIZE_ADDRESS__)

@@ -6,7 +6,8 @@
 // first GPU tests of a device check (scripts/device-check.sh); skipped without a device. The
 // kind tf32_pairs is the TF32 instruction on the operands of the attention's P V (an accumulator
 // tile as A and row-major values as B, the keys of both permuted): the plain product of a and a
-// row-major b.
+// row-major b. MmaLoads: the shared-memory loads (ldmatrix and the fragment loads built on it,
+// cp.async with its zero fill) against the PTX ISA's layout.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -163,6 +164,127 @@ INSTANTIATE_TEST_SUITE_P(Kinds, Mma,
                                               : info.param == MmaKind::tf32 ? "tf32"
                                                                             : "tf32_pairs");
                          });
+
+// --- ldmatrix and cp.async ---------------------------------------------------------------------
+// The shared-memory loads of the layer against the PTX ISA's tables, register by register: the
+// raw ldmatrix.x4 (lane (g, t) receives in register i the pair (row g, columns 2t, 2t + 1) of
+// matrix i; .trans: rows 2t, 2t + 1 of column g), and each *_ldsm helper against the fragment
+// layout of the MMA operand it loads (the table at the top of kernels/mma.cuh). The tiles are
+// distinct values, so a register from the wrong row, column or half differs.
+
+constexpr int kRegisters = detail::kFragmentLoadRegisters;
+
+std::uint16_t half_at(int r, int c) { return static_cast<std::uint16_t>(r * 32 + c + 1); }
+float float_at(int r, int c) { return static_cast<float>(r * 16 + c + 1); }  // exact in TF32
+std::uint32_t pair(std::uint16_t lo, std::uint16_t hi) {
+  return static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
+}
+std::uint32_t float_register(int r, int c) { return detail::float_bits(float_at(r, c)); }
+
+// What lane (g, t) must hold in each register of the check (kernels/tc_attention.hpp).
+std::vector<std::uint32_t> expected_registers(int lane) {
+  const int g = lane / 4, t = lane % 4;
+  std::vector<std::uint32_t> e(kRegisters);
+  for (int i = 0; i < 4; ++i) {
+    e[i] = pair(half_at(8 * i + g, 2 * t), half_at(8 * i + g, 2 * t + 1));
+    e[4 + i] = pair(half_at(8 * i + 2 * t, g), half_at(8 * i + 2 * t + 1, g));
+  }
+  // A (16 x 16): x[0] = A[g][2t, 2t+1], x[1] = A[g+8][...], x[2] = A[g][2t+8, ...], x[3].
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i % 2), col = 2 * t + 8 * (i / 2);
+    e[8 + i] = pair(half_at(row, col), half_at(row, col + 1));
+  }
+  // B column-major, B[k][n] = tile[n][k]: x[0] = B[2t, 2t+1][n], x[1] = B[2t+8, 2t+9][n], with
+  // n = g (first) and g + 8 (second).
+  for (int i = 0; i < 4; ++i) {
+    const int n = g + 8 * (i / 2), k = 2 * t + 8 * (i % 2);
+    e[12 + i] = pair(half_at(n, k), half_at(n, k + 1));
+    e[16 + i] = pair(half_at(k, n), half_at(k + 1, n));  // row-major: B[k][n] = tile[k][n]
+  }
+  // TF32 A (16 x 8): x[0] = A[g][t], x[1] = A[g+8][t], x[2] = A[g][t+4], x[3] = A[g+8][t+4].
+  for (int i = 0; i < 4; ++i) e[20 + i] = float_register(g + 8 * (i % 2), t + 4 * (i / 2));
+  // TF32 B column-major, B[k][n] = tile[n][k]: x[0] = B[t][n], x[1] = B[t+4][n].
+  for (int i = 0; i < 4; ++i) e[24 + i] = float_register(g + 8 * (i / 2), t + 4 * (i % 2));
+  return e;
+}
+
+const char* register_name(int i) {
+  static const char* const names[] = {"ldmatrix",
+                                      "ldmatrix.trans",
+                                      "load_a_ldsm",
+                                      "load_b_col_pair_ldsm",
+                                      "load_b_row_pair_ldsm",
+                                      "load_a_tf32_ldsm",
+                                      "load_b_col_pair_tf32_ldsm"};
+  return names[i / 4];
+}
+
+TEST(MmaLoads, LdmatrixAndTheFragmentLoadsBuiltOnItFollowThePtxLayout) {
+  EMFLOW_REQUIRE_CUDA();
+  std::vector<std::uint16_t> halves(32 * 32);
+  for (int r = 0; r < 32; ++r) {
+    for (int c = 0; c < 32; ++c) halves[r * 32 + c] = half_at(r, c);
+  }
+  std::vector<float> floats(16 * 16);
+  for (int r = 0; r < 16; ++r) {
+    for (int c = 0; c < 16; ++c) floats[r * 16 + c] = float_at(r, c);
+  }
+  // Host arrays before the device buffers, so that they outlive the copies a failure leaves.
+  const std::vector<std::uint32_t> zeros(32 * kRegisters, 0u);
+  std::vector<std::uint32_t> got(32 * kRegisters);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cuda::DeviceBuffer<std::uint16_t> h(halves.size());
+  cuda::DeviceBuffer<float> f(floats.size());
+  cuda::DeviceBuffer<std::uint32_t> out(32 * kRegisters);
+  h.copy_from_host(halves.data(), halves.size(), stream);
+  f.copy_from_host(floats.data(), floats.size(), stream);
+  out.copy_from_host(zeros.data(), zeros.size(), stream);
+  detail::launch_fragment_load_check(h.data(), f.data(), out.data(), stream, "ldmatrix check");
+  out.copy_to_host(got.data(), got.size(), stream);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaStreamDestroy(stream);
+  for (int lane = 0; lane < 32; ++lane) {
+    const std::vector<std::uint32_t> e = expected_registers(lane);
+    for (int i = 0; i < kRegisters; ++i) {
+      ASSERT_EQ(got[lane * kRegisters + i], e[i])
+          << register_name(i) << ", register " << i % 4 << " of lane " << lane;
+    }
+  }
+}
+
+TEST(MmaLoads, AsyncCopiesLandWithTheirZeroFill) {
+  EMFLOW_REQUIRE_CUDA();
+  constexpr int kBytes = detail::kAsyncCopyBytes;
+  std::vector<unsigned char> source(kBytes);
+  for (int b = 0; b < kBytes; ++b) source[b] = static_cast<unsigned char>(b % 251 + 1);  // no 0
+  const std::vector<unsigned char> filler(kBytes, 0xAB);  // before the buffers, as above
+  std::vector<unsigned char> got(kBytes);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cuda::DeviceBuffer<unsigned char> src(kBytes), out(kBytes);
+  src.copy_from_host(source.data(), kBytes, stream);
+  out.copy_from_host(filler.data(), kBytes, stream);
+  detail::launch_async_copy_check(src.data(), out.data(), stream, "cp.async check");
+  out.copy_to_host(got.data(), kBytes, stream);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaStreamDestroy(stream);
+  // Region start, copy size, and how many source bytes lane i's copy reads.
+  struct Region {
+    int start, size, modulus;
+  };
+  for (const Region& region : {Region{0, 16, 17}, Region{512, 4, 5}, Region{640, 8, 9}}) {
+    for (int lane = 0; lane < 32; ++lane) {
+      const int read = lane % region.modulus;
+      for (int b = 0; b < region.size; ++b) {
+        const int at = region.start + region.size * lane + b;
+        ASSERT_EQ(static_cast<int>(got[at]), b < read ? static_cast<int>(source[at]) : 0)
+            << region.size << "-byte copy of lane " << lane << " reading " << read
+            << " bytes, byte " << b;
+      }
+    }
+  }
+}
 
 }  // namespace
 }  // namespace emflow::testing

@@ -1,7 +1,9 @@
 // The tensor-core attention kernel (kernels/tc_attention.cu) on bfloat16, float16 and float
 // (TF32 products) inputs, at
 // awkward sizes (N = 1, 17, 130; dims that leave part of a 16-wide step or of the tile empty),
-// every mask, key lengths, key bias, lse and entropy. The accuracy rule (issue 16): against the
+// every mask, key lengths, key bias, lse and entropy; rows of whole 16-byte chunks (tiles by
+// cp.async) and not (tiles by plain loads), tiles inside every row's visible keys (no mask) and
+// across its edges. The accuracy rule (issue 16): against the
 // double attention of the same rounded inputs, the kernel's error is at most twice the error of a
 // naive implementation in the same precision (float scores, softmax and sums, the probabilities
 // rounded to the 16-bit type before the product with V; for TF32 the naive kernel's operands
@@ -175,6 +177,9 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"f16_N130_d64_causal", kF16, 1, 1, 130, 130, 64, kCausal, {}, false},
         Case{"bf16_N130_d72_window37_len", kBf16, 2, 1, 130, 130, 72, kWindow37, {101, 130}, true},
         Case{"f16_N130_q3_d64_causal", kF16, 1, 2, 130, 3, 64, kCausal, {}, true},
+        // 16-bit rows that are not whole 16-byte chunks: the tiles by plain loads, not cp.async
+        Case{"bf16_N130_d37_causal_len", kBf16, 1, 2, 130, 130, 37, kCausal, {101}, true},
+        Case{"f16_N200_d250_none", kF16, 1, 1, 200, 200, 250, kNone, {}, false},
         // TF32: dims that leave part of an 8-wide step empty, every block size (D = 64, 128, 256)
         Case{"tf32_N1_d20_none", kTf32, 1, 1, 1, 1, 20, kNone, {}, false},
         Case{"tf32_N17_d100_causal_len", kTf32, 2, 2, 17, 17, 100, kCausal, {17, 9}, true},

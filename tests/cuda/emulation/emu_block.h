@@ -7,7 +7,9 @@
 //     block and no lane that has exited; lanes named in the mask that never arrive (waiting at
 //     a barrier, say) are a deadlock, reported as a violation;
 //   * shared memory, static (EMFLOW_SHARED) and dynamic, holds a poison pattern (all bits set:
-//     NaN as float or double, -1 as an integer) at the start of every block.
+//     NaN as float or double, -1 as an integer) at the start of every block;
+//   * an asynchronous copy (cp.async) is checked when issued and holds poison until its thread
+//     waits for its group (AsyncCopies below).
 // A violation prints what happened (kernel, block, thread, place in the code) and aborts the
 // process, unless a test expects it (emu::ExpectViolation): then the launch stops, its error is
 // returned by the call that synchronises with it, and the message is kept for the test to read.
@@ -310,6 +312,93 @@ struct Block {
 
 inline Block block;
 
+// A rule of the hardware broken inside a kernel: the launch stops with the violation.
+[[noreturn]] inline void kernel_violation(const std::string& what) {
+  std::unique_lock<std::mutex> lock(block.mutex);
+  if (!block.failed.load()) block.fail(what);
+  throw KernelStopped{};
+}
+
+// Whether [at, at + bytes) lies in the block's shared memory (dynamic or a static array).
+inline bool in_shared(const void* at, std::size_t bytes) {
+  const auto inside = [&](const void* base, std::size_t size) {
+    const auto* p = static_cast<const unsigned char*>(at);
+    const auto* b = static_cast<const unsigned char*>(base);
+    return p >= b && p + bytes <= b + size;
+  };
+  if (inside(dynamic_shared.data(), dynamic_shared.size() * sizeof(float4))) return true;
+  std::lock_guard<std::mutex> lock(static_shared_mutex);
+  return std::any_of(static_shared.begin(), static_shared.end(),
+                     [&](const StaticShared& s) { return inside(s.at, s.bytes); });
+}
+
+// --- Asynchronous copies (cp.async) --------------------------------------------------------------
+// The model of cp.async.{ca,cg}.shared.global [dst], [src], bytes, src_bytes with commit_group
+// and wait_group: a copy is checked when issued (4, 8 or 16 bytes, both addresses aligned to
+// them, the destination in shared memory, src_bytes <= bytes) and its destination filled with
+// the poison pattern at once; its bytes (src_bytes from the source, zeros after) land only when
+// the issuing thread waits for its group, so a read before the wait sees poison instead of a
+// plausible old tile, and another thread's read before the barrier that follows the wait is a
+// data race (ThreadSanitizer) as well as poison. Copies not yet committed to a group are not
+// waited for (as in PTX: wait_all is commit + wait 0). A thread's copies still pending when it
+// returns land then (the hardware finishes them).
+struct AsyncCopy {
+  unsigned char* dst;
+  const unsigned char* src;
+  unsigned bytes, src_bytes;
+};
+struct AsyncCopies {
+  std::vector<AsyncCopy> pending;  // issued, oldest first
+  std::vector<std::size_t> ends;   // per committed group, oldest first: its end in `pending`
+
+  void issue(void* dst, const void* src, unsigned bytes, unsigned src_bytes) {
+    if (bytes != 4 && bytes != 8 && bytes != 16) {
+      kernel_violation(thread_name() + ": cp.async of " + std::to_string(bytes) +
+                       " bytes (4, 8 or 16)");
+    }
+    if (reinterpret_cast<std::uintptr_t>(dst) % bytes != 0 ||
+        reinterpret_cast<std::uintptr_t>(src) % bytes != 0) {
+      kernel_violation(thread_name() + ": cp.async of " + std::to_string(bytes) +
+                       " bytes from or to an address not aligned to them");
+    }
+    if (src_bytes > bytes) {
+      kernel_violation(thread_name() + ": cp.async reads " + std::to_string(src_bytes) +
+                       " source bytes into " + std::to_string(bytes));
+    }
+    if (!in_shared(dst, bytes)) {
+      kernel_violation(thread_name() + ": cp.async into memory that is not shared");
+    }
+    poison(dst, bytes);
+    pending.push_back({static_cast<unsigned char*>(dst), static_cast<const unsigned char*>(src),
+                       bytes, src_bytes});
+  }
+  void commit() { ends.push_back(pending.size()); }
+  // Every committed group but the newest `newest` lands.
+  void wait(std::size_t newest) {
+    if (ends.size() <= newest) return;
+    land(ends[ends.size() - 1 - newest]);
+  }
+  // The first `count` pending copies land.
+  void land(std::size_t count) {
+    for (std::size_t i = 0; i < count; ++i) {
+      const AsyncCopy& c = pending[i];
+      for (unsigned b = 0; b < c.bytes; ++b) c.dst[b] = b < c.src_bytes ? c.src[b] : 0;
+    }
+    pending.erase(pending.begin(), pending.begin() + static_cast<std::ptrdiff_t>(count));
+    std::vector<std::size_t> kept;
+    for (std::size_t end : ends) {
+      if (end > count) kept.push_back(end - count);
+    }
+    ends = kept;
+  }
+  void finish(bool stopped) {
+    if (!stopped) land(pending.size());
+    pending.clear();
+    ends.clear();
+  }
+};
+inline thread_local AsyncCopies async_copies;
+
 // The order of the blocks: a permutation drawn from EMU_SEED (default 1) and the launch's
 // number, so a run is reproducible and every launch sees another order.
 inline unsigned long long seed() {
@@ -368,6 +457,7 @@ bool run_blocks(const char* name, unsigned grid, unsigned threads, std::size_t s
         } catch (const KernelStopped&) {
           halted = true;
         }
+        async_copies.finish(halted);
         block.exit(halted);
         between_blocks.arrive_and_wait();
         if (stopped) break;

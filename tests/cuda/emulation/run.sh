@@ -50,7 +50,7 @@ SMALL+=':Blocks/*/cuda_f??_B1_H1_N1_*:Blocks/*/cuda_f??_B2_H2_N65_*'
 # attention on bf16 and fp16 (N = 1, 17, 130, every mask, key lengths), and the factored and the
 # dense layers on it through the public API (cuda::attend_factored_async, cuda::attend_async for
 # 16-bit input, and the blocking forms on the device).
-SMALL+=':Kinds/Mma.*:Cases/TcAttention.*:Cases/TcFactored.*:TcFactoredRefusals.*'
+SMALL+=':Kinds/Mma.*:MmaLoads.*:Cases/TcAttention.*:Cases/TcFactored.*:TcFactoredRefusals.*'
 SMALL+=':Cases/TcDense.*:TcDenseRefusals.*'
 # Key splits on the tensor cores: split against unsplit, asked for and automatic.
 SMALL+=':TcDenseSplits.*:TcFactoredSplits.*'
