@@ -53,56 +53,80 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 class TcAttention : public ::testing::TestWithParam<Case> {};
 
-TEST_P(TcAttention, MatchesTheDoubleReferenceWithinTwiceTheNaiveError) {
-  EMFLOW_REQUIRE_CUDA();
-  const Case& c = GetParam();
+// The kernel's outputs for one case.
+struct Outputs {
+  std::vector<float> out, lse, entropy;
+};
+
+// The case's operands, drawn from its seed.
+struct Inputs {
+  Rounded q, k, v;
+  std::vector<float> bias;
+  float scale = 1.f;
+};
+Inputs inputs_of(const Case& c) {
   std::mt19937 random(1234u + static_cast<unsigned>(c.tokens * 7 + c.dim));
   const std::size_t hb = static_cast<std::size_t>(c.heads) * c.batch;
-  const bool tf32_case = c.type == TcType::tf32;
   const auto make = [&](std::size_t count) { return random_rounded(c.type, count, random); };
-  const Rounded q = make(hb * c.queries * c.dim);
-  const Rounded k = make(hb * c.tokens * c.dim);
-  const Rounded v = make(hb * c.tokens * c.dim);
-  std::vector<float> bias;
+  Inputs in;
+  in.q = make(hb * c.queries * c.dim);
+  in.k = make(hb * c.tokens * c.dim);
+  in.v = make(hb * c.tokens * c.dim);
   if (c.bias) {
     std::uniform_real_distribution<float> uniform(-0.5f, 0.5f);
-    for (std::size_t i = 0; i < hb * c.tokens; ++i) bias.push_back(uniform(random));
+    for (std::size_t i = 0; i < hb * c.tokens; ++i) in.bias.push_back(uniform(random));
   }
-  const float scale = 2.f / std::sqrt(static_cast<float>(c.dim)) * 1.4426950408889634f;
+  in.scale = 2.f / std::sqrt(static_cast<float>(c.dim)) * 1.4426950408889634f;
+  return in;
+}
 
+// Runs the kernel on the case, with query, key and value stored `offset` elements into their
+// device arrays (offset 1 leaves them unaligned to 16 bytes: the kernel then loads its tiles by
+// plain loads instead of cp.async). Outputs are poisoned (NaN) before the call.
+Outputs run_kernel(const Case& c, const Inputs& in, std::size_t offset = 0) {
+  const std::size_t hb = static_cast<std::size_t>(c.heads) * c.batch;
+  const bool tf32_case = c.type == TcType::tf32;
   cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   // Each operand as stored: 16-bit patterns, or floats for TF32.
   struct Operand {
     cuda::DeviceBuffer<std::uint16_t> bits;
     cuda::DeviceBuffer<float> floats;
+    std::size_t offset = 0;
     const void* data() const {
-      if (bits.size() > 0) return bits.data();
-      return floats.data();
+      if (bits.size() > 0) return bits.data() + offset;
+      return floats.data() + offset;
     }
   };
   auto upload = [&](const Rounded& r) {
     Operand o;
+    o.offset = offset;
     if (tf32_case) {
-      o.floats = cuda::DeviceBuffer<float>(r.values.size());
-      o.floats.copy_from_host(r.values.data(), r.values.size(), stream);
+      o.floats = cuda::DeviceBuffer<float>(r.values.size() + offset);
+      cudaMemcpyAsync(o.floats.data() + offset, r.values.data(), r.values.size() * sizeof(float),
+                      cudaMemcpyHostToDevice, stream);
     } else {
-      o.bits = cuda::DeviceBuffer<std::uint16_t>(r.bits.size());
-      o.bits.copy_from_host(r.bits.data(), r.bits.size(), stream);
+      o.bits = cuda::DeviceBuffer<std::uint16_t>(r.bits.size() + offset);
+      cudaMemcpyAsync(o.bits.data() + offset, r.bits.data(), r.bits.size() * sizeof(std::uint16_t),
+                      cudaMemcpyHostToDevice, stream);
     }
     return o;
   };
-  const Operand dq = upload(q), dk = upload(k), dv = upload(v);
-  cuda::DeviceBuffer<float> dbias(std::max<std::size_t>(bias.size(), 1));
-  cuda::DeviceBuffer<float> dout(hb * c.queries * c.dim), dlse(hb * c.queries),
-      dentropy(hb * c.queries);
+  Outputs result;
+  result.out.assign(hb * c.queries * c.dim, 0.f);
+  result.lse.assign(hb * c.queries, 0.f);
+  result.entropy.assign(hb * c.queries, 0.f);
+  const std::vector<float> poison_out(result.out.size(), std::nanf("")),
+      poison_lse(result.lse.size(), std::nanf(""));
+  const Operand dq = upload(in.q), dk = upload(in.k), dv = upload(in.v);
+  cuda::DeviceBuffer<float> dbias(std::max<std::size_t>(in.bias.size(), 1));
+  cuda::DeviceBuffer<float> dout(result.out.size()), dlse(result.lse.size()),
+      dentropy(result.entropy.size());
   cuda::DeviceBuffer<std::int64_t> dlengths(std::max<std::size_t>(c.key_lengths.size(), 1));
-  if (c.bias) dbias.copy_from_host(bias.data(), bias.size(), stream);
+  if (c.bias) dbias.copy_from_host(in.bias.data(), in.bias.size(), stream);
   if (!c.key_lengths.empty()) {
     dlengths.copy_from_host(c.key_lengths.data(), c.key_lengths.size(), stream);
   }
-  const std::vector<float> poison_out(dout.size(), std::nanf("")),
-      poison_lse(dlse.size(), std::nanf(""));
   dout.copy_from_host(poison_out.data(), poison_out.size(), stream);
   dlse.copy_from_host(poison_lse.data(), poison_lse.size(), stream);
   dentropy.copy_from_host(poison_lse.data(), poison_lse.size(), stream);
@@ -113,7 +137,7 @@ TEST_P(TcAttention, MatchesTheDoubleReferenceWithinTwiceTheNaiveError) {
   args.key = dk.data();
   args.value = dv.data();
   args.key_bias = c.bias ? dbias.data() : nullptr;
-  args.scale = scale;
+  args.scale = in.scale;
   args.out = dout.data();
   args.lse = dlse.data();
   args.entropy = dentropy.data();
@@ -132,7 +156,7 @@ TEST_P(TcAttention, MatchesTheDoubleReferenceWithinTwiceTheNaiveError) {
   const int tiles_per_split = (tiles + c.splits - 1) / c.splits;
   args.splits = (tiles + tiles_per_split - 1) / tiles_per_split;
   args.split_keys = tiles_per_split * detail::kTcBlockKeys;
-  ASSERT_EQ(args.splits, c.splits) << c.name << ": the case's splits are not whole tiles";
+  EXPECT_EQ(args.splits, c.splits) << c.name << ": the case's splits are not whole tiles";
   const std::size_t split_stats = static_cast<std::size_t>(args.splits) * hb * c.queries;
   cuda::DeviceBuffer<float> split_out(split_stats * c.dim), split_lse(split_stats),
       split_entropy(split_stats);
@@ -144,24 +168,62 @@ TEST_P(TcAttention, MatchesTheDoubleReferenceWithinTwiceTheNaiveError) {
   // The kernel's shared memory is allowed on this device first, as a plan does when it is made.
   detail::prepare_tc_attention(args.type, args.dim, "tensor-core attention");
   detail::launch_tc_attention(args, stream, "tensor-core attention");
-  std::vector<float> out(dout.size()), lse(dlse.size()), entropy(dentropy.size());
-  dout.copy_to_host(out.data(), out.size(), stream);
-  dlse.copy_to_host(lse.data(), lse.size(), stream);
-  dentropy.copy_to_host(entropy.data(), entropy.size(), stream);
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  dout.copy_to_host(result.out.data(), result.out.size(), stream);
+  dlse.copy_to_host(result.lse.data(), result.lse.size(), stream);
+  dentropy.copy_to_host(result.entropy.data(), result.entropy.size(), stream);
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   cudaStreamDestroy(stream);
+  return result;
+}
+
+TEST_P(TcAttention, MatchesTheDoubleReferenceWithinTwiceTheNaiveError) {
+  EMFLOW_REQUIRE_CUDA();
+  const Case& c = GetParam();
+  const Inputs in = inputs_of(c);
+  const Outputs outputs = run_kernel(c, in);
+  if (HasFailure()) return;
 
   // The naive kernel's operands: the stored values, rounded to TF32 as its products read them.
-  const std::vector<float> nq = tf32_case ? tf32(q.values) : q.values;
-  const std::vector<float> nk = tf32_case ? tf32(k.values) : k.values;
-  const std::vector<float> nv = tf32_case ? tf32(v.values) : v.values;
-  const Result exact = attention(c, q.values, k.values, v.values, bias, scale, false);
-  const Result naive = attention(c, nq, nk, nv, bias, scale, true);
-  const Result got{std::vector<double>(out.begin(), out.end()),
-                   std::vector<double>(lse.begin(), lse.end()),
-                   std::vector<double>(entropy.begin(), entropy.end())};
+  const bool tf32_case = c.type == TcType::tf32;
+  const std::vector<float> nq = tf32_case ? tf32(in.q.values) : in.q.values;
+  const std::vector<float> nk = tf32_case ? tf32(in.k.values) : in.k.values;
+  const std::vector<float> nv = tf32_case ? tf32(in.v.values) : in.v.values;
+  const Result exact =
+      attention(c, in.q.values, in.k.values, in.v.values, in.bias, in.scale, false);
+  const Result naive = attention(c, nq, nk, nv, in.bias, in.scale, true);
+  const Result got{std::vector<double>(outputs.out.begin(), outputs.out.end()),
+                   std::vector<double>(outputs.lse.begin(), outputs.lse.end()),
+                   std::vector<double>(outputs.entropy.begin(), outputs.entropy.end())};
   expect_accuracy_rule(c.name, {got.out, got.lse}, {exact.out, exact.lse}, {naive.out, naive.lse});
   expect_entropy_rule(c.name, got.entropy, exact.entropy, naive.entropy, exact.lse, c.tokens > 1);
+}
+
+// The two ways of loading the tiles compute the same thing: with rows of whole 16-byte chunks,
+// the tiles come by cp.async from aligned arrays and by plain loads from the same values one
+// element off, and the outputs are the same bits (the arithmetic does not depend on the loads).
+TEST_P(TcAttention, AsyncCopiesAndPlainLoadsGiveTheSameBits) {
+  EMFLOW_REQUIRE_CUDA();
+  const Case& c = GetParam();
+  const std::size_t element = c.type == TcType::tf32 ? 4 : 2;
+  if ((static_cast<std::size_t>(c.dim) * element) % 16 != 0) {
+    GTEST_SKIP() << c.name << ": rows of partial 16-byte chunks, loaded by plain loads always";
+  }
+  const Inputs in = inputs_of(c);
+  const Outputs copied = run_kernel(c, in), plain = run_kernel(c, in, 1);
+  if (HasFailure()) return;
+  const auto same_bits = [](float a, float b) {
+    return detail::float_bits(a) == detail::float_bits(b);
+  };
+  for (std::size_t i = 0; i < copied.out.size(); ++i) {
+    ASSERT_TRUE(same_bits(copied.out[i], plain.out[i]))
+        << c.name << ": out[" << i << "] " << copied.out[i] << " by cp.async, " << plain.out[i]
+        << " by plain loads";
+  }
+  for (std::size_t i = 0; i < copied.lse.size(); ++i) {
+    ASSERT_TRUE(same_bits(copied.lse[i], plain.lse[i])) << c.name << ": lse[" << i << "]";
+    ASSERT_TRUE(same_bits(copied.entropy[i], plain.entropy[i]))
+        << c.name << ": entropy[" << i << "]";
+  }
 }
 
 // name, type, batch, heads, tokens, queries, dim, mask, key lengths, key bias
