@@ -29,8 +29,10 @@ if [[ ${#targets[@]} -eq 0 ]]; then
 fi
 
 start=$(date +%s)
+# The CPU engine's path this processor takes only (EMFLOW_ONLY_CPU_PATH=host): the one a
+# fuzzer runs here.
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER="$CXX_CLANG" \
-  -DEMFLOW_BUILD_FUZZERS=ON -DEMFLOW_WITH_CUDA=OFF -DEMFLOW_BUILD_TESTS=OFF \
+  -DEMFLOW_ONLY_CPU_PATH=host -DEMFLOW_BUILD_FUZZERS=ON -DEMFLOW_WITH_CUDA=OFF -DEMFLOW_BUILD_TESTS=OFF \
   -DEMFLOW_BUILD_BENCHMARKS=OFF -DEMFLOW_BUILD_CLI=OFF >/dev/null
 cmake --build "$build" --target "${targets[@]}" -j "$jobs"
 echo "fuzz.sh: built in $(($(date +%s) - start)) s"

@@ -41,23 +41,33 @@ struct Path {
   std::vector<std::string> required;  ///< of cpu_feature_names()
 };
 
-/// The build's paths, lowest first; the extensions each needs are those of its target string
+/// The build's paths, lowest first (all of them, or the one EMFLOW_ONLY_CPU_PATH kept:
+/// EMFLOW_CPU_BUILT_<name>); the extensions each needs are those of its target string
 /// (CMakeLists.txt, EMFLOW_CPU_PATH_<name>_ISA).
 const std::vector<Path>& paths() {
+  static const std::vector<Path> built = [] {
+    std::vector<Path> out;
 #if defined(__x86_64__) || defined(_M_X64)
-  static const std::vector<Path> all = [] {
     const std::vector<std::string> v3{"avx2", "fma", "f16c", "bmi2"};
     std::vector<std::string> v4 = v3;
     for (const char* name : {"avx512f", "avx512dq", "avx512bw", "avx512vl"}) v4.emplace_back(name);
     std::vector<std::string> bf16 = v4;
     bf16.emplace_back("avx512bf16");
-    return std::vector<Path>{
-        {&avx2::kernels, v3}, {&avx512::kernels, v4}, {&avx512bf16::kernels, bf16}};
-  }();
-#else
-  static const std::vector<Path> all{{&generic::kernels, {}}};
+#if defined(EMFLOW_CPU_BUILT_avx2)
+    out.push_back({&avx2::kernels, v3});
 #endif
-  return all;
+#if defined(EMFLOW_CPU_BUILT_avx512)
+    out.push_back({&avx512::kernels, v4});
+#endif
+#if defined(EMFLOW_CPU_BUILT_avx512bf16)
+    out.push_back({&avx512bf16::kernels, bf16});
+#endif
+#else
+    out.push_back({&generic::kernels, {}});
+#endif
+    return out;
+  }();
+  return built;
 }
 
 const Kernels& chosen() {

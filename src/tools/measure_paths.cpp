@@ -38,12 +38,22 @@ struct Path {
 
 /// The engine's path here; where it has none (no AVX2), the lowest, which is then refused.
 const Path& taken() {
+  // The build's paths (EMFLOW_CPU_BUILT_<name>: all, or the one EMFLOW_ONLY_CPU_PATH kept).
+  static const Path paths[] = {
 #if defined(__x86_64__) || defined(_M_X64)
-  static const Path paths[] = {EMFLOW_TOOLS_PATH_ENTRY(avx2), EMFLOW_TOOLS_PATH_ENTRY(avx512),
-                               EMFLOW_TOOLS_PATH_ENTRY(avx512bf16)};
-#else
-  static const Path paths[] = {EMFLOW_TOOLS_PATH_ENTRY(generic)};
+#if defined(EMFLOW_CPU_BUILT_avx2)
+    EMFLOW_TOOLS_PATH_ENTRY(avx2),
 #endif
+#if defined(EMFLOW_CPU_BUILT_avx512)
+    EMFLOW_TOOLS_PATH_ENTRY(avx512),
+#endif
+#if defined(EMFLOW_CPU_BUILT_avx512bf16)
+    EMFLOW_TOOLS_PATH_ENTRY(avx512bf16),
+#endif
+#else
+    EMFLOW_TOOLS_PATH_ENTRY(generic),
+#endif
+  };
   const Machine& machine = this_machine();
   for (const Path& p : paths) {
     if (machine.cpu_instruction_set == p.path()) return p;

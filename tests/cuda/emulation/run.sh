@@ -10,6 +10,7 @@
 #   bash tests/cuda/emulation/run.sh thread  ['gtest filter']   # TSan: shared-memory races
 #
 # It configures the CMake preset emulation-<mode> (CMakePresets.json: EMFLOW_CUDA_EMULATION=ON,
+# the CPU engine's host path only (EMFLOW_ONLY_CPU_PATH=host),
 # the sanitizer in CMAKE_CXX_FLAGS) into build-emulation-<mode>, builds the test binary of the
 # GPU suites (tests/attention, tests/cuda) and runs it in EMULATION_SHARDS processes at once
 # (gtest sharding; default: one per core, at most 4), each logging to
