@@ -227,6 +227,14 @@ __device__ __forceinline__ BlockPlace block_place(const TcAttentionArgs& args, i
   return place;
 }
 
+// The row of (head, cloud) index head_cloud = head x batch + cloud in the per-head arrays:
+// itself, or cloud x heads + head where the clouds are outermost (batch_major).
+__device__ __forceinline__ std::size_t array_row(const TcAttentionArgs& args, int head_cloud) {
+  if (!args.batch_major) return static_cast<std::size_t>(head_cloud);
+  return static_cast<std::size_t>(head_cloud % args.batch) * static_cast<std::size_t>(args.heads) +
+         static_cast<std::size_t>(head_cloud / args.batch);
+}
+
 template <class T, int D>
 __global__ void __launch_bounds__(kThreads)
     tc_attention_kernel(const TcAttentionArgs args, int query_blocks, bool async_rows) {
@@ -249,14 +257,15 @@ __global__ void __launch_bounds__(kThreads)
   const int length = view.key_length;
   const int split_first = args.splits > 1 ? place.split * args.split_keys : 0;
   const int split_last = args.splits > 1 ? min(N, split_first + args.split_keys) : N;
-  const std::size_t head_cloud = static_cast<std::size_t>(place.head_cloud);
+  const std::size_t head_cloud = array_row(args, place.head_cloud);
   // Grouped-query heads: head h's keys and values are its kv head's (h / group, cloud b).
   const int head = place.head_cloud / args.batch;
-  const std::size_t kv_cloud = args.kv_heads > 0
-                                   ? static_cast<std::size_t>(head / (args.heads / args.kv_heads)) *
-                                             static_cast<std::size_t>(args.batch) +
-                                         static_cast<std::size_t>(b)
-                                   : head_cloud;
+  const int kv_heads = args.kv_heads > 0 ? args.kv_heads : args.heads;
+  const int kv_head = args.kv_heads > 0 ? head / (args.heads / args.kv_heads) : head;
+  const std::size_t kv_cloud =
+      args.batch_major
+          ? static_cast<std::size_t>(b) * static_cast<std::size_t>(kv_heads) + kv_head
+          : static_cast<std::size_t>(kv_head) * static_cast<std::size_t>(args.batch) + b;
   const std::size_t key_cloud = args.shared_keys ? static_cast<std::size_t>(b) : kv_cloud;
   const T* const query = static_cast<const T*>(args.query) + head_cloud * Nq * dim;
   const T* const key = static_cast<const T*>(args.key) + key_cloud * N * dim;
@@ -463,8 +472,9 @@ __global__ void __launch_bounds__(kThreads)
   // Where the block writes, from the block index again rather than kept in registers through the
   // key loop: split s writes slice s, heads x batch x queries rows further on.
   const BlockPlace at = block_place(args, query_blocks);
-  const std::size_t stat_base =
-      (static_cast<std::size_t>(at.split) * args.heads * args.batch + at.head_cloud) * Nq;
+  const std::size_t stat_base = (static_cast<std::size_t>(at.split) * args.heads * args.batch +
+                                 array_row(args, at.head_cloud)) *
+                                Nq;
   const int m_first = at.query_block * kRows;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

@@ -77,6 +77,10 @@ struct TcAttentionArgs {
   /// Grouped-query heads: key and value hold kv_heads heads, (kv_heads, batch, tokens, dim), and
   /// query head h reads kv head h / (heads / kv_heads). 0: as many as the query heads.
   int kv_heads = 0;
+  /// Every array with the clouds outermost instead of the heads: query, key and value (batch,
+  /// heads or kv_heads, ..., dim), key_bias (batch, heads, tokens), out, lse and entropy (and the
+  /// splits' slices) (batch, heads, queries, ...): the layout of the SDPA-shaped operator.
+  bool batch_major = false;
   const float* key_bias = nullptr;  ///< (heads, batch, tokens), added to <q_i, k_j>, or null
   float scale = 1.f;
   float* out = nullptr;      ///< (heads, batch, queries, dim)

@@ -29,7 +29,8 @@
 // first and throws emflow::Error (ErrorCode::invalid_argument) naming the argument, the expected
 // and the actual value, e.g. `sdpa_attend: argument 'query_heads' must be a multiple of
 // kv_heads (4), got 6`; ErrorCode::unsupported for a device that does not implement the call
-// (Device::cuda, for now), ErrorCode::out_of_memory when working memory cannot be allocated.
+// (Device::cuda for the backward pass and for what the tensor cores do not compute, below),
+// ErrorCode::out_of_memory when working memory cannot be allocated.
 //
 // Precision (docs/MATH.md §7, §8.6): T is float, double, emflow::bfloat16 or emflow::float16.
 //   Device::cpu, float: the fused float32 engine (src/cpu): float products and sums, online
@@ -44,7 +45,14 @@
 //   Device::cpu, double, and Device::reference: the double-precision reference
 //     (reference::sdpa_attend, reference::sdpa_backward), the results rounded to T once. The
 //     reference holds the N x N weights and score gradients of one call (O(B Hq Nq Nk) doubles).
-//   Device::automatic: Device::cpu (no GPU path computes this operator yet).
+//   Device::cuda, the forward pass: the tensor-core attention kernel (kernels/tc_attention.cu)
+//     on the arrays as they are, bfloat16 or float16 products (float with Precision::tf32: TF32
+//     products) accumulated in float32, the output rounded to T once, lse and entropy float32;
+//     value_rank equal to rank, rank <= 256 (else unsupported, naming the limit). Host arrays:
+//     copied to the device and back, the call returns when the results are on the host. Held to
+//     the 2x-naive rule of the tensor cores (docs/MATH.md §7.4). No GPU backward pass yet.
+//   Device::automatic: the GPU's forward where a GPU is present and it computes the call, else
+//     Device::cpu; the backward pass on Device::cpu.
 // Non-finite values (docs/MATH.md §6.6, §8.6): a float or 16-bit call on Device::cpu with a NaN
 // or infinity in a value it reads (a real query row, a real key or value row, an upstream
 // gradient or saved statistic of a query that sees a key) is computed by the double reference,

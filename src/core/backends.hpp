@@ -12,6 +12,7 @@
 #include "emflow/capability.hpp"
 #include "emflow/factored.hpp"
 #include "emflow/partial.hpp"
+#include "emflow/sdpa.hpp"
 #include "validate.hpp"
 
 namespace emflow::detail {
@@ -172,6 +173,13 @@ void cuda_attend_partial(const AttentionInput<T>& input, const PartialOutput<T>&
 template <class T>
 void cuda_attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
                           const AttentionOutput<T>& output, const Route& route);
+
+/// Blocking CUDA path of sdpa_attend on host arrays (src/cuda/sdpa.cpp, or a stub without CUDA):
+/// queries, keys and values copied to the device, the tensor-core attention kernel run on them in
+/// their own (batch, heads, tokens, rank) layout with the products of `route` (bf16, fp16 or
+/// TF32), its float32 output rounded to T once on the host, lse and entropy in float32.
+template <class T>
+void cuda_sdpa_attend(const SdpaInput<T>& input, const SdpaOutput<T>& output, const Route& route);
 
 /// Whether a CUDA device can be used; when not, `reason` says why (no CUDA build, no device,
 /// driver error). Read once per process, by this_machine().

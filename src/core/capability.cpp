@@ -266,10 +266,33 @@ Route cuda_dense_products(const Problem& p, const char* op, bool expanded) {
   return refused(Device::cuda, op, "unknown algorithm");
 }
 
-Route on_cuda(const Problem& p, const Machine& machine, const char* op) {
-  if (p.operation == Operation::sdpa || p.operation == Operation::sdpa_backward) {
+/// The SDPA-shaped operator's forward on the GPU: the tensor-core attention kernel itself, on
+/// the caller's projected queries, keys and values (src/cuda/sdpa.cpp).
+Route cuda_sdpa(const Problem& p, const char* op) {
+  const bool tf32 = p.storage == Dtype::float32 && p.precision == Precision::tf32;
+  if (!is_16bit(p.storage) && !tf32) {
     return refused(Device::cuda, op,
-                   "the SDPA-shaped operator has no GPU path yet (use Device::cpu)");
+                   "the SDPA-shaped operator runs on the GPU's tensor cores: bfloat16 or float16 "
+                   "storage, or float with Precision::tf32; got ",
+                   to_string(p.storage), " with Precision::", to_string(p.precision),
+                   " (use Device::cpu)");
+  }
+  if (p.rank != p.dim) {
+    return refused(Device::cuda, op, "the GPU's SDPA needs value_rank equal to rank, got ", p.dim,
+                   " and ", p.rank, " (use Device::cpu)");
+  }
+  if (p.rank > kTensorCoreMaxDim) {
+    return refused(Device::cuda, op, "the tensor cores need rank <= ", kTensorCoreMaxDim, ", got ",
+                   p.rank);
+  }
+  return runs(Device::cuda, Kernel::cuda_tensor_cores, Dtype::float32, tensor_core_products(p));
+}
+
+Route on_cuda(const Problem& p, const Machine& machine, const char* op) {
+  if (p.operation == Operation::sdpa_backward) {
+    return refused(Device::cuda, op,
+                   "the SDPA-shaped operator's backward pass has no GPU path yet (use "
+                   "Device::cpu)");
   }
   if (p.operation == Operation::backward) {
     return refused(Device::cuda, op, "the backward pass has no GPU path yet (use Device::cpu)");
@@ -286,8 +309,9 @@ Route on_cuda(const Problem& p, const Machine& machine, const char* op) {
   if (!limit.empty()) return refused(Device::cuda, op, limit);
   const bool factored = p.form == Form::factored;
   // Rotary positions and grouped kv heads: the tensor-core path of the factored update alone
-  // turns the projected queries and keys and reads a kv head per group of query heads.
-  if (rotary_or_grouped(p) && p.operation != Operation::update) {
+  // turns the projected queries and keys, and it and the SDPA-shaped operator (no rotary there)
+  // read a kv head per group of query heads.
+  if (rotary_or_grouped(p) && p.operation != Operation::update && p.operation != Operation::sdpa) {
     return refused(Device::cuda, op, rotary_or_grouped_names(p), " have no GPU kernel for ",
                    p.operation == Operation::decode ? "the decode cache" : "partial states",
                    ": run on the cpu or the reference");
@@ -326,6 +350,7 @@ Route on_cuda(const Problem& p, const Machine& machine, const char* op) {
       }
       return runs(Device::cuda, Kernel::cuda_fused, Dtype::float32, Precision::fp32);
     case Operation::sdpa:
+      return cuda_sdpa(p, op);
     case Operation::sdpa_backward:
     case Operation::backward:  // refused above
     case Operation::update:

@@ -22,6 +22,17 @@ void cuda_attend_partial(const AttentionInput<T>&, const PartialOutput<T>&, cons
 }
 
 template <class T>
+void cuda_sdpa_attend(const SdpaInput<T>&, const SdpaOutput<T>&, const Route&) {
+  fail(ErrorCode::unsupported, "sdpa_attend: emflow was built without CUDA (EMFLOW_WITH_CUDA=OFF)");
+}
+template void cuda_sdpa_attend<float>(const SdpaInput<float>&, const SdpaOutput<float>&,
+                                      const Route&);
+template void cuda_sdpa_attend<bfloat16>(const SdpaInput<bfloat16>&, const SdpaOutput<bfloat16>&,
+                                         const Route&);
+template void cuda_sdpa_attend<float16>(const SdpaInput<float16>&, const SdpaOutput<float16>&,
+                                        const Route&);
+
+template <class T>
 void cuda_attend_factored(const AttentionInput<T>&, const FactoredLayer<T>&,
                           const AttentionOutput<T>&, const Route&) {
   fail(ErrorCode::unsupported,

@@ -5,7 +5,8 @@
 // Kernel::cpu_bf16, sdpa_backward_bf16.cpp), and the double reference (reference::sdpa_attend,
 // reference::sdpa_backward) for double input, for Device::reference, where the engine has no
 // path on this processor under Device::automatic, and for input with a non-finite value the
-// engine would read.
+// engine would read. On Device::cuda the forward is the tensor-core attention kernel on the
+// caller's arrays (src/cuda/sdpa.cpp).
 #include "emflow/sdpa.hpp"
 
 #include <cmath>
@@ -370,7 +371,11 @@ void sdpa_attend(const SdpaInput<T>& input, const SdpaOutput<T>& output,
     if (route.kernel == Kernel::reference || std::is_same_v<T, double>) {
       detail::reference_forward(input, output);
     } else if constexpr (!std::is_same_v<T, double>) {
-      detail::cpu_forward(input, output, options.threads);
+      if (route.device == Device::cuda) {
+        detail::cuda_sdpa_attend(input, output, route);
+      } else {
+        detail::cpu_forward(input, output, options.threads);
+      }
     }
   });
 }

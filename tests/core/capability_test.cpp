@@ -564,7 +564,8 @@ TEST(Capability, TheDisableListIsCheckedAndKept) {
 
 // The SDPA-shaped operator, its backward and a layer's backward are routed as every other call:
 // the engine (its bfloat16 backward where the machine has AVX512-BF16), double in the reference,
-// no GPU path, and the reference under Device::automatic where no engine path runs.
+// no GPU path for the backward passes and float32 SDPA (the GPU's is on the tensor cores), and
+// the reference under Device::automatic where no engine path runs.
 TEST(Capability, TheSdpaOperatorAndTheBackwardPassAreRouted) {
   Machine bf16 = cpu_only();
   bf16.avx512_bf16 = true;
@@ -581,7 +582,9 @@ TEST(Capability, TheSdpaOperatorAndTheBackwardPassAreRouted) {
     r = route(p, Device::cuda, with_gpu(), "op");
     EXPECT_FALSE(r.supported);
     EXPECT_NE(r.reason.find("op: cuda: "), std::string::npos) << r.reason;
-    EXPECT_NE(r.reason.find("no GPU path yet"), std::string::npos) << r.reason;
+    EXPECT_NE(r.reason.find(operation == Operation::sdpa ? "Precision::tf32" : "no GPU path yet"),
+              std::string::npos)
+        << r.reason;
     EXPECT_EQ(route(p, Device::reference, bf16, "op").kernel, Kernel::reference);
     p.storage = Dtype::float64;
     EXPECT_EQ(route(p, Device::cpu, bf16, "op").kernel, Kernel::reference);
@@ -604,6 +607,42 @@ TEST(Capability, TheSdpaOperatorAndTheBackwardPassAreRouted) {
     EXPECT_TRUE(r.supported) << r.reason;
     EXPECT_EQ(r.device, Device::reference);
   }
+}
+
+// The SDPA-shaped operator's forward on the GPU: the tensor-core kernel, for 16-bit storage or
+// float with TF32 products, with grouped heads, value_rank equal to rank, rank <= 256; taken
+// under Device::automatic where a GPU is present.
+TEST(Capability, TheSdpaOperatorRunsOnTheTensorCores) {
+  Problem p = factored(Dtype::bfloat16);
+  p.operation = Operation::sdpa;
+  p.dim = p.rank;
+  p.kv_heads = 1;
+  p.heads = 4;
+  Route r = route(p, Device::cuda, with_gpu(), "op");
+  EXPECT_TRUE(r.supported) << r.reason;
+  EXPECT_EQ(r.kernel, Kernel::cuda_tensor_cores);
+  EXPECT_EQ(r.products, Precision::bf16);
+  EXPECT_EQ(route(p, Device::automatic, with_gpu(), "op").device, Device::cuda);
+  EXPECT_EQ(route(p, Device::automatic, cpu_only(), "op").device, Device::cpu);
+  p.storage = Dtype::float32;
+  p.precision = Precision::tf32;
+  r = route(p, Device::cuda, with_gpu(), "op");
+  EXPECT_TRUE(r.supported) << r.reason;
+  EXPECT_EQ(r.products, Precision::tf32);
+  p.dim = p.rank + 1;
+  r = route(p, Device::cuda, with_gpu(), "op");
+  EXPECT_FALSE(r.supported);
+  EXPECT_NE(r.reason.find("value_rank equal to rank"), std::string::npos) << r.reason;
+  p.dim = p.rank = kTensorCoreMaxDim + 1;
+  r = route(p, Device::cuda, with_gpu(), "op");
+  EXPECT_FALSE(r.supported);
+  EXPECT_NE(r.reason.find("rank <= 256"), std::string::npos) << r.reason;
+  p.storage = Dtype::float64;
+  p.precision = Precision::fp32;
+  p.dim = p.rank = 16;
+  r = route(p, Device::cuda, with_gpu(), "op");
+  EXPECT_FALSE(r.supported);
+  EXPECT_NE(r.reason.find("float64"), std::string::npos) << r.reason;
 }
 
 }  // namespace

@@ -55,6 +55,9 @@ SMALL+=':Kinds/Mma.*:MmaLoads.*:Cases/TcAttention.*:Cases/TcFactored.*:TcFactore
 SMALL+=':Cases/TcDense.*:TcDenseRefusals.*'
 # Key splits on the tensor cores: split against unsplit, asked for and automatic.
 SMALL+=':TcDenseSplits.*:TcFactoredSplits.*'
+# The SDPA-shaped operator on the GPU (the tensor-core kernel on the caller's arrays) and its
+# refusals.
+SMALL+=':SdpaCuda*'
 # The device decode cache: token by token against the host cache, split keys, refusals.
 SMALL+=':CudaDecode.*'
 # The public plan (cuda::AttentionPlan): every strategy made once and run twice against the
