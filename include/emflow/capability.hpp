@@ -164,6 +164,8 @@ const Machine& this_machine();
 /// tensor-core kernel.
 inline constexpr std::int64_t kCudaFusedMaxDim = 256;
 inline constexpr std::int64_t kTensorCoreMaxDim = 256;
+/// Largest rank and value_rank of the SDPA-shaped operator's backward pass on the GPU.
+inline constexpr std::int64_t kCudaSdpaBackwardMaxRank = 128;
 
 /// The storage type of T.
 template <class T>

@@ -29,7 +29,7 @@
 // first and throws emflow::Error (ErrorCode::invalid_argument) naming the argument, the expected
 // and the actual value, e.g. `sdpa_attend: argument 'query_heads' must be a multiple of
 // kv_heads (4), got 6`; ErrorCode::unsupported for a device that does not implement the call
-// (Device::cuda for the backward pass and for what the tensor cores do not compute, below),
+// (Device::cuda for what its kernels do not compute, below),
 // ErrorCode::out_of_memory when working memory cannot be allocated.
 //
 // Precision (docs/MATH.md §7, §8.6): T is float, double, emflow::bfloat16 or emflow::float16.
@@ -50,9 +50,13 @@
 //     products) accumulated in float32, the output rounded to T once, lse and entropy float32;
 //     value_rank equal to rank, rank <= 256 (else unsupported, naming the limit). Host arrays:
 //     copied to the device and back, the call returns when the results are on the host. Held to
-//     the 2x-naive rule of the tensor cores (docs/MATH.md §7.4). No GPU backward pass yet.
-//   Device::automatic: the GPU's forward where a GPU is present and it computes the call, else
-//     Device::cpu; the backward pass on Device::cpu.
+//     the 2x-naive rule of the tensor cores (docs/MATH.md §7.4).
+//   Device::cuda, the backward pass: float32 kernels (kernels/sdpa_backward.cu: the weights
+//     recomputed from lse, dK and dV per key tile, dQ per query tile, no atomics, the same bits
+//     run to run), 16-bit storage widened exactly and the gradients rounded to T once, as on
+//     the cpu; rank and value_rank <= 128; float64 unsupported. Host arrays, copied both ways.
+//   Device::automatic: the GPU where a GPU is present and it computes the call, else
+//     Device::cpu.
 // Non-finite values (docs/MATH.md §6.6, §8.6): a float or 16-bit call on Device::cpu with a NaN
 // or infinity in a value it reads (a real query row, a real key or value row, an upstream
 // gradient or saved statistic of a query that sees a key) is computed by the double reference,

@@ -288,12 +288,24 @@ Route cuda_sdpa(const Problem& p, const char* op) {
   return runs(Device::cuda, Kernel::cuda_tensor_cores, Dtype::float32, tensor_core_products(p));
 }
 
-Route on_cuda(const Problem& p, const Machine& machine, const char* op) {
-  if (p.operation == Operation::sdpa_backward) {
+/// The SDPA-shaped operator's backward on the GPU: the float32 kernels of
+/// kernels/sdpa_backward.cu (16-bit storage widened to float32 and the gradients rounded once,
+/// as on the cpu; Precision::tf32 is a permission there).
+Route cuda_sdpa_backward(const Problem& p, const char* op) {
+  if (p.storage == Dtype::float64) {
     return refused(Device::cuda, op,
-                   "the SDPA-shaped operator's backward pass has no GPU path yet (use "
-                   "Device::cpu)");
+                   "the GPU's SDPA backward computes float32 (and 16-bit storage widened to it), "
+                   "got float64 (use Device::cpu)");
   }
+  if (p.rank > kCudaSdpaBackwardMaxRank || p.dim > kCudaSdpaBackwardMaxRank) {
+    return refused(Device::cuda, op, "the GPU's SDPA backward needs rank and value_rank <= ",
+                   kCudaSdpaBackwardMaxRank, ", got ", p.rank, " and ", p.dim,
+                   " (use Device::cpu)");
+  }
+  return runs(Device::cuda, Kernel::cuda_fused, Dtype::float32, Precision::fp32);
+}
+
+Route on_cuda(const Problem& p, const Machine& machine, const char* op) {
   if (p.operation == Operation::backward) {
     return refused(Device::cuda, op, "the backward pass has no GPU path yet (use Device::cpu)");
   }
@@ -309,9 +321,10 @@ Route on_cuda(const Problem& p, const Machine& machine, const char* op) {
   if (!limit.empty()) return refused(Device::cuda, op, limit);
   const bool factored = p.form == Form::factored;
   // Rotary positions and grouped kv heads: the tensor-core path of the factored update alone
-  // turns the projected queries and keys, and it and the SDPA-shaped operator (no rotary there)
-  // read a kv head per group of query heads.
-  if (rotary_or_grouped(p) && p.operation != Operation::update && p.operation != Operation::sdpa) {
+  // turns the projected queries and keys, and it and the SDPA-shaped operator and its backward
+  // (no rotary there) read a kv head per group of query heads.
+  if (rotary_or_grouped(p) && p.operation != Operation::update && p.operation != Operation::sdpa &&
+      p.operation != Operation::sdpa_backward) {
     return refused(Device::cuda, op, rotary_or_grouped_names(p), " have no GPU kernel for ",
                    p.operation == Operation::decode ? "the decode cache" : "partial states",
                    ": run on the cpu or the reference");
@@ -352,6 +365,7 @@ Route on_cuda(const Problem& p, const Machine& machine, const char* op) {
     case Operation::sdpa:
       return cuda_sdpa(p, op);
     case Operation::sdpa_backward:
+      return cuda_sdpa_backward(p, op);
     case Operation::backward:  // refused above
     case Operation::update:
       break;

@@ -32,6 +32,11 @@ template void cuda_sdpa_attend<bfloat16>(const SdpaInput<bfloat16>&, const SdpaO
 template void cuda_sdpa_attend<float16>(const SdpaInput<float16>&, const SdpaOutput<float16>&,
                                         const Route&);
 
+void cuda_sdpa_backward(const CudaSdpaBackward&, float*, float*, float*, double*) {
+  fail(ErrorCode::unsupported,
+       "sdpa_backward: emflow was built without CUDA (EMFLOW_WITH_CUDA=OFF)");
+}
+
 template <class T>
 void cuda_attend_factored(const AttentionInput<T>&, const FactoredLayer<T>&,
                           const AttentionOutput<T>&, const Route&) {

@@ -564,8 +564,9 @@ TEST(Capability, TheDisableListIsCheckedAndKept) {
 
 // The SDPA-shaped operator, its backward and a layer's backward are routed as every other call:
 // the engine (its bfloat16 backward where the machine has AVX512-BF16), double in the reference,
-// no GPU path for the backward passes and float32 SDPA (the GPU's is on the tensor cores), and
-// the reference under Device::automatic where no engine path runs.
+// on the GPU the SDPA backward's float32 kernels (none for a layer's backward, and the SDPA
+// forward there runs on the tensor cores, not in float32), and the reference under
+// Device::automatic where no engine path runs.
 TEST(Capability, TheSdpaOperatorAndTheBackwardPassAreRouted) {
   Machine bf16 = cpu_only();
   bf16.avx512_bf16 = true;
@@ -578,13 +579,24 @@ TEST(Capability, TheSdpaOperatorAndTheBackwardPassAreRouted) {
     Route r = route(p, Device::cpu, bf16, "op");
     EXPECT_TRUE(r.supported) << r.reason;
     EXPECT_EQ(r.kernel, Kernel::cpu_fused);
-    EXPECT_EQ(route(p, Device::automatic, with_gpu(), "op").device, Device::cpu);
     r = route(p, Device::cuda, with_gpu(), "op");
-    EXPECT_FALSE(r.supported);
-    EXPECT_NE(r.reason.find("op: cuda: "), std::string::npos) << r.reason;
-    EXPECT_NE(r.reason.find(operation == Operation::sdpa ? "Precision::tf32" : "no GPU path yet"),
-              std::string::npos)
-        << r.reason;
+    if (operation == Operation::sdpa_backward) {
+      // The float32 backward kernels (kernels/sdpa_backward.cu), rank and value_rank <= 128.
+      expect_route(r, Device::cuda, Kernel::cuda_fused, Precision::fp32);
+      EXPECT_EQ(route(p, Device::automatic, with_gpu(), "op").device, Device::cuda);
+      Problem wide = p;
+      wide.rank = kCudaSdpaBackwardMaxRank + 1;
+      r = route(wide, Device::cuda, with_gpu(), "op");
+      EXPECT_FALSE(r.supported);
+      EXPECT_NE(r.reason.find("rank and value_rank <= 128"), std::string::npos) << r.reason;
+    } else {
+      EXPECT_EQ(route(p, Device::automatic, with_gpu(), "op").device, Device::cpu);
+      EXPECT_FALSE(r.supported);
+      EXPECT_NE(r.reason.find("op: cuda: "), std::string::npos) << r.reason;
+      EXPECT_NE(r.reason.find(operation == Operation::sdpa ? "Precision::tf32" : "no GPU path yet"),
+                std::string::npos)
+          << r.reason;
+    }
     EXPECT_EQ(route(p, Device::reference, bf16, "op").kernel, Kernel::reference);
     p.storage = Dtype::float64;
     EXPECT_EQ(route(p, Device::cpu, bf16, "op").kernel, Kernel::reference);

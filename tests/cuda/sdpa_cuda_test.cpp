@@ -3,7 +3,9 @@
 // the double reference on the stored values, under the accuracy rule of the tensor cores: the
 // output's error at most twice that of a naive computation in the same precision (the exact
 // weights rounded to the storage type, or to TF32, before the product with V; the 16-bit output
-// rounded once), lse within 1e-4 (1 + |lse|) and entropy within 1e-3 (1 + H) of the exact ones.
+// rounded once), lse within 1e-4 (1 + |lse|) and entropy within 1e-3 (1 + H) of the exact ones;
+// and its backward pass (the float32 kernels of kernels/sdpa_backward.cu) against the double
+// reference's gradients.
 // Cases: bfloat16, float16 and float on TF32; grouped kv heads, multi-query, every mask, key and
 // query lengths, explicit positions, few queries against many keys (key splits); the refusals
 // of what the GPU does not compute, by name. Skipped without a device; tests/cuda/emulation runs
@@ -87,6 +89,16 @@ double rounded_weight(double p) {
   }
 }
 
+// v stored in T (float: as it is).
+template <class T>
+T stored_as(float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return narrow_to<T>(v);
+  }
+}
+
 // Random values stored in T (floats: exact in TF32, so the kernel's rounding is exact).
 template <class T>
 std::vector<T> random_stored(std::size_t count, std::mt19937& random) {
@@ -99,7 +111,8 @@ std::vector<T> random_stored(std::size_t count, std::mt19937& random) {
 template <class T>
 Tensor<double> tensor_of(const std::vector<T>& values, const Shape& shape) {
   Tensor<double> t(shape);
-  for (std::int64_t e = 0; e < t.size(); ++e) t[e] = stored_value(values[static_cast<std::size_t>(e)]);
+  for (std::int64_t e = 0; e < t.size(); ++e)
+    t[e] = stored_value(values[static_cast<std::size_t>(e)]);
   return t;
 }
 
@@ -184,9 +197,147 @@ TYPED_TEST(SdpaCuda, MatchesTheDoubleReferenceWithinTwiceTheNaiveError) {
   }
 }
 
+// The relative error ||a - b|| / ||b|| (b not all zero).
+double relative_error(const std::vector<double>& a, const std::vector<double>& b) {
+  double error = 0.0, norm = 0.0;
+  for (std::size_t e = 0; e < a.size(); ++e) {
+    error += (a[e] - b[e]) * (a[e] - b[e]);
+    norm += b[e] * b[e];
+  }
+  return std::sqrt(error / norm);
+}
+
+template <class T>
+std::vector<double> values_of_stored(const std::vector<T>& v) {
+  std::vector<double> out;
+  for (const T& x : v) out.push_back(stored_value(x));
+  return out;
+}
+
+// The reference's gradients with 0 where it leaves NaN (rows without keys, never read).
+std::vector<double> zero_nan(const Tensor<double>& t) {
+  std::vector<double> out(t.values().begin(), t.values().end());
+  for (double& v : out) v = std::isnan(v) ? 0.0 : v;
+  return out;
+}
+
+// The backward pass on the GPU (the float32 kernels; 16-bit storage widened and the gradients
+// rounded once) against the double reference through every upstream gradient at once: float
+// within 1e-5 relative per gradient (the CPU engine's bound) and dscale within 1e-5 of the size
+// of its terms; bfloat16 and float16 within 2^-7 and 2^-10 relative (twice the rounding of the
+// storage type). The saved statistics and upstream gradients of rows that see no key hold NaN
+// (never read): their dQ rows are exactly 0, as are dK and dV of keys no query sees.
+TYPED_TEST(SdpaCuda, GradientsMatchTheDoubleReference) {
+  EMFLOW_REQUIRE_CUDA();
+  using T = TypeParam;
+  const double bound = std::is_same_v<T, float>      ? 1e-5
+                       : std::is_same_v<T, bfloat16> ? std::ldexp(1.0, -7)
+                                                     : std::ldexp(1.0, -10);
+  std::vector<SdpaGpuCase> all = cases();
+  all.push_back({"value_rank_unlike_rank", 2, 2, 1, 45, 70, 40, visible(Mask::causal(), {70, 31})});
+  for (const SdpaGpuCase& c : all) {
+    SCOPED_TRACE(c.name);
+    std::mt19937 random(91u + static_cast<unsigned>(c.keys));
+    const std::int64_t B = c.batch, Hq = c.query_heads, Hkv = c.kv_heads, Nq = c.queries,
+                       Nk = c.keys, r = c.rank, rv = c.name == "value_rank_unlike_rank" ? 24 : r;
+    const std::vector<T> Q = random_stored<T>(static_cast<std::size_t>(B * Hq * Nq * r), random);
+    const std::vector<T> K = random_stored<T>(static_cast<std::size_t>(B * Hkv * Nk * r), random);
+    const std::vector<T> V = random_stored<T>(static_cast<std::size_t>(B * Hkv * Nk * rv), random);
+    const Tensor<double> q = tensor_of(Q, {B, Hq, Nq, r}), k = tensor_of(K, {B, Hkv, Nk, r}),
+                         v = tensor_of(V, {B, Hkv, Nk, rv});
+    const reference::SdpaAttention forward = reference::sdpa_attend(q, k, v, c.scale, c.visibility);
+    reference::OutputGradients up;
+    up.update = Tensor<double>({B, Hq, Nq, rv});
+    up.lse = Tensor<double>({B, Hq, Nq});
+    up.entropy = Tensor<double>({B, Hq, Nq});
+    std::uniform_real_distribution<double> uniform(-1.0, 1.0);
+    for (std::int64_t e = 0; e < up.update.size(); ++e) {
+      up.update[e] = stored_value(stored_as<T>(static_cast<float>(uniform(random))));
+    }
+    for (std::int64_t e = 0; e < up.lse.size(); ++e) {
+      up.lse[e] = static_cast<float>(uniform(random));
+      up.entropy[e] = static_cast<float>(0.3 * uniform(random));
+    }
+    const reference::SdpaGradients exact =
+        reference::sdpa_backward(q, k, v, c.scale, c.visibility, up);
+
+    // The saved forward and the upstream gradients as stored, NaN on rows without keys.
+    const std::size_t rows = static_cast<std::size_t>(B * Hq * Nq);
+    std::vector<T> O(rows * rv), dO(rows * rv);
+    std::vector<float> lse(rows), H(rows), dlse(rows), dH(rows);
+    for (std::size_t row = 0; row < rows; ++row) {
+      const bool keyless = std::isinf(forward.lse[static_cast<std::int64_t>(row)]);
+      const float nan = std::nanf("");
+      lse[row] = keyless ? nan : static_cast<float>(forward.lse[static_cast<std::int64_t>(row)]);
+      H[row] = keyless ? nan : static_cast<float>(forward.entropy[static_cast<std::int64_t>(row)]);
+      dlse[row] = keyless ? nan : static_cast<float>(up.lse[static_cast<std::int64_t>(row)]);
+      dH[row] = keyless ? nan : static_cast<float>(up.entropy[static_cast<std::int64_t>(row)]);
+      for (std::int64_t a = 0; a < rv; ++a) {
+        const auto at = static_cast<std::int64_t>(row) * rv + a;
+        O[static_cast<std::size_t>(at)] = stored_as<T>(static_cast<float>(forward.output[at]));
+        dO[static_cast<std::size_t>(at)] =
+            keyless ? stored_as<T>(nan) : stored_as<T>(static_cast<float>(up.update[at]));
+      }
+    }
+    SdpaInput<T> in;
+    in.queries = Q.data();
+    in.keys = K.data();
+    in.values = V.data();
+    in.batch = B;
+    in.query_heads = Hq;
+    in.kv_heads = Hkv;
+    in.query_tokens = Nq;
+    in.tokens = Nk;
+    in.rank = r;
+    in.value_rank = rv;
+    in.scale = c.scale;
+    in.mask = c.visibility.mask;
+    in.key_lengths = c.visibility.key_lengths.empty() ? nullptr : c.visibility.key_lengths.data();
+    in.query_lengths =
+        c.visibility.query_lengths.empty() ? nullptr : c.visibility.query_lengths.data();
+    in.key_position = c.visibility.key_position;
+    in.query_position = c.visibility.query_position;
+    in.query_positions =
+        c.visibility.query_positions.empty() ? nullptr : c.visibility.query_positions.data();
+    std::vector<T> dQ(Q.size(), narrow_to<T>(std::nanf(""))),
+        dK(K.size(), narrow_to<T>(std::nanf(""))), dV(V.size(), narrow_to<T>(std::nanf("")));
+    double dscale = std::nan("");
+    sdpa_backward(in, SdpaSaved<T>{O.data(), lse.data(), H.data()},
+                  UpstreamGradients<T>{dO.data(), dlse.data(), dH.data()},
+                  SdpaGradientOutput<T>{dQ.data(), dK.data(), dV.data(), &dscale},
+                  ExecutionOptions{Device::cuda, 0});
+    const std::vector<double> ours[] = {values_of_stored(dQ), values_of_stored(dK),
+                                        values_of_stored(dV)};
+    const std::vector<double> want[] = {zero_nan(exact.queries), zero_nan(exact.keys),
+                                        zero_nan(exact.values)};
+    const char* names[] = {"dQ", "dK", "dV"};
+    for (int e = 0; e < 3; ++e) {
+      EXPECT_LE(relative_error(ours[e], want[e]), bound) << names[e];
+      for (std::size_t i = 0; i < want[e].size(); ++i) {
+        if (want[e][i] == 0.0 && !std::isfinite(ours[e][i])) {
+          ADD_FAILURE() << names[e] << "[" << i << "] is " << ours[e][i] << ", expected 0";
+          break;
+        }
+      }
+    }
+    // Rows without keys: dQ exactly 0.
+    for (std::size_t row = 0; row < rows; ++row) {
+      if (!std::isnan(lse[row])) continue;
+      for (std::int64_t a = 0; a < r; ++a) {
+        ASSERT_EQ(ours[0][row * static_cast<std::size_t>(r) + static_cast<std::size_t>(a)], 0.0)
+            << "dQ row " << row << " sees no key";
+      }
+    }
+    // dscale = sum_i <dQ_i, q_i> / scale, held to the size of its terms.
+    double size = 0.0;
+    for (std::size_t i = 0; i < want[0].size(); ++i)
+      size += std::fabs(want[0][i] * q[static_cast<std::int64_t>(i)]);
+    EXPECT_NEAR(dscale, exact.scale, 4 * bound * size / c.scale + 1e-9) << "dscale";
+  }
+}
+
 // What the GPU does not compute is refused by name on Device::cuda (and computed on the CPU under
-// Device::automatic): float without TF32, double, value_rank unlike rank, rank beyond 256, and
-// the backward pass.
+// Device::automatic): float without TF32, value_rank unlike rank, and float64 in the backward.
 TEST(SdpaCudaRefusals, WhatTheGpuDoesNotComputeIsNamed) {
   EMFLOW_REQUIRE_CUDA();
   const std::vector<float> Q(2 * 8 * 4, 0.5f), K(2 * 8 * 4, 0.25f), V(2 * 8 * 6, 1.f);
@@ -198,7 +349,9 @@ TEST(SdpaCudaRefusals, WhatTheGpuDoesNotComputeIsNamed) {
   in.rank = in.value_rank = 4;
   std::vector<float> out(8 * 6), lse(8);
   EXPECT_TRUE(throws_error(
-      [&] { sdpa_attend(in, SdpaOutput<float>{out.data(), lse.data()}, {Device::cuda, 0}); },
+      [&] {
+        sdpa_attend(in, SdpaOutput<float>{out.data(), lse.data()}, {Device::cuda, 0});
+      },
       ErrorCode::unsupported, {"sdpa_attend", "tensor cores", "Precision::tf32"}));
   in.value_rank = 6;
   EXPECT_TRUE(throws_error(
@@ -210,17 +363,22 @@ TEST(SdpaCudaRefusals, WhatTheGpuDoesNotComputeIsNamed) {
   // Under Device::automatic the CPU computes what the GPU refuses.
   sdpa_attend(in, SdpaOutput<float>{out.data(), lse.data()}, {Device::automatic, 1});
   EXPECT_FLOAT_EQ(out[0], 1.f);  // every value is 1
-  in.value_rank = 4;
-  const std::vector<float> dO(8 * 4, 1.f);
-  std::vector<float> dQ(8 * 4), dK(8 * 4), dV(8 * 4);
+  // The backward: float32 kernels up to rank 128; float64 on the cpu.
+  const std::vector<double> Q64(8 * 130, 0.5), V64(8 * 130, 1.0);
+  SdpaInput<double> wide;
+  wide.queries = wide.keys = Q64.data();
+  wide.values = V64.data();
+  wide.query_tokens = wide.tokens = 8;
+  wide.rank = wide.value_rank = 130;
+  std::vector<double> out64(8 * 130), lse64(8), dQ(8 * 130), dK(8 * 130), dV(8 * 130);
   EXPECT_TRUE(throws_error(
       [&] {
-        sdpa_backward(in, SdpaSaved<float>{out.data(), lse.data()},
-                      UpstreamGradients<float>{dO.data()},
-                      SdpaGradientOutput<float>{dQ.data(), dK.data(), dV.data()},
-                      {Device::cuda, 0, Precision::tf32});
+        sdpa_backward(wide, SdpaSaved<double>{out64.data(), lse64.data()},
+                      UpstreamGradients<double>{V64.data()},
+                      SdpaGradientOutput<double>{dQ.data(), dK.data(), dV.data()},
+                      {Device::cuda, 0});
       },
-      ErrorCode::unsupported, {"sdpa_backward", "no GPU path"}));
+      ErrorCode::unsupported, {"sdpa_backward", "float64"}));
 }
 
 }  // namespace

@@ -1,0 +1,374 @@
+// The backward pass of the SDPA-shaped operator in float32 (docs/MATH.md §8.2, §8.3), in the
+// FlashAttention-2 form without atomics: the weights are recomputed from lse, never stored, and
+// each gradient is owned by the blocks of one kernel, so the result is the same bits run to run.
+//
+//   sdpa_backward_keys_kernel<D>    one block per (key tile of 64, kv head, cloud): for each query
+//       head of the group and each tile of 64 queries that sees a key of the tile, recompute
+//       S = scale Q K^T, P = exp(S - lse), dP = dO V^T and dS = P (dP - dH S - E) on the 64 x 64
+//       pairs, then dV += P^T dO and dK += dS^T Q, kept in registers across the tiles.
+//   sdpa_backward_queries_kernel<D> one block per (query tile of 64, head, cloud): for each key
+//       tile the queries see, the same pair terms, then dQ += dS K in registers; and per block
+//       sum dS_ij <q_i, k_j> (the scale's gradient, summed on the host in a fixed order).
+//
+// D (64 or 128) bounds rank and value_rank; the true widths are run-time values (columns beyond
+// them are zero in shared memory). Layout of one block (256 threads = 16 x 16, thread (ty, tx)):
+// pair terms for rows 4 ty + a (a < 4) and keys tx + 16 c (c < 4), a 4 x 4 register tile, as the
+// forward's fused kernel; the gradients for rows (or keys) 4 ty + a and columns tx + 16 c
+// (c < D / 16). Shared memory, floats: four [64][D + 1] tiles (Q and dO, K and V; the odd row
+// length puts the 16 rows a half-warp reads in distinct banks), P and dS [64][65], and the row
+// terms lse, E, dH: 99.8 KiB at D = 64, 165.8 KiB at D = 128 (one block an SM on the H200).
+//
+// Masks, lengths and padding as the forward: tiles outside a block's visible band are skipped,
+// pairs outside a row's visible keys weigh 0, rows beyond the query length and keys beyond the
+// key length are read as zeros (padding may hold anything), so a query without keys gets dQ = 0
+// and a key that no query sees dK = dV = 0. The caller makes E, dH and dO zero on rows that see
+// no key (their saved statistics are never read) and sends non-finite input to the reference.
+//
+// Version 1: plain FFMA register tiles and synchronous loads, written to be checked under the CPU
+// emulation of CUDA (tests/cuda/emulation) before it can be timed; never run on a GPU. Prediction
+// for the H200 (never measured): 5 products of 64 x 64 x D per tile pair against the forward's 2,
+// bound like the forward's float kernel by FFMA issue and unpipelined loads: about 15 to 25
+// TFLOP/s in float32 at D = 64 and 128 (the FFMA peak is 67), two to three times the forward's
+// time. The path toward FlashAttention-2's class (300 TFLOP/s in bf16) is the tensor-core
+// version: the five products on mma.sync through kernels/mma.cuh, cp.async tiles, and dQ by
+// atomics or per-split buffers.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "launch.cuh"
+#include "mask.cuh"
+#include "sdpa_backward.hpp"
+
+namespace emflow::detail {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTile = kSdpaBackwardTile;
+constexpr int kPairLd = kTile + 1;
+
+template <int D>
+struct BackwardLayout {
+  static constexpr int ld = D + 1;
+  static constexpr std::size_t tile = static_cast<std::size_t>(kTile) * ld;  // floats
+  static constexpr std::size_t floats =
+      4 * tile + 2 * static_cast<std::size_t>(kTile) * kPairLd + 3 * kTile;
+  static constexpr std::size_t bytes = floats * sizeof(float);
+};
+static_assert(BackwardLayout<kSdpaBackwardMaxRank>::bytes <= 227 * 1024, "shared memory");
+
+// The block's shared arrays.
+template <int D>
+struct Shared {
+  float *a, *b, *c, *d;                  // [64][D + 1] each: the two row tiles of each side
+  float *weights, *score_gradients;      // P and dS, [64][65] (row i, key j)
+  float *lse, *term, *entropy_gradient;  // per row of the query tile
+
+  __device__ explicit Shared(float* base) {
+    using L = BackwardLayout<D>;
+    a = base;
+    b = a + L::tile;
+    c = b + L::tile;
+    d = c + L::tile;
+    weights = d + L::tile;
+    score_gradients = weights + kTile * kPairLd;
+    lse = score_gradients + kTile * kPairLd;
+    term = lse + kTile;
+    entropy_gradient = term + kTile;
+  }
+};
+
+// Rows [row0, row0 + 64) of a (rows x width) row-major matrix into a [64][D + 1] tile, zero
+// beyond `valid` rows and beyond `width` columns.
+template <int D>
+__device__ __forceinline__ void load_rows(float* dst, const float* src, int row0, int valid,
+                                          int width) {
+  for (int index = static_cast<int>(threadIdx.x); index < kTile * D; index += kThreads) {
+    const int r = index / D, c = index % D;
+    float v = 0.f;
+    if (row0 + r < valid && c < width) v = src[static_cast<std::size_t>(row0 + r) * width + c];
+    dst[r * (D + 1) + c] = v;
+  }
+}
+
+// The row terms of the query tile [m0, m0 + 64): lse, E and dH (zero beyond `valid` rows and
+// where dH is absent).
+__device__ __forceinline__ void load_row_terms(float* lse, float* term, float* entropy_gradient,
+                                               const SdpaBackwardArgs& args, std::size_t row_base,
+                                               int m0, int valid) {
+  const int r = static_cast<int>(threadIdx.x);
+  if (r < kTile) {
+    const bool inside = m0 + r < valid;
+    const std::size_t at = row_base + static_cast<std::size_t>(m0 + r);
+    lse[r] = inside ? args.lse[at] : 0.f;
+    term[r] = inside ? args.row_term[at] : 0.f;
+    entropy_gradient[r] =
+        inside && args.entropy_gradient != nullptr ? args.entropy_gradient[at] : 0.f;
+  }
+}
+
+// The pair terms of the thread's 4 x 4 pairs (rows 4 ty + a of the query tile at m0, keys
+// tx + 16 c of the key tile at n0): p and dS into the shared [64][65] arrays, and the sum of
+// dS_ij <q_i, k_j> over them returned. Q, dO in `rows_q`, `rows_do`; K, V in `keys_k`, `keys_v`.
+template <int D>
+__device__ __forceinline__ float pair_terms(const SdpaBackwardArgs& args, const Shared<D>& s,
+                                            const float* rows_q, const float* rows_do,
+                                            const float* keys_k, const float* keys_v,
+                                            const CloudView& view, int m0, int n0) {
+  constexpr int kLd = D + 1;
+  const int ty = static_cast<int>(threadIdx.x) / 16, tx = static_cast<int>(threadIdx.x) % 16;
+  float raw[4][4] = {}, dp[4][4] = {};
+  for (int k = 0; k < args.rank; ++k) {
+    float q[4], key[4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) q[a] = rows_q[(4 * ty + a) * kLd + k];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) key[c] = keys_k[(tx + 16 * c) * kLd + k];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) raw[a][c] = fmaf(q[a], key[c], raw[a][c]);
+    }
+  }
+  for (int k = 0; k < args.value_rank; ++k) {
+    float g[4], v[4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) g[a] = rows_do[(4 * ty + a) * kLd + k];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) v[c] = keys_v[(tx + 16 * c) * kLd + k];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) dp[a][c] = fmaf(g[a], v[c], dp[a][c]);
+    }
+  }
+  float scale_term = 0.f;
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+    const int i = 4 * ty + a;
+    int first = 0, last = 0;
+    visible_keys(args.mask, view, m0 + i, &first, &last);
+    const float lse = s.lse[i], term = s.term[i], dh = s.entropy_gradient[i];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int j = tx + 16 * c;
+      const bool visible = n0 + j >= first && n0 + j < last;
+      const float score = args.scale * raw[a][c];
+      const float p = visible ? expf(score - lse) : 0.f;
+      const float ds = p * (dp[a][c] - dh * score - term);
+      s.weights[i * kPairLd + j] = p;
+      s.score_gradients[i * kPairLd + j] = ds;
+      scale_term = fmaf(ds, raw[a][c], scale_term);
+    }
+  }
+  return scale_term;
+}
+
+// The query tiles of one cloud whose rows can see a key of [n0, n0 + 64): the visible keys of a
+// tile's first row and of its last real row bound those of every row (the mask rule is monotone).
+__device__ __forceinline__ bool tile_sees(const KernelMask& mask, const CloudView& view, int m0,
+                                          int n0) {
+  if (m0 >= view.query_length) return false;
+  int first = 0, last = 0, unused = 0;
+  visible_keys(mask, view, m0, &first, &unused);
+  visible_keys(mask, view, min(view.query_length, m0 + kTile) - 1, &unused, &last);
+  return first < n0 + kTile && last > n0 && first < last;
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads) sdpa_backward_keys_kernel(const SdpaBackwardArgs args) {
+  constexpr int kLd = D + 1;
+  constexpr int kColumns = D / 16;
+  EMFLOW_DYNAMIC_SHARED(storage);
+  const Shared<D> s(reinterpret_cast<float*>(storage));
+  float* const Qs = s.a;
+  float* const dOs = s.b;
+  float* const Ks = s.c;
+  float* const Vs = s.d;
+  const int key_tiles = (args.tokens + kTile - 1) / kTile;
+  const int n0 = static_cast<int>(blockIdx.x % static_cast<unsigned>(key_tiles)) * kTile;
+  const int set = static_cast<int>(blockIdx.x / static_cast<unsigned>(key_tiles));  // b Hkv + g
+  const int b = set / args.kv_heads, g = set % args.kv_heads;
+  const int group = args.heads / args.kv_heads;
+  const CloudView view = cloud_view(args.mask, b, args.tokens, args.queries);
+  const std::size_t key_base = static_cast<std::size_t>(set) * args.tokens;
+  load_rows<D>(Ks, args.key + key_base * args.rank, n0, view.key_length, args.rank);
+  load_rows<D>(Vs, args.value + key_base * args.value_rank, n0, view.key_length, args.value_rank);
+
+  const int ty = static_cast<int>(threadIdx.x) / 16, tx = static_cast<int>(threadIdx.x) % 16;
+  float dk[4][kColumns] = {}, dv[4][kColumns] = {};
+  for (int h = g * group; h < (g + 1) * group; ++h) {
+    const std::size_t row_base = (static_cast<std::size_t>(b) * args.heads + h) * args.queries;
+    for (int m0 = 0; m0 < args.queries; m0 += kTile) {
+      if (!tile_sees(args.mask, view, m0, n0)) continue;  // the same for the whole block
+      __syncthreads();  // the last tile's rows, weights and score gradients have been read
+      load_rows<D>(Qs, args.query + row_base * args.rank, m0, view.query_length, args.rank);
+      load_rows<D>(dOs, args.output_gradient + row_base * args.value_rank, m0, view.query_length,
+                   args.value_rank);
+      load_row_terms(s.lse, s.term, s.entropy_gradient, args, row_base, m0, view.query_length);
+      __syncthreads();
+      pair_terms<D>(args, s, Qs, dOs, Ks, Vs, view, m0, n0);
+      __syncthreads();
+      // dV += P^T dO and dK += dS^T Q for keys 4 ty + a, columns tx + 16 c.
+      for (int i = 0; i < kTile; ++i) {
+        float p[4], ds[4];
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+          p[a] = s.weights[i * kPairLd + 4 * ty + a];
+          ds[a] = s.score_gradients[i * kPairLd + 4 * ty + a];
+        }
+#pragma unroll
+        for (int c = 0; c < kColumns; ++c) {
+          const float gradient = dOs[i * kLd + tx + 16 * c], q = Qs[i * kLd + tx + 16 * c];
+#pragma unroll
+          for (int a = 0; a < 4; ++a) {
+            dv[a][c] = fmaf(p[a], gradient, dv[a][c]);
+            dk[a][c] = fmaf(ds[a], q, dk[a][c]);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+    const int j = n0 + 4 * ty + a;
+    if (j >= args.tokens) continue;
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c) {
+      const int column = tx + 16 * c;
+      if (column < args.rank) {
+        args.key_gradient[(key_base + j) * args.rank + column] = args.scale * dk[a][c];
+      }
+      if (column < args.value_rank) {
+        args.value_gradient[(key_base + j) * args.value_rank + column] = dv[a][c];
+      }
+    }
+  }
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads)
+    sdpa_backward_queries_kernel(const SdpaBackwardArgs args) {
+  constexpr int kLd = D + 1;
+  constexpr int kColumns = D / 16;
+  EMFLOW_DYNAMIC_SHARED(storage);
+  const Shared<D> s(reinterpret_cast<float*>(storage));
+  float* const Ks = s.a;
+  float* const Vs = s.b;
+  float* const Qs = s.c;
+  float* const dOs = s.d;
+  const int query_tiles = (args.queries + kTile - 1) / kTile;
+  const int m0 = static_cast<int>(blockIdx.x % static_cast<unsigned>(query_tiles)) * kTile;
+  const int row_set = static_cast<int>(blockIdx.x / static_cast<unsigned>(query_tiles));
+  const int b = row_set / args.heads, h = row_set % args.heads;
+  const int set = b * args.kv_heads + h / (args.heads / args.kv_heads);
+  const CloudView view = cloud_view(args.mask, b, args.tokens, args.queries);
+  const std::size_t row_base = static_cast<std::size_t>(row_set) * args.queries;
+  const std::size_t key_base = static_cast<std::size_t>(set) * args.tokens;
+  load_rows<D>(Qs, args.query + row_base * args.rank, m0, view.query_length, args.rank);
+  load_rows<D>(dOs, args.output_gradient + row_base * args.value_rank, m0, view.query_length,
+               args.value_rank);
+  load_row_terms(s.lse, s.term, s.entropy_gradient, args, row_base, m0, view.query_length);
+
+  const int ty = static_cast<int>(threadIdx.x) / 16, tx = static_cast<int>(threadIdx.x) % 16;
+  float dq[4][kColumns] = {};
+  float scale_term = 0.f;
+  for (int n0 = 0; n0 < view.key_length; n0 += kTile) {
+    if (!tile_sees(args.mask, view, m0, n0)) continue;  // the same for the whole block
+    __syncthreads();  // the last key tile and score gradients have been read (and the rows are in)
+    load_rows<D>(Ks, args.key + key_base * args.rank, n0, view.key_length, args.rank);
+    load_rows<D>(Vs, args.value + key_base * args.value_rank, n0, view.key_length, args.value_rank);
+    __syncthreads();
+    scale_term += pair_terms<D>(args, s, Qs, dOs, Ks, Vs, view, m0, n0);
+    __syncthreads();
+    // dQ += dS K for rows 4 ty + a, columns tx + 16 c.
+    for (int j = 0; j < kTile; ++j) {
+      float ds[4];
+#pragma unroll
+      for (int a = 0; a < 4; ++a) ds[a] = s.score_gradients[(4 * ty + a) * kPairLd + j];
+#pragma unroll
+      for (int c = 0; c < kColumns; ++c) {
+        const float key = Ks[j * kLd + tx + 16 * c];
+#pragma unroll
+        for (int a = 0; a < 4; ++a) dq[a][c] = fmaf(ds[a], key, dq[a][c]);
+      }
+    }
+  }
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+    const int i = m0 + 4 * ty + a;
+    if (i >= args.queries) continue;
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c) {
+      const int column = tx + 16 * c;
+      if (column < args.rank) {
+        args.query_gradient[(row_base + i) * args.rank + column] = args.scale * dq[a][c];
+      }
+    }
+  }
+  if (args.scale_terms != nullptr) {
+    // The block's sum, over its threads in a fixed order (a tree in shared memory).
+    __syncthreads();
+    float* const sums = s.weights;
+    sums[threadIdx.x] = scale_term;
+    for (int width = kThreads / 2; width > 0; width /= 2) {
+      __syncthreads();
+      if (static_cast<int>(threadIdx.x) < width) sums[threadIdx.x] += sums[threadIdx.x + width];
+    }
+    if (threadIdx.x == 0) args.scale_terms[blockIdx.x] = sums[0];
+  }
+}
+
+template <int D>
+void allow(const char* operation) {
+  const int bytes = static_cast<int>(BackwardLayout<D>::bytes);
+  check_cuda(cudaFuncSetAttribute(sdpa_backward_keys_kernel<D>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+             operation, "cudaFuncSetAttribute(sdpa_backward_keys_kernel)");
+  check_cuda(cudaFuncSetAttribute(sdpa_backward_queries_kernel<D>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+             operation, "cudaFuncSetAttribute(sdpa_backward_queries_kernel)");
+}
+
+template <int D>
+void launch_width(const SdpaBackwardArgs& args, cudaStream_t stream, const char* operation) {
+  const std::size_t bytes = BackwardLayout<D>::bytes;
+  const unsigned key_blocks = static_cast<unsigned>((args.tokens + kTile - 1) / kTile) *
+                              static_cast<unsigned>(args.kv_heads) *
+                              static_cast<unsigned>(args.batch);
+  launch(operation, "sdpa_backward_keys_kernel", sdpa_backward_keys_kernel<D>, key_blocks, kThreads,
+         bytes, stream, args);
+  const unsigned query_blocks = static_cast<unsigned>((args.queries + kTile - 1) / kTile) *
+                                static_cast<unsigned>(args.heads) *
+                                static_cast<unsigned>(args.batch);
+  launch(operation, "sdpa_backward_queries_kernel", sdpa_backward_queries_kernel<D>, query_blocks,
+         kThreads, bytes, stream, args);
+}
+
+}  // namespace
+
+std::size_t sdpa_backward_shared_bytes(int width) {
+  return width <= 64 ? BackwardLayout<64>::bytes : BackwardLayout<128>::bytes;
+}
+
+void prepare_sdpa_backward(int width, const char* operation) {
+  if (width <= 64) {
+    allow<64>(operation);
+  } else {
+    allow<128>(operation);
+  }
+}
+
+void launch_sdpa_backward(const SdpaBackwardArgs& args, cudaStream_t stream,
+                          const char* operation) {
+  const int width = args.rank > args.value_rank ? args.rank : args.value_rank;
+  if (width <= 64) {
+    launch_width<64>(args, stream, operation);
+  } else {
+    launch_width<128>(args, stream, operation);
+  }
+}
+
+}  // namespace emflow::detail

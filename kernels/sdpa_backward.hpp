@@ -1,0 +1,55 @@
+// Launchers of the SDPA-shaped operator's backward pass in float32 (sdpa_backward.cu). Each
+// enqueues on `stream`, checks the launch and never synchronises. Pointers are device pointers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "attention_kernels.hpp"
+
+namespace emflow::detail {
+
+/// The backward pass of O = softmax(scale Q K^T) V (docs/MATH.md §8.2, §8.3), per cloud b,
+/// query head h and its key and value head g = h / (heads / kv_heads), with the row terms
+/// E_i = <dO_i, O_i> - dlse_i + dH_i (H_i - lse_i) given (zero, with dH_i, on rows that see no
+/// key), s_ij = scale <q_i, k_j> and p_ij = exp(s_ij - lse_i) on the visible pairs:
+///   dS_ij = p_ij (<dO_i, v_j> - dH_i s_ij - E_i),
+///   dQ = scale dS K,   dK = scale dS^T Q,   dV = P^T dO,
+/// dK and dV summed over the query heads of each group in head order. Every array is batch-major
+/// as the operator's: queries, output gradient and dQ (batch, heads, queries, rank or
+/// value_rank), keys, values, dK and dV (batch, kv_heads, tokens, ...), the row arrays (batch,
+/// heads, queries). Rows of queries beyond their cloud's query length and keys beyond its key
+/// length are read as zeros. No atomics: the same bits run to run.
+struct SdpaBackwardArgs {
+  const float* query = nullptr;
+  const float* key = nullptr;
+  const float* value = nullptr;
+  const float* output_gradient = nullptr;  ///< dO, zero on rows that see no key
+  const float* lse = nullptr;
+  const float* row_term = nullptr;          ///< E_i
+  const float* entropy_gradient = nullptr;  ///< dH_i, or null (zero)
+  float* query_gradient = nullptr;
+  float* key_gradient = nullptr;
+  float* value_gradient = nullptr;
+  /// sum_ij dS_ij <q_i, k_j> per block of queries (batch, heads, query blocks), or null.
+  float* scale_terms = nullptr;
+  float scale = 1.f;
+  int batch = 1, heads = 1, kv_heads = 1, queries = 1, tokens = 1, rank = 1, value_rank = 1;
+  KernelMask mask;
+};
+
+/// The widest rank or value_rank of the float32 backward.
+constexpr int kSdpaBackwardMaxRank = 128;
+/// Queries (and keys) of one tile of the backward.
+constexpr int kSdpaBackwardTile = 64;
+
+/// Dynamic shared memory of the backward's kernels at the wider of rank and value_rank (bytes).
+std::size_t sdpa_backward_shared_bytes(int width);
+/// Allows the backward's kernels their shared memory on the current device (once per device,
+/// before their first launch there; not cached: cudaDeviceReset clears it).
+void prepare_sdpa_backward(int width, const char* operation);
+/// Two launches: dK and dV per key tile, then dQ (and the scale terms) per query tile.
+void launch_sdpa_backward(const SdpaBackwardArgs& args, cudaStream_t stream, const char* operation);
+
+}  // namespace emflow::detail
