@@ -57,8 +57,8 @@
 //     the cpu; rank and value_rank <= 128; float64 unsupported. Host arrays, copied both ways.
 //   Device::automatic: the GPU where a GPU is present and it computes the call, else
 //     Device::cpu.
-// Non-finite values (docs/MATH.md §6.6, §8.6): a float or 16-bit call on Device::cpu with a NaN
-// or infinity in a value it reads (a real query row, a real key or value row, an upstream
+// Non-finite values (docs/MATH.md §6.6, §8.6): a float or 16-bit call on Device::cpu or cuda with
+// a NaN or infinity in a value it reads (a real query row, a real key or value row, an upstream
 // gradient or saved statistic of a query that sees a key) is computed by the double reference,
 // which puts NaN exactly where §8.6 says; padding rows and queries without keys are never read
 // and may hold anything.

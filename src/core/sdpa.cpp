@@ -451,7 +451,12 @@ void sdpa_attend(const SdpaInput<T>& input, const SdpaOutput<T>& output,
       detail::reference_forward(input, output);
     } else if constexpr (!std::is_same_v<T, double>) {
       if (route.device == Device::cuda) {
-        detail::cuda_sdpa_attend(input, output, route);
+        // Non-finite input as on the cpu: the reference puts NaN where §6.6 says.
+        if (!detail::cpu::sdpa_inputs_finite(detail::FloatInput<T>(input).arrays)) {
+          detail::reference_forward(input, output);
+        } else {
+          detail::cuda_sdpa_attend(input, output, route);
+        }
       } else {
         detail::cpu_forward(input, output, options.threads);
       }

@@ -336,6 +336,38 @@ TYPED_TEST(SdpaCuda, GradientsMatchTheDoubleReference) {
   }
 }
 
+// Non-finite input goes to the reference on the GPU as on the cpu: a NaN in a real key gives
+// the same outputs (NaN exactly on the rows that see it) on both devices.
+TEST(SdpaCudaNonFinite, ANanKeyGivesTheCpusResult) {
+  EMFLOW_REQUIRE_CUDA();
+  std::mt19937 random(5u);
+  const std::int64_t Nq = 9, Nk = 20, r = 16;
+  const std::vector<bfloat16> Q = random_stored<bfloat16>(Nq * r, random);
+  std::vector<bfloat16> K = random_stored<bfloat16>(Nk * r, random);
+  const std::vector<bfloat16> V = random_stored<bfloat16>(Nk * r, random);
+  K[5 * r + 3] = to_bfloat16(std::nanf(""));  // key 5: seen by the causal rows from 5 on
+  SdpaInput<bfloat16> in;
+  in.queries = Q.data();
+  in.keys = K.data();
+  in.values = V.data();
+  in.query_tokens = Nq;
+  in.tokens = Nk;
+  in.rank = in.value_rank = r;
+  in.mask = Mask::causal();
+  in.query_position = 0;
+  std::vector<bfloat16> gpu(Nq * r), cpu(Nq * r);
+  std::vector<float> gpu_lse(Nq), cpu_lse(Nq);
+  sdpa_attend(in, SdpaOutput<bfloat16>{gpu.data(), gpu_lse.data()}, {Device::cuda, 0});
+  sdpa_attend(in, SdpaOutput<bfloat16>{cpu.data(), cpu_lse.data()}, {Device::cpu, 1});
+  for (std::int64_t i = 0; i < Nq; ++i) {
+    EXPECT_EQ(std::isnan(gpu_lse[i]), i >= 5) << "row " << i;
+    EXPECT_EQ(detail::float_bits(gpu_lse[i]), detail::float_bits(cpu_lse[i])) << "row " << i;
+    for (std::int64_t a = 0; a < r; ++a) {
+      EXPECT_EQ(gpu[i * r + a].bits, cpu[i * r + a].bits) << "row " << i << ", column " << a;
+    }
+  }
+}
+
 // What the GPU does not compute is refused by name on Device::cuda (and computed on the CPU under
 // Device::automatic): float without TF32, value_rank unlike rank, and float64 in the backward.
 TEST(SdpaCudaRefusals, WhatTheGpuDoesNotComputeIsNamed) {
