@@ -7,6 +7,11 @@
 #include "emflow/error.hpp"
 #include "tools/measure.hpp"
 
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(EMFLOW_CPU_BUILT_avx2) && \
+    !defined(EMFLOW_CPU_BUILT_avx512) && !defined(EMFLOW_CPU_BUILT_avx512bf16)
+#error "compile with EMFLOW_CPU_BUILT_<path> for each path the build holds (CMakeLists.txt)"
+#endif
+
 namespace emflow::tools {
 
 #define EMFLOW_TOOLS_DECLARE_PATH(name)                                                       \
