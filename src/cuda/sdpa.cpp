@@ -44,6 +44,28 @@ const V* data_or_null(const cuda::DeviceBuffer<V>& buffer) {
   return buffer.size() > 0 ? buffer.data() : nullptr;
 }
 
+/// The device copies of an SDPA input's per-cloud lengths and positions, and the mask over them.
+class DeviceMask {
+ public:
+  template <class T>
+  DeviceMask(const SdpaInput<T>& in, cudaStream_t stream)
+      : key_lengths_(upload(in.key_lengths, static_cast<std::size_t>(in.batch), stream)),
+        query_lengths_(upload(in.query_lengths, static_cast<std::size_t>(in.batch), stream)),
+        query_positions_(upload(in.query_positions, static_cast<std::size_t>(in.batch), stream)) {
+    mask_.rule = in.mask;
+    mask_.key_lengths = data_or_null(key_lengths_);
+    mask_.query_lengths = data_or_null(query_lengths_);
+    mask_.key_position = in.key_position;
+    mask_.query_position = in.query_position;
+    mask_.query_positions = data_or_null(query_positions_);
+  }
+  const KernelMask& mask() const noexcept { return mask_; }
+
+ private:
+  cuda::DeviceBuffer<std::int64_t> key_lengths_, query_lengths_, query_positions_;
+  KernelMask mask_;
+};
+
 }  // namespace
 
 template <class T>
@@ -64,9 +86,7 @@ void cuda_sdpa_attend(const SdpaInput<T>& input, const SdpaOutput<T>& output, co
   const cuda::DeviceBuffer<T> queries = upload(input.queries, rows * r, s);
   const cuda::DeviceBuffer<T> keys = upload(input.keys, B * Hkv * Nk * r, s);
   const cuda::DeviceBuffer<T> values = upload(input.values, B * Hkv * Nk * r, s);
-  const cuda::DeviceBuffer<std::int64_t> key_lengths = upload(input.key_lengths, B, s);
-  const cuda::DeviceBuffer<std::int64_t> query_lengths = upload(input.query_lengths, B, s);
-  const cuda::DeviceBuffer<std::int64_t> query_positions = upload(input.query_positions, B, s);
+  const DeviceMask mask(input, s);
   // lse always: the key splits' merge and the kernel's statistics are written whether asked or
   // not; copied back only when asked.
   cuda::DeviceBuffer<float> out(rows * r), lse(rows), entropy(output.entropy ? rows : 0);
@@ -87,12 +107,7 @@ void cuda_sdpa_attend(const SdpaInput<T>& input, const SdpaOutput<T>& output, co
   args.tokens = static_cast<int>(Nk);
   args.queries = static_cast<int>(Nq);
   args.dim = static_cast<int>(r);
-  args.mask.rule = input.mask;
-  args.mask.key_lengths = data_or_null(key_lengths);
-  args.mask.query_lengths = data_or_null(query_lengths);
-  args.mask.key_position = input.key_position;
-  args.mask.query_position = input.query_position;
-  args.mask.query_positions = data_or_null(query_positions);
+  args.mask = mask.mask();
   // Few queries against many keys: split the keys (flash-decoding), merged in split order.
   const KeySplits splits =
       choose_key_splits(input.batch, input.query_heads, input.query_tokens, input.tokens, true);
@@ -146,9 +161,7 @@ void cuda_sdpa_backward(const CudaSdpaBackward& arrays, float* query_gradient, f
   const cuda::DeviceBuffer<float> lse = upload(arrays.lse, rows, s);
   const cuda::DeviceBuffer<float> row_term = upload(arrays.row_term, rows, s);
   const cuda::DeviceBuffer<float> entropy_gradient = upload(arrays.entropy_gradient, rows, s);
-  const cuda::DeviceBuffer<std::int64_t> key_lengths = upload(in.key_lengths, B, s);
-  const cuda::DeviceBuffer<std::int64_t> query_lengths = upload(in.query_lengths, B, s);
-  const cuda::DeviceBuffer<std::int64_t> query_positions = upload(in.query_positions, B, s);
+  const DeviceMask mask(in, s);
   cuda::DeviceBuffer<float> dq(rows * r), dk(B * Hkv * Nk * r), dv(B * Hkv * Nk * rv);
   const std::size_t query_blocks = (Nq + kSdpaBackwardTile - 1) / kSdpaBackwardTile * Hq * B;
   cuda::DeviceBuffer<float> scale_terms(scale_gradient != nullptr ? query_blocks : 0);
@@ -173,12 +186,7 @@ void cuda_sdpa_backward(const CudaSdpaBackward& arrays, float* query_gradient, f
   args.tokens = static_cast<int>(Nk);
   args.rank = static_cast<int>(r);
   args.value_rank = static_cast<int>(rv);
-  args.mask.rule = in.mask;
-  args.mask.key_lengths = data_or_null(key_lengths);
-  args.mask.query_lengths = data_or_null(query_lengths);
-  args.mask.key_position = in.key_position;
-  args.mask.query_position = in.query_position;
-  args.mask.query_positions = data_or_null(query_positions);
+  args.mask = mask.mask();
   prepare_sdpa_backward(args.rank > args.value_rank ? args.rank : args.value_rank, operation);
   launch_sdpa_backward(args, s, operation);
 

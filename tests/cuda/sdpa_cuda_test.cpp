@@ -116,6 +116,34 @@ Tensor<double> tensor_of(const std::vector<T>& values, const Shape& shape) {
   return t;
 }
 
+// The SDPA input of case `c` over the stored Q, K, V (value_rank rv).
+template <class T>
+SdpaInput<T> input_of(const SdpaGpuCase& c, const std::vector<T>& Q, const std::vector<T>& K,
+                      const std::vector<T>& V, std::int64_t rv) {
+  SdpaInput<T> in;
+  in.queries = Q.data();
+  in.keys = K.data();
+  in.values = V.data();
+  in.batch = c.batch;
+  in.query_heads = c.query_heads;
+  in.kv_heads = c.kv_heads;
+  in.query_tokens = c.queries;
+  in.tokens = c.keys;
+  in.rank = c.rank;
+  in.value_rank = rv;
+  in.scale = c.scale;
+  in.mask = c.visibility.mask;
+  const auto or_null = [](const std::vector<std::int64_t>& v) {
+    return v.empty() ? nullptr : v.data();
+  };
+  in.key_lengths = or_null(c.visibility.key_lengths);
+  in.query_lengths = or_null(c.visibility.query_lengths);
+  in.key_position = c.visibility.key_position;
+  in.query_position = c.visibility.query_position;
+  in.query_positions = or_null(c.visibility.query_positions);
+  return in;
+}
+
 template <class T>
 class SdpaCuda : public ::testing::Test {};
 using Storage = ::testing::Types<bfloat16, float16, float>;
@@ -134,25 +162,7 @@ TYPED_TEST(SdpaCuda, MatchesTheDoubleReferenceWithinTwiceTheNaiveError) {
     const std::vector<T> Q = random_stored<T>(static_cast<std::size_t>(B * Hq * Nq * r), random);
     const std::vector<T> K = random_stored<T>(static_cast<std::size_t>(B * Hkv * Nk * r), random);
     const std::vector<T> V = random_stored<T>(static_cast<std::size_t>(B * Hkv * Nk * r), random);
-    SdpaInput<T> in;
-    in.queries = Q.data();
-    in.keys = K.data();
-    in.values = V.data();
-    in.batch = B;
-    in.query_heads = Hq;
-    in.kv_heads = Hkv;
-    in.query_tokens = Nq;
-    in.tokens = Nk;
-    in.rank = in.value_rank = r;
-    in.scale = c.scale;
-    in.mask = c.visibility.mask;
-    in.key_lengths = c.visibility.key_lengths.empty() ? nullptr : c.visibility.key_lengths.data();
-    in.query_lengths =
-        c.visibility.query_lengths.empty() ? nullptr : c.visibility.query_lengths.data();
-    in.key_position = c.visibility.key_position;
-    in.query_position = c.visibility.query_position;
-    in.query_positions =
-        c.visibility.query_positions.empty() ? nullptr : c.visibility.query_positions.data();
+    const SdpaInput<T> in = input_of(c, Q, K, V, r);
     const std::size_t rows = static_cast<std::size_t>(B * Hq * Nq);
     std::vector<T> out(rows * static_cast<std::size_t>(r), narrow_to<T>(std::nanf("")));
     std::vector<float> lse(rows, std::nanf("")), entropy(rows, std::nanf(""));
@@ -279,26 +289,7 @@ TYPED_TEST(SdpaCuda, GradientsMatchTheDoubleReference) {
             keyless ? stored_as<T>(nan) : stored_as<T>(static_cast<float>(up.update[at]));
       }
     }
-    SdpaInput<T> in;
-    in.queries = Q.data();
-    in.keys = K.data();
-    in.values = V.data();
-    in.batch = B;
-    in.query_heads = Hq;
-    in.kv_heads = Hkv;
-    in.query_tokens = Nq;
-    in.tokens = Nk;
-    in.rank = r;
-    in.value_rank = rv;
-    in.scale = c.scale;
-    in.mask = c.visibility.mask;
-    in.key_lengths = c.visibility.key_lengths.empty() ? nullptr : c.visibility.key_lengths.data();
-    in.query_lengths =
-        c.visibility.query_lengths.empty() ? nullptr : c.visibility.query_lengths.data();
-    in.key_position = c.visibility.key_position;
-    in.query_position = c.visibility.query_position;
-    in.query_positions =
-        c.visibility.query_positions.empty() ? nullptr : c.visibility.query_positions.data();
+    const SdpaInput<T> in = input_of(c, Q, K, V, rv);
     std::vector<T> dQ(Q.size(), narrow_to<T>(std::nanf(""))),
         dK(K.size(), narrow_to<T>(std::nanf(""))), dV(V.size(), narrow_to<T>(std::nanf("")));
     double dscale = std::nan("");
