@@ -198,6 +198,17 @@ struct SdpaGradients {
 SdpaGradients sdpa_backward(const Tensor<double>& queries, const Tensor<double>& keys,
                             const Tensor<double>& values, double scale,
                             const Visibility& visibility, const OutputGradients& upstream);
+/// The same with the forward pass's statistics read from `saved` instead of recomputed: lse_i,
+/// H_i (with dH) and o_i (for D_i, with dO), p_ij = exp(s_ij - lse_i); saved.weights is not read.
+/// With `saved` the result of sdpa_attend on the same arguments this equals the function above
+/// to rounding. With the statistics of a larger key set of which `keys` are a block (the keys'
+/// positions set in `visibility`), it is that block's share: dK and dV of its keys, and the parts
+/// of dQ and dscale that sum over the blocks to the whole set's (the sequence-parallel ring's
+/// backward, docs/MATH.md §8.9).
+SdpaGradients sdpa_backward(const Tensor<double>& queries, const Tensor<double>& keys,
+                            const Tensor<double>& values, double scale,
+                            const Visibility& visibility, const OutputGradients& upstream,
+                            const SdpaAttention& saved);
 
 /// The gradients of a dense layer (docs/MATH.md §8.4); each has the shape of its argument.
 struct LayerGradients {

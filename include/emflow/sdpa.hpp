@@ -116,7 +116,12 @@ void sdpa_attend(const SdpaInput<T>& input, const SdpaOutput<T>& output,
                  const ExecutionOptions& options = {});
 
 /// What the backward pass reads of the forward pass: the outputs sdpa_attend returned for the
-/// same input (on any device; Device::reference recomputes them instead of reading them).
+/// same input (on any device). Device::cpu, cuda and automatic read them and do not recompute
+/// them (Device::reference recomputes them in double from the stored inputs: the oracle), so a
+/// call over a block of the keys (key_position where the block starts) with the statistics of
+/// the whole key set gives that block's share of the gradients: dK and dV of its keys, and parts
+/// of dQ and dscale that sum over the blocks (docs/MATH.md §8.9; the ring's backward,
+/// sequence_parallel.hpp).
 template <class T>
 struct SdpaSaved {
   const T* output = nullptr;         ///< O; required when the output's gradient is given

@@ -237,17 +237,29 @@ void reference_forward(const SdpaInput<T>& in, const SdpaOutput<T>& out) {
   store(r.entropy, out.entropy);
 }
 
+/// `saved`: the forward's statistics, read as the engine reads them (sdpa.hpp), or null for
+/// Device::reference, which recomputes them in double from the stored inputs.
 template <class T>
-void reference_backward(const SdpaInput<T>& in, const UpstreamGradients<T>& up,
-                        const SdpaGradientOutput<T>& out) {
+void reference_backward(const SdpaInput<T>& in, const SdpaSaved<T>* saved,
+                        const UpstreamGradients<T>& up, const SdpaGradientOutput<T>& out) {
   const SdpaShape s(in);
   reference::OutputGradients upstream;
   upstream.update = tensor_of(up.update, s.output());
   upstream.lse = tensor_of(up.lse, s.statistics());
   upstream.entropy = tensor_of(up.entropy, s.statistics());
-  const reference::SdpaGradients g = reference::sdpa_backward(
-      tensor_of(in.queries, s.queries()), tensor_of(in.keys, s.keys()),
-      tensor_of(in.values, s.values()), in.scale, visibility_of(in), upstream);
+  const Tensor<double> Q = tensor_of(in.queries, s.queries()), K = tensor_of(in.keys, s.keys()),
+                       V = tensor_of(in.values, s.values());
+  reference::SdpaGradients g;
+  if (saved == nullptr) {
+    g = reference::sdpa_backward(Q, K, V, in.scale, visibility_of(in), upstream);
+  } else {
+    // O only with dO, H only with dH, as the engine reads them.
+    reference::SdpaAttention statistics;
+    statistics.lse = tensor_of(saved->lse, s.statistics());
+    if (up.update != nullptr) statistics.output = tensor_of(saved->output, s.output());
+    if (up.entropy != nullptr) statistics.entropy = tensor_of(saved->entropy, s.statistics());
+    g = reference::sdpa_backward(Q, K, V, in.scale, visibility_of(in), upstream, statistics);
+  }
   store(g.queries, out.queries);
   store(g.keys, out.keys);
   store(g.values, out.values);
@@ -399,7 +411,7 @@ void cpu_backward(const SdpaInput<T>& in, const SdpaSaved<T>& saved, const Upstr
     b.output_gradient = output_gradient.data();
   }
   if (!cpu::sdpa_inputs_finite(f.arrays) || !cpu::sdpa_backward_finite(f.arrays, b)) {
-    reference_backward(in, up, out);  // NaN exactly where docs/MATH.md §8.6 puts it
+    reference_backward(in, &saved, up, out);  // NaN exactly where docs/MATH.md §8.6 puts it
     return;
   }
   if (on_gpu) {
@@ -507,8 +519,10 @@ void sdpa_backward(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
     detail::check_precision<T>(options, op);
     const Route route = require_route(
         detail::sdpa_problem(input, Operation::sdpa_backward, options), options.device, op);
-    if (route.kernel == Kernel::reference || std::is_same_v<T, double>) {
-      detail::reference_backward(input, upstream, gradients);
+    if (route.kernel == Kernel::reference) {
+      detail::reference_backward<T>(input, nullptr, upstream, gradients);
+    } else if (std::is_same_v<T, double>) {
+      detail::reference_backward(input, &saved, upstream, gradients);
     } else if constexpr (!std::is_same_v<T, double>) {
       detail::cpu_backward(input, saved, upstream, gradients, route.kernel == Kernel::cpu_bf16,
                            options.threads, route.device == Device::cuda);

@@ -9,6 +9,7 @@
 // query sees). Nothing else is read, so padding, masked pairs and queries without keys add
 // nothing and get exact zeros whatever they hold; NaN is never tested for, so a non-finite value
 // that is read reaches what the formulas carry it to.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -174,6 +175,30 @@ void softmax_row(const Tensor<double>& Q, const Tensor<double>& K, const SdpaSha
   row.entropy = row.lse - expected_score;
 }
 
+/// Row i of query head h of cloud b with its statistics given (a forward pass over a key set of
+/// which these keys are a block): the products and scores as above, lse_i and H_i as given,
+/// p_ij = exp(s_ij - lse_i). A visible NaN score, or a NaN lse, gives NaN weights, as above.
+void saved_row(const Tensor<double>& Q, const Tensor<double>& K, const SdpaShape& sh, double scale,
+               std::int64_t b, std::int64_t h, std::int64_t i, KeyRange keys, double lse,
+               double entropy, Row& row) {
+  const std::int64_t r = sh.rank, Nk = sh.keys, g = h / sh.group();
+  row.keys = keys;
+  row.dot.assign(static_cast<std::size_t>(Nk), 0.0);
+  row.s.assign(static_cast<std::size_t>(Nk), -kInf);
+  row.p.assign(static_cast<std::size_t>(Nk), 0.0);
+  row.lse = lse;
+  row.entropy = entropy;
+  const double* q = Q.data() + at(b, h, i, 0, sh.query_heads, sh.queries, r);
+  for (std::int64_t j = keys.first; j < keys.last; ++j) {
+    const double* k = K.data() + at(b, g, j, 0, sh.kv_heads, Nk, r);
+    double dot = 0.0;
+    for (std::int64_t a = 0; a < r; ++a) dot += q[a] * k[a];
+    row.dot[j] = dot;
+    row.s[j] = scale * dot;
+    row.p[j] = std::exp(row.s[j] - lse);
+  }
+}
+
 /// o_i = sum_j p_ij v_j over the visible keys, each of which counts even with p_ij = 0 (§6.6).
 void weighted_values(const Tensor<double>& V, const SdpaShape& sh, std::int64_t b, std::int64_t h,
                      const Row& row, double* o) {
@@ -310,9 +335,13 @@ SdpaAttention sdpa_attend(const Tensor<double>& queries, const Tensor<double>& k
   return out;
 }
 
-SdpaGradients sdpa_backward(const Tensor<double>& queries, const Tensor<double>& keys,
-                            const Tensor<double>& values, double scale,
-                            const Visibility& visibility, const OutputGradients& upstream) {
+namespace {
+
+/// Both forms of sdpa_backward: the statistics recomputed (saved null) or read from `saved`.
+SdpaGradients sdpa_backward_rows(const Tensor<double>& queries, const Tensor<double>& keys,
+                                 const Tensor<double>& values, double scale,
+                                 const Visibility& visibility, const OutputGradients& upstream,
+                                 const SdpaAttention* saved) {
   const char* op = "sdpa_backward";
   const SdpaShape sh = check_sdpa(op, queries, keys, values, scale, visibility);
   const std::int64_t B = sh.batch, H = sh.query_heads, Hkv = sh.kv_heads, Nq = sh.queries,
@@ -320,6 +349,12 @@ SdpaGradients sdpa_backward(const Tensor<double>& queries, const Tensor<double>&
   expect_upstream(op, upstream, {B, H, Nq, rv}, {B, H, Nq});
   const bool has_dO = !absent(upstream.update), has_dlse = !absent(upstream.lse),
              has_dH = !absent(upstream.entropy);
+  if (saved != nullptr) {
+    // What a forward pass returns; O only with dO, H only with dH (the others are not read).
+    detail::expect_shape(op, "saved.lse", saved->lse, {B, H, Nq});
+    if (has_dO) detail::expect_shape(op, "saved.output", saved->output, {B, H, Nq, rv});
+    if (has_dH) detail::expect_shape(op, "saved.entropy", saved->entropy, {B, H, Nq});
+  }
 
   SdpaGradients out;
   out.queries = Tensor<double>(queries.shape());
@@ -337,8 +372,13 @@ SdpaGradients sdpa_backward(const Tensor<double>& queries, const Tensor<double>&
         // A query that sees no key has constant outputs (0, -inf, 0): its gradient is 0 and its
         // upstream gradients are not read (§8.6).
         if (keys_i.empty()) continue;
-        softmax_row(queries, keys, sh, scale, b, h, i, keys_i, row);
         const std::int64_t stat = (b * H + h) * Nq + i;
+        if (saved != nullptr) {
+          saved_row(queries, keys, sh, scale, b, h, i, keys_i, saved->lse[stat],
+                    has_dH ? saved->entropy[stat] : 0.0, row);
+        } else {
+          softmax_row(queries, keys, sh, scale, b, h, i, keys_i, row);
+        }
         const double* q = queries.data() + at(b, h, i, 0, H, Nq, r);
         const double* dO = has_dO ? upstream.update.data() + at(b, h, i, 0, H, Nq, rv) : nullptr;
         const double dlse = has_dlse ? upstream.lse[stat] : 0.0;
@@ -347,7 +387,11 @@ SdpaGradients sdpa_backward(const Tensor<double>& queries, const Tensor<double>&
         // D_i = <dO_i, o_i> = sum_j p_ij dP_ij.
         double D = 0.0;
         if (has_dO) {
-          weighted_values(values, sh, b, h, row, o.data());
+          if (saved != nullptr) {
+            std::copy_n(saved->output.data() + at(b, h, i, 0, H, Nq, rv), rv, o.data());
+          } else {
+            weighted_values(values, sh, b, h, row, o.data());
+          }
           for (std::int64_t a = 0; a < rv; ++a) D += dO[a] * o[a];
         }
         double* dq = out.queries.data() + at(b, h, i, 0, H, Nq, r);
@@ -381,6 +425,21 @@ SdpaGradients sdpa_backward(const Tensor<double>& queries, const Tensor<double>&
     }
   }
   return out;
+}
+
+}  // namespace
+
+SdpaGradients sdpa_backward(const Tensor<double>& queries, const Tensor<double>& keys,
+                            const Tensor<double>& values, double scale,
+                            const Visibility& visibility, const OutputGradients& upstream) {
+  return sdpa_backward_rows(queries, keys, values, scale, visibility, upstream, nullptr);
+}
+
+SdpaGradients sdpa_backward(const Tensor<double>& queries, const Tensor<double>& keys,
+                            const Tensor<double>& values, double scale,
+                            const Visibility& visibility, const OutputGradients& upstream,
+                            const SdpaAttention& saved) {
+  return sdpa_backward_rows(queries, keys, values, scale, visibility, upstream, &saved);
 }
 
 LayerGradients attend_backward(const Tensor<double>& cloud, const Tensor<double>& queries,

@@ -347,6 +347,79 @@ TEST_P(SdpaBackward, IdentitiesHold) {
   EXPECT_NEAR(k_side, c.scale * g.scale, 1e-12 * std::max(1.0, std::abs(k_side)));
 }
 
+/// Keys [first, first + count) of a (B, Hkv, Nk, w) array.
+Tensor<double> key_block(const Tensor<double>& whole, std::int64_t first, std::int64_t count) {
+  const std::int64_t B = whole.extent(0), Hkv = whole.extent(1), Nk = whole.extent(2),
+                     w = whole.extent(3);
+  Tensor<double> part({B, Hkv, count, w});
+  for (std::int64_t bh = 0; bh < B * Hkv; ++bh) {
+    for (std::int64_t j = 0; j < count; ++j) {
+      for (std::int64_t a = 0; a < w; ++a) {
+        part[(bh * count + j) * w + a] = whole[(bh * Nk + first + j) * w + a];
+      }
+    }
+  }
+  return part;
+}
+
+// With the statistics of the whole key set given, the backward over each block of the keys is
+// that block's share (docs/MATH.md §8.9): dK and dV block by block, dQ and dscale summed.
+TEST_P(SdpaBackward, BlocksOfKeysWithTheWholeStatisticsSumToTheWhole) {
+  const auto& [c, through] = GetParam();
+  const SdpaProblem p(c);
+  const OutputGradients up = p.upstream(through);
+  const reference::SdpaGradients whole = p.backward(up);
+  const reference::SdpaAttention f = p.forward();
+  ASSERT_GT(testing::max_abs(whole.queries), 1e-3) << "a vacuous comparison";
+
+  // The saved form over all the keys is the recomputing one.
+  const reference::SdpaGradients saved =
+      reference::sdpa_backward(p.Q, p.K, p.V, p.scale, p.visibility, up, f);
+  EXPECT_TRUE(testing::close_to(saved.queries.values(), whole.queries.values(), 1e-13)) << "dQ";
+  EXPECT_TRUE(testing::close_to(saved.keys.values(), whole.keys.values(), 1e-13)) << "dK";
+  EXPECT_TRUE(testing::close_to(saved.values.values(), whole.values.values(), 1e-13)) << "dV";
+
+  // Two blocks, their visibility the whole one's at the blocks' positions.
+  const std::int64_t Nk = c.keys, Nq = c.queries, split = Nk / 2;
+  if (split == 0) GTEST_SKIP() << "one key: no second block";
+  const Visibility& v = p.visibility;
+  Tensor<double> dQ(p.Q.shape());
+  double dscale = 0.0;
+  for (const auto& [first, count] : {std::pair{std::int64_t{0}, split}, {split, Nk - split}}) {
+    Visibility block = v;
+    block.key_position = v.key_position + first;
+    block.query_position = kAlignToEnd;
+    block.query_positions.clear();
+    block.key_lengths.clear();
+    for (std::int64_t b = 0; b < c.batch; ++b) {
+      const std::int64_t Lk = v.key_lengths.empty() ? Nk : v.key_lengths[static_cast<size_t>(b)];
+      const std::int64_t Lq =
+          v.query_lengths.empty() ? Nq : v.query_lengths[static_cast<size_t>(b)];
+      std::int64_t position = v.key_position + Lk - Lq;
+      if (!v.query_positions.empty()) {
+        position = v.query_positions[static_cast<size_t>(b)];
+      } else if (v.query_position != kAlignToEnd) {
+        position = v.query_position;
+      }
+      block.query_positions.push_back(position);
+      if (!v.key_lengths.empty())
+        block.key_lengths.push_back(std::clamp(Lk - first, std::int64_t{0}, count));
+    }
+    const reference::SdpaGradients g = reference::sdpa_backward(
+        p.Q, key_block(p.K, first, count), key_block(p.V, first, count), p.scale, block, up, f);
+    EXPECT_TRUE(
+        testing::close_to(g.keys.values(), key_block(whole.keys, first, count).values(), 1e-12))
+        << "dK of the block at " << first;
+    EXPECT_TRUE(
+        testing::close_to(g.values.values(), key_block(whole.values, first, count).values(), 1e-12))
+        << "dV of the block at " << first;
+    for (std::int64_t e = 0; e < dQ.size(); ++e) dQ[e] += g.queries[e];
+    dscale += g.scale;
+  }
+  EXPECT_TRUE(testing::close_to(dQ.values(), whole.queries.values(), 1e-12)) << "dQ summed";
+  EXPECT_NEAR(dscale, whole.scale, 1e-12 * std::max(1.0, std::abs(whole.scale))) << "dscale";
+}
+
 INSTANTIATE_TEST_SUITE_P(Cases, SdpaBackward,
                          ::testing::Combine(::testing::ValuesIn(sdpa_cases()),
                                             ::testing::Values(Through::update, Through::lse,
