@@ -22,6 +22,7 @@
 #include "emflow/attention.hpp"
 #include "emflow/distributed.hpp"
 #include "emflow/factored.hpp"
+#include "emflow/sdpa.hpp"
 #include "emflow/tensor.hpp"
 
 namespace emflow::distributed {
@@ -99,6 +100,51 @@ void attend(Communicator& comm, const ShardInput<T>& input, const FactoredLayer<
             const ShardOutput<T>& output, const ExecutionOptions& options = {},
             RingTimes* times = nullptr);
 
+/// A rank's part of the SDPA-shaped operator (sdpa.hpp) over a sequence of `tokens` tokens spread
+/// over the ring: the projected queries, keys and values of the shard's own tokens, segment-major
+/// (the block of segment s, (batch, heads, count_s, width), follows the block of segment s - 1):
+/// queries (batch, query_heads, count_s, rank), keys (batch, kv_heads, count_s, rank), values
+/// (batch, kv_heads, count_s, value_rank); the output, the saved statistics, the upstream
+/// gradients and the gradients likewise, lse and entropy (batch, query_heads, count_s) blocks
+/// (gather_shard with batch * heads as its batch cuts them from whole arrays). Token t sits at
+/// sequence position t as a query and as a key, and with key lengths the tokens t >= L_b are
+/// padding as queries too (they see no key): the ring computes sdpa_attend over the whole
+/// sequence with query_tokens = tokens, key_position = query_position = 0 and query_lengths =
+/// key_lengths. scale, mask, key_lengths (`batch` entries, the whole sequence's), the heads and
+/// the ranks are the same on every rank; query_tokens, query_lengths, key_position,
+/// query_position and query_positions must keep their defaults (invalid_argument otherwise).
+template <class T>
+struct SdpaShardInput : SdpaInput<T> {
+  Layout layout = Layout::contiguous;
+};
+
+/// The SDPA-shaped operator's forward pass over the ring: the key and value shards travel as the
+/// cloud shards of attend do, each block of queries against a block of keys is sdpa_attend on
+/// the device `options` names, and the blocks merge exactly (merge_partial). output required,
+/// lse and entropy optional (the backward pass reads lse). Equal to sdpa_attend over the whole
+/// sequence to rounding (1e-6 relative in float, 1e-12 in double); the same bits run to run for
+/// a fixed rank count. Collective; errors agreed on every rank, as attend.
+template <class T>
+void sdpa_attend(Communicator& comm, const SdpaShardInput<T>& input, const SdpaOutput<T>& output,
+                 const ExecutionOptions& options = {}, RingTimes* times = nullptr);
+
+/// Its backward pass over the ring (docs/MATH.md §8.9). The queries, their saved statistics (the
+/// ring forward's O, lse and H of this shard; sdpa.hpp's SdpaSaved) and their upstream gradients
+/// stay on their rank; the key and value shards travel as in the forward pass, and one step
+/// behind them their gradients: at step t a rank runs sdpa_backward of its queries against the
+/// block it holds with the whole sequence's statistics (which every fast path reads instead of
+/// recomputing, so a block gives its exact share), adds the block's dQ to its own, waits for
+/// the held shard's dK and dV accumulated by the ranks before it, adds the block's, and passes
+/// them on; after P steps each shard's dK and dV are back at their owner. gradients: dQ, dK, dV
+/// of this rank's shard (segment-major, required); dscale (optional): the whole sequence's, the
+/// same on every rank (one allreduce). Equal to sdpa_backward over the whole sequence to
+/// rounding (1e-5 relative in float, 1e-12 in double); the same bits run to run for a fixed
+/// rank count. Device::reference is refused (it recomputes the statistics from the block).
+template <class T>
+void sdpa_backward(Communicator& comm, const SdpaShardInput<T>& input, const SdpaSaved<T>& saved,
+                   const UpstreamGradients<T>& upstream, const SdpaGradientOutput<T>& gradients,
+                   const ExecutionOptions& options = {}, RingTimes* times = nullptr);
+
 /// Rows of a whole batch (batch, tokens, width) that a shard holds, segment-major (for tests and
 /// for callers that hold the whole batch): width = dim for clouds.
 template <class T>
@@ -117,16 +163,21 @@ template <class T>
 std::vector<T> read_shard(const std::string& path, Layout layout, int ranks, int rank,
                           Shape* shape);
 
-#define EMFLOW_DISTRIBUTED_DECLARE(T)                                                          \
-  extern template void attend<T>(Communicator&, const ShardInput<T>&, const ShardOutput<T>&,   \
-                                 const ExecutionOptions&, RingTimes*);                         \
-  extern template void attend<T>(Communicator&, const ShardInput<T>&, const FactoredLayer<T>&, \
-                                 const ShardOutput<T>&, const ExecutionOptions&, RingTimes*);  \
-  extern template std::vector<T> gather_shard<T>(const T*, std::int64_t, std::int64_t,         \
-                                                 std::int64_t, const std::vector<Segment>&);   \
-  extern template void scatter_shard<T>(const T*, std::int64_t, std::int64_t, std::int64_t,    \
-                                        const std::vector<Segment>&, T*);                      \
-  extern template std::vector<T> read_shard<T>(const std::string&, Layout, int, int, Shape*);
+#define EMFLOW_DISTRIBUTED_DECLARE(T)                                                             \
+  extern template void attend<T>(Communicator&, const ShardInput<T>&, const ShardOutput<T>&,      \
+                                 const ExecutionOptions&, RingTimes*);                            \
+  extern template void attend<T>(Communicator&, const ShardInput<T>&, const FactoredLayer<T>&,    \
+                                 const ShardOutput<T>&, const ExecutionOptions&, RingTimes*);     \
+  extern template std::vector<T> gather_shard<T>(const T*, std::int64_t, std::int64_t,            \
+                                                 std::int64_t, const std::vector<Segment>&);      \
+  extern template void scatter_shard<T>(const T*, std::int64_t, std::int64_t, std::int64_t,       \
+                                        const std::vector<Segment>&, T*);                         \
+  extern template std::vector<T> read_shard<T>(const std::string&, Layout, int, int, Shape*);     \
+  extern template void sdpa_attend<T>(Communicator&, const SdpaShardInput<T>&,                    \
+                                      const SdpaOutput<T>&, const ExecutionOptions&, RingTimes*); \
+  extern template void sdpa_backward<T>(                                                          \
+      Communicator&, const SdpaShardInput<T>&, const SdpaSaved<T>&, const UpstreamGradients<T>&,  \
+      const SdpaGradientOutput<T>&, const ExecutionOptions&, RingTimes*);
 EMFLOW_DISTRIBUTED_DECLARE(float)
 EMFLOW_DISTRIBUTED_DECLARE(double)
 #undef EMFLOW_DISTRIBUTED_DECLARE

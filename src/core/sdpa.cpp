@@ -519,9 +519,9 @@ void sdpa_backward(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
     detail::check_precision<T>(options, op);
     const Route route = require_route(
         detail::sdpa_problem(input, Operation::sdpa_backward, options), options.device, op);
-    if (route.kernel == Kernel::reference) {
+    if (options.device == Device::reference) {  // the oracle: recomputed from the inputs
       detail::reference_backward<T>(input, nullptr, upstream, gradients);
-    } else if (std::is_same_v<T, double>) {
+    } else if (route.kernel == Kernel::reference || std::is_same_v<T, double>) {
       detail::reference_backward(input, &saved, upstream, gradients);
     } else if constexpr (!std::is_same_v<T, double>) {
       detail::cpu_backward(input, saved, upstream, gradients, route.kernel == Kernel::cpu_bf16,

@@ -8,7 +8,6 @@
 // query segment's state over one block is that block's partial bit for bit. At the end
 // finish_partial forms the update, lse and entropy.
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -17,16 +16,16 @@
 #include "emflow/capability.hpp"
 #include "emflow/partial.hpp"
 #include "emflow/sequence_parallel.hpp"
+#include "ring.hpp"
 
 namespace emflow::distributed {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+using detail::any_visible;
+using detail::Clock;
+using detail::local_lengths;
+using detail::seconds_since;
 
 // Keys of longer segments are taken in pieces of at most this many, so that the transfer in
 // flight is polled (and progresses) between pieces.
@@ -40,30 +39,6 @@ struct State {
   PartialOutput<T> out() { return {heads.data(), lse.data(), entropy.data()}; }
   PartialInput<T> in() const { return {heads.data(), lse.data(), entropy.data()}; }
 };
-
-// May any query of [q.position, q.position + q.count) see any key of `keys` under the mask and
-// the key lengths? (A conservative test: false only when no pair is visible.)
-bool any_visible(const Mask& mask, const Segment& q, const Segment& keys,
-                 const std::vector<std::int64_t>* lengths) {
-  if (lengths) {
-    bool any = false;
-    for (const std::int64_t length : *lengths) any |= length > keys.position && length > q.position;
-    if (!any) return false;
-  }
-  const KeyRange first = mask.visible_keys_at(q.position, keys.position, keys.count);
-  const KeyRange last = mask.visible_keys_at(q.position + q.count - 1, keys.position, keys.count);
-  return first.first < last.last;
-}
-
-// Per-cloud lengths of the run `s` when the whole cloud's first lengths[b] tokens are real.
-std::vector<std::int64_t> local_lengths(const std::vector<std::int64_t>& lengths,
-                                        const Segment& s) {
-  std::vector<std::int64_t> out(lengths.size());
-  for (std::size_t b = 0; b < lengths.size(); ++b) {
-    out[b] = std::clamp<std::int64_t>(lengths[b] - s.position, 0, s.count);
-  }
-  return out;
-}
 
 // The arguments of a call, and the device of its partial states (route()'s, for the whole
 // batch's partial state under `options`; every block's attend_partial runs there).
