@@ -13,6 +13,10 @@
 // sequence into 2P runs and gives rank r runs r and 2P - 1 - r, so that under a causal or window
 // mask every rank has as many visible pairs as every other (ring-flash-attention's zigzag).
 // Segment pairs that the mask or the key lengths hide entirely are not computed.
+//
+// The same ring carries the SDPA-shaped operator (sdpa.hpp) on projected queries, keys and
+// values, forward and backward (sdpa_attend, sdpa_backward below; docs/MATH.md §8.9): the
+// backward pass for training with the sequence spread over ranks.
 #pragma once
 
 #include <cstdint>
