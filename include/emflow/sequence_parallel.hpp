@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "emflow/attention.hpp"
+#include "emflow/backward.hpp"
 #include "emflow/distributed.hpp"
 #include "emflow/factored.hpp"
 #include "emflow/sdpa.hpp"
@@ -149,6 +150,31 @@ void sdpa_backward(Communicator& comm, const SdpaShardInput<T>& input, const Sdp
                    const UpstreamGradients<T>& upstream, const SdpaGradientOutput<T>& gradients,
                    const ExecutionOptions& options = {}, RingTimes* times = nullptr);
 
+/// The backward pass of attend over the ring (backward.hpp's attend_backward, docs/MATH.md §8.4,
+/// §8.9) for the layer and shards of `input`: every rank projects its own tokens for every head
+/// (queries M_h^T x_i + u_h, keys x_j, values F_h x_j), the SDPA ring recomputes the heads'
+/// forward pass and runs its backward pass (sdpa_backward above: each key shard's dK and dV come
+/// home), and each rank applies the chain rule to its own tokens. upstream: this shard's dDelta
+/// (segment-major, the cloud's layout), dlse and dH ((batch, heads, count_s) blocks), each
+/// optional. gradients.cloud: this shard's dX (segment-major); relevance, content, key_bias,
+/// offset and beta: the whole batch's, the same on every rank (each rank's terms summed in rank
+/// order by one allreduce each); gradients.queries must be null. Padding tokens (beyond the key
+/// lengths) are not read and get exact zeros. Equal to attend_backward over the whole batch to
+/// rounding. Collective; errors agreed on every rank.
+template <class T>
+void attend_backward(Communicator& comm, const ShardInput<T>& input,
+                     const UpstreamGradients<T>& upstream, const LayerGradientOutput<T>& gradients,
+                     const ExecutionOptions& options = {}, RingTimes* times = nullptr);
+
+/// The same for a layer in the factored form (attend_factored_backward, docs/MATH.md §8.5):
+/// queries (A_h x_i, 1), keys (B_h x_j, u_h^T x_j), values V_h x_j, dO_h = U_h^T dDelta. Rotary
+/// positions and grouped kv heads have no backward pass yet (unsupported, as in one process).
+template <class T>
+void attend_factored_backward(Communicator& comm, const ShardInput<T>& input,
+                              const FactoredLayer<T>& layer, const UpstreamGradients<T>& upstream,
+                              const FactoredGradientOutput<T>& gradients,
+                              const ExecutionOptions& options = {}, RingTimes* times = nullptr);
+
 /// Rows of a whole batch (batch, tokens, width) that a shard holds, segment-major (for tests and
 /// for callers that hold the whole batch): width = dim for clouds.
 template <class T>
@@ -181,7 +207,13 @@ std::vector<T> read_shard(const std::string& path, Layout layout, int ranks, int
                                       const SdpaOutput<T>&, const ExecutionOptions&, RingTimes*); \
   extern template void sdpa_backward<T>(                                                          \
       Communicator&, const SdpaShardInput<T>&, const SdpaSaved<T>&, const UpstreamGradients<T>&,  \
-      const SdpaGradientOutput<T>&, const ExecutionOptions&, RingTimes*);
+      const SdpaGradientOutput<T>&, const ExecutionOptions&, RingTimes*);                         \
+  extern template void attend_backward<T>(                                                        \
+      Communicator&, const ShardInput<T>&, const UpstreamGradients<T>&,                           \
+      const LayerGradientOutput<T>&, const ExecutionOptions&, RingTimes*);                        \
+  extern template void attend_factored_backward<T>(                                               \
+      Communicator&, const ShardInput<T>&, const FactoredLayer<T>&, const UpstreamGradients<T>&,  \
+      const FactoredGradientOutput<T>&, const ExecutionOptions&, RingTimes*);
 EMFLOW_DISTRIBUTED_DECLARE(float)
 EMFLOW_DISTRIBUTED_DECLARE(double)
 #undef EMFLOW_DISTRIBUTED_DECLARE
