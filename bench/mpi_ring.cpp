@@ -1,8 +1,12 @@
 // The ring of sequence-parallel attention under mpirun (float32, one cloud, one head):
 //
-//   mpirun -np P emflow_bench_mpi_ring [N [d [repeats [mask]]]]     (defaults 32768 64 3 none)
+//   mpirun -np P emflow_bench_mpi_ring [N [d [repeats [mask [op]]]]]
+//                                                      (defaults 32768 64 3 none attend)
 //
-// Each rank holds N / P tokens and runs distributed::attend with one thread (OMP_NUM_THREADS=1),
+// op: attend (the update, distributed::attend) or backward (the layer's gradients,
+// distributed::attend_backward: the SDPA ring's forward pass recomputed, then its backward pass
+// with each shard's dK and dV passed on behind its keys; every gradient asked for).
+// Each rank holds N / P tokens and runs the op with one thread (OMP_NUM_THREADS=1),
 // once with the ring's transfers and once with them removed (a communicator whose shifts move
 // nothing: the same computation on stale keys). Rank 0 prints, per variant, the best wall time
 // over the repeats (the slowest rank's), the computing time, the wait that the computation did
@@ -19,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "emflow/backward.hpp"
 #include "emflow/distributed.hpp"
 #include "emflow/sequence_parallel.hpp"
 #include "tools/problem.hpp"
@@ -88,12 +93,24 @@ int main(int argc, char** argv) {
   }
   const int repeats = static_cast<int>(repeat_count);
   const emflow::Mask mask = emflow::parse_mask(argc > 4 ? argv[4] : "none");
+  const std::string op = argc > 5 ? argv[5] : "attend";
+  if (op != "attend" && op != "backward") {
+    std::fprintf(stderr, "emflow_bench_mpi_ring: op must be attend or backward, got '%s'\n",
+                 op.c_str());
+    return 2;
+  }
+  const bool backward = op == "backward";
   const emflow::tools::BenchProblem problem(1, N, d, 1, mask);
   const emflow::distributed::Layout layout = emflow::distributed::default_layout(mask);
   const auto segments = emflow::distributed::shard(layout, N, comm.size(), comm.rank());
   const std::vector<float> cloud =
       emflow::distributed::gather_shard(problem.cloud.data(), 1, N, d, segments);
   std::vector<float> update(cloud.size());
+  // The backward pass's upstream gradient dDelta (any values: the shard's own rows) and the
+  // operators' gradients.
+  const std::vector<float> upstream_rows = cloud;
+  std::vector<float> dM(static_cast<std::size_t>(d * d)), dF(dM.size());
+  double dbeta = 0.0;
   emflow::distributed::ShardInput<float> in;
   in.cloud = cloud.data();
   in.tokens = N;
@@ -115,8 +132,18 @@ int main(int argc, char** argv) {
       comm.allreduce_sum(&go, 1);  // start together
       const auto start = std::chrono::steady_clock::now();
       const std::clock_t cpu_start = std::clock();
-      emflow::distributed::attend(*variants[v], in, {update.data(), nullptr, nullptr},
-                                  {emflow::Device::cpu, 1}, &times);
+      if (backward) {
+        emflow::LayerGradientOutput<float> gradients;
+        gradients.cloud = update.data();
+        gradients.relevance = dM.data();
+        gradients.content = dF.data();
+        gradients.beta = &dbeta;
+        emflow::distributed::attend_backward(*variants[v], in, {upstream_rows.data()}, gradients,
+                                             {emflow::Device::cpu, 1}, &times);
+      } else {
+        emflow::distributed::attend(*variants[v], in, {update.data(), nullptr, nullptr},
+                                    {emflow::Device::cpu, 1}, &times);
+      }
       const double mine[4] = {
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
           times.compute, times.exposed_wait,
@@ -137,13 +164,14 @@ int main(int argc, char** argv) {
   if (comm.rank() == 0) {
     for (int v = 0; v < 2; ++v) {
       std::printf(
-          "P=%d N=%lld d=%lld mask=%s transfers=%s: wall %.3f s, compute %.3f s, "
+          "P=%d N=%lld d=%lld mask=%s op=%s transfers=%s: wall %.3f s, compute %.3f s, "
           "exposed wait %.4f s, CPU time %.3f s (slowest rank), %lld bytes sent per rank, "
           "%.2f GFLOP/s per rank\n",
           comm.size(), static_cast<long long>(N), static_cast<long long>(d),
-          emflow::to_string(mask).c_str(), v == 0 ? "on" : "off", best[v].wall, best[v].compute,
-          best[v].exposed, best[v].cpu, static_cast<long long>(best[v].bytes),
-          4.0 * N * N * d / best[v].wall / comm.size() * 1e-9);
+          emflow::to_string(mask).c_str(), op.c_str(), v == 0 ? "on" : "off", best[v].wall,
+          best[v].compute, best[v].exposed, best[v].cpu, static_cast<long long>(best[v].bytes),
+          // The backward pass: its forward recomputed (4 N^2 d) and its five products (10 N^2 d).
+          (backward ? 14.0 : 4.0) * N * N * d / best[v].wall / comm.size() * 1e-9);
     }
   }
   return 0;
