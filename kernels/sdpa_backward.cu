@@ -42,6 +42,7 @@
 #include "launch.cuh"
 #include "mask.cuh"
 #include "sdpa_backward.hpp"
+#include "storage.cuh"
 
 namespace emflow::detail {
 
@@ -349,7 +350,113 @@ void launch_width(const SdpaBackwardArgs& args, cudaStream_t stream, const char*
          kThreads, bytes, stream, args);
 }
 
+template <class T>
+__global__ void sdpa_row_terms_kernel(const SdpaRowTermsArgs<T> args) {
+  const long long rows = static_cast<long long>(args.batch) * args.heads * args.queries;
+  const long long row = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row >= rows) return;
+  const int i = static_cast<int>(row % args.queries);
+  const int b = static_cast<int>(row / (static_cast<long long>(args.queries) * args.heads));
+  const int rv = args.value_rank;
+  float* dO = args.output_gradient32 + row * rv;
+  if (!sees_a_key(args.mask, b, args.tokens, args.queries, i)) {
+    for (int a = 0; a < rv; ++a) dO[a] = 0.f;
+    args.lse32[row] = 0.f;
+    args.row_term[row] = 0.f;
+    if (args.entropy_gradient32 != nullptr) args.entropy_gradient32[row] = 0.f;
+    return;
+  }
+  double e = 0.0;
+  if (args.output_gradient != nullptr) {
+    for (int a = 0; a < rv; ++a) {
+      dO[a] = widen(args.output_gradient[row * rv + a]);
+      e += static_cast<double>(dO[a]) * static_cast<double>(widen(args.output[row * rv + a]));
+    }
+  } else {
+    for (int a = 0; a < rv; ++a) dO[a] = 0.f;
+  }
+  if (args.lse_gradient != nullptr) e -= static_cast<double>(args.lse_gradient[row]);
+  if (args.entropy_gradient != nullptr) {
+    args.entropy_gradient32[row] = args.entropy_gradient[row];
+    e += static_cast<double>(args.entropy_gradient[row]) *
+         (static_cast<double>(args.entropy[row]) - static_cast<double>(args.lse[row]));
+  }
+  args.lse32[row] = args.lse[row];
+  args.row_term[row] = static_cast<float>(e);
+}
+
+__global__ void sdpa_scale_sum_kernel(const float* terms, int count, double* sum) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  double total = 0.0;
+  for (int k = 0; k < count; ++k) total += static_cast<double>(terms[k]);
+  *sum = total;
+}
+
+template <class T>
+__global__ void widen_kernel(const T* in, float* out, long long count) {
+  const long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e < count) out[e] = widen(in[e]);
+}
+
+template <class T>
+__global__ void narrow_kernel(const float* in, T* out, long long count) {
+  const long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e < count) store(out + e, in[e]);
+}
+
+constexpr unsigned kElementThreads = 256;
+
+unsigned element_blocks(long long count) {
+  return static_cast<unsigned>((count + kElementThreads - 1) / kElementThreads);
+}
+
 }  // namespace
+
+template <class T>
+void launch_sdpa_row_terms(const SdpaRowTermsArgs<T>& args, cudaStream_t stream,
+                           const char* operation) {
+  const long long rows = static_cast<long long>(args.batch) * args.heads * args.queries;
+  launch(operation, "sdpa_row_terms_kernel", sdpa_row_terms_kernel<T>, element_blocks(rows),
+         kElementThreads, 0, stream, args);
+}
+
+void launch_sdpa_scale_sum(const float* terms, int count, double* sum, cudaStream_t stream,
+                           const char* operation) {
+  launch(operation, "sdpa_scale_sum_kernel", sdpa_scale_sum_kernel, 1u, 32u, 0, stream, terms,
+         count, sum);
+}
+
+template <class T>
+void launch_widen(const T* in, float* out, std::size_t count, cudaStream_t stream,
+                  const char* operation) {
+  if (count == 0) return;
+  const auto n = static_cast<long long>(count);
+  launch(operation, "widen_kernel", widen_kernel<T>, element_blocks(n), kElementThreads, 0, stream,
+         in, out, n);
+}
+
+template <class T>
+void launch_narrow(const float* in, T* out, std::size_t count, cudaStream_t stream,
+                   const char* operation) {
+  if (count == 0) return;
+  const auto n = static_cast<long long>(count);
+  launch(operation, "narrow_kernel", narrow_kernel<T>, element_blocks(n), kElementThreads, 0,
+         stream, in, out, n);
+}
+
+template void launch_sdpa_row_terms<float>(const SdpaRowTermsArgs<float>&, cudaStream_t,
+                                           const char*);
+template void launch_sdpa_row_terms<bfloat16>(const SdpaRowTermsArgs<bfloat16>&, cudaStream_t,
+                                              const char*);
+template void launch_sdpa_row_terms<float16>(const SdpaRowTermsArgs<float16>&, cudaStream_t,
+                                             const char*);
+template void launch_widen<bfloat16>(const bfloat16*, float*, std::size_t, cudaStream_t,
+                                     const char*);
+template void launch_widen<float16>(const float16*, float*, std::size_t, cudaStream_t, const char*);
+template void launch_narrow<bfloat16>(const float*, bfloat16*, std::size_t, cudaStream_t,
+                                      const char*);
+template void launch_narrow<float16>(const float*, float16*, std::size_t, cudaStream_t,
+                                     const char*);
 
 std::size_t sdpa_backward_shared_bytes(int width) {
   return width <= 64 ? BackwardLayout<64>::bytes : BackwardLayout<128>::bytes;

@@ -52,4 +52,43 @@ void prepare_sdpa_backward(int width, const char* operation);
 /// Two launches: dK and dV per key tile, then dQ (and the scale terms) per query tile.
 void launch_sdpa_backward(const SdpaBackwardArgs& args, cudaStream_t stream, const char* operation);
 
+/// The row terms of the backward pass on the device (the stream-ordered form; the blocking one
+/// prepares them on the host, src/core/sdpa.cpp): for each row that sees a key,
+/// E_i = <dO_i, O_i> - dlse_i + dH_i (H_i - lse_i) summed in double in that order and rounded
+/// once, dO_i widened to float, lse_i and dH_i copied; rows that see no key (and padding rows)
+/// get zeros, their saved and upstream values never read. T: the storage type of O and dO
+/// (float, bfloat16 or float16); the statistics are float32. Shapes as SdpaBackwardArgs.
+template <class T>
+struct SdpaRowTermsArgs {
+  const T* output = nullptr;                ///< O; read with output_gradient
+  const T* output_gradient = nullptr;       ///< dO, or null
+  const float* lse = nullptr;               ///< saved lse
+  const float* entropy = nullptr;           ///< saved H; read with entropy_gradient
+  const float* lse_gradient = nullptr;      ///< dlse, or null
+  const float* entropy_gradient = nullptr;  ///< dH, or null
+  float* output_gradient32 = nullptr;       ///< dO in float (zeros without dO)
+  float* lse32 = nullptr;
+  float* row_term = nullptr;
+  float* entropy_gradient32 = nullptr;  ///< with entropy_gradient
+  int batch = 1, heads = 1, queries = 1, tokens = 1, value_rank = 1;
+  KernelMask mask;
+};
+template <class T>
+void launch_sdpa_row_terms(const SdpaRowTermsArgs<T>& args, cudaStream_t stream,
+                           const char* operation);
+
+/// *sum = the `count` per-block terms of dL/dscale added in double in block order, on the
+/// device (one thread: the blocking form's order, so the same value run to run).
+void launch_sdpa_scale_sum(const float* terms, int count, double* sum, cudaStream_t stream,
+                           const char* operation);
+
+/// Element-wise conversions between a 16-bit storage type T (bfloat16, float16) and float:
+/// widened exactly, or rounded once to nearest even (the host's conversions, precision.hpp).
+template <class T>
+void launch_widen(const T* in, float* out, std::size_t count, cudaStream_t stream,
+                  const char* operation);
+template <class T>
+void launch_narrow(const float* in, T* out, std::size_t count, cudaStream_t stream,
+                   const char* operation);
+
 }  // namespace emflow::detail

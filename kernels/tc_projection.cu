@@ -9,18 +9,12 @@
 #include "emflow/precision.hpp"
 #include "launch.cuh"
 #include "mask.cuh"
+#include "storage.cuh"
 #include "tc_projection.hpp"
 
 namespace emflow::detail {
 
 namespace {
-
-__device__ __forceinline__ void store(bfloat16* p, float v) { *p = to_bfloat16(v); }
-__device__ __forceinline__ void store(float16* p, float v) { *p = to_float16(v); }
-__device__ __forceinline__ void store(float* p, float v) { *p = v; }
-__device__ __forceinline__ float widen(bfloat16 v) { return to_float(v); }
-__device__ __forceinline__ float widen(float16 v) { return to_float(v); }
-__device__ __forceinline__ float widen(float v) { return v; }
 
 // sum_k w(h, c, k) x_k in float32.
 template <class T>

@@ -106,6 +106,7 @@
 #include "emflow/capability.hpp"
 #include "emflow/factored.hpp"
 #include "emflow/partial.hpp"
+#include "emflow/sdpa.hpp"
 
 struct CUstream_st;
 
@@ -309,6 +310,64 @@ void merge_partial_async(const PartialShape& shape, const PartialInput<T>& part,
 template <class T>
 void finish_partial_async(const PartialShape& shape, const PartialInput<T>& state, const T* offset,
                           const AttentionOutput<T>& output, Stream stream);
+
+/// Bytes of device workspace sdpa_attend_async needs for these shapes and outputs (reads no
+/// array, needs no device). Throws emflow::Error for invalid shapes or a problem the GPU does
+/// not compute (route()'s reason).
+template <class T>
+std::size_t sdpa_workspace_size(const SdpaInput<T>& input, const SdpaOutput<T>& output,
+                                const PlanOptions& options = {});
+
+/// Enqueues emflow::sdpa_attend (sdpa.hpp) on `stream`: the tensor-core kernel on the caller's
+/// device arrays as they are (the blocking form's kernel, key splits by the same rule or
+/// options.key_splits), the output rounded to T once on the device; T bfloat16, float16, or
+/// float with Precision::tf32; value_rank equal to rank <= 256. Device pointers throughout:
+/// queries, keys, values, output (T), lse and entropy (float32, optional), and the key and query
+/// lengths and query positions (`batch` int64 entries each, optional, trusted as attend_async's).
+/// `workspace`: sdpa_workspace_size(input, output, options) bytes, 256-byte aligned (may be null
+/// when that is 0: float output with lse asked for and no key splits). Checks as
+/// attend_async (device memory of the current device, no output overlapping an input, another
+/// output or the workspace); no synchronisation. Unlike the blocking form it reads no value on
+/// the host: a non-finite input reaches the output as the kernel carries it (the blocking form
+/// sends such input to the reference).
+template <class T>
+void sdpa_attend_async(const SdpaInput<T>& input, const SdpaOutput<T>& output, void* workspace,
+                       std::size_t workspace_bytes, Stream stream, const PlanOptions& options = {});
+
+/// Bytes of device workspace sdpa_backward_async needs (reads no array, needs no device).
+template <class T>
+std::size_t sdpa_backward_workspace_size(const SdpaInput<T>& input,
+                                         const UpstreamGradients<T>& upstream,
+                                         const SdpaGradientOutput<T>& gradients);
+
+/// Enqueues emflow::sdpa_backward (sdpa.hpp) on `stream`: the blocking form's float32 kernels
+/// (kernels/sdpa_backward.cu) with the row terms formed on the device, 16-bit storage widened
+/// there and the gradients rounded to T once; T float, bfloat16 or float16; rank and value_rank
+/// <= 128. Device pointers throughout: the input as sdpa_attend_async's; saved O (T), lse and H
+/// (float32; O with dO, H with dH); upstream dO (T), dlse and dH (float32), each optional;
+/// gradients dQ, dK, dV (T, required) and dscale (a device double, optional). `workspace`:
+/// sdpa_backward_workspace_size(input, upstream, gradients) bytes, 256-byte aligned. Checks and
+/// non-finite values as sdpa_attend_async.
+template <class T>
+void sdpa_backward_async(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
+                         const UpstreamGradients<T>& upstream,
+                         const SdpaGradientOutput<T>& gradients, void* workspace,
+                         std::size_t workspace_bytes, Stream stream);
+
+#define EMFLOW_CUDA_SDPA_EXTERN(T)                                                              \
+  extern template std::size_t sdpa_workspace_size<T>(const SdpaInput<T>&, const SdpaOutput<T>&, \
+                                                     const PlanOptions&);                       \
+  extern template void sdpa_attend_async<T>(const SdpaInput<T>&, const SdpaOutput<T>&, void*,   \
+                                            std::size_t, Stream, const PlanOptions&);           \
+  extern template std::size_t sdpa_backward_workspace_size<T>(                                  \
+      const SdpaInput<T>&, const UpstreamGradients<T>&, const SdpaGradientOutput<T>&);          \
+  extern template void sdpa_backward_async<T>(                                                  \
+      const SdpaInput<T>&, const SdpaSaved<T>&, const UpstreamGradients<T>&,                    \
+      const SdpaGradientOutput<T>&, void*, std::size_t, Stream);
+EMFLOW_CUDA_SDPA_EXTERN(float)
+EMFLOW_CUDA_SDPA_EXTERN(bfloat16)
+EMFLOW_CUDA_SDPA_EXTERN(float16)
+#undef EMFLOW_CUDA_SDPA_EXTERN
 
 #define EMFLOW_CUDA_EXTERN(T)                                                                      \
   extern template std::size_t attend_workspace_size<T>(                                            \

@@ -25,12 +25,13 @@
 // entropy's gradient is given) from the forward pass: the N x N weights are recomputed, never
 // stored (FlashAttention-2's algorithm, docs/MATH.md §8.3).
 //
-// All arrays are dense and row-major host arrays. Errors: every call validates its arguments
-// first and throws emflow::Error (ErrorCode::invalid_argument) naming the argument, the expected
-// and the actual value, e.g. `sdpa_attend: argument 'query_heads' must be a multiple of
-// kv_heads (4), got 6`; ErrorCode::unsupported for a device that does not implement the call
-// (Device::cuda for what its kernels do not compute, below),
-// ErrorCode::out_of_memory when working memory cannot be allocated.
+// All arrays are dense and row-major host arrays (cuda.hpp's sdpa_attend_async and
+// sdpa_backward_async take device arrays and a stream, computing what Device::cuda does below).
+// Errors: every call validates its arguments first and throws emflow::Error
+// (ErrorCode::invalid_argument) naming the argument, the expected and the actual value, e.g.
+// `sdpa_attend: argument 'query_heads' must be a multiple of kv_heads (4), got 6`;
+// ErrorCode::unsupported for a device that does not implement the call (Device::cuda for what its
+// kernels do not compute, below), ErrorCode::out_of_memory when working memory cannot be allocated.
 //
 // Precision (docs/MATH.md §7, §8.6): T is float, double, emflow::bfloat16 or emflow::float16.
 //   Device::cpu, float: the fused float32 engine (src/cpu): float products and sums, online

@@ -24,6 +24,7 @@
 #include "low_precision.hpp"
 #include "memory.hpp"
 #include "queries.hpp"
+#include "sdpa_checks.hpp"
 
 namespace emflow {
 
@@ -122,11 +123,10 @@ AttentionInput<T> as_attention(const SdpaInput<T>& in) {
   return a;
 }
 
-/// Every check of the input, naming the argument: extents, size products, the grouping of the
-/// heads, the scale, the arrays, then the mask, lengths and positions (check_arguments).
-/// `written`: an output the call writes (not null), for the stand-in check of check_arguments.
+}  // namespace
+
 template <class T>
-void check_sdpa(const SdpaInput<T>& in, T* written, const char* op) {
+void check_sdpa(const SdpaInput<T>& in, T* written, const char* op, Lengths lengths) {
   expect_positive(op, "batch", in.batch);
   expect_positive(op, "query_heads", in.query_heads);
   expect_positive(op, "kv_heads", in.kv_heads);
@@ -157,12 +157,12 @@ void check_sdpa(const SdpaInput<T>& in, T* written, const char* op) {
   expect_not_null(op, "values", in.values);
   AttentionOutput<T> stand_in;
   stand_in.update = written;
-  check_arguments(as_attention(in), stand_in, op);
+  check_arguments(as_attention(in), stand_in, op, lengths);
 }
 
-/// The arrays every call reads, for the overlap checks.
 template <class T>
-std::vector<MemoryRange> input_ranges(const SdpaInput<T>& in, const SdpaShape& s) {
+std::vector<MemoryRange> sdpa_input_ranges(const SdpaInput<T>& in) {
+  const SdpaShape s(in);
   const auto B = static_cast<std::size_t>(s.B);
   return {
       {"queries", in.queries, static_cast<std::size_t>(s.count(s.queries())) * sizeof(T), false},
@@ -174,11 +174,6 @@ std::vector<MemoryRange> input_ranges(const SdpaInput<T>& in, const SdpaShape& s
   };
 }
 
-void expect_threads(const ExecutionOptions& options, const char* op) {
-  check_threads(options.threads, op);
-}
-
-/// The Problem of an SDPA-shaped call (its route is capability.cpp's: route()).
 template <class T>
 Problem sdpa_problem(const SdpaInput<T>& in, Operation operation, const ExecutionOptions& options) {
   Problem p;
@@ -200,6 +195,22 @@ Problem sdpa_problem(const SdpaInput<T>& in, Operation operation, const Executio
       in.key_position != 0 || in.query_position != kAlignToEnd || in.query_positions != nullptr;
   p.key_lengths = in.key_lengths != nullptr;
   return p;
+}
+
+#define EMFLOW_SDPA_CHECKS(T)                                                  \
+  template void check_sdpa<T>(const SdpaInput<T>&, T*, const char*, Lengths);  \
+  template std::vector<MemoryRange> sdpa_input_ranges<T>(const SdpaInput<T>&); \
+  template Problem sdpa_problem<T>(const SdpaInput<T>&, Operation, const ExecutionOptions&);
+EMFLOW_SDPA_CHECKS(float)
+EMFLOW_SDPA_CHECKS(double)
+EMFLOW_SDPA_CHECKS(bfloat16)
+EMFLOW_SDPA_CHECKS(float16)
+#undef EMFLOW_SDPA_CHECKS
+
+namespace {
+
+void expect_threads(const ExecutionOptions& options, const char* op) {
+  check_threads(options.threads, op);
 }
 
 /// The rules of the clouds of validated input.
@@ -448,7 +459,7 @@ void sdpa_attend(const SdpaInput<T>& input, const SdpaOutput<T>& output,
     detail::expect_not_null(op, "output", output.output);
     detail::check_sdpa(input, output.output, op);
     const detail::SdpaShape s(input);
-    std::vector<detail::MemoryRange> ranges = detail::input_ranges(input, s);
+    std::vector<detail::MemoryRange> ranges = detail::sdpa_input_ranges(input);
     const auto rows = static_cast<std::size_t>(s.count(s.statistics()));
     ranges.push_back(
         {"output", output.output, rows * static_cast<std::size_t>(s.rv) * sizeof(T), true});
@@ -497,7 +508,7 @@ void sdpa_backward(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
                             "must not be null when upstream.entropy (dH) is given: dS reads H");
     }
     const detail::SdpaShape s(input);
-    std::vector<detail::MemoryRange> ranges = detail::input_ranges(input, s);
+    std::vector<detail::MemoryRange> ranges = detail::sdpa_input_ranges(input);
     const auto rows = static_cast<std::size_t>(s.count(s.statistics()));
     const std::size_t output_bytes = rows * static_cast<std::size_t>(s.rv) * sizeof(T);
     ranges.insert(ranges.end(),

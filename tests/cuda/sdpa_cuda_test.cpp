@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -27,6 +28,9 @@
 #include "emflow/sdpa.hpp"
 
 #if defined(EMFLOW_WITH_CUDA)
+#include <cuda_runtime.h>
+
+#include "emflow/cuda.hpp"
 
 namespace emflow::testing {
 namespace {
@@ -402,6 +406,199 @@ TEST(SdpaCudaRefusals, WhatTheGpuDoesNotComputeIsNamed) {
                       {Device::cuda, 0});
       },
       ErrorCode::unsupported, {"sdpa_backward", "float64"}));
+}
+
+// --- The stream-ordered forms (cuda::sdpa_attend_async, cuda::sdpa_backward_async) -------------
+
+// A host array on the device (empty for an empty array).
+template <class V>
+cuda::DeviceBuffer<V> on_device(const std::vector<V>& host, cudaStream_t stream) {
+  cuda::DeviceBuffer<V> buffer(host.size());
+  if (!host.empty()) buffer.copy_from_host(host.data(), host.size(), stream);
+  return buffer;
+}
+
+template <class V>
+std::vector<V> to_host(const cuda::DeviceBuffer<V>& buffer, cudaStream_t stream) {
+  std::vector<V> host(buffer.size());
+  if (!host.empty()) buffer.copy_to_host(host.data(), host.size(), stream);
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  return host;
+}
+
+template <class V>
+std::vector<std::uint64_t> bits_of(const std::vector<V>& values) {
+  std::vector<std::uint64_t> out;
+  for (const V& v : values) {
+    std::uint64_t b = 0;
+    std::memcpy(&b, &v, sizeof(V));
+    out.push_back(b);
+  }
+  return out;
+}
+
+struct Stream {
+  cudaStream_t handle = nullptr;
+  Stream() { EXPECT_EQ(cudaStreamCreateWithFlags(&handle, cudaStreamNonBlocking), cudaSuccess); }
+  ~Stream() {
+    if (handle != nullptr) cudaStreamDestroy(handle);
+  }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+};
+
+// The stream-ordered forms on device arrays give the blocking forms' results bit for bit: the
+// same kernels, the 16-bit rounding and the backward's row terms, widening and dscale sum done by
+// kernels instead of the host (the row terms in the same double arithmetic, in the same order).
+// Every case above, forward and backward, with lengths and positions in device memory and the
+// saved statistics of keyless rows NaN (never read).
+TYPED_TEST(SdpaCuda, StreamOrderedFormsGiveTheBlockingFormsBits) {
+  EMFLOW_REQUIRE_CUDA();
+  using T = TypeParam;
+  const Precision precision = std::is_same_v<T, float> ? Precision::tf32 : Precision::fp32;
+  std::vector<SdpaGpuCase> all = cases();
+  all.push_back({"value_rank_unlike_rank", 2, 2, 1, 45, 70, 40, visible(Mask::causal(), {70, 31})});
+  const Stream stream;
+  const cudaStream_t s = stream.handle;
+  for (const SdpaGpuCase& c : all) {
+    SCOPED_TRACE(c.name);
+    const bool backward_only = c.name == "value_rank_unlike_rank";  // the forward needs rv = r
+    std::mt19937 random(13u + static_cast<unsigned>(c.keys));
+    const std::int64_t B = c.batch, Hq = c.query_heads, Hkv = c.kv_heads, Nq = c.queries,
+                       Nk = c.keys, r = c.rank, rv = backward_only ? 24 : r;
+    const std::vector<T> Q = random_stored<T>(static_cast<std::size_t>(B * Hq * Nq * r), random);
+    const std::vector<T> K = random_stored<T>(static_cast<std::size_t>(B * Hkv * Nk * r), random);
+    const std::vector<T> V = random_stored<T>(static_cast<std::size_t>(B * Hkv * Nk * rv), random);
+    const SdpaInput<T> host = input_of(c, Q, K, V, rv);
+    const std::size_t rows = static_cast<std::size_t>(B * Hq * Nq);
+
+    // The device copies, the lengths and positions among them.
+    const auto dQ_in = on_device(Q, s), dK_in = on_device(K, s), dV_in = on_device(V, s);
+    const auto key_lengths = on_device(c.visibility.key_lengths, s);
+    const auto query_lengths = on_device(c.visibility.query_lengths, s);
+    const auto query_positions = on_device(c.visibility.query_positions, s);
+    SdpaInput<T> device = host;
+    device.queries = dQ_in.data();
+    device.keys = dK_in.data();
+    device.values = dV_in.data();
+    device.key_lengths = host.key_lengths ? key_lengths.data() : nullptr;
+    device.query_lengths = host.query_lengths ? query_lengths.data() : nullptr;
+    device.query_positions = host.query_positions ? query_positions.data() : nullptr;
+
+    // The saved forward: the blocking form's where it runs (rv = r), else the reference's.
+    std::vector<T> O(rows * static_cast<std::size_t>(rv));
+    std::vector<float> lse(rows), H(rows);
+    if (!backward_only) {
+      sdpa_attend(host, SdpaOutput<T>{O.data(), lse.data(), H.data()},
+                  ExecutionOptions{Device::cuda, 0, precision});
+      cuda::DeviceBuffer<T> out(O.size());
+      cuda::DeviceBuffer<float> out_lse(rows), out_entropy(rows);
+      const SdpaOutput<T> where{out.data(), out_lse.data(), out_entropy.data()};
+      const cuda::PlanOptions options{Algorithm::automatic, precision};
+      cuda::DeviceBuffer<unsigned char> workspace(
+          cuda::sdpa_workspace_size(device, where, options));
+      cuda::sdpa_attend_async(device, where, workspace.data(), workspace.bytes(), s, options);
+      EXPECT_EQ(bits_of(to_host(out, s)), bits_of(O)) << "output";
+      EXPECT_EQ(bits_of(to_host(out_lse, s)), bits_of(lse)) << "lse";
+      EXPECT_EQ(bits_of(to_host(out_entropy, s)), bits_of(H)) << "entropy";
+    } else {
+      const reference::SdpaAttention f =
+          reference::sdpa_attend(tensor_of(Q, {B, Hq, Nq, r}), tensor_of(K, {B, Hkv, Nk, r}),
+                                 tensor_of(V, {B, Hkv, Nk, rv}), c.scale, c.visibility);
+      for (std::size_t e = 0; e < O.size(); ++e) {
+        O[e] = stored_as<T>(static_cast<float>(f.output[static_cast<std::int64_t>(e)]));
+      }
+      for (std::size_t row = 0; row < rows; ++row) {
+        lse[row] = static_cast<float>(f.lse[static_cast<std::int64_t>(row)]);
+        H[row] = static_cast<float>(f.entropy[static_cast<std::int64_t>(row)]);
+      }
+    }
+    // Keyless rows: NaN statistics and upstream gradients, which neither form reads.
+    std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+    std::vector<T> dO(O.size());
+    std::vector<float> dlse(rows), dH(rows);
+    for (std::size_t row = 0; row < rows; ++row) {
+      const bool keyless = std::isinf(lse[row]);
+      if (keyless) lse[row] = H[row] = std::nanf("");
+      dlse[row] = keyless ? std::nanf("") : uniform(random);
+      dH[row] = keyless ? std::nanf("") : 0.3f * uniform(random);
+      for (std::int64_t a = 0; a < rv; ++a) {
+        dO[row * static_cast<std::size_t>(rv) + static_cast<std::size_t>(a)] =
+            stored_as<T>(keyless ? std::nanf("") : uniform(random));
+      }
+    }
+    std::vector<T> gQ(Q.size()), gK(K.size()), gV(V.size());
+    double gscale = 0.0;
+    sdpa_backward(host, SdpaSaved<T>{O.data(), lse.data(), H.data()},
+                  UpstreamGradients<T>{dO.data(), dlse.data(), dH.data()},
+                  SdpaGradientOutput<T>{gQ.data(), gK.data(), gV.data(), &gscale},
+                  ExecutionOptions{Device::cuda, 0});
+    const auto saved_O = on_device(O, s);
+    const auto saved_lse = on_device(lse, s), saved_H = on_device(H, s);
+    const auto up_dO = on_device(dO, s);
+    const auto up_dlse = on_device(dlse, s), up_dH = on_device(dH, s);
+    cuda::DeviceBuffer<T> dQ(Q.size()), dK(K.size()), dV(V.size());
+    cuda::DeviceBuffer<double> dscale(1);
+    const SdpaSaved<T> saved{saved_O.data(), saved_lse.data(), saved_H.data()};
+    const UpstreamGradients<T> upstream{up_dO.data(), up_dlse.data(), up_dH.data()};
+    const SdpaGradientOutput<T> gradients{dQ.data(), dK.data(), dV.data(), dscale.data()};
+    cuda::DeviceBuffer<unsigned char> workspace(
+        cuda::sdpa_backward_workspace_size(device, upstream, gradients));
+    cuda::sdpa_backward_async(device, saved, upstream, gradients, workspace.data(),
+                              workspace.bytes(), s);
+    EXPECT_EQ(bits_of(to_host(dQ, s)), bits_of(gQ)) << "dQ";
+    EXPECT_EQ(bits_of(to_host(dK, s)), bits_of(gK)) << "dK";
+    EXPECT_EQ(bits_of(to_host(dV, s)), bits_of(gV)) << "dV";
+    EXPECT_EQ(to_host(dscale, s)[0], gscale) << "dscale";
+  }
+}
+
+// What the stream-ordered forms refuse, by name: host arrays, a short workspace, float without
+// TF32 on the forward's tensor cores, a rank beyond the backward's kernels.
+TEST(SdpaCudaAsync, RefusesHostArraysShortWorkspacesAndWhatNoKernelComputes) {
+  EMFLOW_REQUIRE_CUDA();
+  const std::int64_t N = 16, r = 16;
+  std::mt19937 random(3u);
+  const std::vector<bfloat16> host = random_stored<bfloat16>(N * r, random);
+  const auto on = on_device(host, nullptr);
+  cuda::DeviceBuffer<bfloat16> out(N * r);
+  SdpaInput<bfloat16> in;
+  in.queries = in.keys = in.values = on.data();
+  in.query_tokens = in.tokens = N;
+  in.rank = in.value_rank = r;
+  const SdpaOutput<bfloat16> where{out.data()};
+  const std::size_t bytes = cuda::sdpa_workspace_size(in, where);
+  cuda::DeviceBuffer<unsigned char> workspace(bytes + 256);
+  SdpaInput<bfloat16> from_host = in;
+  from_host.keys = host.data();
+  EXPECT_TRUE(throws_error(
+      [&] { cuda::sdpa_attend_async(from_host, where, workspace.data(), bytes, nullptr); },
+      ErrorCode::invalid_argument, {"sdpa_attend_async", "'keys'"}));
+  if (bytes > 0) {
+    EXPECT_TRUE(throws_error(
+        [&] { cuda::sdpa_attend_async(in, where, workspace.data(), bytes - 1, nullptr); },
+        ErrorCode::invalid_argument, {"sdpa_attend_async", "workspace"}));
+  }
+  const std::vector<float> wide(N * r, 0.5f);
+  const auto wide_on = on_device(wide, nullptr);
+  cuda::DeviceBuffer<float> wide_out(N * r);
+  SdpaInput<float> fp32;
+  fp32.queries = fp32.keys = fp32.values = wide_on.data();
+  fp32.query_tokens = fp32.tokens = N;
+  fp32.rank = fp32.value_rank = r;
+  EXPECT_TRUE(
+      throws_error([&] { cuda::sdpa_workspace_size(fp32, SdpaOutput<float>{wide_out.data()}); },
+                   ErrorCode::unsupported, {"sdpa_workspace_size"}));
+  SdpaInput<float> too_wide = fp32;
+  too_wide.rank = too_wide.value_rank = 130;
+  too_wide.query_tokens = too_wide.tokens = 1;
+  float dq = 0.f;
+  EXPECT_TRUE(throws_error(
+      [&] {
+        cuda::sdpa_backward_workspace_size(too_wide, UpstreamGradients<float>{},
+                                           SdpaGradientOutput<float>{&dq, &dq, &dq});
+      },
+      ErrorCode::unsupported, {"sdpa_backward_workspace_size", "128"}));
 }
 
 }  // namespace

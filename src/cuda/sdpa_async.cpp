@@ -1,0 +1,397 @@
+// The stream-ordered forms of the SDPA-shaped operator (cuda.hpp: sdpa_attend_async,
+// sdpa_backward_async, and their workspace sizes): the blocking forms' kernels (src/cuda/sdpa.cpp)
+// on the caller's device arrays and stream, with what the blocking forms do on the host done by
+// kernels instead (the 16-bit output's rounding, the backward's widening, row terms and the sum
+// of the dscale terms), and no synchronisation. The checks and the route are the blocking forms'
+// (core/sdpa_checks.hpp, route()), the lengths trusted on the device as attend_async's.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "core/check.hpp"
+#include "core/sdpa_checks.hpp"
+#include "cuda_support.hpp"
+#include "emflow/cuda.hpp"
+#include "kernels/sdpa_backward.hpp"
+#include "kernels/tc_attention.hpp"
+#include "products_strategy.hpp"
+#include "tc_state.hpp"
+
+namespace emflow::cuda {
+
+namespace {
+
+using emflow::detail::expect_device_pointer;
+using emflow::detail::MemoryRange;
+
+constexpr std::size_t kAlignment = 256;
+
+std::size_t aligned(std::size_t bytes) {
+  return (bytes + kAlignment - 1) / kAlignment * kAlignment;
+}
+
+// Pieces of a workspace, each 256-byte aligned: sized with a null base, then taken from the
+// caller's workspace in the same order.
+class Carve {
+ public:
+  explicit Carve(void* base = nullptr) : base_(static_cast<unsigned char*>(base)) {}
+  template <class V>
+  V* take(std::size_t count) {
+    if (count == 0) return nullptr;
+    V* piece = base_ != nullptr ? reinterpret_cast<V*>(base_ + used_) : nullptr;
+    used_ += aligned(count * sizeof(V));
+    return piece;
+  }
+  std::size_t used() const noexcept { return used_; }
+
+ private:
+  unsigned char* base_ = nullptr;
+  std::size_t used_ = 0;
+};
+
+// The route of the call on the GPU: refused with route()'s reason when no kernel computes it.
+// `device_needed`: false for the workspace sizes, which answer for a device that is present.
+template <class T>
+Route gpu_route(const SdpaInput<T>& input, Operation operation, const PlanOptions& options,
+                bool device_needed, const char* op) {
+  ExecutionOptions execution;
+  execution.device = Device::cuda;
+  execution.precision = options.precision;
+  emflow::detail::check_precision<T>(execution, op);
+  Problem problem = emflow::detail::sdpa_problem(input, operation, execution);
+  problem.algorithm = options.algorithm;
+  if (device_needed) return require_route(problem, Device::cuda, op);
+  Machine present = this_machine();
+  present.cuda_built = present.cuda_device = true;
+  const Route r = route(problem, Device::cuda, present, op);
+  if (!r.supported) emflow::detail::fail(ErrorCode::unsupported, r.reason);
+  return r;
+}
+
+std::size_t rows_of(std::int64_t batch, std::int64_t heads, std::int64_t tokens) {
+  return static_cast<std::size_t>(batch * heads * tokens);
+}
+
+// The forward pass's workspace: the float32 output for 16-bit storage, lse when not asked for
+// (the kernel writes it), the key splits' partial states.
+template <class T>
+struct ForwardPieces {
+  float* out = nullptr;
+  float* lse = nullptr;
+  float *split_out = nullptr, *split_lse = nullptr, *split_entropy = nullptr;
+  emflow::detail::KeySplits splits;
+  std::size_t bytes = 0;
+
+  ForwardPieces(const SdpaInput<T>& in, const SdpaOutput<T>& output, int requested_splits,
+                void* base) {
+    const std::size_t rows = rows_of(in.batch, in.query_heads, in.query_tokens);
+    const auto r = static_cast<std::size_t>(in.rank);
+    splits = emflow::detail::choose_key_splits(in.batch, in.query_heads, in.query_tokens, in.tokens,
+                                               true, requested_splits);
+    const std::size_t split_rows =
+        splits.splits > 1 ? static_cast<std::size_t>(splits.splits) * rows : 0;
+    Carve carve(base);
+    if (!std::is_same_v<T, float>) out = carve.take<float>(rows * r);
+    if (output.lse == nullptr) lse = carve.take<float>(rows);
+    split_out = carve.take<float>(split_rows * r);
+    split_lse = carve.take<float>(split_rows);
+    split_entropy = carve.take<float>(split_rows);
+    bytes = carve.used();
+  }
+};
+
+// The backward pass's workspace: Q, K, V and the three gradients in float32 for 16-bit storage,
+// the row arrays, the dscale terms.
+template <class T>
+struct BackwardPieces {
+  float *queries = nullptr, *keys = nullptr, *values = nullptr;
+  float *query_gradient = nullptr, *key_gradient = nullptr, *value_gradient = nullptr;
+  float *output_gradient = nullptr, *lse = nullptr, *row_term = nullptr;
+  float *entropy_gradient = nullptr, *scale_terms = nullptr;
+  int query_blocks = 0;
+  std::size_t bytes = 0;
+
+  BackwardPieces(const SdpaInput<T>& in, const UpstreamGradients<T>& upstream,
+                 const SdpaGradientOutput<T>& gradients, void* base) {
+    const std::size_t rows = rows_of(in.batch, in.query_heads, in.query_tokens);
+    const std::size_t kv = rows_of(in.batch, in.kv_heads, in.tokens);
+    const auto r = static_cast<std::size_t>(in.rank);
+    const auto rv = static_cast<std::size_t>(in.value_rank);
+    query_blocks = static_cast<int>((in.query_tokens + emflow::detail::kSdpaBackwardTile - 1) /
+                                    emflow::detail::kSdpaBackwardTile * in.query_heads * in.batch);
+    Carve carve(base);
+    if (!std::is_same_v<T, float>) {
+      queries = carve.take<float>(rows * r);
+      keys = carve.take<float>(kv * r);
+      values = carve.take<float>(kv * rv);
+      query_gradient = carve.take<float>(rows * r);
+      key_gradient = carve.take<float>(kv * r);
+      value_gradient = carve.take<float>(kv * rv);
+    }
+    output_gradient = carve.take<float>(rows * rv);
+    lse = carve.take<float>(rows);
+    row_term = carve.take<float>(rows);
+    if (upstream.entropy != nullptr) entropy_gradient = carve.take<float>(rows);
+    if (gradients.scale != nullptr) {
+      scale_terms = carve.take<float>(static_cast<std::size_t>(query_blocks));
+    }
+    bytes = carve.used();
+  }
+};
+
+template <class T>
+emflow::detail::KernelMask device_mask(const SdpaInput<T>& in) {
+  emflow::detail::KernelMask mask;
+  mask.rule = in.mask;
+  mask.key_lengths = in.key_lengths;
+  mask.query_lengths = in.query_lengths;
+  mask.key_position = in.key_position;
+  mask.query_position = in.query_position;
+  mask.query_positions = in.query_positions;
+  return mask;
+}
+
+template <class T>
+void expect_input_on_device(const SdpaInput<T>& in, const char* op, int device) {
+  expect_device_pointer(op, "queries", in.queries, device);
+  expect_device_pointer(op, "keys", in.keys, device);
+  expect_device_pointer(op, "values", in.values, device);
+  expect_device_pointer(op, "key_lengths", in.key_lengths, device);
+  expect_device_pointer(op, "query_lengths", in.query_lengths, device);
+  expect_device_pointer(op, "query_positions", in.query_positions, device);
+}
+
+// The workspace of `needed` bytes; none (null allowed) when nothing is needed.
+void expect_workspace(const char* op, const void* workspace, std::size_t bytes, std::size_t needed,
+                      int device) {
+  if (needed == 0 && workspace == nullptr) return;
+  emflow::detail::expect_workspace(op, workspace, bytes, needed, device);
+}
+
+template <class V>
+MemoryRange range(const char* name, const V* pointer, std::size_t count, bool written) {
+  return {name, pointer, count * sizeof(V), written};
+}
+
+}  // namespace
+
+template <class T>
+std::size_t sdpa_workspace_size(const SdpaInput<T>& input, const SdpaOutput<T>& output,
+                                const PlanOptions& options) {
+  const char* const op = "sdpa_workspace_size";
+  T stand_in{};
+  emflow::detail::check_sdpa(input, output.output != nullptr ? output.output : &stand_in, op,
+                             emflow::detail::Lengths::device);
+  gpu_route(input, Operation::sdpa, options, false, op);
+  return ForwardPieces<T>(input, output, options.key_splits, nullptr).bytes;
+}
+
+template <class T>
+void sdpa_attend_async(const SdpaInput<T>& input, const SdpaOutput<T>& output, void* workspace,
+                       std::size_t workspace_bytes, Stream stream, const PlanOptions& options) {
+  const char* const op = "sdpa_attend_async";
+  emflow::detail::check_sdpa(input, output.output, op, emflow::detail::Lengths::device);
+  gpu_route(input, Operation::sdpa, options, true, op);
+  const int device = emflow::detail::current_device(op);
+  emflow::detail::expect_stream_of(op, stream, device);
+  expect_input_on_device(input, op, device);
+  expect_device_pointer(op, "output", output.output, device);
+  expect_device_pointer(op, "lse", output.lse, device);
+  expect_device_pointer(op, "entropy", output.entropy, device);
+  const ForwardPieces<T> need(input, output, options.key_splits, nullptr);
+  expect_workspace(op, workspace, workspace_bytes, need.bytes, device);
+  const std::size_t rows = rows_of(input.batch, input.query_heads, input.query_tokens);
+  std::vector<MemoryRange> ranges = emflow::detail::sdpa_input_ranges(input);
+  ranges.insert(
+      ranges.end(),
+      {range("output", output.output, rows * input.value_rank, true),
+       range("lse", output.lse, rows, true), range("entropy", output.entropy, rows, true),
+       range("workspace", static_cast<const unsigned char*>(workspace), need.bytes, true)});
+  emflow::detail::check_disjoint(ranges.data(), ranges.size(), op);
+
+  const ForwardPieces<T> w(input, output, options.key_splits, workspace);
+  emflow::detail::TcAttentionArgs args;
+  args.type = emflow::detail::tc_type<T>();
+  args.query = input.queries;
+  args.key = input.keys;
+  args.value = input.values;
+  args.kv_heads = static_cast<int>(input.kv_heads);
+  args.batch_major = true;
+  args.scale = static_cast<float>(input.scale * 1.4426950408889634);  // base 2 in the kernel
+  if constexpr (std::is_same_v<T, float>) {
+    args.out = output.output;
+  } else {
+    args.out = w.out;
+  }
+  args.lse = output.lse != nullptr ? output.lse : w.lse;
+  args.entropy = output.entropy;
+  args.batch = static_cast<int>(input.batch);
+  args.heads = static_cast<int>(input.query_heads);
+  args.tokens = static_cast<int>(input.tokens);
+  args.queries = static_cast<int>(input.query_tokens);
+  args.dim = static_cast<int>(input.rank);
+  args.mask = device_mask(input);
+  args.splits = w.splits.splits;
+  args.split_keys = w.splits.keys;
+  if (w.splits.splits > 1) {
+    args.split_out = w.split_out;
+    args.split_lse = w.split_lse;
+    args.split_entropy = w.split_entropy;
+  }
+  emflow::detail::prepare_tc_attention(args.type, args.dim, op);
+  emflow::detail::launch_tc_attention(args, stream, op);
+  if constexpr (!std::is_same_v<T, float>) {
+    emflow::detail::launch_narrow(w.out, output.output, rows * static_cast<std::size_t>(input.rank),
+                                  stream, op);
+  }
+}
+
+template <class T>
+std::size_t sdpa_backward_workspace_size(const SdpaInput<T>& input,
+                                         const UpstreamGradients<T>& upstream,
+                                         const SdpaGradientOutput<T>& gradients) {
+  const char* const op = "sdpa_backward_workspace_size";
+  T stand_in{};
+  emflow::detail::check_sdpa(input, gradients.queries != nullptr ? gradients.queries : &stand_in,
+                             op, emflow::detail::Lengths::device);
+  gpu_route(input, Operation::sdpa_backward, {}, false, op);
+  return BackwardPieces<T>(input, upstream, gradients, nullptr).bytes;
+}
+
+template <class T>
+void sdpa_backward_async(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
+                         const UpstreamGradients<T>& upstream,
+                         const SdpaGradientOutput<T>& gradients, void* workspace,
+                         std::size_t workspace_bytes, Stream stream) {
+  const char* const op = "sdpa_backward_async";
+  emflow::detail::check_sdpa(input, gradients.queries, op, emflow::detail::Lengths::device);
+  emflow::detail::expect_not_null(op, "gradients.keys", gradients.keys);
+  emflow::detail::expect_not_null(op, "gradients.values", gradients.values);
+  emflow::detail::expect_not_null(op, "saved.lse", saved.lse);
+  if (upstream.update != nullptr) {
+    emflow::detail::expect_not_null(op, "saved.output", saved.output);
+  }
+  if (upstream.entropy != nullptr) {
+    emflow::detail::expect_not_null(op, "saved.entropy", saved.entropy);
+  }
+  gpu_route(input, Operation::sdpa_backward, {}, true, op);
+  const int device = emflow::detail::current_device(op);
+  emflow::detail::expect_stream_of(op, stream, device);
+  expect_input_on_device(input, op, device);
+  const char* const names[] = {"saved.output",      "saved.lse",      "saved.entropy",
+                               "upstream.update",   "upstream.lse",   "upstream.entropy",
+                               "gradients.queries", "gradients.keys", "gradients.values",
+                               "gradients.scale"};
+  const void* const pointers[] = {
+      saved.output,     saved.lse,         saved.entropy,  upstream.update,  upstream.lse,
+      upstream.entropy, gradients.queries, gradients.keys, gradients.values, gradients.scale};
+  for (std::size_t k = 0; k < std::size(names); ++k) {
+    expect_device_pointer(op, names[k], pointers[k], device);
+  }
+  const BackwardPieces<T> need(input, upstream, gradients, nullptr);
+  expect_workspace(op, workspace, workspace_bytes, need.bytes, device);
+  const std::size_t rows = rows_of(input.batch, input.query_heads, input.query_tokens);
+  const std::size_t kv = rows_of(input.batch, input.kv_heads, input.tokens);
+  const auto r = static_cast<std::size_t>(input.rank);
+  const auto rv = static_cast<std::size_t>(input.value_rank);
+  std::vector<MemoryRange> ranges = emflow::detail::sdpa_input_ranges(input);
+  ranges.insert(ranges.end(), {range("saved.output", saved.output, rows * rv, false),
+                               range("saved.lse", saved.lse, rows, false),
+                               range("saved.entropy", saved.entropy, rows, false),
+                               range("upstream.update", upstream.update, rows * rv, false),
+                               range("upstream.lse", upstream.lse, rows, false),
+                               range("upstream.entropy", upstream.entropy, rows, false),
+                               range("gradients.queries", gradients.queries, rows * r, true),
+                               range("gradients.keys", gradients.keys, kv * r, true),
+                               range("gradients.values", gradients.values, kv * rv, true),
+                               range("gradients.scale", gradients.scale, 1, true),
+                               range("workspace", static_cast<const unsigned char*>(workspace),
+                                     need.bytes, true)});
+  emflow::detail::check_disjoint(ranges.data(), ranges.size(), op);
+
+  const BackwardPieces<T> w(input, upstream, gradients, workspace);
+  emflow::detail::SdpaBackwardArgs args;
+  if constexpr (std::is_same_v<T, float>) {
+    args.query = input.queries;
+    args.key = input.keys;
+    args.value = input.values;
+    args.query_gradient = gradients.queries;
+    args.key_gradient = gradients.keys;
+    args.value_gradient = gradients.values;
+  } else {
+    emflow::detail::launch_widen(input.queries, w.queries, rows * r, stream, op);
+    emflow::detail::launch_widen(input.keys, w.keys, kv * r, stream, op);
+    emflow::detail::launch_widen(input.values, w.values, kv * rv, stream, op);
+    args.query = w.queries;
+    args.key = w.keys;
+    args.value = w.values;
+    args.query_gradient = w.query_gradient;
+    args.key_gradient = w.key_gradient;
+    args.value_gradient = w.value_gradient;
+  }
+  const emflow::detail::KernelMask mask = device_mask(input);
+  emflow::detail::SdpaRowTermsArgs<T> terms;
+  terms.output = saved.output;
+  terms.output_gradient = upstream.update;
+  terms.lse = saved.lse;
+  terms.entropy = saved.entropy;
+  terms.lse_gradient = upstream.lse;
+  terms.entropy_gradient = upstream.entropy;
+  terms.output_gradient32 = w.output_gradient;
+  terms.lse32 = w.lse;
+  terms.row_term = w.row_term;
+  terms.entropy_gradient32 = w.entropy_gradient;
+  terms.batch = static_cast<int>(input.batch);
+  terms.heads = static_cast<int>(input.query_heads);
+  terms.queries = static_cast<int>(input.query_tokens);
+  terms.tokens = static_cast<int>(input.tokens);
+  terms.value_rank = static_cast<int>(input.value_rank);
+  terms.mask = mask;
+  emflow::detail::launch_sdpa_row_terms(terms, stream, op);
+
+  args.output_gradient = w.output_gradient;
+  args.lse = w.lse;
+  args.row_term = w.row_term;
+  args.entropy_gradient = w.entropy_gradient;
+  args.scale_terms = w.scale_terms;
+  args.scale = static_cast<float>(input.scale);
+  args.batch = terms.batch;
+  args.heads = terms.heads;
+  args.kv_heads = static_cast<int>(input.kv_heads);
+  args.queries = terms.queries;
+  args.tokens = terms.tokens;
+  args.rank = static_cast<int>(input.rank);
+  args.value_rank = terms.value_rank;
+  args.mask = mask;
+  emflow::detail::prepare_sdpa_backward(args.rank > args.value_rank ? args.rank : args.value_rank,
+                                        op);
+  emflow::detail::launch_sdpa_backward(args, stream, op);
+  if constexpr (!std::is_same_v<T, float>) {
+    emflow::detail::launch_narrow(w.query_gradient, gradients.queries, rows * r, stream, op);
+    emflow::detail::launch_narrow(w.key_gradient, gradients.keys, kv * r, stream, op);
+    emflow::detail::launch_narrow(w.value_gradient, gradients.values, kv * rv, stream, op);
+  }
+  if (gradients.scale != nullptr) {
+    emflow::detail::launch_sdpa_scale_sum(w.scale_terms, w.query_blocks, gradients.scale, stream,
+                                          op);
+  }
+}
+
+#define EMFLOW_CUDA_SDPA(T)                                                                       \
+  template std::size_t sdpa_workspace_size<T>(const SdpaInput<T>&, const SdpaOutput<T>&,          \
+                                              const PlanOptions&);                                \
+  template void sdpa_attend_async<T>(const SdpaInput<T>&, const SdpaOutput<T>&, void*,            \
+                                     std::size_t, Stream, const PlanOptions&);                    \
+  template std::size_t sdpa_backward_workspace_size<T>(                                           \
+      const SdpaInput<T>&, const UpstreamGradients<T>&, const SdpaGradientOutput<T>&);            \
+  template void sdpa_backward_async<T>(const SdpaInput<T>&, const SdpaSaved<T>&,                  \
+                                       const UpstreamGradients<T>&, const SdpaGradientOutput<T>&, \
+                                       void*, std::size_t, Stream);
+EMFLOW_CUDA_SDPA(float)
+EMFLOW_CUDA_SDPA(bfloat16)
+EMFLOW_CUDA_SDPA(float16)
+#undef EMFLOW_CUDA_SDPA
+
+}  // namespace emflow::cuda
