@@ -6,6 +6,7 @@
 // ones its kernels read.
 #include <algorithm>
 #include <cstdlib>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -46,26 +47,33 @@ struct Path {
   std::vector<std::string> required;  ///< of cpu_feature_names()
 };
 
+/// The extensions of cpu_feature_names() a path's target string names (CMakeLists.txt,
+/// EMFLOW_CPU_PATH_<name>_ISA, given here as EMFLOW_CPU_BUILT_<name>): all of them but avx, which
+/// every processor with avx2 has and the probe does not list.
+std::vector<std::string> required_by(const char* target) {
+  std::vector<std::string> out;
+  std::stringstream list(target);
+  std::string name;
+  while (std::getline(list, name, ',')) {
+    if (!name.empty() && name != "avx") out.push_back(name);
+  }
+  return out;
+}
+
 /// The build's paths, lowest first (all of them, or the one EMFLOW_ONLY_CPU_PATH kept:
-/// EMFLOW_CPU_BUILT_<name>); the extensions each needs are those of its target string
-/// (CMakeLists.txt, EMFLOW_CPU_PATH_<name>_ISA).
+/// EMFLOW_CPU_BUILT_<name>, each the path's target string).
 const std::vector<Path>& paths() {
   static const std::vector<Path> built = [] {
     std::vector<Path> out;
 #if defined(__x86_64__) || defined(_M_X64)
-    const std::vector<std::string> v3{"avx2", "fma", "f16c", "bmi2"};
-    std::vector<std::string> v4 = v3;
-    for (const char* name : {"avx512f", "avx512dq", "avx512bw", "avx512vl"}) v4.emplace_back(name);
-    std::vector<std::string> bf16 = v4;
-    bf16.emplace_back("avx512bf16");
 #if defined(EMFLOW_CPU_BUILT_avx2)
-    out.push_back({&avx2::kernels, v3});
+    out.push_back({&avx2::kernels, required_by(EMFLOW_CPU_BUILT_avx2)});
 #endif
 #if defined(EMFLOW_CPU_BUILT_avx512)
-    out.push_back({&avx512::kernels, v4});
+    out.push_back({&avx512::kernels, required_by(EMFLOW_CPU_BUILT_avx512)});
 #endif
 #if defined(EMFLOW_CPU_BUILT_avx512bf16)
-    out.push_back({&avx512bf16::kernels, bf16});
+    out.push_back({&avx512bf16::kernels, required_by(EMFLOW_CPU_BUILT_avx512bf16)});
 #endif
 #else
     out.push_back({&generic::kernels, {}});
