@@ -489,7 +489,8 @@ def route_factored(x: Any, query_factor: Any, key_factor: Any, content_up: Any,
 def sdpa_attend(query: Any, key: Any, value: Any, *, scale: Optional[float] = None,
                 mask: Mask = None, key_lengths: Any = None, query_lengths: Any = None,
                 key_position: int = 0, query_position: Optional[int] = None, lse: bool = False,
-                entropy: bool = False, device: str = "auto", threads: int = 0) -> Any:
+                entropy: bool = False, device: str = "auto", threads: int = 0,
+                precision: str = "fp32", stream: Any = None) -> Any:
     """The SDPA-shaped operator (emflow::sdpa_attend, include/emflow/sdpa.hpp, docs/MATH.md
     §8.1): queries, keys and values already projected, the shape of torch's
     scaled_dot_product_attention::
@@ -507,7 +508,10 @@ def sdpa_attend(query: Any, key: Any, value: Any, *, scale: Optional[float] = No
     padding). A query that sees no key gets output 0, lse -inf and entropy 0.
 
     Returns the output, or an ``Sdpa`` (output, lse, entropy) when lse or entropy is requested.
-    Host memory only (no GPU path computes this operator yet); gradients:
+    CUDA torch tensors run on the GPU (emflow::cuda::sdpa_attend_async on ``stream``, the
+    current torch stream by default, without synchronising): bfloat16 and float16, or float32
+    with ``precision="tf32"`` (TF32 products: the GPU's only float32 path); value rank equal to
+    the rank, at most 256. No GPU has run this path yet (docs/CUDA.md). Gradients:
     ``emflow.torch.sdpa_attend``.
     """
     operation = "sdpa_attend"
@@ -521,10 +525,14 @@ def sdpa_attend(query: Any, key: Any, value: Any, *, scale: Optional[float] = No
     if scale is None:
         scale = 1.0 / float(np.sqrt(query.shape[-1]))
     is_torch = _torch_tensor(query)
+    cuda = is_torch and query.is_cuda
+    stream_handle, allocate = 0, None
     if is_torch:
         import torch
 
         empty = partial(torch.empty, dtype=query.dtype, device=query.device)
+        if cuda:
+            stream_handle, allocate = _cuda_stream(torch, query, stream)
     else:
         empty = partial(np.empty, dtype=query.dtype)
     output = empty(tuple(query.shape[:-1]) + (value.shape[-1],))
@@ -537,10 +545,11 @@ def sdpa_attend(query: Any, key: Any, value: Any, *, scale: Optional[float] = No
     position = None if query_position is None else _integer(operation, "query_position",
                                                             query_position)
     _emflow.sdpa_attend(query, key, value, float(scale), _mask(mask),
-                        _lengths(operation, key_lengths, query, False),
-                        _lengths(operation, query_lengths, query, False),
+                        _lengths(operation, key_lengths, query, cuda),
+                        _lengths(operation, query_lengths, query, cuda),
                         _integer(operation, "key_position", key_position), position, output,
-                        lse_out, entropy_out, device, _integer(operation, "threads", threads))
+                        lse_out, entropy_out, device, _integer(operation, "threads", threads),
+                        precision, stream_handle, allocate)
     return Sdpa(output, lse_out, entropy_out) if lse or entropy else output
 
 

@@ -16,9 +16,11 @@ operator, its output and lse), never the N x N weights; the backward pass is the
 also with fake implementations. beta and scale are Python floats: they take no gradient. The
 gradient through ``weights`` is not computed (a loss that depends on them is refused by name).
 
-The backward pass runs on the CPU only: CUDA tensors run the forward pass of ``attend`` and
-``attend_factored`` (through emflow::cuda::attend_async on the current torch stream), and a
-gradient through them raises NotImplementedError, as does ``emflow::sdpa`` on CUDA tensors. Inputs
+CUDA tensors: the SDPA-shaped operator runs forward and backward on the GPU (through
+emflow::cuda::sdpa_attend_async and sdpa_backward_async on the current torch stream; float32 needs
+torch.backends.cuda.matmul.allow_tf32, the forward's products being TF32 there), ``attend`` and
+``attend_factored`` their forward pass only (emflow::cuda::attend_async), a gradient through them
+raising NotImplementedError. No GPU has run these paths yet (docs/CUDA.md). Inputs
 are made contiguous first (a no-op for contiguous tensors) and must share the dtype of x (or of
 query): float32 or float64. Queries that see no key get a zero gradient.
 """
@@ -245,6 +247,17 @@ def _statistics(query: Tensor) -> Tensor:
     return query.new_empty(query.shape[:-1], dtype=dtype)
 
 
+def _gpu(query: Tensor) -> dict:
+    """The keyword arguments of a call on CUDA tensors: the current torch stream and a workspace
+    allocator on it, and for float32 the TF32 products of the GPU's only float32 path where torch
+    allows them (torch.backends.cuda.matmul.allow_tf32; else emflow refuses by name)."""
+    if not query.is_cuda:
+        return {}
+    stream, allocate = _emflow._cuda_stream(torch, query, None)
+    tf32 = query.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    return {"stream": stream, "allocate": allocate, "precision": "tf32" if tf32 else "fp32"}
+
+
 @torch.library.custom_op("emflow::sdpa", mutates_args=())
 def _sdpa_op(query: Tensor, key: Tensor, value: Tensor, key_lengths: Optional[Tensor],
              scale: float, mask: str, query_position: Optional[int], device: str, threads: int
@@ -253,7 +266,7 @@ def _sdpa_op(query: Tensor, key: Tensor, value: Tensor, key_lengths: Optional[Te
     lse = _statistics(query)
     _emflow._emflow.sdpa_attend(_dense(query), _dense(key), _dense(value), scale, mask,
                                 _lengths(key_lengths), None, 0, query_position, output, lse, None,
-                                device, threads)
+                                device, threads, **_gpu(query))
     return output, lse
 
 
@@ -272,7 +285,8 @@ def _sdpa_backward_op(d_output: Optional[Tensor], d_lse: Optional[Tensor], query
     _emflow._emflow.sdpa_backward(_dense(query), _dense(key), _dense(value), scale, mask,
                                   _lengths(key_lengths), None, 0, query_position, _dense(output),
                                   _dense(lse), None, _or_none(d_output), _or_none(d_lse), None,
-                                  d_query, d_key, d_value, device, threads)
+                                  d_query, d_key, d_value, device, threads,
+                                  **{k: v for k, v in _gpu(query).items() if k != "precision"})
     return d_query, d_key, d_value
 
 
@@ -351,8 +365,10 @@ def sdpa_attend(query: Tensor, key: Tensor, value: Tensor, *, scale: Optional[fl
     as the differentiable operator torch.ops.emflow.sdpa, with emflow's own options.
 
     query (B, Hq, Nq, r), key (B, Hkv, Nk, r), value (B, Hkv, Nk, rv), float32, float64,
-    bfloat16 or float16 CPU tensors of one dtype (16-bit: float32 accumulation, lse in float32;
+    bfloat16 or float16 tensors of one dtype (16-bit: float32 accumulation, lse in float32;
     the bfloat16 backward runs on AVX512-BF16 where the processor has it, docs/MATH.md §8.8);
+    CUDA tensors run on the GPU (bfloat16, float16, float32 with TF32 allowed; value rank equal to
+    the rank, at most 256, and at most 128 for the gradients; the current torch stream);
     Hq a multiple of Hkv (grouped heads: query head h reads key and value head
     h // (Hq // Hkv)). scale: multiplies every score, 1 / sqrt(r) by default. mask: None,
     "causal" or ("window", w), on sequence positions: key j at position j, query i at
@@ -392,9 +408,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     scale: 1 / sqrt(E) by default.
 
     Refused by name (NotImplementedError): dropout_p != 0 and any attn_mask (an arbitrary dense
-    mask is not computed; emflow's key lengths and windows are ``sdpa_attend``'s), CUDA tensors
-    (no GPU path computes this operator yet); leading batch axes that differ or broadcast
-    (ValueError).
+    mask is not computed; emflow's key lengths and windows are ``sdpa_attend``'s); leading batch
+    axes that differ or broadcast (ValueError). CUDA tensors run on the GPU as ``sdpa_attend``
+    says (float32 only where torch allows TF32: the GPU's float32 path has TF32 products).
     """
     if dropout_p != 0.0:
         raise NotImplementedError(f"scaled_dot_product_attention: argument 'dropout_p' is "
@@ -414,10 +430,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     if len(set(dims)) != 1:
         raise ValueError("scaled_dot_product_attention: arguments 'query', 'key' and 'value' "
                          f"have {dims[0]}, {dims[1]} and {dims[2]} axes, expected the same")
-    if query.device.type != "cpu":
+    if query.device.type not in ("cpu", "cuda"):
         raise NotImplementedError("scaled_dot_product_attention: argument 'query' is on "
-                                  f"{query.device}, expected a CPU tensor (no GPU path computes "
-                                  "emflow's SDPA-shaped operator yet)")
+                                  f"{query.device}, expected a CPU or CUDA tensor")
     if query.dim() == 4 and not (query.shape[0] == key.shape[0] == value.shape[0]):
         raise ValueError("scaled_dot_product_attention: the batch axes of 'query', 'key' and "
                          f"'value' are {query.shape[0]}, {key.shape[0]} and {value.shape[0]}, "

@@ -160,3 +160,30 @@ def test_cuda_operator_factored_matches_sdpa():
     expected = sdpa_update(x.cpu(), wq.cpu(), wk.cpu(), wv.cpu(), wo.cpu(), True)
     got = emflow.torch.attend_factored(x, wq / 2, wk, wo, wv, mask="causal")
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(cuda_ready() is not None, reason=str(cuda_ready()))
+def test_cuda_sdpa_trains_on_the_gpu_as_on_the_cpu():
+    """The SDPA drop-in on CUDA tensors (cuda::sdpa_attend_async and sdpa_backward_async on the
+    current stream): bfloat16 output and gradients within bfloat16's rounding of the CPU's on the
+    same stored values, grouped heads, torch's causal mask; float32 runs only where torch allows
+    TF32 (the GPU's float32 products), and is refused by name otherwise."""
+    generator = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, h, 40, 64, generator=generator).to(torch.bfloat16)
+               for h in (4, 2, 2))
+    grads = []
+    for device in ("cuda", "cpu"):
+        leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+        out = emflow.torch.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+        out.float().square().sum().backward()
+        grads.append([out.detach().float().cpu()] + [t.grad.float().cpu() for t in leaves])
+    for got, want, name in zip(grads[0], grads[1], ("output", "dQ", "dK", "dV")):
+        error = (got - want).norm() / want.norm()
+        assert error < 2 ** -6, f"{name}: relative error {error:.3g}"
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        with pytest.raises(NotImplementedError, match="tf32|TF32"):
+            emflow.torch.scaled_dot_product_attention(*(t.float().cuda() for t in (q, k, k)))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
