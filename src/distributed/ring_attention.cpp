@@ -25,6 +25,7 @@ namespace {
 using detail::any_visible;
 using detail::Clock;
 using detail::local_lengths;
+using detail::run_steps;
 using detail::seconds_since;
 
 // Keys of longer segments are taken in pieces of at most this many, so that the transfer in
@@ -251,35 +252,13 @@ void ring_attend(Communicator& comm, const ShardInput<T>& input, const FactoredL
     ring = std::make_unique<Ring<T>>(comm, input, factored);
   });
   RingTimes local;
-  const int P = comm.size(), r = comm.rank();
-  // A rank whose computation fails keeps passing the shards on to the end of the ring (its
-  // partners would otherwise wait for them forever); the failure is agreed on afterwards.
-  std::exception_ptr error;
-  for (int t = 0; t < P; ++t) {
-    const int owner = (r - t + P) % P;
-    std::unique_ptr<Transfer> transfer;
-    if (t + 1 < P) {
-      const std::size_t send = ring->shard_bytes(owner);
-      transfer = comm.start_shift(ring->held.data(), send, ring->next.data(),
-                                  ring->shard_bytes((owner - 1 + P) % P));
-      local.bytes_sent += static_cast<std::int64_t>(send);
-    }
-    const auto compute_start = Clock::now();
-    if (!error) {
-      try {
-        ring->compute(comm, owner, transfer.get(), host);
-      } catch (...) {
-        error = std::current_exception();
-      }
-    }
-    local.compute += seconds_since(compute_start);
-    if (transfer) {
-      const auto wait_start = Clock::now();
-      comm.wait(*transfer);
-      local.exposed_wait += seconds_since(wait_start);
-      ring->held.swap(ring->next);
-    }
-  }
+  std::exception_ptr error =
+      run_steps(comm, *ring, local, [&](int owner, Transfer* transfer, bool failed) {
+        if (failed) return;
+        const auto compute_start = Clock::now();
+        ring->compute(comm, owner, transfer, host);
+        local.compute += seconds_since(compute_start);
+      });
   if (!error) {
     try {
       ring->finish(output);

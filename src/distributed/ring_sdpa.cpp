@@ -35,6 +35,7 @@ namespace {
 using detail::any_visible;
 using detail::Clock;
 using detail::local_lengths;
+using detail::run_steps;
 using detail::seconds_since;
 
 template <class T>
@@ -179,38 +180,6 @@ struct SdpaRing {
   std::vector<T> held, next;
   std::vector<std::int64_t> lengths;
 };
-
-// Runs the P steps: at each, starts passing the held shard on (but at the last), calls
-// step(owner, transfer, failed) (failed: an earlier step threw), and waits for the shard. A rank
-// whose computation fails keeps passing shards on to the end (its partners would wait for them
-// forever); the failure is returned and agreed on by the caller.
-template <class T, class Step>
-std::exception_ptr run_steps(Communicator& comm, SdpaRing<T>& ring, RingTimes& times, Step&& step) {
-  std::exception_ptr error;
-  const int P = ring.P, r = ring.r;
-  for (int t = 0; t < P; ++t) {
-    const int owner = (r - t + P) % P;
-    std::unique_ptr<Transfer> transfer;
-    if (t + 1 < P) {
-      const std::size_t send = ring.shard_bytes(owner);
-      transfer = comm.start_shift(ring.held.data(), send, ring.next.data(),
-                                  ring.shard_bytes((owner - 1 + P) % P));
-      times.bytes_sent += static_cast<std::int64_t>(send);
-    }
-    try {
-      step(owner, transfer.get(), error != nullptr);
-    } catch (...) {
-      if (!error) error = std::current_exception();
-    }
-    if (transfer) {
-      const auto wait_start = Clock::now();
-      comm.wait(*transfer);
-      times.exposed_wait += seconds_since(wait_start);
-      ring.held.swap(ring.next);
-    }
-  }
-  return error;
-}
 
 template <class T>
 void ring_sdpa_attend(Communicator& comm, const SdpaShardInput<T>& input,

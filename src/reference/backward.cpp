@@ -132,10 +132,10 @@ struct Row {
   double lse = -kInf, entropy = 0.0;
 };
 
-/// Row i of query head h of cloud b.
-void softmax_row(const Tensor<double>& Q, const Tensor<double>& K, const SdpaShape& sh,
-                 double scale, std::int64_t b, std::int64_t h, std::int64_t i, KeyRange keys,
-                 Row& row) {
+/// The products <q_i, k_j> and scores s_ij = scale <q_i, k_j> of row i of query head h of cloud
+/// b over its visible keys; the weights 0, lse -inf and H 0 until the caller sets them.
+void scores_row(const Tensor<double>& Q, const Tensor<double>& K, const SdpaShape& sh, double scale,
+                std::int64_t b, std::int64_t h, std::int64_t i, KeyRange keys, Row& row) {
   const std::int64_t r = sh.rank, Nk = sh.keys, g = h / sh.group();
   row.keys = keys;
   row.dot.assign(static_cast<std::size_t>(Nk), 0.0);
@@ -143,17 +143,26 @@ void softmax_row(const Tensor<double>& Q, const Tensor<double>& K, const SdpaSha
   row.p.assign(static_cast<std::size_t>(Nk), 0.0);
   row.lse = -kInf;
   row.entropy = 0.0;
-  if (keys.empty()) return;  // no visible key: p_i = 0, lse_i = -inf, H_i = 0
-
-  // s_ij = scale <q_i, k_j>; m_i = max_j s_ij, NaN as soon as one visible score is NaN.
   const double* q = Q.data() + at(b, h, i, 0, sh.query_heads, sh.queries, r);
-  double m = -kInf;
   for (std::int64_t j = keys.first; j < keys.last; ++j) {
     const double* k = K.data() + at(b, g, j, 0, sh.kv_heads, Nk, r);
     double dot = 0.0;
     for (std::int64_t a = 0; a < r; ++a) dot += q[a] * k[a];
     row.dot[j] = dot;
     row.s[j] = scale * dot;
+  }
+}
+
+/// Row i of query head h of cloud b.
+void softmax_row(const Tensor<double>& Q, const Tensor<double>& K, const SdpaShape& sh,
+                 double scale, std::int64_t b, std::int64_t h, std::int64_t i, KeyRange keys,
+                 Row& row) {
+  scores_row(Q, K, sh, scale, b, h, i, keys, row);
+  if (keys.empty()) return;  // no visible key: p_i = 0, lse_i = -inf, H_i = 0
+
+  // m_i = max_j s_ij, NaN as soon as one visible score is NaN.
+  double m = -kInf;
+  for (std::int64_t j = keys.first; j < keys.last; ++j) {
     if (row.s[j] > m || std::isnan(row.s[j])) m = row.s[j];
   }
   if (!std::isfinite(m)) {
@@ -181,22 +190,10 @@ void softmax_row(const Tensor<double>& Q, const Tensor<double>& K, const SdpaSha
 void saved_row(const Tensor<double>& Q, const Tensor<double>& K, const SdpaShape& sh, double scale,
                std::int64_t b, std::int64_t h, std::int64_t i, KeyRange keys, double lse,
                double entropy, Row& row) {
-  const std::int64_t r = sh.rank, Nk = sh.keys, g = h / sh.group();
-  row.keys = keys;
-  row.dot.assign(static_cast<std::size_t>(Nk), 0.0);
-  row.s.assign(static_cast<std::size_t>(Nk), -kInf);
-  row.p.assign(static_cast<std::size_t>(Nk), 0.0);
+  scores_row(Q, K, sh, scale, b, h, i, keys, row);
   row.lse = lse;
   row.entropy = entropy;
-  const double* q = Q.data() + at(b, h, i, 0, sh.query_heads, sh.queries, r);
-  for (std::int64_t j = keys.first; j < keys.last; ++j) {
-    const double* k = K.data() + at(b, g, j, 0, sh.kv_heads, Nk, r);
-    double dot = 0.0;
-    for (std::int64_t a = 0; a < r; ++a) dot += q[a] * k[a];
-    row.dot[j] = dot;
-    row.s[j] = scale * dot;
-    row.p[j] = std::exp(row.s[j] - lse);
-  }
+  for (std::int64_t j = keys.first; j < keys.last; ++j) row.p[j] = std::exp(row.s[j] - lse);
 }
 
 /// o_i = sum_j p_ij v_j over the visible keys, each of which counts even with p_ij = 0 (§6.6).
