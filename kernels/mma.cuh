@@ -228,7 +228,16 @@ struct Rows {
   const unsigned char* row[32];
 };
 inline Rows rows[32][2];
-inline thread_local unsigned rows_parity = 0;
+// Each lane's counts of ldmatrix and of MMA, by parity (the exchange below), from 0 at every
+// block: the emulation keeps its threads from launch to launch (emu::block_serial).
+inline thread_local unsigned rows_parity = 0, parity = 0;
+inline thread_local unsigned long long parities_block = ~0ull;
+inline void fresh_parities() {
+  if (parities_block != emu::block_serial) {
+    parities_block = emu::block_serial;
+    rows_parity = parity = 0;
+  }
+}
 
 template <bool Trans>
 inline void ldmatrix_x4(std::uint32_t (&r)[4], const void* row) {
@@ -239,6 +248,7 @@ inline void ldmatrix_x4(std::uint32_t (&r)[4], const void* row) {
   if (!emu::in_shared(row, 16)) {
     emu::kernel_violation(emu::thread_name() + ": ldmatrix with a row outside shared memory");
   }
+  fresh_parities();
   Rows& area = rows[warp][rows_parity];
   rows_parity ^= 1u;
   area.row[lane] = static_cast<const unsigned char*>(row);
@@ -261,7 +271,6 @@ struct Exchange {
   std::uint32_t b[32][2];
 };
 inline Exchange exchange[32][2];  // by warp of the block (blocks run one at a time), by parity
-inline thread_local unsigned parity = 0;  // threads are fresh at every launch
 
 inline float element(Kind kind, std::uint32_t reg, int half) {
   const std::uint16_t bits = static_cast<std::uint16_t>(half ? reg >> 16 : reg & 0xffffu);
@@ -273,6 +282,7 @@ inline float element(Kind kind, std::uint32_t reg, int half) {
 
 inline void run(Kind kind, FragC& d, const FragA& a, const FragB& b) {
   const int lane = lane_id(), warp = static_cast<int>(threadIdx.x) >> 5;
+  fresh_parities();
   Exchange& area = exchange[warp][parity];
   parity ^= 1u;
   for (int r = 0; r < 4; ++r) area.a[lane][r] = a.x[r];

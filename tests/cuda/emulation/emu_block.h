@@ -1,6 +1,7 @@
 // The execution of one emulated kernel launch (cuda_runtime.h): one host thread per CUDA thread
-// of a block, the blocks one after another in a shuffled order, and every rule of the hardware
-// the emulation can check reported as a violation instead of being quietly tolerated:
+// of a block (a team of threads kept from launch to launch), the blocks one after another in a
+// shuffled order, and every rule of the hardware the emulation can check reported as a violation
+// instead of being quietly tolerated:
 //   * a __syncthreads reached by only part of the block (some threads exited or wait elsewhere),
 //     or reached at two different places of the code, is a violation, not a hang;
 //   * a shuffle's mask must name the calling lane and the lane it reads, no lane beyond the
@@ -17,14 +18,17 @@
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 struct dim3 {
@@ -38,6 +42,9 @@ namespace emu {
 
 inline thread_local dim3 thread_index, block_index;
 inline dim3 block_dim, grid_dim;
+// One more at every block start: per-thread state of the emulated device code (mma.cuh's
+// parities) starts afresh when it changes, as the team's threads are kept from launch to launch.
+inline unsigned long long block_serial = 0;
 
 // Thrown inside a kernel's threads to unwind them once their launch has failed.
 struct KernelStopped {};
@@ -414,6 +421,71 @@ inline unsigned long long launches = 0;
 // of a grid over an array too large to be processed whole on a CPU).
 inline unsigned only_last_blocks = 0;
 
+// The host threads that run a launch's CUDA threads, made once and kept: starting and ending a
+// thread costs more than most emulated blocks (about 45 ms for a block of 256 threads under
+// ASan, against 0.5 ms for one of its barriers), so each launch hands its body to the first
+// `count` of them instead. Launches are serialised (cuda_runtime.h runs them under its queue's
+// lock), so one team serves them all; thread_index, block_index and async_copies are set or
+// finished per block by the body, so nothing of one launch reaches the next.
+class Team {
+ public:
+  static Team& instance() {
+    static Team team;
+    return team;
+  }
+  // Runs body(t) for t = 0 .. count - 1 on `count` threads at once; returns when all are done.
+  void run(unsigned count, const std::function<void(unsigned)>& body) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (workers_.size() < count) {
+      // A new worker knows the generation before this launch's, so it cannot miss it.
+      const auto t = static_cast<unsigned>(workers_.size());
+      workers_.emplace_back([this, t, seen = generation_] { work(t, seen); });
+    }
+    body_ = &body;
+    active_ = count;
+    finished_ = 0;
+    ++generation_;
+    start_.notify_all();
+    done_.wait(lock, [&] { return finished_ == active_; });
+    body_ = nullptr;
+  }
+  ~Team() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+      ++generation_;
+    }
+    start_.notify_all();
+    for (std::thread& worker : workers_) worker.join();
+  }
+
+ private:
+  Team() = default;
+  void work(unsigned t, unsigned long long seen) {
+    for (;;) {
+      const std::function<void(unsigned)>* body = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        start_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (stopping_) return;
+        if (t >= active_) continue;
+        body = body_;
+      }
+      (*body)(t);
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (++finished_ == active_) done_.notify_one();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable start_, done_;
+  std::vector<std::thread> workers_;
+  const std::function<void(unsigned)>* body_ = nullptr;
+  unsigned active_ = 0, finished_ = 0;
+  unsigned long long generation_ = 0;
+  bool stopping_ = false;
+};
+
 // Runs a kernel: `grid` blocks of `threads` threads, `shared` bytes of dynamic shared memory.
 // Returns false when a violation stopped it.
 template <class Kernel>
@@ -438,33 +510,30 @@ bool run_blocks(const char* name, unsigned grid, unsigned threads, std::size_t s
     if (block.failed.load()) stopped = true;
     if (stopped || next == order.size()) return;
     block.reset(threads);
+    ++block_serial;
     poison(dynamic_shared.data(), dynamic_shared.size() * sizeof(float4));
     poison_static_shared();
     ++next;
   };
   start_block();
   std::barrier between_blocks(static_cast<std::ptrdiff_t>(threads), start_block);
-  std::vector<std::thread> team;
-  team.reserve(threads);
-  for (unsigned t = 0; t < threads; ++t) {
-    team.emplace_back([&, t] {
-      for (std::size_t k = 0; k < order.size(); ++k) {
-        thread_index = {t, 0, 0};
-        block_index = {order[k], 0, 0};
-        bool halted = false;
-        try {
-          kernel();
-        } catch (const KernelStopped&) {
-          halted = true;
-        }
-        async_copies.finish(halted);
-        block.exit(halted);
-        between_blocks.arrive_and_wait();
-        if (stopped) break;
+  const std::function<void(unsigned)> body = [&](unsigned t) {
+    for (std::size_t k = 0; k < order.size(); ++k) {
+      thread_index = {t, 0, 0};
+      block_index = {order[k], 0, 0};
+      bool halted = false;
+      try {
+        kernel();
+      } catch (const KernelStopped&) {
+        halted = true;
       }
-    });
-  }
-  for (auto& member : team) member.join();
+      async_copies.finish(halted);
+      block.exit(halted);
+      between_blocks.arrive_and_wait();
+      if (stopped) break;
+    }
+  };
+  Team::instance().run(threads, body);
   current_kernel = "";
   return !stopped && !block.failed.load();
 }
