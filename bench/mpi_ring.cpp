@@ -106,9 +106,8 @@ int main(int argc, char** argv) {
   const std::vector<float> cloud =
       emflow::distributed::gather_shard(problem.cloud.data(), 1, N, d, segments);
   std::vector<float> update(cloud.size());
-  // The backward pass's upstream gradient dDelta (any values: the shard's own rows) and the
-  // operators' gradients.
-  const std::vector<float> upstream_rows = cloud;
+  // The operators' gradients of the backward pass; its upstream gradient dDelta is the shard's
+  // own rows (any values do).
   std::vector<float> dM(static_cast<std::size_t>(d * d)), dF(dM.size());
   double dbeta = 0.0;
   emflow::distributed::ShardInput<float> in;
@@ -138,7 +137,7 @@ int main(int argc, char** argv) {
         gradients.relevance = dM.data();
         gradients.content = dF.data();
         gradients.beta = &dbeta;
-        emflow::distributed::attend_backward(*variants[v], in, {upstream_rows.data()}, gradients,
+        emflow::distributed::attend_backward(*variants[v], in, {cloud.data()}, gradients,
                                              {emflow::Device::cpu, 1}, &times);
       } else {
         emflow::distributed::attend(*variants[v], in, {update.data(), nullptr, nullptr},
