@@ -122,6 +122,7 @@ void expect_device_pointer(const char* operation, const char* argument, const vo
 
 void expect_workspace(const char* operation, const void* workspace, std::size_t bytes,
                       std::size_t needed, int device) {
+  if (workspace == nullptr && needed == 0) return;
   if (workspace == nullptr) fail_argument(operation, "workspace", "must not be null");
   expect_device_pointer(operation, "workspace", workspace, device);
   if (bytes < needed) {

@@ -27,7 +27,8 @@ void check_no_pending_error(const char* operation);
 void expect_device_pointer(const char* operation, const char* argument, const void* pointer,
                            int device);
 
-/// Refuses a null, host, too small (`bytes` < `needed`) or misaligned workspace.
+/// Refuses a null, host, too small (`bytes` < `needed`) or misaligned workspace; a call that
+/// needs none (`needed` 0) may pass null.
 void expect_workspace(const char* operation, const void* workspace, std::size_t bytes,
                       std::size_t needed, int device);
 

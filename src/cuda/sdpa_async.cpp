@@ -24,6 +24,7 @@ namespace emflow::cuda {
 namespace {
 
 using emflow::detail::expect_device_pointer;
+using emflow::detail::expect_workspace;
 using emflow::detail::MemoryRange;
 
 constexpr std::size_t kAlignment = 256;
@@ -161,13 +162,6 @@ void expect_input_on_device(const SdpaInput<T>& in, const char* op, int device) 
   expect_device_pointer(op, "key_lengths", in.key_lengths, device);
   expect_device_pointer(op, "query_lengths", in.query_lengths, device);
   expect_device_pointer(op, "query_positions", in.query_positions, device);
-}
-
-// The workspace of `needed` bytes; none (null allowed) when nothing is needed.
-void expect_workspace(const char* op, const void* workspace, std::size_t bytes, std::size_t needed,
-                      int device) {
-  if (needed == 0 && workspace == nullptr) return;
-  emflow::detail::expect_workspace(op, workspace, bytes, needed, device);
 }
 
 template <class V>
