@@ -30,7 +30,8 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
   }
 fi
-pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+# No cache: the wheels (torch and its CUDA libraries, about 3 GB) would be kept twice on disk.
+pip=("$venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check)
 "${pip[@]}" numpy pytest nanobind scikit-build-core gguf
 if [ "${EMFLOW_PYTHON_TORCH:-1}" != 0 ]; then
   "${pip[@]}" torch transformers tqdm accelerate
