@@ -176,9 +176,12 @@ template ::testing::AssertionResult all_finite_or_neg_inf(const std::vector<floa
 template ::testing::AssertionResult all_finite_or_neg_inf(const std::vector<double>&);
 
 void ScratchFolder::SetUp() {
-  folder_ = std::filesystem::temp_directory_path() /
-            (prefix_ + std::to_string(::getpid()) + "_" +
-             ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  // A parameterized test's name holds a '/' ("Case/3"): one folder per test, never a nested one
+  // that TearDown would leave behind empty.
+  std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  std::replace(name.begin(), name.end(), '/', '_');
+  folder_ =
+      std::filesystem::temp_directory_path() / (prefix_ + std::to_string(::getpid()) + "_" + name);
   std::filesystem::create_directories(folder_);
 }
 
