@@ -174,31 +174,17 @@ template <class T>
 void cuda_attend_factored(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
                           const AttentionOutput<T>& output, const Route& route);
 
-/// Blocking CUDA path of sdpa_attend on host arrays (src/cuda/sdpa.cpp, or a stub without CUDA):
-/// queries, keys and values copied to the device, the tensor-core attention kernel run on them in
-/// their own (batch, heads, tokens, rank) layout with the products of `route` (bf16, fp16 or
-/// TF32), its float32 output rounded to T once on the host, lse and entropy in float32.
+/// The blocking CUDA paths of sdpa_attend and sdpa_backward on host arrays (src/cuda/sdpa.cpp, or
+/// stubs without CUDA): the arrays copied to the device, the stream-ordered calls
+/// (cuda::sdpa_attend_async, sdpa_backward_async) run on the copies, the results copied back.
+/// The arguments are validated, routed to the GPU and finite. `precision`: the call's
+/// (Precision::tf32 for float, whose products on the tensor cores are TF32).
 template <class T>
-void cuda_sdpa_attend(const SdpaInput<T>& input, const SdpaOutput<T>& output, const Route& route);
-
-/// The float32 arrays of an SDPA backward pass on the GPU, prepared on the host by
-/// core/sdpa.cpp from validated, finite input (16-bit storage widened exactly): the row terms
-/// E_i = <dO_i, O_i> - dlse_i + dH_i (H_i - lse_i), and dO, lse, E and dH zero on the rows of
-/// queries that see no key (whose saved values are never read and may hold anything).
-struct CudaSdpaBackward {
-  SdpaInput<float> input;                   ///< Q, K, V in float, shapes, mask, lengths
-  const float* output_gradient = nullptr;   ///< dO (zeros where absent)
-  const float* lse = nullptr;               ///< saved lse
-  const float* row_term = nullptr;          ///< E_i
-  const float* entropy_gradient = nullptr;  ///< dH, or null
-};
-
-/// Blocking CUDA path of sdpa_backward (src/cuda/sdpa.cpp, or a stub without CUDA): the arrays
-/// copied to the device, the float32 backward kernels (kernels/sdpa_backward.cu) run there, dQ,
-/// dK and dV copied back into float arrays of the operator's shapes; dscale (when not null)
-/// summed on the host in double over the kernels' per-block terms, in a fixed order.
-void cuda_sdpa_backward(const CudaSdpaBackward& arrays, float* query_gradient, float* key_gradient,
-                        float* value_gradient, double* scale_gradient);
+void cuda_sdpa_attend(const SdpaInput<T>& input, const SdpaOutput<T>& output, Precision precision);
+template <class T>
+void cuda_sdpa_backward(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
+                        const UpstreamGradients<T>& upstream,
+                        const SdpaGradientOutput<T>& gradients);
 
 /// Whether a CUDA device can be used; when not, `reason` says why (no CUDA build, no device,
 /// driver error). Read once per process, by this_machine().

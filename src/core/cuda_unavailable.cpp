@@ -22,20 +22,23 @@ void cuda_attend_partial(const AttentionInput<T>&, const PartialOutput<T>&, cons
 }
 
 template <class T>
-void cuda_sdpa_attend(const SdpaInput<T>&, const SdpaOutput<T>&, const Route&) {
+void cuda_sdpa_attend(const SdpaInput<T>&, const SdpaOutput<T>&, Precision) {
   fail(ErrorCode::unsupported, "sdpa_attend: emflow was built without CUDA (EMFLOW_WITH_CUDA=OFF)");
 }
-template void cuda_sdpa_attend<float>(const SdpaInput<float>&, const SdpaOutput<float>&,
-                                      const Route&);
-template void cuda_sdpa_attend<bfloat16>(const SdpaInput<bfloat16>&, const SdpaOutput<bfloat16>&,
-                                         const Route&);
-template void cuda_sdpa_attend<float16>(const SdpaInput<float16>&, const SdpaOutput<float16>&,
-                                        const Route&);
-
-void cuda_sdpa_backward(const CudaSdpaBackward&, float*, float*, float*, double*) {
+template <class T>
+void cuda_sdpa_backward(const SdpaInput<T>&, const SdpaSaved<T>&, const UpstreamGradients<T>&,
+                        const SdpaGradientOutput<T>&) {
   fail(ErrorCode::unsupported,
        "sdpa_backward: emflow was built without CUDA (EMFLOW_WITH_CUDA=OFF)");
 }
+#define EMFLOW_CUDA_SDPA_BLOCKING(T)                                                       \
+  template void cuda_sdpa_attend<T>(const SdpaInput<T>&, const SdpaOutput<T>&, Precision); \
+  template void cuda_sdpa_backward<T>(const SdpaInput<T>&, const SdpaSaved<T>&,            \
+                                      const UpstreamGradients<T>&, const SdpaGradientOutput<T>&);
+EMFLOW_CUDA_SDPA_BLOCKING(float)
+EMFLOW_CUDA_SDPA_BLOCKING(bfloat16)
+EMFLOW_CUDA_SDPA_BLOCKING(float16)
+#undef EMFLOW_CUDA_SDPA_BLOCKING
 
 template <class T>
 void cuda_attend_factored(const AttentionInput<T>&, const FactoredLayer<T>&,

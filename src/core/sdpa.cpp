@@ -5,10 +5,10 @@
 // Kernel::cpu_bf16, sdpa_backward_bf16.cpp), and the double reference (reference::sdpa_attend,
 // reference::sdpa_backward) for double input, for Device::reference, where the engine has no
 // path on this processor under Device::automatic, and for input with a non-finite value the
-// engine would read. On Device::cuda the forward is the tensor-core attention kernel on the
-// caller's arrays, the backward the float32 kernels on the same float arrays as the engine's,
-// with the row terms prepared here (src/cuda/sdpa.cpp); non-finite input goes to the reference
-// there too.
+// engine would read. On Device::cuda both passes are the stream-ordered calls
+// (cuda::sdpa_attend_async: the tensor-core attention kernel; sdpa_backward_async: the float32
+// backward kernels) on device copies of the caller's arrays (src/cuda/sdpa.cpp); non-finite
+// input goes to the reference there too.
 #include "emflow/sdpa.hpp"
 
 #include <cmath>
@@ -328,78 +328,6 @@ void cpu_forward(const SdpaInput<T>& in, const SdpaOutput<T>& out, int threads) 
   }
 }
 
-/// The GPU's backward (a route on Device::cuda) on the float arrays of `f` and `b`: the row terms
-/// E_i = <dO_i, O_i> - dlse_i + dH_i (H_i - lse_i) in double, and dO, lse, E and dH zero on the
-/// rows of queries that see no key, prepared here; the float32 kernels there; the gradients
-/// rounded to T once.
-template <class T>
-void gpu_backward(const SdpaInput<T>& in, const FloatInput<T>& f, const cpu::SdpaBackwardArrays& b,
-                  const SdpaGradientOutput<T>& out) {
-  const SdpaShape s(in);
-  const auto rows = static_cast<std::size_t>(s.count(s.statistics()));
-  const auto rv = static_cast<std::size_t>(s.rv);
-  std::vector<float> dO(rows * rv, 0.f), lse(rows, 0.f), term(rows, 0.f);
-  std::vector<float> dH(b.entropy_gradient != nullptr ? rows : 0, 0.f);
-  for (std::int64_t cloud = 0; cloud < s.B; ++cloud) {
-    for (std::int64_t h = 0; h < s.Hq; ++h) {
-      for (std::int64_t i = 0; i < s.Nq; ++i) {
-        const KeyRange keys = f.rules[static_cast<std::size_t>(cloud)].keys(i);
-        if (keys.first >= keys.last) continue;  // no key: its saved values are never read
-        const auto row = static_cast<std::size_t>((cloud * s.Hq + h) * s.Nq + i);
-        double e = 0.0;
-        if (b.output_gradient != nullptr) {
-          for (std::size_t a = 0; a < rv; ++a) {
-            dO[row * rv + a] = b.output_gradient[row * rv + a];
-            e +=
-                static_cast<double>(dO[row * rv + a]) * static_cast<double>(b.output[row * rv + a]);
-          }
-        }
-        if (b.lse_gradient != nullptr) e -= static_cast<double>(b.lse_gradient[row]);
-        if (b.entropy_gradient != nullptr) {
-          dH[row] = b.entropy_gradient[row];
-          e += static_cast<double>(dH[row]) *
-               (static_cast<double>(b.entropy[row]) - static_cast<double>(b.lse[row]));
-        }
-        lse[row] = b.lse[row];
-        term[row] = static_cast<float>(e);
-      }
-    }
-  }
-  CudaSdpaBackward arrays;
-  arrays.input.queries = f.arrays.queries;
-  arrays.input.keys = f.arrays.keys;
-  arrays.input.values = f.arrays.values;
-  arrays.input.batch = in.batch;
-  arrays.input.query_heads = in.query_heads;
-  arrays.input.kv_heads = in.kv_heads;
-  arrays.input.query_tokens = in.query_tokens;
-  arrays.input.tokens = in.tokens;
-  arrays.input.rank = in.rank;
-  arrays.input.value_rank = in.value_rank;
-  arrays.input.scale = in.scale;
-  arrays.input.mask = in.mask;
-  arrays.input.key_lengths = in.key_lengths;
-  arrays.input.query_lengths = in.query_lengths;
-  arrays.input.key_position = in.key_position;
-  arrays.input.query_position = in.query_position;
-  arrays.input.query_positions = in.query_positions;
-  arrays.output_gradient = dO.data();
-  arrays.lse = lse.data();
-  arrays.row_term = term.data();
-  arrays.entropy_gradient = dH.empty() ? nullptr : dH.data();
-  if constexpr (std::is_same_v<T, float>) {
-    cuda_sdpa_backward(arrays, out.queries, out.keys, out.values, out.scale);
-  } else {
-    std::vector<float> dq(static_cast<std::size_t>(s.count(s.queries())));
-    std::vector<float> dk(static_cast<std::size_t>(s.count(s.keys())));
-    std::vector<float> dv(static_cast<std::size_t>(s.count(s.values())));
-    cuda_sdpa_backward(arrays, dq.data(), dk.data(), dv.data(), out.scale);
-    store_floats(dq, out.queries);
-    store_floats(dk, out.keys);
-    store_floats(dv, out.values);
-  }
-}
-
 template <class T>
 void cpu_backward(const SdpaInput<T>& in, const SdpaSaved<T>& saved, const UpstreamGradients<T>& up,
                   const SdpaGradientOutput<T>& out, bool bf16_products, int threads,
@@ -426,7 +354,7 @@ void cpu_backward(const SdpaInput<T>& in, const SdpaSaved<T>& saved, const Upstr
     return;
   }
   if (on_gpu) {
-    gpu_backward(in, f, b, out);
+    cuda_sdpa_backward(in, saved, up, out);
     return;
   }
   if constexpr (std::is_same_v<T, float>) {
@@ -478,7 +406,7 @@ void sdpa_attend(const SdpaInput<T>& input, const SdpaOutput<T>& output,
         if (!detail::cpu::sdpa_inputs_finite(detail::FloatInput<T>(input).arrays)) {
           detail::reference_forward(input, output);
         } else {
-          detail::cuda_sdpa_attend(input, output, route);
+          detail::cuda_sdpa_attend(input, output, options.precision);
         }
       } else {
         detail::cpu_forward(input, output, options.threads);

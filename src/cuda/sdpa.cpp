@@ -1,30 +1,18 @@
 // The blocking CUDA paths of emflow::sdpa_attend and sdpa_backward (include/emflow/sdpa.hpp) on
-// Device::cuda. The forward:
-// the SDPA-shaped operator is the tensor-core attention kernel itself (kernels/tc_attention.cu)
-// on the caller's projected queries, keys and values, read in their own layout (batch, heads,
-// tokens, rank: TcAttentionArgs::batch_major) with grouped kv heads, the mask rule, key and query
-// lengths and positions, and key splits by the float kernel's rule for few queries. Host arrays
-// are copied to the device on a stream of their own, the float32 output, lse and entropy are
-// copied back and the stream synchronised; the output is rounded to T once, on the host. The
-// arguments were validated and routed by sdpa_attend (route(): bf16 or fp16 storage, or float
-// with Precision::tf32; value_rank equal to rank, at most kTensorCoreMaxDim). The backward: the
-// float32 kernels of kernels/sdpa_backward.cu on the arrays core/sdpa.cpp prepared (16-bit
-// input widened, the row terms E_i computed), dQ, dK, dV copied back in float32.
+// Device::cuda: the caller's host arrays copied to the device on a stream of their own, the
+// stream-ordered call (src/cuda/sdpa_async.cpp: the tensor-core attention kernel forward, the
+// float32 backward kernels) run on the copies, the results copied back in the caller's types and
+// the stream synchronised. One path for both forms, so they give the same bits. The arguments
+// were validated and routed by core/sdpa.cpp (route(): bf16 or fp16 storage, or float with
+// Precision::tf32; non-finite input taken by the reference there).
 #include <cuda_runtime.h>
 
-#include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #include "core/backends.hpp"
-#include "core/low_precision.hpp"
 #include "cuda_support.hpp"
 #include "emflow/cuda.hpp"
-#include "kernels/sdpa_backward.hpp"
-#include "kernels/tc_attention.hpp"
-#include "products_strategy.hpp"
-#include "tc_state.hpp"
 
 namespace emflow::detail {
 
@@ -39,175 +27,130 @@ cuda::DeviceBuffer<V> upload(const V* host, std::size_t count, cudaStream_t stre
   return buffer;
 }
 
+/// A device array of `count` values for a host output, or an empty buffer for an absent one.
 template <class V>
-const V* data_or_null(const cuda::DeviceBuffer<V>& buffer) {
+cuda::DeviceBuffer<V> room_for(const V* host, std::size_t count) {
+  return host != nullptr ? cuda::DeviceBuffer<V>(count) : cuda::DeviceBuffer<V>();
+}
+
+template <class V>
+V* data_or_null(cuda::DeviceBuffer<V>& buffer) {
   return buffer.size() > 0 ? buffer.data() : nullptr;
 }
 
-/// The device copies of an SDPA input's per-cloud lengths and positions, and the mask over them.
-class DeviceMask {
+template <class V>
+void download(const cuda::DeviceBuffer<V>& buffer, V* host, cudaStream_t stream) {
+  if (host != nullptr) buffer.copy_to_host(host, buffer.size(), stream);
+}
+
+/// The device copies of an SDPA input (Q, K, V, the lengths and positions) and the input that
+/// points at them.
+template <class T>
+class DeviceInput {
  public:
-  template <class T>
-  DeviceMask(const SdpaInput<T>& in, cudaStream_t stream)
-      : key_lengths_(upload(in.key_lengths, static_cast<std::size_t>(in.batch), stream)),
-        query_lengths_(upload(in.query_lengths, static_cast<std::size_t>(in.batch), stream)),
-        query_positions_(upload(in.query_positions, static_cast<std::size_t>(in.batch), stream)) {
-    mask_.rule = in.mask;
-    mask_.key_lengths = data_or_null(key_lengths_);
-    mask_.query_lengths = data_or_null(query_lengths_);
-    mask_.key_position = in.key_position;
-    mask_.query_position = in.query_position;
-    mask_.query_positions = data_or_null(query_positions_);
+  DeviceInput(const SdpaInput<T>& in, cudaStream_t stream)
+      : queries_(
+            upload(in.queries, count(in.batch, in.query_heads, in.query_tokens, in.rank), stream)),
+        keys_(upload(in.keys, count(in.batch, in.kv_heads, in.tokens, in.rank), stream)),
+        values_(upload(in.values, count(in.batch, in.kv_heads, in.tokens, in.value_rank), stream)),
+        key_lengths_(upload(in.key_lengths, count(in.batch), stream)),
+        query_lengths_(upload(in.query_lengths, count(in.batch), stream)),
+        query_positions_(upload(in.query_positions, count(in.batch), stream)),
+        input_(in) {
+    input_.queries = queries_.data();
+    input_.keys = keys_.data();
+    input_.values = values_.data();
+    input_.key_lengths = data_or_null(key_lengths_);
+    input_.query_lengths = data_or_null(query_lengths_);
+    input_.query_positions = data_or_null(query_positions_);
   }
-  const KernelMask& mask() const noexcept { return mask_; }
+  const SdpaInput<T>& get() const noexcept { return input_; }
+
+  static std::size_t count(std::int64_t a, std::int64_t b = 1, std::int64_t c = 1,
+                           std::int64_t d = 1) {
+    return static_cast<std::size_t>(a * b * c * d);
+  }
 
  private:
+  cuda::DeviceBuffer<T> queries_, keys_, values_;
   cuda::DeviceBuffer<std::int64_t> key_lengths_, query_lengths_, query_positions_;
-  KernelMask mask_;
+  SdpaInput<T> input_;
 };
+
+/// A device workspace of `bytes` (none for 0).
+cuda::DeviceBuffer<unsigned char> workspace_of(std::size_t bytes) {
+  return bytes > 0 ? cuda::DeviceBuffer<unsigned char>(bytes) : cuda::DeviceBuffer<unsigned char>();
+}
 
 }  // namespace
 
 template <class T>
-void cuda_sdpa_attend(const SdpaInput<T>& input, const SdpaOutput<T>& output, const Route& route) {
-  const char* const operation = "sdpa_attend";
-  (void)route;  // the products follow from T: TF32 for float, the storage type's otherwise
+void cuda_sdpa_attend(const SdpaInput<T>& input, const SdpaOutput<T>& output, Precision precision) {
   // The stream first, so that it outlives every buffer (as in attend_blocking.cpp).
-  const OwnedStream stream(operation);
+  const OwnedStream stream("sdpa_attend");
   const cudaStream_t s = stream.get();
-  const auto B = static_cast<std::size_t>(input.batch);
-  const auto Hq = static_cast<std::size_t>(input.query_heads);
-  const auto Hkv = static_cast<std::size_t>(input.kv_heads);
-  const auto Nq = static_cast<std::size_t>(input.query_tokens);
-  const auto Nk = static_cast<std::size_t>(input.tokens);
+  const DeviceInput<T> in(input, s);
+  const std::size_t rows =
+      DeviceInput<T>::count(input.batch, input.query_heads, input.query_tokens);
+  cuda::DeviceBuffer<T> out(rows * static_cast<std::size_t>(input.value_rank));
+  cuda::DeviceBuffer<Stat<T>> lse = room_for(output.lse, rows);
+  cuda::DeviceBuffer<Stat<T>> entropy = room_for(output.entropy, rows);
+  const SdpaOutput<T> device_output{out.data(), data_or_null(lse), data_or_null(entropy)};
+  cuda::PlanOptions options;
+  options.precision = precision;
+  cuda::DeviceBuffer<unsigned char> workspace =
+      workspace_of(cuda::sdpa_workspace_size(in.get(), device_output, options));
+  cuda::sdpa_attend_async(in.get(), device_output, data_or_null(workspace), workspace.size(), s,
+                          options);
+  download(out, output.output, s);
+  download(lse, output.lse, s);
+  download(entropy, output.entropy, s);
+  check_cuda(cudaStreamSynchronize(s), "sdpa_attend", "cudaStreamSynchronize");
+}
+
+template <class T>
+void cuda_sdpa_backward(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
+                        const UpstreamGradients<T>& upstream,
+                        const SdpaGradientOutput<T>& gradients) {
+  const OwnedStream stream("sdpa_backward");  // first: see cuda_sdpa_attend
+  const cudaStream_t s = stream.get();
+  const DeviceInput<T> in(input, s);
+  const std::size_t rows =
+      DeviceInput<T>::count(input.batch, input.query_heads, input.query_tokens);
+  const std::size_t kv = DeviceInput<T>::count(input.batch, input.kv_heads, input.tokens);
   const auto r = static_cast<std::size_t>(input.rank);
-  const std::size_t rows = B * Hq * Nq;
-
-  const cuda::DeviceBuffer<T> queries = upload(input.queries, rows * r, s);
-  const cuda::DeviceBuffer<T> keys = upload(input.keys, B * Hkv * Nk * r, s);
-  const cuda::DeviceBuffer<T> values = upload(input.values, B * Hkv * Nk * r, s);
-  const DeviceMask mask(input, s);
-  // lse always: the key splits' merge and the kernel's statistics are written whether asked or
-  // not; copied back only when asked.
-  cuda::DeviceBuffer<float> out(rows * r), lse(rows), entropy(output.entropy ? rows : 0);
-
-  TcAttentionArgs args;
-  args.type = tc_type<T>();
-  args.query = queries.data();
-  args.key = keys.data();
-  args.value = values.data();
-  args.kv_heads = static_cast<int>(Hkv);
-  args.batch_major = true;
-  args.scale = static_cast<float>(input.scale * 1.4426950408889634);  // base 2 in the kernel
-  args.out = out.data();
-  args.lse = lse.data();
-  args.entropy = output.entropy ? entropy.data() : nullptr;
-  args.batch = static_cast<int>(B);
-  args.heads = static_cast<int>(Hq);
-  args.tokens = static_cast<int>(Nk);
-  args.queries = static_cast<int>(Nq);
-  args.dim = static_cast<int>(r);
-  args.mask = mask.mask();
-  // Few queries against many keys: split the keys (flash-decoding), merged in split order.
-  const KeySplits splits =
-      choose_key_splits(input.batch, input.query_heads, input.query_tokens, input.tokens, true);
-  args.splits = splits.splits;
-  args.split_keys = splits.keys;
-  const std::size_t split_rows =
-      splits.splits > 1 ? static_cast<std::size_t>(splits.splits) * rows : 0;
-  cuda::DeviceBuffer<float> split_out(split_rows * r), split_lse(split_rows),
-      split_entropy(split_rows);
-  if (splits.splits > 1) {
-    args.split_out = split_out.data();
-    args.split_lse = split_lse.data();
-    args.split_entropy = split_entropy.data();
-  }
-  prepare_tc_attention(args.type, args.dim, operation);
-  launch_tc_attention(args, s, operation);
-
-  std::vector<float> rows_out(rows * r);
-  out.copy_to_host(rows_out.data(), rows_out.size(), s);
-  if (output.lse) lse.copy_to_host(output.lse, rows, s);
-  if (output.entropy) entropy.copy_to_host(output.entropy, rows, s);
-  check_cuda(cudaStreamSynchronize(s), operation, "cudaStreamSynchronize");
-  for (std::size_t e = 0; e < rows_out.size(); ++e) {
-    if constexpr (std::is_same_v<T, float>) {
-      output.output[e] = rows_out[e];
-    } else {
-      output.output[e] = narrow<T>(rows_out[e]);
-    }
-  }
+  const auto rv = static_cast<std::size_t>(input.value_rank);
+  cuda::DeviceBuffer<T> output = upload(saved.output, rows * rv, s);
+  cuda::DeviceBuffer<Stat<T>> lse = upload(saved.lse, rows, s);
+  cuda::DeviceBuffer<Stat<T>> entropy = upload(saved.entropy, rows, s);
+  cuda::DeviceBuffer<T> output_gradient = upload(upstream.update, rows * rv, s);
+  cuda::DeviceBuffer<Stat<T>> lse_gradient = upload(upstream.lse, rows, s);
+  cuda::DeviceBuffer<Stat<T>> entropy_gradient = upload(upstream.entropy, rows, s);
+  cuda::DeviceBuffer<T> dq(rows * r), dk(kv * r), dv(kv * rv);
+  cuda::DeviceBuffer<double> dscale = room_for(gradients.scale, 1);
+  const SdpaSaved<T> device_saved{data_or_null(output), data_or_null(lse), data_or_null(entropy)};
+  const UpstreamGradients<T> device_upstream{
+      data_or_null(output_gradient), data_or_null(lse_gradient), data_or_null(entropy_gradient)};
+  const SdpaGradientOutput<T> device_gradients{dq.data(), dk.data(), dv.data(),
+                                               data_or_null(dscale)};
+  cuda::DeviceBuffer<unsigned char> workspace =
+      workspace_of(cuda::sdpa_backward_workspace_size(in.get(), device_upstream, device_gradients));
+  cuda::sdpa_backward_async(in.get(), device_saved, device_upstream, device_gradients,
+                            data_or_null(workspace), workspace.size(), s);
+  download(dq, gradients.queries, s);
+  download(dk, gradients.keys, s);
+  download(dv, gradients.values, s);
+  download(dscale, gradients.scale, s);
+  check_cuda(cudaStreamSynchronize(s), "sdpa_backward", "cudaStreamSynchronize");
 }
 
-void cuda_sdpa_backward(const CudaSdpaBackward& arrays, float* query_gradient, float* key_gradient,
-                        float* value_gradient, double* scale_gradient) {
-  const char* const operation = "sdpa_backward";
-  const SdpaInput<float>& in = arrays.input;
-  const OwnedStream stream(operation);  // first: see cuda_sdpa_attend
-  const cudaStream_t s = stream.get();
-  const auto B = static_cast<std::size_t>(in.batch);
-  const auto Hq = static_cast<std::size_t>(in.query_heads);
-  const auto Hkv = static_cast<std::size_t>(in.kv_heads);
-  const auto Nq = static_cast<std::size_t>(in.query_tokens);
-  const auto Nk = static_cast<std::size_t>(in.tokens);
-  const auto r = static_cast<std::size_t>(in.rank);
-  const auto rv = static_cast<std::size_t>(in.value_rank);
-  const std::size_t rows = B * Hq * Nq;
-
-  const cuda::DeviceBuffer<float> queries = upload(in.queries, rows * r, s);
-  const cuda::DeviceBuffer<float> keys = upload(in.keys, B * Hkv * Nk * r, s);
-  const cuda::DeviceBuffer<float> values = upload(in.values, B * Hkv * Nk * rv, s);
-  const cuda::DeviceBuffer<float> output_gradient = upload(arrays.output_gradient, rows * rv, s);
-  const cuda::DeviceBuffer<float> lse = upload(arrays.lse, rows, s);
-  const cuda::DeviceBuffer<float> row_term = upload(arrays.row_term, rows, s);
-  const cuda::DeviceBuffer<float> entropy_gradient = upload(arrays.entropy_gradient, rows, s);
-  const DeviceMask mask(in, s);
-  cuda::DeviceBuffer<float> dq(rows * r), dk(B * Hkv * Nk * r), dv(B * Hkv * Nk * rv);
-  const std::size_t query_blocks = (Nq + kSdpaBackwardTile - 1) / kSdpaBackwardTile * Hq * B;
-  cuda::DeviceBuffer<float> scale_terms(scale_gradient != nullptr ? query_blocks : 0);
-
-  SdpaBackwardArgs args;
-  args.query = queries.data();
-  args.key = keys.data();
-  args.value = values.data();
-  args.output_gradient = output_gradient.data();
-  args.lse = lse.data();
-  args.row_term = row_term.data();
-  args.entropy_gradient = data_or_null(entropy_gradient);
-  args.query_gradient = dq.data();
-  args.key_gradient = dk.data();
-  args.value_gradient = dv.data();
-  args.scale_terms = scale_gradient != nullptr ? scale_terms.data() : nullptr;
-  args.scale = static_cast<float>(in.scale);
-  args.batch = static_cast<int>(B);
-  args.heads = static_cast<int>(Hq);
-  args.kv_heads = static_cast<int>(Hkv);
-  args.queries = static_cast<int>(Nq);
-  args.tokens = static_cast<int>(Nk);
-  args.rank = static_cast<int>(r);
-  args.value_rank = static_cast<int>(rv);
-  args.mask = mask.mask();
-  prepare_sdpa_backward(args.rank > args.value_rank ? args.rank : args.value_rank, operation);
-  launch_sdpa_backward(args, s, operation);
-
-  std::vector<float> terms(scale_terms.size());
-  dq.copy_to_host(query_gradient, dq.size(), s);
-  dk.copy_to_host(key_gradient, dk.size(), s);
-  dv.copy_to_host(value_gradient, dv.size(), s);
-  if (!terms.empty()) scale_terms.copy_to_host(terms.data(), terms.size(), s);
-  check_cuda(cudaStreamSynchronize(s), operation, "cudaStreamSynchronize");
-  if (scale_gradient != nullptr) {
-    double sum = 0.0;  // in block order: the same bits run to run
-    for (float t : terms) sum += static_cast<double>(t);
-    *scale_gradient = sum;
-  }
-}
-
-template void cuda_sdpa_attend<float>(const SdpaInput<float>&, const SdpaOutput<float>&,
-                                      const Route&);
-template void cuda_sdpa_attend<bfloat16>(const SdpaInput<bfloat16>&, const SdpaOutput<bfloat16>&,
-                                         const Route&);
-template void cuda_sdpa_attend<float16>(const SdpaInput<float16>&, const SdpaOutput<float16>&,
-                                        const Route&);
+#define EMFLOW_CUDA_SDPA_BLOCKING(T)                                                       \
+  template void cuda_sdpa_attend<T>(const SdpaInput<T>&, const SdpaOutput<T>&, Precision); \
+  template void cuda_sdpa_backward<T>(const SdpaInput<T>&, const SdpaSaved<T>&,            \
+                                      const UpstreamGradients<T>&, const SdpaGradientOutput<T>&);
+EMFLOW_CUDA_SDPA_BLOCKING(float)
+EMFLOW_CUDA_SDPA_BLOCKING(bfloat16)
+EMFLOW_CUDA_SDPA_BLOCKING(float16)
+#undef EMFLOW_CUDA_SDPA_BLOCKING
 
 }  // namespace emflow::detail

@@ -447,11 +447,10 @@ struct Stream {
   Stream& operator=(const Stream&) = delete;
 };
 
-// The stream-ordered forms on device arrays give the blocking forms' results bit for bit: the
-// same kernels, the 16-bit rounding and the backward's row terms, widening and dscale sum done by
-// kernels instead of the host (the row terms in the same double arithmetic, in the same order).
-// Every case above, forward and backward, with lengths and positions in device memory and the
-// saved statistics of keyless rows NaN (never read).
+// The stream-ordered forms on the caller's device arrays give the blocking forms' results bit for
+// bit (the blocking forms run them on device copies of host arrays): every case above, forward
+// and backward, with lengths and positions in device memory (read by the kernels alone), a
+// workspace of the caller's, and the saved statistics of keyless rows NaN (never read).
 TYPED_TEST(SdpaCuda, StreamOrderedFormsGiveTheBlockingFormsBits) {
   EMFLOW_REQUIRE_CUDA();
   using T = TypeParam;
