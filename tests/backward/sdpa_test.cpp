@@ -29,6 +29,7 @@
 
 #include "backward/targets.hpp"
 #include "common/accuracy.hpp"
+#include "common/sdpa_case.hpp"
 #include "common/stored.hpp"
 #include "common/testing.hpp"
 #include "emflow/capability.hpp"
@@ -40,14 +41,10 @@ namespace {
 
 using reference::Visibility;
 using testing::HostTarget;
+using testing::input_of;
+using testing::round_trip;
+using testing::SdpaCase;
 using testing::Through;
-
-struct SdpaCase {
-  std::string name;
-  std::int64_t batch, query_heads, kv_heads, queries, keys, rank, value_rank;
-  Visibility visibility;
-  double scale = 0.7;
-};
 
 Visibility masked(Mask mask) {
   Visibility v;
@@ -96,8 +93,6 @@ std::vector<SdpaCase> sdpa_cases() {
   };
 }
 
-std::ostream& operator<<(std::ostream& out, const SdpaCase& c) { return out << c.name; }
-
 /// One case's inputs (float-exact), NaN in the padding rows (which no target may read).
 struct Inputs {
   Tensor<double> Q, K, V;
@@ -144,31 +139,6 @@ std::int64_t count(const Shape& shape) {
 }
 
 /// The SdpaInput of a case over arrays of T.
-template <class T>
-SdpaInput<T> input_of(const SdpaCase& c, const std::vector<T>& Q, const std::vector<T>& K,
-                      const std::vector<T>& V) {
-  SdpaInput<T> in;
-  in.queries = Q.data();
-  in.keys = K.data();
-  in.values = V.data();
-  in.batch = c.batch;
-  in.query_heads = c.query_heads;
-  in.kv_heads = c.kv_heads;
-  in.query_tokens = c.queries;
-  in.tokens = c.keys;
-  in.rank = c.rank;
-  in.value_rank = c.value_rank;
-  in.scale = c.scale;
-  const Visibility& v = c.visibility;
-  in.mask = v.mask;
-  in.key_lengths = v.key_lengths.empty() ? nullptr : v.key_lengths.data();
-  in.query_lengths = v.query_lengths.empty() ? nullptr : v.query_lengths.data();
-  in.key_position = v.key_position;
-  in.query_position = v.query_position;
-  in.query_positions = v.query_positions.empty() ? nullptr : v.query_positions.data();
-  return in;
-}
-
 /// Random upstream gradients through `through`, NaN on the rows of queries without keys.
 reference::OutputGradients upstream_of(Through through, const Inputs& in, const Tensor<double>& lse,
                                        std::uint64_t seed) {
@@ -350,19 +320,14 @@ TEST(SdpaDeterminism, GradientsAreBitwiseTheSameForOneTwoAndThreeThreads) {
 // ---------------------------------------------------------------------------------------------
 // bfloat16 and float16 storage (docs/MATH.md §8.8): the accuracy rule of §7.4 on the output and
 // each gradient (max error against the double reference of the stored values at most twice a
-// naive kernel's), with the naive backward written here. It reads what a 16-bit kernel reads: the
-// stored Q, K, V and dO, the forward's lse and H (float32) and its O (stored, rounded); it computes
-// the scores, the weights p_ij = exp(s_ij - lse_i) and dS_ij in double, rounds P and dS to the
-// storage type before the products that read them (dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K,
-// summed in double), and rounds the gradients once. On a processor with AVX512-BF16 bfloat16 runs
-// that kernel's products (the test says which path ran); EMFLOW_CPU_DISABLE=avx512bf16 sends it to
-// the widening float32 kernel, which ctest runs too (backward.bf16_widened).
-
-/// `value` rounded to T and read back.
-template <class T>
-double round_trip(double value) {
-  return testing::value_of(testing::stored<T>(value));
-}
+// naive kernel's), with the naive backward of tests/common/sdpa_case.hpp. It reads what a 16-bit
+// kernel reads: the stored Q, K, V and dO, the forward's lse and H (float32) and its O (stored,
+// rounded); it computes the scores, the weights p_ij = exp(s_ij - lse_i) and dS_ij in double,
+// rounds P and dS to the storage type before the products that read them (dV = P^T dO, dK = scale
+// dS^T Q, dQ = scale dS K, summed in double), and rounds the gradients once. On a processor with
+// AVX512-BF16 bfloat16 runs that kernel's products (the test says which path ran);
+// EMFLOW_CPU_DISABLE=avx512bf16 sends it to the widening float32 kernel, which ctest runs too
+// (backward.bf16_widened).
 
 /// Every value of `t` rounded to T and read back: inputs T holds exactly.
 template <class T>
@@ -377,71 +342,6 @@ struct Saved {
   std::vector<T> output;
   std::vector<float> lse, entropy;
 };
-
-struct Gradients {
-  std::vector<double> queries, keys, values;
-};
-
-/// The naive 16-bit backward of the comment above. `weights` (the reference's P) says which
-/// pairs are visible; `up` holds the stored upstream gradients.
-template <class T>
-Gradients naive_backward(const SdpaCase& c, const Inputs& in, const Tensor<double>& weights,
-                         const Saved<T>& saved, const reference::OutputGradients& up) {
-  const std::int64_t Nq = c.queries, Nk = c.keys, r = c.rank, rv = c.value_rank;
-  Gradients g{std::vector<double>(static_cast<std::size_t>(in.Q.size()), 0.0),
-              std::vector<double>(static_cast<std::size_t>(in.K.size()), 0.0),
-              std::vector<double>(static_cast<std::size_t>(in.V.size()), 0.0)};
-  for (std::int64_t b = 0; b < c.batch; ++b) {
-    for (std::int64_t h = 0; h < c.query_heads; ++h) {
-      const std::int64_t set = b * c.kv_heads + h / (c.query_heads / c.kv_heads);
-      for (std::int64_t i = 0; i < Nq; ++i) {
-        const std::int64_t row = (b * c.query_heads + h) * Nq + i;
-        const double lse = saved.lse[static_cast<std::size_t>(row)];
-        if (std::isinf(lse)) continue;  // no key: zero gradients
-        double e = 0.0;
-        if (!(up.update.size() == 0)) {
-          for (std::int64_t a = 0; a < rv; ++a) {
-            e +=
-                up.update[row * rv + a] *
-                static_cast<double>(to_float(saved.output[static_cast<std::size_t>(row * rv + a)]));
-          }
-        }
-        if (!(up.lse.size() == 0)) e -= up.lse[row];
-        const double dh = (up.entropy.size() == 0) ? 0.0 : up.entropy[row];
-        e += dh * saved.entropy[static_cast<std::size_t>(row)];
-        for (std::int64_t j = 0; j < Nk; ++j) {
-          if (!(weights[row * Nk + j] > 0.0)) continue;
-          double s = 0.0, dp = 0.0;
-          for (std::int64_t a = 0; a < r; ++a)
-            s += in.Q[row * r + a] * in.K[(set * Nk + j) * r + a];
-          s *= c.scale;
-          if (!(up.update.size() == 0)) {
-            for (std::int64_t a = 0; a < rv; ++a) {
-              dp += up.update[row * rv + a] * in.V[(set * Nk + j) * rv + a];
-            }
-          }
-          const double p = std::exp(s - lse);
-          const double p_stored = round_trip<T>(p);
-          const double ds_stored = round_trip<T>(p * (dp - e - dh * (s - lse)));
-          for (std::int64_t a = 0; a < rv && !(up.update.size() == 0); ++a) {
-            g.values[static_cast<std::size_t>((set * Nk + j) * rv + a)] +=
-                p_stored * up.update[row * rv + a];
-          }
-          for (std::int64_t a = 0; a < r; ++a) {
-            g.keys[static_cast<std::size_t>((set * Nk + j) * r + a)] +=
-                c.scale * ds_stored * in.Q[row * r + a];
-            g.queries[static_cast<std::size_t>(row * r + a)] +=
-                c.scale * ds_stored * in.K[(set * Nk + j) * r + a];
-          }
-        }
-      }
-    }
-  }
-  for (std::vector<double>* v : {&g.queries, &g.keys, &g.values}) {
-    for (double& x : *v) x = round_trip<T>(x);
-  }
-  return g;
-}
 
 /// `t`'s values, with 0 in place of NaN (the padding rows, whose gradients are exactly 0).
 std::vector<double> zero_padding(const Tensor<double>& t) {
@@ -521,7 +421,9 @@ TYPED_TEST(SdpaLowPrecision, GradientsMeetTheAccuracyRule) {
                     upstream, SdpaGradientOutput<T>{dQ.data(), dK.data(), dV.data()}, options);
       const reference::SdpaGradients exact =
           reference::sdpa_backward(in.Q, in.K, in.V, c.scale, c.visibility, up);
-      const Gradients naive = naive_backward<T>(c, in, ref.weights, saved, up);
+      const testing::NaiveGradients naive =
+          testing::naive_sdpa_backward<T>(c, in.Q, in.K, in.V, ref.weights, saved.output.data(),
+                                          saved.lse.data(), saved.entropy.data(), up);
       const std::vector<double> ours[] = {testing::values_of(dQ), testing::values_of(dK),
                                           testing::values_of(dV)};
       const std::vector<double>* naives[] = {&naive.queries, &naive.keys, &naive.values};
