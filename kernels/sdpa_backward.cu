@@ -1,4 +1,5 @@
-// The backward pass of the SDPA-shaped operator in float32 (docs/MATH.md §8.2, §8.3), in the
+// The backward pass of the SDPA-shaped operator (docs/MATH.md §8.2, §8.3): in float32 (below) and
+// on the tensor cores for 16-bit storage (version 2, further down), in the
 // FlashAttention-2 form without atomics: the weights are recomputed from lse, never stored, and
 // each gradient is owned by the blocks of one kernel, so the result is the same bits run to run.
 //
@@ -41,6 +42,7 @@
 
 #include "launch.cuh"
 #include "mask.cuh"
+#include "mma.cuh"
 #include "sdpa_backward.hpp"
 #include "storage.cuh"
 
@@ -350,6 +352,337 @@ void launch_width(const SdpaBackwardArgs& args, cudaStream_t stream, const char*
          kThreads, bytes, stream, args);
 }
 
+// --- Version 2: the five products on the tensor cores (bfloat16 and float16 storage) ----------
+//
+// The same two kernels, tiles and skipping as above, with Q, K, V and dO held in shared memory
+// in the storage type ([64][D + 8]: rows of a multiple of 16 bytes, shifted by 16 bytes from one
+// row to the next, so that ldmatrix's eight rows fall in distinct banks) and the products on
+// mma.sync m16n8k16 (kernels/mma.cuh) with float32 accumulators. Four warps a block, each owning
+// 16 of the tile's 64 keys (the keys kernel) or queries (the queries kernel):
+//   keys kernel, per query tile: S^T = K Q^T and dP^T = V dO^T (16 x 64 per warp, accumulators),
+//       P^T and dS^T formed in those registers, then dV += P^T dO and dK += dS^T Q with P^T and
+//       dS^T rounded to the storage type as the A operand (mma::accumulators_to_a): the scores
+//       never leave registers;
+//   queries kernel, per key tile: S = Q K^T and dP = dO V^T, dS in registers, dQ += dS K.
+// dO arrives in float32 from the row terms' kernel (zero on rows that see no key) and is rounded
+// to the storage type it came from (exact). Rounding P and dS to 16 bits before their products
+// is FlashAttention's; the gradients are held to the 16-bit rule of docs/MATH.md §8.8.
+// Version 1 of this form: plain loads into shared memory (no cp.async pipeline), one block of
+// 128 threads per tile; never run on a GPU (checked under the CPU emulation of CUDA).
+
+constexpr int kTcThreads = 128;
+
+template <class T, int D>
+struct TcLayout {
+  static constexpr int ld = D + 8;
+  static constexpr std::size_t tile = static_cast<std::size_t>(kTile) * ld;  // elements
+  static constexpr std::size_t bytes =
+      4 * tile * sizeof(T) + 3 * kTile * sizeof(float) + 2 * kTile * sizeof(int);
+};
+static_assert(TcLayout<bfloat16, kSdpaBackwardMaxRank>::bytes <= 227 * 1024, "shared memory");
+
+template <class T, int D>
+struct TcShared {
+  T *a, *b, *c, *d;                      // [64][D + 8] each
+  float *lse, *term, *entropy_gradient;  // per row of the query tile
+  int *first, *last;                     // the visible keys of each row of the query tile
+
+  __device__ explicit TcShared(void* base) {
+    using L = TcLayout<T, D>;
+    a = static_cast<T*>(base);
+    b = a + L::tile;
+    c = b + L::tile;
+    d = c + L::tile;
+    lse = reinterpret_cast<float*>(d + L::tile);
+    term = lse + kTile;
+    entropy_gradient = term + kTile;
+    first = reinterpret_cast<int*>(entropy_gradient + kTile);
+    last = first + kTile;
+  }
+};
+
+// Rows [row0, row0 + 64) of a (rows x width) row-major matrix of S (T, or float rounded once to
+// T) into a [64][D + 8] tile of T, zero beyond `valid` rows and beyond `width` columns.
+template <class T, int D, class S>
+__device__ __forceinline__ void load_tile(T* dst, const S* src, int row0, int valid, int width) {
+  for (int index = static_cast<int>(threadIdx.x); index < kTile * D; index += kTcThreads) {
+    const int r = index / D, c = index % D;
+    float v = 0.f;
+    if (row0 + r < valid && c < width)
+      v = widen(src[static_cast<std::size_t>(row0 + r) * width + c]);
+    store(dst + r * (D + 8) + c, v);
+  }
+}
+
+// The 16-wide steps of a product over `width` columns (zero beyond it in the tiles).
+__device__ __forceinline__ int steps16(int width) { return (width + 15) / 16 * 16; }
+
+template <class T, int D>
+__global__ void __launch_bounds__(kTcThreads)
+    sdpa_backward_keys_tc_kernel(const SdpaBackwardArgs args, const T* query, const T* key,
+                                 const T* value) {
+  constexpr int kLd = D + 8;
+  constexpr int kOut = D / 8;  // 8-column accumulator tiles of dK and dV
+  EMFLOW_DYNAMIC_SHARED(storage);
+  const TcShared<T, D> s(storage);
+  T* const Qs = s.a;
+  T* const dOs = s.b;
+  T* const Ks = s.c;
+  T* const Vs = s.d;
+  const int key_tiles = (args.tokens + kTile - 1) / kTile;
+  const int n0 = static_cast<int>(blockIdx.x % static_cast<unsigned>(key_tiles)) * kTile;
+  const int set = static_cast<int>(blockIdx.x / static_cast<unsigned>(key_tiles));  // b Hkv + g
+  const int b = set / args.kv_heads, kv_head = set % args.kv_heads;
+  const int group = args.heads / args.kv_heads;
+  const CloudView view = cloud_view(args.mask, b, args.tokens, args.queries);
+  const std::size_t key_base = static_cast<std::size_t>(set) * args.tokens;
+  load_tile<T, D>(Ks, key + key_base * args.rank, n0, view.key_length, args.rank);
+  load_tile<T, D>(Vs, value + key_base * args.value_rank, n0, view.key_length, args.value_rank);
+
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int g = mma::lane_group(), t = mma::lane_in_group();
+  const int rank_steps = steps16(args.rank), value_steps = steps16(args.value_rank);
+  const T* const my_keys = Ks + warp * 16 * kLd;
+  const T* const my_values = Vs + warp * 16 * kLd;
+  mma::FragC dk[kOut] = {}, dv[kOut] = {};
+  for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+    const std::size_t row_base = (static_cast<std::size_t>(b) * args.heads + h) * args.queries;
+    for (int m0 = 0; m0 < args.queries; m0 += kTile) {
+      if (!tile_sees(args.mask, view, m0, n0)) continue;  // the same for the whole block
+      __syncthreads();                                    // the last tile's rows have been read
+      load_tile<T, D>(Qs, query + row_base * args.rank, m0, view.query_length, args.rank);
+      load_tile<T, D>(dOs, args.output_gradient + row_base * args.value_rank, m0, view.query_length,
+                      args.value_rank);
+      load_row_terms(s.lse, s.term, s.entropy_gradient, args, row_base, m0, view.query_length);
+      if (static_cast<int>(threadIdx.x) < kTile) {
+        const int i = static_cast<int>(threadIdx.x);
+        visible_keys(args.mask, view, m0 + i, &s.first[i], &s.last[i]);
+      }
+      __syncthreads();
+      // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys and the tile's 64 queries.
+      mma::FragC st[8] = {}, dpt[8] = {};
+      for (int k = 0; k < rank_steps; k += 16) {
+        const mma::FragA a = mma::load_a_ldsm(my_keys + k, kLd);
+#pragma unroll
+        for (int n = 0; n < 8; n += 2) {
+          mma::FragB b0, b1;
+          mma::load_b_col_pair_ldsm(Qs + n * 8 * kLd + k, kLd, b0, b1);
+          mma::mma_16816<T>(st[n], a, b0);
+          mma::mma_16816<T>(st[n + 1], a, b1);
+        }
+      }
+      for (int k = 0; k < value_steps; k += 16) {
+        const mma::FragA a = mma::load_a_ldsm(my_values + k, kLd);
+#pragma unroll
+        for (int n = 0; n < 8; n += 2) {
+          mma::FragB b0, b1;
+          mma::load_b_col_pair_ldsm(dOs + n * 8 * kLd + k, kLd, b0, b1);
+          mma::mma_16816<T>(dpt[n], a, b0);
+          mma::mma_16816<T>(dpt[n + 1], a, b1);
+        }
+      }
+      // P^T and dS^T in place: accumulator x[e] is key g + 8 (e / 2) of the warp's 16, query
+      // 8 n + 2 t + e % 2 of the tile.
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = n0 + warp * 16 + g + 8 * (e / 2);
+          const int i = 8 * n + 2 * t + e % 2;
+          const bool visible = j >= s.first[i] && j < s.last[i];
+          const float score = args.scale * st[n].x[e];
+          const float p = visible ? expf(score - s.lse[i]) : 0.f;
+          dpt[n].x[e] = p * (dpt[n].x[e] - s.entropy_gradient[i] * score - s.term[i]);
+          st[n].x[e] = p;
+        }
+      }
+      // dV += P^T dO and dK += dS^T Q, the 64 queries in four steps of 16.
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const mma::FragA p = mma::accumulators_to_a<T>(st[2 * kk], st[2 * kk + 1]);
+        const mma::FragA ds = mma::accumulators_to_a<T>(dpt[2 * kk], dpt[2 * kk + 1]);
+#pragma unroll
+        for (int c = 0; c < kOut; c += 2) {
+          mma::FragB b0, b1;
+          mma::load_b_row_pair_ldsm(dOs + kk * 16 * kLd + c * 8, kLd, b0, b1);
+          mma::mma_16816<T>(dv[c], p, b0);
+          mma::mma_16816<T>(dv[c + 1], p, b1);
+          mma::load_b_row_pair_ldsm(Qs + kk * 16 * kLd + c * 8, kLd, b0, b1);
+          mma::mma_16816<T>(dk[c], ds, b0);
+          mma::mma_16816<T>(dk[c + 1], ds, b1);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < kOut; ++c) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = n0 + warp * 16 + g + 8 * (e / 2);
+      const int column = 8 * c + 2 * t + e % 2;
+      if (j >= args.tokens) continue;
+      if (column < args.rank) {
+        args.key_gradient[(key_base + j) * args.rank + column] = args.scale * dk[c].x[e];
+      }
+      if (column < args.value_rank) {
+        args.value_gradient[(key_base + j) * args.value_rank + column] = dv[c].x[e];
+      }
+    }
+  }
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(kTcThreads)
+    sdpa_backward_queries_tc_kernel(const SdpaBackwardArgs args, const T* query, const T* key,
+                                    const T* value) {
+  constexpr int kLd = D + 8;
+  constexpr int kOut = D / 8;  // 8-column accumulator tiles of dQ
+  EMFLOW_DYNAMIC_SHARED(storage);
+  const TcShared<T, D> s(storage);
+  T* const Ks = s.a;
+  T* const Vs = s.b;
+  T* const Qs = s.c;
+  T* const dOs = s.d;
+  const int query_tiles = (args.queries + kTile - 1) / kTile;
+  const int m0 = static_cast<int>(blockIdx.x % static_cast<unsigned>(query_tiles)) * kTile;
+  const int row_set = static_cast<int>(blockIdx.x / static_cast<unsigned>(query_tiles));
+  const int b = row_set / args.heads, h = row_set % args.heads;
+  const int set = b * args.kv_heads + h / (args.heads / args.kv_heads);
+  const CloudView view = cloud_view(args.mask, b, args.tokens, args.queries);
+  const std::size_t row_base = static_cast<std::size_t>(row_set) * args.queries;
+  const std::size_t key_base = static_cast<std::size_t>(set) * args.tokens;
+  load_tile<T, D>(Qs, query + row_base * args.rank, m0, view.query_length, args.rank);
+  load_tile<T, D>(dOs, args.output_gradient + row_base * args.value_rank, m0, view.query_length,
+                  args.value_rank);
+
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int g = mma::lane_group(), t = mma::lane_in_group();
+  // The lane's two rows of the tile, g and g + 8 of the warp's 16: their terms and visible keys.
+  float lse[2], term[2], dh[2];
+  int first[2], last[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = m0 + warp * 16 + g + 8 * r;
+    const bool inside = i < view.query_length;
+    const std::size_t at = row_base + static_cast<std::size_t>(inside ? i : 0);
+    lse[r] = inside ? args.lse[at] : 0.f;
+    term[r] = inside ? args.row_term[at] : 0.f;
+    dh[r] = inside && args.entropy_gradient != nullptr ? args.entropy_gradient[at] : 0.f;
+    visible_keys(args.mask, view, i, &first[r], &last[r]);
+  }
+  const int rank_steps = steps16(args.rank), value_steps = steps16(args.value_rank);
+  const T* const my_queries = Qs + warp * 16 * kLd;
+  const T* const my_gradients = dOs + warp * 16 * kLd;
+  mma::FragC dq[kOut] = {};
+  float scale_term = 0.f;
+  for (int n0 = 0; n0 < view.key_length; n0 += kTile) {
+    if (!tile_sees(args.mask, view, m0, n0)) continue;  // the same for the whole block
+    __syncthreads();  // the last key tile has been read (and the rows are in)
+    load_tile<T, D>(Ks, key + key_base * args.rank, n0, view.key_length, args.rank);
+    load_tile<T, D>(Vs, value + key_base * args.value_rank, n0, view.key_length, args.value_rank);
+    __syncthreads();
+    // S = Q K^T and dP = dO V^T for the warp's 16 queries and the tile's 64 keys.
+    mma::FragC sc[8] = {}, dp[8] = {};
+    for (int k = 0; k < rank_steps; k += 16) {
+      const mma::FragA a = mma::load_a_ldsm(my_queries + k, kLd);
+#pragma unroll
+      for (int n = 0; n < 8; n += 2) {
+        mma::FragB b0, b1;
+        mma::load_b_col_pair_ldsm(Ks + n * 8 * kLd + k, kLd, b0, b1);
+        mma::mma_16816<T>(sc[n], a, b0);
+        mma::mma_16816<T>(sc[n + 1], a, b1);
+      }
+    }
+    for (int k = 0; k < value_steps; k += 16) {
+      const mma::FragA a = mma::load_a_ldsm(my_gradients + k, kLd);
+#pragma unroll
+      for (int n = 0; n < 8; n += 2) {
+        mma::FragB b0, b1;
+        mma::load_b_col_pair_ldsm(Vs + n * 8 * kLd + k, kLd, b0, b1);
+        mma::mma_16816<T>(dp[n], a, b0);
+        mma::mma_16816<T>(dp[n + 1], a, b1);
+      }
+    }
+    // dS in place of dP: accumulator x[e] is row g + 8 (e / 2), key 8 n + 2 t + e % 2.
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2;
+        const int j = n0 + 8 * n + 2 * t + e % 2;
+        const bool visible = j >= first[r] && j < last[r];
+        const float raw = sc[n].x[e];
+        const float score = args.scale * raw;
+        const float p = visible ? expf(score - lse[r]) : 0.f;
+        const float ds = p * (dp[n].x[e] - dh[r] * score - term[r]);
+        dp[n].x[e] = ds;
+        scale_term = fmaf(ds, raw, scale_term);
+      }
+    }
+    // dQ += dS K, the 64 keys in four steps of 16.
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const mma::FragA ds = mma::accumulators_to_a<T>(dp[2 * kk], dp[2 * kk + 1]);
+#pragma unroll
+      for (int c = 0; c < kOut; c += 2) {
+        mma::FragB b0, b1;
+        mma::load_b_row_pair_ldsm(Ks + kk * 16 * kLd + c * 8, kLd, b0, b1);
+        mma::mma_16816<T>(dq[c], ds, b0);
+        mma::mma_16816<T>(dq[c + 1], ds, b1);
+      }
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < kOut; ++c) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = m0 + warp * 16 + g + 8 * (e / 2);
+      const int column = 8 * c + 2 * t + e % 2;
+      if (i < args.queries && column < args.rank) {
+        args.query_gradient[(row_base + i) * args.rank + column] = args.scale * dq[c].x[e];
+      }
+    }
+  }
+  if (args.scale_terms != nullptr) {
+    // The block's sum, over its threads in a fixed order (a tree in shared memory).
+    __syncthreads();
+    float* const sums = reinterpret_cast<float*>(s.a);
+    sums[threadIdx.x] = scale_term;
+    for (int width = kTcThreads / 2; width > 0; width /= 2) {
+      __syncthreads();
+      if (static_cast<int>(threadIdx.x) < width) sums[threadIdx.x] += sums[threadIdx.x + width];
+    }
+    if (threadIdx.x == 0) args.scale_terms[blockIdx.x] = sums[0];
+  }
+}
+
+template <class T, int D>
+void allow_tc(const char* operation) {
+  const int bytes = static_cast<int>(TcLayout<T, D>::bytes);
+  check_cuda(cudaFuncSetAttribute(sdpa_backward_keys_tc_kernel<T, D>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+             operation, "cudaFuncSetAttribute(sdpa_backward_keys_tc_kernel)");
+  check_cuda(cudaFuncSetAttribute(sdpa_backward_queries_tc_kernel<T, D>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+             operation, "cudaFuncSetAttribute(sdpa_backward_queries_tc_kernel)");
+}
+
+template <class T, int D>
+void launch_tc_width(const SdpaBackwardArgs& args, const T* query, const T* key, const T* value,
+                     cudaStream_t stream, const char* operation) {
+  const std::size_t bytes = TcLayout<T, D>::bytes;
+  const unsigned key_blocks = static_cast<unsigned>((args.tokens + kTile - 1) / kTile) *
+                              static_cast<unsigned>(args.kv_heads) *
+                              static_cast<unsigned>(args.batch);
+  launch(operation, "sdpa_backward_keys_tc_kernel", sdpa_backward_keys_tc_kernel<T, D>, key_blocks,
+         kTcThreads, bytes, stream, args, query, key, value);
+  const unsigned query_blocks = static_cast<unsigned>((args.queries + kTile - 1) / kTile) *
+                                static_cast<unsigned>(args.heads) *
+                                static_cast<unsigned>(args.batch);
+  launch(operation, "sdpa_backward_queries_tc_kernel", sdpa_backward_queries_tc_kernel<T, D>,
+         query_blocks, kTcThreads, bytes, stream, args, query, key, value);
+}
+
 template <class T>
 __global__ void sdpa_row_terms_kernel(const SdpaRowTermsArgs<T> args) {
   const long long rows = static_cast<long long>(args.batch) * args.heads * args.queries;
@@ -393,12 +726,6 @@ __global__ void sdpa_scale_sum_kernel(const float* terms, int count, double* sum
 }
 
 template <class T>
-__global__ void widen_kernel(const T* in, float* out, long long count) {
-  const long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (e < count) out[e] = widen(in[e]);
-}
-
-template <class T>
 __global__ void narrow_kernel(const float* in, T* out, long long count) {
   const long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e < count) store(out + e, in[e]);
@@ -427,15 +754,6 @@ void launch_sdpa_scale_sum(const float* terms, int count, double* sum, cudaStrea
 }
 
 template <class T>
-void launch_widen(const T* in, float* out, std::size_t count, cudaStream_t stream,
-                  const char* operation) {
-  if (count == 0) return;
-  const auto n = static_cast<long long>(count);
-  launch(operation, "widen_kernel", widen_kernel<T>, element_blocks(n), kElementThreads, 0, stream,
-         in, out, n);
-}
-
-template <class T>
 void launch_narrow(const float* in, T* out, std::size_t count, cudaStream_t stream,
                    const char* operation) {
   if (count == 0) return;
@@ -450,9 +768,6 @@ template void launch_sdpa_row_terms<bfloat16>(const SdpaRowTermsArgs<bfloat16>&,
                                               const char*);
 template void launch_sdpa_row_terms<float16>(const SdpaRowTermsArgs<float16>&, cudaStream_t,
                                              const char*);
-template void launch_widen<bfloat16>(const bfloat16*, float*, std::size_t, cudaStream_t,
-                                     const char*);
-template void launch_widen<float16>(const float16*, float*, std::size_t, cudaStream_t, const char*);
 template void launch_narrow<bfloat16>(const float*, bfloat16*, std::size_t, cudaStream_t,
                                       const char*);
 template void launch_narrow<float16>(const float*, float16*, std::size_t, cudaStream_t,
@@ -479,5 +794,33 @@ void launch_sdpa_backward(const SdpaBackwardArgs& args, cudaStream_t stream,
     launch_width<128>(args, stream, operation);
   }
 }
+
+template <class T>
+void prepare_sdpa_backward_tc(int width, const char* operation) {
+  if (width <= 64) {
+    allow_tc<T, 64>(operation);
+  } else {
+    allow_tc<T, 128>(operation);
+  }
+}
+
+template <class T>
+void launch_sdpa_backward_tc(const SdpaBackwardArgs& args, const T* query, const T* key,
+                             const T* value, cudaStream_t stream, const char* operation) {
+  const int width = args.rank > args.value_rank ? args.rank : args.value_rank;
+  if (width <= 64) {
+    launch_tc_width<T, 64>(args, query, key, value, stream, operation);
+  } else {
+    launch_tc_width<T, 128>(args, query, key, value, stream, operation);
+  }
+}
+
+#define EMFLOW_SDPA_BACKWARD_TC(T)                                                                \
+  template void prepare_sdpa_backward_tc<T>(int, const char*);                                    \
+  template void launch_sdpa_backward_tc<T>(const SdpaBackwardArgs&, const T*, const T*, const T*, \
+                                           cudaStream_t, const char*);
+EMFLOW_SDPA_BACKWARD_TC(bfloat16)
+EMFLOW_SDPA_BACKWARD_TC(float16)
+#undef EMFLOW_SDPA_BACKWARD_TC
 
 }  // namespace emflow::detail

@@ -52,8 +52,18 @@ void prepare_sdpa_backward(int width, const char* operation);
 /// Two launches: dK and dV per key tile, then dQ (and the scale terms) per query tile.
 void launch_sdpa_backward(const SdpaBackwardArgs& args, cudaStream_t stream, const char* operation);
 
-/// The row terms of the backward pass on the device (the stream-ordered form; the blocking one
-/// prepares them on the host, src/core/sdpa.cpp): for each row that sees a key,
+/// The tensor-core form of the same two launches for 16-bit storage T (bfloat16, float16): Q, K
+/// and V read in T from `query`, `key`, `value` (args.query, key and value are not read), the
+/// five products on mma.sync with float32 accumulation, P and dS rounded to T as their A
+/// operands; dO, the row arrays and the gradients float32 as above. Shared memory: at most
+/// 70 KiB (width 128); prepare_sdpa_backward_tc allows it, as prepare_sdpa_backward.
+template <class T>
+void prepare_sdpa_backward_tc(int width, const char* operation);
+template <class T>
+void launch_sdpa_backward_tc(const SdpaBackwardArgs& args, const T* query, const T* key,
+                             const T* value, cudaStream_t stream, const char* operation);
+
+/// The row terms of the backward pass on the device: for each row that sees a key,
 /// E_i = <dO_i, O_i> - dlse_i + dH_i (H_i - lse_i) summed in double in that order and rounded
 /// once, dO_i widened to float, lse_i and dH_i copied; rows that see no key (and padding rows)
 /// get zeros, their saved and upstream values never read. T: the storage type of O and dO
@@ -82,11 +92,8 @@ void launch_sdpa_row_terms(const SdpaRowTermsArgs<T>& args, cudaStream_t stream,
 void launch_sdpa_scale_sum(const float* terms, int count, double* sum, cudaStream_t stream,
                            const char* operation);
 
-/// Element-wise conversions between a 16-bit storage type T (bfloat16, float16) and float:
-/// widened exactly, or rounded once to nearest even (the host's conversions, precision.hpp).
-template <class T>
-void launch_widen(const T* in, float* out, std::size_t count, cudaStream_t stream,
-                  const char* operation);
+/// The float32 values `in` rounded once to nearest even to the 16-bit storage type T (bfloat16,
+/// float16), element by element (the host's conversion, precision.hpp).
 template <class T>
 void launch_narrow(const float* in, T* out, std::size_t count, cudaStream_t stream,
                    const char* operation);

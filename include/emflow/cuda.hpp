@@ -340,14 +340,14 @@ std::size_t sdpa_backward_workspace_size(const SdpaInput<T>& input,
                                          const UpstreamGradients<T>& upstream,
                                          const SdpaGradientOutput<T>& gradients);
 
-/// Enqueues emflow::sdpa_backward (sdpa.hpp) on `stream`: the blocking form's float32 kernels
-/// (kernels/sdpa_backward.cu) with the row terms formed on the device, 16-bit storage widened
-/// there and the gradients rounded to T once; T float, bfloat16 or float16; rank and value_rank
-/// <= 128. Device pointers throughout: the input as sdpa_attend_async's; saved O (T), lse and H
-/// (float32; O with dO, H with dH); upstream dO (T), dlse and dH (float32), each optional;
-/// gradients dQ, dK, dV (T, required) and dscale (a device double, optional). `workspace`:
-/// sdpa_backward_workspace_size(input, upstream, gradients) bytes, 256-byte aligned. Checks and
-/// non-finite values as sdpa_attend_async.
+/// Enqueues emflow::sdpa_backward (sdpa.hpp) on `stream` (the blocking form runs this on device
+/// copies): the row terms formed on the device, then the backward kernels (kernels/
+/// sdpa_backward.cu: float32 for float, the tensor cores for 16-bit storage), the gradients
+/// rounded to T once; T float, bfloat16 or float16; rank and value_rank <= 128. Device pointers
+/// throughout: the input as sdpa_attend_async's; saved O (T), lse and H (float32; O with dO, H with
+/// dH); upstream dO (T), dlse and dH (float32), each optional; gradients dQ, dK, dV (T, required)
+/// and dscale (a device double, optional). `workspace`: sdpa_backward_workspace_size(input,
+/// upstream, gradients) bytes, 256-byte aligned. Checks and non-finite values as sdpa_attend_async.
 template <class T>
 void sdpa_backward_async(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
                          const UpstreamGradients<T>& upstream,

@@ -52,10 +52,13 @@
 //     value_rank equal to rank, rank <= 256 (else unsupported, naming the limit). Host arrays:
 //     copied to the device and back, the call returns when the results are on the host. Held to
 //     the 2x-naive rule of the tensor cores (docs/MATH.md §7.4).
-//   Device::cuda, the backward pass: float32 kernels (kernels/sdpa_backward.cu: the weights
-//     recomputed from lse, dK and dV per key tile, dQ per query tile, no atomics, the same bits
-//     run to run), 16-bit storage widened exactly and the gradients rounded to T once, as on
-//     the cpu; rank and value_rank <= 128; float64 unsupported. Host arrays, copied both ways.
+//   Device::cuda, the backward pass (kernels/sdpa_backward.cu: the weights recomputed from lse,
+//     dK and dV per key tile, dQ per query tile, no atomics, the same bits run to run): float32
+//     kernels for float; for bfloat16 and float16 the tensor cores (the five products in the
+//     storage type's products with float32 accumulation, P and dS rounded to T before the
+//     products that read them, as the cpu's bfloat16 path and FlashAttention do), the gradients
+//     rounded to T once; rank and value_rank <= 128; float64 unsupported. Host arrays, copied
+//     both ways.
 //   Device::automatic: the GPU where a GPU is present and it computes the call, else
 //     Device::cpu.
 // Non-finite values (docs/MATH.md §6.6, §8.6): a float or 16-bit call on Device::cpu or cuda with

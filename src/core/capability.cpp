@@ -288,9 +288,9 @@ Route cuda_sdpa(const Problem& p, const char* op) {
   return runs(Device::cuda, Kernel::cuda_tensor_cores, Dtype::float32, tensor_core_products(p));
 }
 
-/// The SDPA-shaped operator's backward on the GPU: the float32 kernels of
-/// kernels/sdpa_backward.cu (16-bit storage widened to float32 and the gradients rounded once,
-/// as on the cpu; Precision::tf32 is a permission there).
+/// The SDPA-shaped operator's backward on the GPU (kernels/sdpa_backward.cu): the float32 kernels
+/// for float (Precision::tf32 is a permission there), the tensor-core kernels for 16-bit storage
+/// (bf16 or fp16 products, float32 accumulation).
 Route cuda_sdpa_backward(const Problem& p, const char* op) {
   if (p.storage == Dtype::float64) {
     return refused(Device::cuda, op,
@@ -302,7 +302,10 @@ Route cuda_sdpa_backward(const Problem& p, const char* op) {
                    kCudaSdpaBackwardMaxRank, ", got ", p.rank, " and ", p.dim,
                    " (use Device::cpu)");
   }
-  return runs(Device::cuda, Kernel::cuda_fused, Dtype::float32, Precision::fp32);
+  if (p.storage == Dtype::float32) {
+    return runs(Device::cuda, Kernel::cuda_fused, Dtype::float32, Precision::fp32);
+  }
+  return runs(Device::cuda, Kernel::cuda_tensor_cores, Dtype::float32, tensor_core_products(p));
 }
 
 Route on_cuda(const Problem& p, const Machine& machine, const char* op) {

@@ -1,9 +1,11 @@
 // The stream-ordered forms of the SDPA-shaped operator (cuda.hpp: sdpa_attend_async,
-// sdpa_backward_async, and their workspace sizes): the blocking forms' kernels (src/cuda/sdpa.cpp)
-// on the caller's device arrays and stream, with what the blocking forms do on the host done by
-// kernels instead (the 16-bit output's rounding, the backward's widening, row terms and the sum
-// of the dscale terms), and no synchronisation. The checks and the route are the blocking forms'
-// (core/sdpa_checks.hpp, route()), the lengths trusted on the device as attend_async's.
+// sdpa_backward_async, and their workspace sizes), which the blocking forms run on device copies
+// of host arrays (src/cuda/sdpa.cpp): on the caller's device arrays and stream, no
+// synchronisation. Forward: the tensor-core attention kernel, the 16-bit output rounded by a
+// kernel. Backward: the row terms' kernel, then the backward kernels (kernels/sdpa_backward.cu:
+// float32 for float, the tensor cores for 16-bit storage), the gradients rounded and the dscale
+// terms summed by kernels. The checks and the route are the blocking forms' (core/sdpa_checks.hpp,
+// route()), the lengths trusted on the device as attend_async's.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -103,11 +105,10 @@ struct ForwardPieces {
   }
 };
 
-// The backward pass's workspace: Q, K, V and the three gradients in float32 for 16-bit storage,
-// the row arrays, the dscale terms.
+// The backward pass's workspace: the three gradients in float32 for 16-bit storage (the tensor
+// cores read Q, K and V as they are), the row arrays, the dscale terms.
 template <class T>
 struct BackwardPieces {
-  float *queries = nullptr, *keys = nullptr, *values = nullptr;
   float *query_gradient = nullptr, *key_gradient = nullptr, *value_gradient = nullptr;
   float *output_gradient = nullptr, *lse = nullptr, *row_term = nullptr;
   float *entropy_gradient = nullptr, *scale_terms = nullptr;
@@ -124,9 +125,6 @@ struct BackwardPieces {
                                     emflow::detail::kSdpaBackwardTile * in.query_heads * in.batch);
     Carve carve(base);
     if (!std::is_same_v<T, float>) {
-      queries = carve.take<float>(rows * r);
-      keys = carve.take<float>(kv * r);
-      values = carve.take<float>(kv * rv);
       query_gradient = carve.take<float>(rows * r);
       key_gradient = carve.take<float>(kv * r);
       value_gradient = carve.take<float>(kv * rv);
@@ -315,12 +313,6 @@ void sdpa_backward_async(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
     args.key_gradient = gradients.keys;
     args.value_gradient = gradients.values;
   } else {
-    emflow::detail::launch_widen(input.queries, w.queries, rows * r, stream, op);
-    emflow::detail::launch_widen(input.keys, w.keys, kv * r, stream, op);
-    emflow::detail::launch_widen(input.values, w.values, kv * rv, stream, op);
-    args.query = w.queries;
-    args.key = w.keys;
-    args.value = w.values;
     args.query_gradient = w.query_gradient;
     args.key_gradient = w.key_gradient;
     args.value_gradient = w.value_gradient;
@@ -359,10 +351,14 @@ void sdpa_backward_async(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
   args.rank = static_cast<int>(input.rank);
   args.value_rank = terms.value_rank;
   args.mask = mask;
-  emflow::detail::prepare_sdpa_backward(args.rank > args.value_rank ? args.rank : args.value_rank,
-                                        op);
-  emflow::detail::launch_sdpa_backward(args, stream, op);
-  if constexpr (!std::is_same_v<T, float>) {
+  const int width = args.rank > args.value_rank ? args.rank : args.value_rank;
+  if constexpr (std::is_same_v<T, float>) {
+    emflow::detail::prepare_sdpa_backward(width, op);
+    emflow::detail::launch_sdpa_backward(args, stream, op);
+  } else {  // the tensor cores on Q, K and V as stored
+    emflow::detail::prepare_sdpa_backward_tc<T>(width, op);
+    emflow::detail::launch_sdpa_backward_tc(args, input.queries, input.keys, input.values, stream,
+                                            op);
     emflow::detail::launch_narrow(w.query_gradient, gradients.queries, rows * r, stream, op);
     emflow::detail::launch_narrow(w.key_gradient, gradients.keys, kv * r, stream, op);
     emflow::detail::launch_narrow(w.value_gradient, gradients.values, kv * rv, stream, op);

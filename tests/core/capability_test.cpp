@@ -564,7 +564,8 @@ TEST(Capability, TheDisableListIsCheckedAndKept) {
 
 // The SDPA-shaped operator, its backward and a layer's backward are routed as every other call:
 // the engine (its bfloat16 backward where the machine has AVX512-BF16), double in the reference,
-// on the GPU the SDPA backward's float32 kernels (none for a layer's backward, and the SDPA
+// on the GPU the SDPA backward's float32 kernels for float and its tensor-core kernels for
+// 16-bit storage (none for a layer's backward, and the SDPA
 // forward there runs on the tensor cores, not in float32), and the reference under
 // Device::automatic where no engine path runs.
 TEST(Capability, TheSdpaOperatorAndTheBackwardPassAreRouted) {
@@ -610,6 +611,14 @@ TEST(Capability, TheSdpaOperatorAndTheBackwardPassAreRouted) {
     EXPECT_EQ(r.kernel,
               operation == Operation::sdpa_backward ? Kernel::cpu_bf16 : Kernel::cpu_fused);
     EXPECT_EQ(route(p, Device::cpu, widened, "op").kernel, Kernel::cpu_fused);
+    if (operation == Operation::sdpa_backward) {
+      // 16-bit storage: the backward's tensor-core kernels, in the storage type's products.
+      expect_route(route(p, Device::cuda, with_gpu(), "op"), Device::cuda,
+                   Kernel::cuda_tensor_cores, Precision::bf16);
+      p.storage = Dtype::float16;
+      expect_route(route(p, Device::cuda, with_gpu(), "op"), Device::cuda,
+                   Kernel::cuda_tensor_cores, Precision::fp16);
+    }
     // No path of the engine here: refused on the cpu, computed in the reference when automatic.
     Machine old = cpu_only();
     old.cpu_missing = "avx2";
