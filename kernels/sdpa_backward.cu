@@ -417,6 +417,38 @@ __device__ __forceinline__ void load_tile(T* dst, const S* src, int row0, int va
 // The 16-wide steps of a product over `width` columns (zero beyond it in the tiles).
 __device__ __forceinline__ int steps16(int width) { return (width + 15) / 16 * 16; }
 
+// The 16 x 64 product of the warp's 16 rows (`rows`) with the tile's 64 rows (`columns`) as
+// B^T, over `steps` columns (a multiple of 16): acc[n] gets columns 8 n .. 8 n + 7.
+template <class T, int D>
+__device__ __forceinline__ void rows_times_tile(mma::FragC (&acc)[8], const T* rows,
+                                                const T* columns, int steps) {
+  constexpr int kLd = D + 8;
+  for (int k = 0; k < steps; k += 16) {
+    const mma::FragA a = mma::load_a_ldsm(rows + k, kLd);
+#pragma unroll
+    for (int n = 0; n < 8; n += 2) {
+      mma::FragB b0, b1;
+      mma::load_b_col_pair_ldsm(columns + n * 8 * kLd + k, kLd, b0, b1);
+      mma::mma_16816<T>(acc[n], a, b0);
+      mma::mma_16816<T>(acc[n + 1], a, b1);
+    }
+  }
+}
+
+// acc (16 x D) += A B, with A the 16 x 16 operand `a` and B the 16 rows of the tile at `rows`
+// (rows down k, D columns).
+template <class T, int D>
+__device__ __forceinline__ void accumulate_rows(mma::FragC (&acc)[D / 8], const mma::FragA& a,
+                                                const T* rows) {
+#pragma unroll
+  for (int c = 0; c < D / 8; c += 2) {
+    mma::FragB b0, b1;
+    mma::load_b_row_pair_ldsm(rows + c * 8, D + 8, b0, b1);
+    mma::mma_16816<T>(acc[c], a, b0);
+    mma::mma_16816<T>(acc[c + 1], a, b1);
+  }
+}
+
 template <class T, int D>
 __global__ void __launch_bounds__(kTcThreads)
     sdpa_backward_keys_tc_kernel(const SdpaBackwardArgs args, const T* query, const T* key,
@@ -461,26 +493,8 @@ __global__ void __launch_bounds__(kTcThreads)
       __syncthreads();
       // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys and the tile's 64 queries.
       mma::FragC st[8] = {}, dpt[8] = {};
-      for (int k = 0; k < rank_steps; k += 16) {
-        const mma::FragA a = mma::load_a_ldsm(my_keys + k, kLd);
-#pragma unroll
-        for (int n = 0; n < 8; n += 2) {
-          mma::FragB b0, b1;
-          mma::load_b_col_pair_ldsm(Qs + n * 8 * kLd + k, kLd, b0, b1);
-          mma::mma_16816<T>(st[n], a, b0);
-          mma::mma_16816<T>(st[n + 1], a, b1);
-        }
-      }
-      for (int k = 0; k < value_steps; k += 16) {
-        const mma::FragA a = mma::load_a_ldsm(my_values + k, kLd);
-#pragma unroll
-        for (int n = 0; n < 8; n += 2) {
-          mma::FragB b0, b1;
-          mma::load_b_col_pair_ldsm(dOs + n * 8 * kLd + k, kLd, b0, b1);
-          mma::mma_16816<T>(dpt[n], a, b0);
-          mma::mma_16816<T>(dpt[n + 1], a, b1);
-        }
-      }
+      rows_times_tile<T, D>(st, my_keys, Qs, rank_steps);
+      rows_times_tile<T, D>(dpt, my_values, dOs, value_steps);
       // P^T and dS^T in place: accumulator x[e] is key g + 8 (e / 2) of the warp's 16, query
       // 8 n + 2 t + e % 2 of the tile.
 #pragma unroll
@@ -500,17 +514,9 @@ __global__ void __launch_bounds__(kTcThreads)
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         const mma::FragA p = mma::accumulators_to_a<T>(st[2 * kk], st[2 * kk + 1]);
+        accumulate_rows<T, D>(dv, p, dOs + kk * 16 * kLd);
         const mma::FragA ds = mma::accumulators_to_a<T>(dpt[2 * kk], dpt[2 * kk + 1]);
-#pragma unroll
-        for (int c = 0; c < kOut; c += 2) {
-          mma::FragB b0, b1;
-          mma::load_b_row_pair_ldsm(dOs + kk * 16 * kLd + c * 8, kLd, b0, b1);
-          mma::mma_16816<T>(dv[c], p, b0);
-          mma::mma_16816<T>(dv[c + 1], p, b1);
-          mma::load_b_row_pair_ldsm(Qs + kk * 16 * kLd + c * 8, kLd, b0, b1);
-          mma::mma_16816<T>(dk[c], ds, b0);
-          mma::mma_16816<T>(dk[c + 1], ds, b1);
-        }
+        accumulate_rows<T, D>(dk, ds, Qs + kk * 16 * kLd);
       }
     }
   }
@@ -583,26 +589,8 @@ __global__ void __launch_bounds__(kTcThreads)
     __syncthreads();
     // S = Q K^T and dP = dO V^T for the warp's 16 queries and the tile's 64 keys.
     mma::FragC sc[8] = {}, dp[8] = {};
-    for (int k = 0; k < rank_steps; k += 16) {
-      const mma::FragA a = mma::load_a_ldsm(my_queries + k, kLd);
-#pragma unroll
-      for (int n = 0; n < 8; n += 2) {
-        mma::FragB b0, b1;
-        mma::load_b_col_pair_ldsm(Ks + n * 8 * kLd + k, kLd, b0, b1);
-        mma::mma_16816<T>(sc[n], a, b0);
-        mma::mma_16816<T>(sc[n + 1], a, b1);
-      }
-    }
-    for (int k = 0; k < value_steps; k += 16) {
-      const mma::FragA a = mma::load_a_ldsm(my_gradients + k, kLd);
-#pragma unroll
-      for (int n = 0; n < 8; n += 2) {
-        mma::FragB b0, b1;
-        mma::load_b_col_pair_ldsm(Vs + n * 8 * kLd + k, kLd, b0, b1);
-        mma::mma_16816<T>(dp[n], a, b0);
-        mma::mma_16816<T>(dp[n + 1], a, b1);
-      }
-    }
+    rows_times_tile<T, D>(sc, my_queries, Ks, rank_steps);
+    rows_times_tile<T, D>(dp, my_gradients, Vs, value_steps);
     // dS in place of dP: accumulator x[e] is row g + 8 (e / 2), key 8 n + 2 t + e % 2.
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
@@ -623,13 +611,7 @@ __global__ void __launch_bounds__(kTcThreads)
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       const mma::FragA ds = mma::accumulators_to_a<T>(dp[2 * kk], dp[2 * kk + 1]);
-#pragma unroll
-      for (int c = 0; c < kOut; c += 2) {
-        mma::FragB b0, b1;
-        mma::load_b_row_pair_ldsm(Ks + kk * 16 * kLd + c * 8, kLd, b0, b1);
-        mma::mma_16816<T>(dq[c], ds, b0);
-        mma::mma_16816<T>(dq[c + 1], ds, b1);
-      }
+      accumulate_rows<T, D>(dq, ds, Ks + kk * 16 * kLd);
     }
   }
 #pragma unroll
