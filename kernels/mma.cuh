@@ -381,6 +381,18 @@ __device__ __forceinline__ FragA load_a_ldsm(const T* base, int ld) {
   return a;
 }
 
+/// A 16 x 16 A tile stored as its transpose, A[i][k] at base[k * ld + i] (rows of k, as dS^T is
+/// held for dQ = dS K), by one ldmatrix.trans: lane l gives row (l % 8) + 8 (l / 16) at column
+/// 8 ((l / 8) % 2), so that matrix m is the stored rows 8 (m / 2).. and columns 8 (m % 2)..,
+/// transposed into register x[m]'s quarter of A.
+template <class T>
+__device__ __forceinline__ FragA load_a_trans_ldsm(const T* base, int ld) {
+  const int l = lane_id();
+  FragA a;
+  ldmatrix_x4<true>(a.x, base + ((l % 8) + 8 * (l / 16)) * ld + 8 * ((l / 8) % 2));
+  return a;
+}
+
 /// The B operands (16 x 8 each) of two 8-wide tiles stored column-major, B[k][n] at
 /// base[n * ld + k] (rows of keys, as for Q K^T): `first` for n = 0..7, `second` for n = 8..15,
 /// by one ldmatrix: lane l gives row (l % 8) + 8 (l / 16) at column 8 ((l / 8) % 2).

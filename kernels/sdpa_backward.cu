@@ -182,6 +182,38 @@ __device__ __forceinline__ bool tile_sees(const KernelMask& mask, const CloudVie
   return first < n0 + kTile && last > n0 && first < last;
 }
 
+// dQ += dS K over the tile's 64 keys for the thread's rows 4 ty + a and columns tx + 16 c (dS in
+// shared memory, K in the [64][D + 1] tile `keys`).
+template <int D>
+__device__ __forceinline__ void queries_times_keys(float (&dq)[4][D / 16],
+                                                   const float* score_gradients,
+                                                   const float* keys) {
+  const int ty = static_cast<int>(threadIdx.x) / 16, tx = static_cast<int>(threadIdx.x) % 16;
+  for (int j = 0; j < kTile; ++j) {
+    float ds[4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) ds[a] = score_gradients[(4 * ty + a) * kPairLd + j];
+#pragma unroll
+    for (int c = 0; c < D / 16; ++c) {
+      const float key = keys[j * (D + 1) + tx + 16 * c];
+#pragma unroll
+      for (int a = 0; a < 4; ++a) dq[a][c] = fmaf(ds[a], key, dq[a][c]);
+    }
+  }
+}
+
+// The block's sum of the threads' `term`s in a fixed order (a tree in the shared `sums`, one float
+// a thread), written by thread 0 to scale_terms[blockIdx.x]. Every thread of the block calls it.
+__device__ __forceinline__ void block_scale_term(float term, float* sums, float* scale_terms) {
+  __syncthreads();
+  sums[threadIdx.x] = term;
+  for (int width = static_cast<int>(blockDim.x) / 2; width > 0; width /= 2) {
+    __syncthreads();
+    if (static_cast<int>(threadIdx.x) < width) sums[threadIdx.x] += sums[threadIdx.x + width];
+  }
+  if (threadIdx.x == 0) scale_terms[blockIdx.x] = sums[0];
+}
+
 template <int D>
 __global__ void __launch_bounds__(kThreads) sdpa_backward_keys_kernel(const SdpaBackwardArgs args) {
   constexpr int kLd = D + 1;
@@ -204,6 +236,7 @@ __global__ void __launch_bounds__(kThreads) sdpa_backward_keys_kernel(const Sdpa
 
   const int ty = static_cast<int>(threadIdx.x) / 16, tx = static_cast<int>(threadIdx.x) % 16;
   float dk[4][kColumns] = {}, dv[4][kColumns] = {};
+  float scale_term = 0.f;
   for (int h = g * group; h < (g + 1) * group; ++h) {
     const std::size_t row_base = (static_cast<std::size_t>(b) * args.heads + h) * args.queries;
     for (int m0 = 0; m0 < args.queries; m0 += kTile) {
@@ -214,8 +247,25 @@ __global__ void __launch_bounds__(kThreads) sdpa_backward_keys_kernel(const Sdpa
                    args.value_rank);
       load_row_terms(s.lse, s.term, s.entropy_gradient, args, row_base, m0, view.query_length);
       __syncthreads();
-      pair_terms<D>(args, s, Qs, dOs, Ks, Vs, view, m0, n0);
+      scale_term += pair_terms<D>(args, s, Qs, dOs, Ks, Vs, view, m0, n0);
       __syncthreads();
+      if (args.atomic_queries) {  // this tile's share of dQ = scale dS K, added to the rows
+        float dq[4][kColumns] = {};
+        queries_times_keys<D>(dq, s.score_gradients, Ks);
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+          const int i = m0 + 4 * ty + a;
+          if (i >= view.query_length) continue;
+#pragma unroll
+          for (int c = 0; c < kColumns; ++c) {
+            const int column = tx + 16 * c;
+            if (column < args.rank) {
+              atomicAdd(args.query_gradient + (row_base + i) * args.rank + column,
+                        args.scale * dq[a][c]);
+            }
+          }
+        }
+      }
       // dV += P^T dO and dK += dS^T Q for keys 4 ty + a, columns tx + 16 c.
       for (int i = 0; i < kTile; ++i) {
         float p[4], ds[4];
@@ -251,12 +301,14 @@ __global__ void __launch_bounds__(kThreads) sdpa_backward_keys_kernel(const Sdpa
       }
     }
   }
+  if (args.atomic_queries && args.scale_terms != nullptr) {
+    block_scale_term(scale_term, s.weights, args.scale_terms);
+  }
 }
 
 template <int D>
 __global__ void __launch_bounds__(kThreads)
     sdpa_backward_queries_kernel(const SdpaBackwardArgs args) {
-  constexpr int kLd = D + 1;
   constexpr int kColumns = D / 16;
   EMFLOW_DYNAMIC_SHARED(storage);
   const Shared<D> s(reinterpret_cast<float*>(storage));
@@ -288,18 +340,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     scale_term += pair_terms<D>(args, s, Qs, dOs, Ks, Vs, view, m0, n0);
     __syncthreads();
-    // dQ += dS K for rows 4 ty + a, columns tx + 16 c.
-    for (int j = 0; j < kTile; ++j) {
-      float ds[4];
-#pragma unroll
-      for (int a = 0; a < 4; ++a) ds[a] = s.score_gradients[(4 * ty + a) * kPairLd + j];
-#pragma unroll
-      for (int c = 0; c < kColumns; ++c) {
-        const float key = Ks[j * kLd + tx + 16 * c];
-#pragma unroll
-        for (int a = 0; a < 4; ++a) dq[a][c] = fmaf(ds[a], key, dq[a][c]);
-      }
-    }
+    queries_times_keys<D>(dq, s.score_gradients, Ks);
   }
 #pragma unroll
   for (int a = 0; a < 4; ++a) {
@@ -313,17 +354,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  if (args.scale_terms != nullptr) {
-    // The block's sum, over its threads in a fixed order (a tree in shared memory).
-    __syncthreads();
-    float* const sums = s.weights;
-    sums[threadIdx.x] = scale_term;
-    for (int width = kThreads / 2; width > 0; width /= 2) {
-      __syncthreads();
-      if (static_cast<int>(threadIdx.x) < width) sums[threadIdx.x] += sums[threadIdx.x + width];
-    }
-    if (threadIdx.x == 0) args.scale_terms[blockIdx.x] = sums[0];
-  }
+  if (args.scale_terms != nullptr) block_scale_term(scale_term, s.weights, args.scale_terms);
 }
 
 template <int D>
@@ -345,6 +376,7 @@ void launch_width(const SdpaBackwardArgs& args, cudaStream_t stream, const char*
                               static_cast<unsigned>(args.batch);
   launch(operation, "sdpa_backward_keys_kernel", sdpa_backward_keys_kernel<D>, key_blocks, kThreads,
          bytes, stream, args);
+  if (args.atomic_queries) return;  // dQ and the scale terms came with dK and dV
   const unsigned query_blocks = static_cast<unsigned>((args.queries + kTile - 1) / kTile) *
                                 static_cast<unsigned>(args.heads) *
                                 static_cast<unsigned>(args.batch);
@@ -372,18 +404,22 @@ void launch_width(const SdpaBackwardArgs& args, cudaStream_t stream, const char*
 
 constexpr int kTcThreads = 128;
 
+constexpr int kPairTcLd = kTile + 8;  // dS^T of the atomics mode, [64][72]
+
 template <class T, int D>
 struct TcLayout {
   static constexpr int ld = D + 8;
   static constexpr std::size_t tile = static_cast<std::size_t>(kTile) * ld;  // elements
+  static constexpr std::size_t pairs = static_cast<std::size_t>(kTile) * kPairTcLd;
   static constexpr std::size_t bytes =
-      4 * tile * sizeof(T) + 3 * kTile * sizeof(float) + 2 * kTile * sizeof(int);
+      (4 * tile + pairs) * sizeof(T) + 3 * kTile * sizeof(float) + 2 * kTile * sizeof(int);
 };
 static_assert(TcLayout<bfloat16, kSdpaBackwardMaxRank>::bytes <= 227 * 1024, "shared memory");
 
 template <class T, int D>
 struct TcShared {
   T *a, *b, *c, *d;                      // [64][D + 8] each
+  T* pairs;                              // dS^T, [64][72] (the keys kernel's atomics mode)
   float *lse, *term, *entropy_gradient;  // per row of the query tile
   int *first, *last;                     // the visible keys of each row of the query tile
 
@@ -393,7 +429,8 @@ struct TcShared {
     b = a + L::tile;
     c = b + L::tile;
     d = c + L::tile;
-    lse = reinterpret_cast<float*>(d + L::tile);
+    pairs = d + L::tile;
+    lse = reinterpret_cast<float*>(pairs + L::pairs);
     term = lse + kTile;
     entropy_gradient = term + kTile;
     first = reinterpret_cast<int*>(entropy_gradient + kTile);
@@ -477,6 +514,7 @@ __global__ void __launch_bounds__(kTcThreads)
   const T* const my_keys = Ks + warp * 16 * kLd;
   const T* const my_values = Vs + warp * 16 * kLd;
   mma::FragC dk[kOut] = {}, dv[kOut] = {};
+  float scale_term = 0.f;
   for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
     const std::size_t row_base = (static_cast<std::size_t>(b) * args.heads + h) * args.queries;
     for (int m0 = 0; m0 < args.queries; m0 += kTile) {
@@ -506,8 +544,13 @@ __global__ void __launch_bounds__(kTcThreads)
           const bool visible = j >= s.first[i] && j < s.last[i];
           const float score = args.scale * st[n].x[e];
           const float p = visible ? expf(score - s.lse[i]) : 0.f;
-          dpt[n].x[e] = p * (dpt[n].x[e] - s.entropy_gradient[i] * score - s.term[i]);
+          const float ds = p * (dpt[n].x[e] - s.entropy_gradient[i] * score - s.term[i]);
+          scale_term = fmaf(ds, st[n].x[e], scale_term);
+          dpt[n].x[e] = ds;
           st[n].x[e] = p;
+          if (args.atomic_queries) {
+            store(s.pairs + (warp * 16 + g + 8 * (e / 2)) * kPairTcLd + i, ds);
+          }
         }
       }
       // dV += P^T dO and dK += dS^T Q, the 64 queries in four steps of 16.
@@ -517,6 +560,37 @@ __global__ void __launch_bounds__(kTcThreads)
         accumulate_rows<T, D>(dv, p, dOs + kk * 16 * kLd);
         const mma::FragA ds = mma::accumulators_to_a<T>(dpt[2 * kk], dpt[2 * kk + 1]);
         accumulate_rows<T, D>(dk, ds, Qs + kk * 16 * kLd);
+      }
+      if (args.atomic_queries) {
+        // This tile's share of dQ = scale dS K, added to the rows: warp w takes queries
+        // 16 w .. 16 w + 15 against the 64 keys (dS from its transpose in shared memory, the
+        // rounded values the products above read), 16 columns at a time.
+        __syncthreads();  // every warp's dS^T is in
+        const int row0 = warp * 16;
+        for (int c = 0; c < kOut; c += 2) {
+          mma::FragC dq[2] = {};
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) {
+            const mma::FragA a =
+                mma::load_a_trans_ldsm(s.pairs + kk * 16 * kPairTcLd + row0, kPairTcLd);
+            mma::FragB b0, b1;
+            mma::load_b_row_pair_ldsm(Ks + kk * 16 * kLd + c * 8, kLd, b0, b1);
+            mma::mma_16816<T>(dq[0], a, b0);
+            mma::mma_16816<T>(dq[1], a, b1);
+          }
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int i = m0 + row0 + g + 8 * (e / 2);
+              const int column = 8 * (c + half) + 2 * t + e % 2;
+              if (i < view.query_length && column < args.rank) {
+                atomicAdd(args.query_gradient + (row_base + i) * args.rank + column,
+                          args.scale * dq[half].x[e]);
+              }
+            }
+          }
+        }
       }
     }
   }
@@ -534,6 +608,9 @@ __global__ void __launch_bounds__(kTcThreads)
         args.value_gradient[(key_base + j) * args.value_rank + column] = dv[c].x[e];
       }
     }
+  }
+  if (args.atomic_queries && args.scale_terms != nullptr) {
+    block_scale_term(scale_term, reinterpret_cast<float*>(s.a), args.scale_terms);
   }
 }
 
@@ -626,15 +703,7 @@ __global__ void __launch_bounds__(kTcThreads)
     }
   }
   if (args.scale_terms != nullptr) {
-    // The block's sum, over its threads in a fixed order (a tree in shared memory).
-    __syncthreads();
-    float* const sums = reinterpret_cast<float*>(s.a);
-    sums[threadIdx.x] = scale_term;
-    for (int width = kTcThreads / 2; width > 0; width /= 2) {
-      __syncthreads();
-      if (static_cast<int>(threadIdx.x) < width) sums[threadIdx.x] += sums[threadIdx.x + width];
-    }
-    if (threadIdx.x == 0) args.scale_terms[blockIdx.x] = sums[0];
+    block_scale_term(scale_term, reinterpret_cast<float*>(s.a), args.scale_terms);
   }
 }
 
@@ -658,6 +727,7 @@ void launch_tc_width(const SdpaBackwardArgs& args, const T* query, const T* key,
                               static_cast<unsigned>(args.batch);
   launch(operation, "sdpa_backward_keys_tc_kernel", sdpa_backward_keys_tc_kernel<T, D>, key_blocks,
          kTcThreads, bytes, stream, args, query, key, value);
+  if (args.atomic_queries) return;  // dQ and the scale terms came with dK and dV
   const unsigned query_blocks = static_cast<unsigned>((args.queries + kTile - 1) / kTile) *
                                 static_cast<unsigned>(args.heads) *
                                 static_cast<unsigned>(args.batch);

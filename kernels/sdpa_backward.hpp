@@ -20,7 +20,7 @@ namespace emflow::detail {
 /// as the operator's: queries, output gradient and dQ (batch, heads, queries, rank or
 /// value_rank), keys, values, dK and dV (batch, kv_heads, tokens, ...), the row arrays (batch,
 /// heads, queries). Rows of queries beyond their cloud's query length and keys beyond its key
-/// length are read as zeros. No atomics: the same bits run to run.
+/// length are read as zeros. No atomics (but with atomic_queries): the same bits run to run.
 struct SdpaBackwardArgs {
   const float* query = nullptr;
   const float* key = nullptr;
@@ -32,8 +32,14 @@ struct SdpaBackwardArgs {
   float* query_gradient = nullptr;
   float* key_gradient = nullptr;
   float* value_gradient = nullptr;
-  /// sum_ij dS_ij <q_i, k_j> per block of queries (batch, heads, query blocks), or null.
+  /// sum_ij dS_ij <q_i, k_j> per block of queries (batch, heads, query blocks), or null; per
+  /// block of keys (batch, kv_heads, key blocks) with atomic_queries.
   float* scale_terms = nullptr;
+  /// The atomics mode: the keys kernel also adds each tile's share of dQ to query_gradient
+  /// (which the caller zeroes first) by atomicAdd, and the queries kernel is not launched: five
+  /// products a tile pair instead of seven, dQ's sums in the order the atomics land (not the
+  /// same bits run to run; dK, dV and the scale terms are).
+  bool atomic_queries = false;
   float scale = 1.f;
   int batch = 1, heads = 1, kv_heads = 1, queries = 1, tokens = 1, rank = 1, value_rank = 1;
   KernelMask mask;
@@ -49,7 +55,8 @@ std::size_t sdpa_backward_shared_bytes(int width);
 /// Allows the backward's kernels their shared memory on the current device (once per device,
 /// before their first launch there; not cached: cudaDeviceReset clears it).
 void prepare_sdpa_backward(int width, const char* operation);
-/// Two launches: dK and dV per key tile, then dQ (and the scale terms) per query tile.
+/// Two launches: dK and dV per key tile, then dQ (and the scale terms) per query tile; with
+/// atomic_queries the first alone.
 void launch_sdpa_backward(const SdpaBackwardArgs& args, cudaStream_t stream, const char* operation);
 
 /// The tensor-core form of the same two launches for 16-bit storage T (bfloat16, float16): Q, K

@@ -334,11 +334,22 @@ template <class T>
 void sdpa_attend_async(const SdpaInput<T>& input, const SdpaOutput<T>& output, void* workspace,
                        std::size_t workspace_bytes, Stream stream, const PlanOptions& options = {});
 
+/// How sdpa_backward_async forms dQ.
+struct SdpaBackwardOptions {
+  /// true (the default): a kernel of its own over each query tile (seven products a tile pair:
+  /// S and dP are formed again), the same bits run to run. false: each key tile adds its share
+  /// to dQ by atomicAdd on float32 (five products, FlashAttention-2's form): the sums land in an
+  /// order that varies, so dQ may differ in its last bits from run to run (dK, dV and dscale do
+  /// not).
+  bool deterministic = true;
+};
+
 /// Bytes of device workspace sdpa_backward_async needs (reads no array, needs no device).
 template <class T>
 std::size_t sdpa_backward_workspace_size(const SdpaInput<T>& input,
                                          const UpstreamGradients<T>& upstream,
-                                         const SdpaGradientOutput<T>& gradients);
+                                         const SdpaGradientOutput<T>& gradients,
+                                         const SdpaBackwardOptions& options = {});
 
 /// Enqueues emflow::sdpa_backward (sdpa.hpp) on `stream` (the blocking form runs this on device
 /// copies): the row terms formed on the device, then the backward kernels (kernels/
@@ -347,12 +358,14 @@ std::size_t sdpa_backward_workspace_size(const SdpaInput<T>& input,
 /// throughout: the input as sdpa_attend_async's; saved O (T), lse and H (float32; O with dO, H with
 /// dH); upstream dO (T), dlse and dH (float32), each optional; gradients dQ, dK, dV (T, required)
 /// and dscale (a device double, optional). `workspace`: sdpa_backward_workspace_size(input,
-/// upstream, gradients) bytes, 256-byte aligned. Checks and non-finite values as sdpa_attend_async.
+/// upstream, gradients, options) bytes, 256-byte aligned. Checks and non-finite values as
+/// sdpa_attend_async. `options`: deterministic (the default) or dQ by atomics.
 template <class T>
 void sdpa_backward_async(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
                          const UpstreamGradients<T>& upstream,
                          const SdpaGradientOutput<T>& gradients, void* workspace,
-                         std::size_t workspace_bytes, Stream stream);
+                         std::size_t workspace_bytes, Stream stream,
+                         const SdpaBackwardOptions& options = {});
 
 #define EMFLOW_CUDA_SDPA_EXTERN(T)                                                              \
   extern template std::size_t sdpa_workspace_size<T>(const SdpaInput<T>&, const SdpaOutput<T>&, \
@@ -360,10 +373,11 @@ void sdpa_backward_async(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
   extern template void sdpa_attend_async<T>(const SdpaInput<T>&, const SdpaOutput<T>&, void*,   \
                                             std::size_t, Stream, const PlanOptions&);           \
   extern template std::size_t sdpa_backward_workspace_size<T>(                                  \
-      const SdpaInput<T>&, const UpstreamGradients<T>&, const SdpaGradientOutput<T>&);          \
+      const SdpaInput<T>&, const UpstreamGradients<T>&, const SdpaGradientOutput<T>&,           \
+      const SdpaBackwardOptions&);                                                              \
   extern template void sdpa_backward_async<T>(                                                  \
       const SdpaInput<T>&, const SdpaSaved<T>&, const UpstreamGradients<T>&,                    \
-      const SdpaGradientOutput<T>&, void*, std::size_t, Stream);
+      const SdpaGradientOutput<T>&, void*, std::size_t, Stream, const SdpaBackwardOptions&);
 EMFLOW_CUDA_SDPA_EXTERN(float)
 EMFLOW_CUDA_SDPA_EXTERN(bfloat16)
 EMFLOW_CUDA_SDPA_EXTERN(float16)

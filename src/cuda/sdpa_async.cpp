@@ -106,23 +106,27 @@ struct ForwardPieces {
 };
 
 // The backward pass's workspace: the three gradients in float32 for 16-bit storage (the tensor
-// cores read Q, K and V as they are), the row arrays, the dscale terms.
+// cores read Q, K and V as they are), the row arrays, the dscale terms (one per query block, or
+// per key block in the atomics mode).
 template <class T>
 struct BackwardPieces {
   float *query_gradient = nullptr, *key_gradient = nullptr, *value_gradient = nullptr;
   float *output_gradient = nullptr, *lse = nullptr, *row_term = nullptr;
   float *entropy_gradient = nullptr, *scale_terms = nullptr;
-  int query_blocks = 0;
+  int blocks = 0;  // of the kernel that writes the dscale terms
   std::size_t bytes = 0;
 
   BackwardPieces(const SdpaInput<T>& in, const UpstreamGradients<T>& upstream,
-                 const SdpaGradientOutput<T>& gradients, void* base) {
+                 const SdpaGradientOutput<T>& gradients, const SdpaBackwardOptions& options,
+                 void* base) {
     const std::size_t rows = rows_of(in.batch, in.query_heads, in.query_tokens);
     const std::size_t kv = rows_of(in.batch, in.kv_heads, in.tokens);
     const auto r = static_cast<std::size_t>(in.rank);
     const auto rv = static_cast<std::size_t>(in.value_rank);
-    query_blocks = static_cast<int>((in.query_tokens + emflow::detail::kSdpaBackwardTile - 1) /
-                                    emflow::detail::kSdpaBackwardTile * in.query_heads * in.batch);
+    constexpr std::int64_t kTile = emflow::detail::kSdpaBackwardTile;
+    blocks = static_cast<int>(
+        options.deterministic ? (in.query_tokens + kTile - 1) / kTile * in.query_heads * in.batch
+                              : (in.tokens + kTile - 1) / kTile * in.kv_heads * in.batch);
     Carve carve(base);
     if (!std::is_same_v<T, float>) {
       query_gradient = carve.take<float>(rows * r);
@@ -134,7 +138,7 @@ struct BackwardPieces {
     row_term = carve.take<float>(rows);
     if (upstream.entropy != nullptr) entropy_gradient = carve.take<float>(rows);
     if (gradients.scale != nullptr) {
-      scale_terms = carve.take<float>(static_cast<std::size_t>(query_blocks));
+      scale_terms = carve.take<float>(static_cast<std::size_t>(blocks));
     }
     bytes = carve.used();
   }
@@ -243,20 +247,22 @@ void sdpa_attend_async(const SdpaInput<T>& input, const SdpaOutput<T>& output, v
 template <class T>
 std::size_t sdpa_backward_workspace_size(const SdpaInput<T>& input,
                                          const UpstreamGradients<T>& upstream,
-                                         const SdpaGradientOutput<T>& gradients) {
+                                         const SdpaGradientOutput<T>& gradients,
+                                         const SdpaBackwardOptions& options) {
   const char* const op = "sdpa_backward_workspace_size";
   T stand_in{};
   emflow::detail::check_sdpa(input, gradients.queries != nullptr ? gradients.queries : &stand_in,
                              op, emflow::detail::Lengths::device);
   gpu_route(input, Operation::sdpa_backward, {}, false, op);
-  return BackwardPieces<T>(input, upstream, gradients, nullptr).bytes;
+  return BackwardPieces<T>(input, upstream, gradients, options, nullptr).bytes;
 }
 
 template <class T>
 void sdpa_backward_async(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
                          const UpstreamGradients<T>& upstream,
                          const SdpaGradientOutput<T>& gradients, void* workspace,
-                         std::size_t workspace_bytes, Stream stream) {
+                         std::size_t workspace_bytes, Stream stream,
+                         const SdpaBackwardOptions& options) {
   const char* const op = "sdpa_backward_async";
   emflow::detail::check_sdpa(input, gradients.queries, op, emflow::detail::Lengths::device);
   emflow::detail::expect_not_null(op, "gradients.keys", gradients.keys);
@@ -282,7 +288,7 @@ void sdpa_backward_async(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
   for (std::size_t k = 0; k < std::size(names); ++k) {
     expect_device_pointer(op, names[k], pointers[k], device);
   }
-  const BackwardPieces<T> need(input, upstream, gradients, nullptr);
+  const BackwardPieces<T> need(input, upstream, gradients, options, nullptr);
   expect_workspace(op, workspace, workspace_bytes, need.bytes, device);
   const std::size_t rows = rows_of(input.batch, input.query_heads, input.query_tokens);
   const std::size_t kv = rows_of(input.batch, input.kv_heads, input.tokens);
@@ -303,7 +309,7 @@ void sdpa_backward_async(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
                                      need.bytes, true)});
   emflow::detail::check_disjoint(ranges.data(), ranges.size(), op);
 
-  const BackwardPieces<T> w(input, upstream, gradients, workspace);
+  const BackwardPieces<T> w(input, upstream, gradients, options, workspace);
   emflow::detail::SdpaBackwardArgs args;
   if constexpr (std::is_same_v<T, float>) {
     args.query = input.queries;
@@ -351,6 +357,12 @@ void sdpa_backward_async(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
   args.rank = static_cast<int>(input.rank);
   args.value_rank = terms.value_rank;
   args.mask = mask;
+  args.atomic_queries = !options.deterministic;
+  if (args.atomic_queries) {  // the atomics add to zeros
+    emflow::detail::check_cuda(
+        cudaMemsetAsync(args.query_gradient, 0, rows * r * sizeof(float), stream), op,
+        "cudaMemsetAsync");
+  }
   const int width = args.rank > args.value_rank ? args.rank : args.value_rank;
   if constexpr (std::is_same_v<T, float>) {
     emflow::detail::prepare_sdpa_backward(width, op);
@@ -364,8 +376,7 @@ void sdpa_backward_async(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
     emflow::detail::launch_narrow(w.value_gradient, gradients.values, kv * rv, stream, op);
   }
   if (gradients.scale != nullptr) {
-    emflow::detail::launch_sdpa_scale_sum(w.scale_terms, w.query_blocks, gradients.scale, stream,
-                                          op);
+    emflow::detail::launch_sdpa_scale_sum(w.scale_terms, w.blocks, gradients.scale, stream, op);
   }
 }
 
@@ -375,10 +386,11 @@ void sdpa_backward_async(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
   template void sdpa_attend_async<T>(const SdpaInput<T>&, const SdpaOutput<T>&, void*,            \
                                      std::size_t, Stream, const PlanOptions&);                    \
   template std::size_t sdpa_backward_workspace_size<T>(                                           \
-      const SdpaInput<T>&, const UpstreamGradients<T>&, const SdpaGradientOutput<T>&);            \
+      const SdpaInput<T>&, const UpstreamGradients<T>&, const SdpaGradientOutput<T>&,             \
+      const SdpaBackwardOptions&);                                                                \
   template void sdpa_backward_async<T>(const SdpaInput<T>&, const SdpaSaved<T>&,                  \
                                        const UpstreamGradients<T>&, const SdpaGradientOutput<T>&, \
-                                       void*, std::size_t, Stream);
+                                       void*, std::size_t, Stream, const SdpaBackwardOptions&);
 EMFLOW_CUDA_SDPA(float)
 EMFLOW_CUDA_SDPA(bfloat16)
 EMFLOW_CUDA_SDPA(float16)

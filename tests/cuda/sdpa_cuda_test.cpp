@@ -69,6 +69,17 @@ std::vector<SdpaCase> cases() {
   return all;
 }
 
+/// The backward's cases: those above, a value rank unlike the rank (the forward cannot run it:
+/// its saved output comes from the reference), and rank and value rank beyond 64 (the kernels'
+/// wider tiles, D = 128).
+std::vector<SdpaCase> backward_cases() {
+  std::vector<SdpaCase> all = cases();
+  all.push_back({"value_rank_unlike_rank", 2, 2, 1, 45, 70, 40, 24,
+                 visible(Mask::causal(), {70, 31}), kScale});
+  all.push_back({"wide_ranks", 1, 2, 1, 40, 75, 96, 128, visible(Mask::none(), {75}), kScale});
+  return all;
+}
+
 template <class T>
 double stored_value(T v) {
   if constexpr (std::is_same_v<T, float>) {
@@ -222,11 +233,7 @@ TYPED_TEST(SdpaCuda, GradientsMatchTheDoubleReference) {
   const double bound = std::is_same_v<T, float>      ? 1e-5
                        : std::is_same_v<T, bfloat16> ? std::ldexp(1.0, -7)
                                                      : std::ldexp(1.0, -10);
-  std::vector<SdpaCase> all = cases();
-  all.push_back({"value_rank_unlike_rank", 2, 2, 1, 45, 70, 40, 24,
-                 visible(Mask::causal(), {70, 31}), kScale});
-  // Rank and value rank beyond 64: the kernels' wider tiles (D = 128).
-  all.push_back({"wide_ranks", 1, 2, 1, 40, 75, 96, 128, visible(Mask::none(), {75}), kScale});
+  const std::vector<SdpaCase> all = backward_cases();
   double worst[] = {0.0, 0.0, 0.0};  // the largest error over the naive error, per gradient
   for (const SdpaCase& c : all) {
     SCOPED_TRACE(c.name);
@@ -453,14 +460,13 @@ struct Stream {
 // The stream-ordered forms on the caller's device arrays give the blocking forms' results bit for
 // bit (the blocking forms run them on device copies of host arrays): every case above, forward
 // and backward, with lengths and positions in device memory (read by the kernels alone), a
-// workspace of the caller's, and the saved statistics of keyless rows NaN (never read).
+// workspace of the caller's, and the saved statistics of keyless rows NaN (never read). And the
+// backward's atomics mode (cuda::SdpaBackwardOptions) against its deterministic mode.
 TYPED_TEST(SdpaCuda, StreamOrderedFormsGiveTheBlockingFormsBits) {
   EMFLOW_REQUIRE_CUDA();
   using T = TypeParam;
   const Precision precision = std::is_same_v<T, float> ? Precision::tf32 : Precision::fp32;
-  std::vector<SdpaCase> all = cases();
-  all.push_back({"value_rank_unlike_rank", 2, 2, 1, 45, 70, 40, 24,
-                 visible(Mask::causal(), {70, 31}), kScale});
+  const std::vector<SdpaCase> all = backward_cases();
   const Stream stream;
   const cudaStream_t s = stream.handle;
   for (const SdpaCase& c : all) {
@@ -553,6 +559,34 @@ TYPED_TEST(SdpaCuda, StreamOrderedFormsGiveTheBlockingFormsBits) {
     EXPECT_EQ(bits_of(to_host(dK, s)), bits_of(gK)) << "dK";
     EXPECT_EQ(bits_of(to_host(dV, s)), bits_of(gV)) << "dV";
     EXPECT_EQ(to_host(dscale, s)[0], gscale) << "dscale";
+
+    // The atomics mode (dQ added by the keys' kernel): dK and dV the same bits, dQ within a
+    // rounding of the storage type (its sums in another order) and exactly 0 where it is 0,
+    // dscale (summed over key blocks instead of query blocks) to float rounding.
+    const cuda::SdpaBackwardOptions atomics{false};
+    cuda::DeviceBuffer<T> aQ(Q.size()), aK(K.size()), aV(V.size());
+    cuda::DeviceBuffer<double> ascale(1);
+    const SdpaGradientOutput<T> atomic{aQ.data(), aK.data(), aV.data(), ascale.data()};
+    cuda::DeviceBuffer<unsigned char> atomic_workspace(
+        cuda::sdpa_backward_workspace_size(device, upstream, atomic, atomics));
+    cuda::sdpa_backward_async(device, saved, upstream, atomic, atomic_workspace.data(),
+                              atomic_workspace.bytes(), s, atomics);
+    EXPECT_EQ(bits_of(to_host(aK, s)), bits_of(gK)) << "dK, atomics";
+    EXPECT_EQ(bits_of(to_host(aV, s)), bits_of(gV)) << "dV, atomics";
+    const std::vector<double> atomic_dQ = values_of_stored(to_host(aQ, s));
+    const std::vector<double> blocking_dQ = values_of_stored(gQ);
+    const double rounding = std::is_same_v<T, float>      ? 1e-5
+                            : std::is_same_v<T, bfloat16> ? std::ldexp(1.0, -7)
+                                                          : std::ldexp(1.0, -10);
+    EXPECT_LE(relative_error(atomic_dQ, blocking_dQ), rounding) << "dQ, atomics";
+    for (std::size_t e = 0; e < blocking_dQ.size(); ++e) {
+      if (blocking_dQ[e] == 0.0 && atomic_dQ[e] != 0.0) {
+        ADD_FAILURE() << "dQ[" << e << "] is " << atomic_dQ[e] << " with atomics, expected 0";
+        break;
+      }
+    }
+    EXPECT_NEAR(to_host(ascale, s)[0], gscale, 1e-4 * (1.0 + std::fabs(gscale)))
+        << "dscale, atomics";
   }
 }
 
