@@ -205,14 +205,17 @@ fi
 #    BM_CudnnSdpa (cuDNN's fused flash attention in bf16 on the same shapes; bench/cuda_cudnn.cpp),
 #    whose ratio to emflow's fused kernel the summary prints per shape, beside emflow's own
 #    tensor-core path (BM_TensorCore, bf16 and tf32 on cuDNN's shapes; bench/cuda_tensor_core.cpp)
-#    and its bf16 / cuDNN ratio.
+#    and its bf16 / cuDNN ratio; and the SDPA operator's backward (BM_SdpaBackward,
+#    bench/cuda_sdpa_backward.cpp: bf16 on the tensor cores, deterministic and with dQ by atomics,
+#    and the float32 kernels), in a step of its own.
 #    The peer runs as a step of its own (12 shapes, each building its cuDNN plan once, which can
 #    take seconds) so that it cannot push emflow's benchmarks past their time limit.
 BENCH_JSON="$LOG_DIR/device-check-bench.json"
 CUDNN_JSON="$LOG_DIR/device-check-cudnn.json"
 OWN_FILTER=$BENCH_FILTER
 TC_JSON="$LOG_DIR/device-check-tensor-core.json"
-[[ "$OWN_FILTER" == "." ]] && OWN_FILTER='-BM_CudnnSdpa|BM_TensorCore'
+BACKWARD_JSON="$LOG_DIR/device-check-sdpa-backward.json"
+[[ "$OWN_FILTER" == "." ]] && OWN_FILTER='-BM_CudnnSdpa|BM_TensorCore|BM_SdpaBackward'
 run_step "benchmarks" 90 "$BENCH" --benchmark_min_time="$BENCH_MIN_TIME" \
   --benchmark_filter="$OWN_FILTER" --benchmark_out="$BENCH_JSON" --benchmark_out_format=json
 if [[ "$BENCH_FILTER" == "." ]]; then
@@ -220,6 +223,9 @@ if [[ "$BENCH_FILTER" == "." ]]; then
     --benchmark_filter=BM_TensorCore --benchmark_out="$TC_JSON" --benchmark_out_format=json
   run_step "benchmarks: cuDNN bf16" 60 "$BENCH" --benchmark_min_time="$BENCH_MIN_TIME" \
     --benchmark_filter=BM_CudnnSdpa --benchmark_out="$CUDNN_JSON" --benchmark_out_format=json
+  run_step "benchmarks: SDPA backward" 60 "$BENCH" --benchmark_min_time="$BENCH_MIN_TIME" \
+    --benchmark_filter=BM_SdpaBackward --benchmark_out="$BACKWARD_JSON" \
+    --benchmark_out_format=json
 fi
 # 5. Nsight Compute on the tensor-core attention kernel, where ncu is installed and time is left:
 #    bf16 at d = 64 and 128 and TF32 at d = 128 (N = 4096, not causal), one launch each: its
@@ -263,7 +269,7 @@ if [[ -s "$MARGINS" ]]; then
 fi
 if [[ -s "$BENCH_JSON" ]] && command -v python3 >/dev/null 2>&1; then
   echo
-  python3 - "$BENCH_JSON" "$CUDNN_JSON" "$TC_JSON" <<'EOF'
+  python3 - "$BENCH_JSON" "$CUDNN_JSON" "$TC_JSON" "$BACKWARD_JSON" <<'EOF'
 import json, os, sys
 runs = []
 for path in sys.argv[1:]:
@@ -281,6 +287,8 @@ for b in runs:
     key = tuple(int(v) for _, v in named[:3])
     if kind == "BM_TensorCore":  # one row per precision: BM_TensorCore_bf16, BM_TensorCore_tf32
         kind += "_tf32" if dict(named).get("tf32") == "1" else "_bf16"
+    if kind == "BM_SdpaBackward":  # one row per mode: 0 bf16, 1 bf16 atomics, 2 fp32
+        kind += "_" + dict(named).get("mode", "0")
     rows.setdefault(key, {})[kind] = (b["real_time"], b.get("TFLOP/s", 0.0))
 print("attention-equivalent TFLOP/s (fp32; ms per call in brackets)")
 print(f"{'N':>6} {'d':>4} {'causal':>6} {'fused':>16} {'unfused':>16} {'cuBLAS only':>16} {'fused/unfused':>14}")
@@ -313,7 +321,15 @@ if tc:
                  else f"{'-':>11}")
         print(f"{n:>6} {d:>4} {causal:>6} {cell(r, 'BM_TensorCore_bf16'):>16} "
               f"{cell(r, 'BM_TensorCore_tf32'):>16} {cell(r, 'BM_CudnnSdpa'):>16} {ratio}")
-skipped = [b for b in runs if b["name"].startswith(("BM_CudnnSdpa", "BM_TensorCore"))
+back = {k: r for k, r in rows.items() if any(f"BM_SdpaBackward_{m}" in r for m in "012")}
+if back:
+    print()
+    print("the SDPA operator's backward (cuda::sdpa_backward_async; TFLOP/s as 2.5 x the forward's 4 B N^2 d)")
+    print(f"{'N':>6} {'d':>4} {'causal':>6} {'bf16':>16} {'bf16 atomics':>16} {'fp32':>16}")
+    for (n, d, causal), r in sorted(back.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+        print(f"{n:>6} {d:>4} {causal:>6} {cell(r, 'BM_SdpaBackward_0'):>16} "
+              f"{cell(r, 'BM_SdpaBackward_1'):>16} {cell(r, 'BM_SdpaBackward_2'):>16}")
+skipped = [b for b in runs if b["name"].startswith(("BM_CudnnSdpa", "BM_TensorCore", "BM_SdpaBackward"))
            and "error_message" in b]
 for b in skipped[:3]:
     print(f"  {b['name']}: {b['error_message']}")
