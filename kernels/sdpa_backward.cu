@@ -1,7 +1,8 @@
 // The backward pass of the SDPA-shaped operator (docs/MATH.md §8.2, §8.3): in float32 (below) and
-// on the tensor cores for 16-bit storage (version 2, further down), in the
-// FlashAttention-2 form without atomics: the weights are recomputed from lse, never stored, and
-// each gradient is owned by the blocks of one kernel, so the result is the same bits run to run.
+// on the tensor cores for 16-bit storage (version 2, further down), in the FlashAttention-2 form:
+// the weights are recomputed from lse, never stored. By default without atomics: each gradient is
+// owned by the blocks of one kernel, so the result is the same bits run to run; the atomics mode
+// (SdpaBackwardArgs::atomic_queries) adds dQ from the keys kernel instead.
 //
 //   sdpa_backward_keys_kernel<D>    one block per (key tile of 64, kv head, cloud): for each query
 //       head of the group and each tile of 64 queries that sees a key of the tile, recompute
@@ -9,7 +10,8 @@
 //       pairs, then dV += P^T dO and dK += dS^T Q, kept in registers across the tiles.
 //   sdpa_backward_queries_kernel<D> one block per (query tile of 64, head, cloud): for each key
 //       tile the queries see, the same pair terms, then dQ += dS K in registers; and per block
-//       sum dS_ij <q_i, k_j> (the scale's gradient, summed on the host in a fixed order).
+//       sum dS_ij <q_i, k_j> (the scale's gradient, summed by sdpa_scale_sum_kernel in a fixed
+//       order).
 //
 // D (64 or 128) bounds rank and value_rank; the true widths are run-time values (columns beyond
 // them are zero in shared memory). Layout of one block (256 threads = 16 x 16, thread (ty, tx)):
@@ -396,6 +398,10 @@ void launch_width(const SdpaBackwardArgs& args, cudaStream_t stream, const char*
 //       dS^T rounded to the storage type as the A operand (mma::accumulators_to_a): the scores
 //       never leave registers;
 //   queries kernel, per key tile: S = Q K^T and dP = dO V^T, dS in registers, dQ += dS K.
+// The atomics mode (SdpaBackwardArgs::atomic_queries; the float32 keys kernel has it too): the
+// keys kernel also writes dS^T (rounded) to shared memory and each warp forms dQ += dS K for 16
+// of the tile's queries (A from dS^T by ldmatrix.trans, mma::load_a_trans_ldsm), added to the
+// float32 dQ by atomicAdd; the queries kernel is not launched.
 // dO arrives in float32 from the row terms' kernel (zero on rows that see no key) and is rounded
 // to the storage type it came from (exact). Rounding P and dS to 16 bits before their products
 // is FlashAttention's; the gradients are held to the 16-bit rule of docs/MATH.md §8.8.
