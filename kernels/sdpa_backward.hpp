@@ -63,7 +63,8 @@ void launch_sdpa_backward(const SdpaBackwardArgs& args, cudaStream_t stream, con
 /// and V read in T from `query`, `key`, `value` (args.query, key and value are not read), the
 /// five products on mma.sync with float32 accumulation, P and dS rounded to T as their A
 /// operands; dO, the row arrays and the gradients float32 as above. Shared memory: at most
-/// 70 KiB (width 128); prepare_sdpa_backward_tc allows it, as prepare_sdpa_backward.
+/// 78 KiB (width 128, with the atomics mode's dS^T tile); prepare_sdpa_backward_tc allows it,
+/// as prepare_sdpa_backward.
 template <class T>
 void prepare_sdpa_backward_tc(int width, const char* operation);
 template <class T>
