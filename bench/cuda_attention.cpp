@@ -53,23 +53,13 @@
 namespace {
 
 using emflow::bench::CudaTiming;
+using emflow::bench::random_device;
 using emflow::bench::warmed_up;
 using emflow::cuda::Algorithm;
 using emflow::cuda::DeviceBuffer;
 
 constexpr std::int64_t kTokensPerCase = 16384;
 constexpr std::size_t kRotationBytes = std::size_t{256} << 20;
-
-// The values of random_values rounded to T (float, or a 16-bit storage type), on the device.
-template <class T = float>
-DeviceBuffer<T> random_buffer(std::size_t count, std::uint64_t seed, float scale,
-                              cudaStream_t stream) {
-  DeviceBuffer<T> buffer(count);
-  const std::vector<T> host = emflow::bench::random_stored<T>(count, seed, scale);
-  buffer.copy_from_host(host.data(), count, stream);
-  cudaStreamSynchronize(stream);  // `host` must outlive the copy
-  return buffer;
-}
 
 struct Shape {
   std::int64_t tokens, dim, batch, heads = 1;
@@ -107,12 +97,12 @@ void run_attention(benchmark::State& state, Algorithm algorithm) {
     std::vector<DeviceBuffer<T>> clouds;
     clouds.reserve(copies);
     for (std::size_t c = 0; c < copies; ++c) {
-      clouds.push_back(random_buffer<T>(shape.cloud_size(), 1 + c, 1.f, stream));
+      clouds.push_back(random_device<T>(shape.cloud_size(), 1 + c, 1.f, stream));
     }
     const auto operator_size = static_cast<std::size_t>(shape.heads * shape.dim * shape.dim);
     const float operator_scale = 2.f / std::sqrt(static_cast<float>(shape.dim));
-    DeviceBuffer<T> relevance = random_buffer<T>(operator_size, 101, operator_scale, stream);
-    DeviceBuffer<T> content = random_buffer<T>(operator_size, 102, operator_scale, stream);
+    DeviceBuffer<T> relevance = random_device<T>(operator_size, 101, operator_scale, stream);
+    DeviceBuffer<T> content = random_device<T>(operator_size, 102, operator_scale, stream);
     DeviceBuffer<T> update(shape.cloud_size());
 
     emflow::AttentionInput<T> input;
@@ -168,10 +158,10 @@ void BM_CublasProducts(benchmark::State& state) {
     std::vector<DeviceBuffer<float>> clouds;
     clouds.reserve(copies);
     for (std::size_t c = 0; c < copies; ++c) {
-      clouds.push_back(random_buffer(shape.cloud_size(), 1 + c, 1.f, stream));
+      clouds.push_back(random_device(shape.cloud_size(), 1 + c, 1.f, stream));
     }
-    DeviceBuffer<float> relevance = random_buffer(shape.cloud_size(), 201, 1.f, stream);
-    DeviceBuffer<float> content = random_buffer(shape.cloud_size(), 202, 1.f, stream);
+    DeviceBuffer<float> relevance = random_device(shape.cloud_size(), 201, 1.f, stream);
+    DeviceBuffer<float> content = random_device(shape.cloud_size(), 202, 1.f, stream);
     DeviceBuffer<float> scores(static_cast<std::size_t>(square) * B);
     DeviceBuffer<float> update(shape.cloud_size());
     cublasHandle_t handle = nullptr;
@@ -214,12 +204,12 @@ void BM_Decode(benchmark::State& state) {
     const auto keys = static_cast<std::size_t>(tokens * dim);
     std::vector<DeviceBuffer<float>> clouds;  // two copies: L2 never holds the last call's keys
     clouds.reserve(2);
-    for (std::uint64_t c = 0; c < 2; ++c) clouds.push_back(random_buffer(keys, 1 + c, 1.f, stream));
+    for (std::uint64_t c = 0; c < 2; ++c) clouds.push_back(random_device(keys, 1 + c, 1.f, stream));
     const auto operator_size = static_cast<std::size_t>(dim * dim);
     const float operator_scale = 2.f / std::sqrt(static_cast<float>(dim));
-    DeviceBuffer<float> relevance = random_buffer(operator_size, 101, operator_scale, stream);
-    DeviceBuffer<float> content = random_buffer(operator_size, 102, operator_scale, stream);
-    DeviceBuffer<float> query = random_buffer(static_cast<std::size_t>(dim), 103, 1.f, stream);
+    DeviceBuffer<float> relevance = random_device(operator_size, 101, operator_scale, stream);
+    DeviceBuffer<float> content = random_device(operator_size, 102, operator_scale, stream);
+    DeviceBuffer<float> query = random_device(static_cast<std::size_t>(dim), 103, 1.f, stream);
     DeviceBuffer<float> update(static_cast<std::size_t>(dim));
 
     emflow::AttentionInput<float> input = emflow::tools::layer_input(

@@ -31,20 +31,10 @@
 
 namespace {
 
+using emflow::bench::random_device;
 using emflow::cuda::DeviceBuffer;
 
 constexpr std::int64_t kTokensPerCase = 16384;
-
-// `count` values uniform in [-scale, scale) (cuda_timing.hpp), stored as T, on the device.
-template <class T>
-DeviceBuffer<T> random_device(std::size_t count, std::uint64_t seed, float scale,
-                              cudaStream_t stream) {
-  const std::vector<T> host = emflow::bench::random_stored<T>(count, seed, scale);
-  DeviceBuffer<T> device(count);
-  device.copy_from_host(host.data(), count, stream);
-  cudaStreamSynchronize(stream);  // `host` must outlive the copy
-  return device;
-}
 
 template <class T>
 void run_tensor_core(benchmark::State& state, emflow::Precision precision) {

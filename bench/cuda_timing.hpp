@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "emflow/cuda.hpp"
 #include "emflow/precision.hpp"
 #include "tools/cuda_timing.hpp"
 
@@ -58,6 +59,18 @@ std::vector<T> random_stored(std::size_t count, std::uint64_t seed, float scale)
     }
   }
   return host;
+}
+
+// random_stored's values on the device, copied on `stream` (which is synchronised: the host copy
+// must outlive the transfer).
+template <class T = float>
+cuda::DeviceBuffer<T> random_device(std::size_t count, std::uint64_t seed, float scale,
+                                    cudaStream_t stream) {
+  const std::vector<T> host = random_stored<T>(count, seed, scale);
+  cuda::DeviceBuffer<T> device(count);
+  device.copy_from_host(host.data(), count, stream);
+  cudaStreamSynchronize(stream);
+  return device;
 }
 
 }  // namespace emflow::bench
