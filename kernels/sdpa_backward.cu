@@ -184,6 +184,57 @@ __device__ __forceinline__ bool tile_sees(const KernelMask& mask, const CloudVie
   return first < n0 + kTile && last > n0 && first < last;
 }
 
+// The 64 keys a block of a keys kernel owns (blocks run key tile fastest, then b Hkv + g): the
+// tile's first key, the cloud and kv head, the query heads [first_head, end_head) that share the
+// kv head, the row of the tile's cloud in K and V, and the cloud's lengths.
+struct KeyBlock {
+  int n0 = 0;
+  int b = 0;
+  int first_head = 0, end_head = 0;
+  std::size_t key_base = 0;
+  CloudView view;
+};
+
+__device__ __forceinline__ KeyBlock key_block(const SdpaBackwardArgs& args) {
+  const int key_tiles = (args.tokens + kTile - 1) / kTile;
+  const int set = static_cast<int>(blockIdx.x / static_cast<unsigned>(key_tiles));  // b Hkv + g
+  const int group = args.heads / args.kv_heads;
+  KeyBlock block;
+  block.n0 = static_cast<int>(blockIdx.x % static_cast<unsigned>(key_tiles)) * kTile;
+  block.b = set / args.kv_heads;
+  block.first_head = (set % args.kv_heads) * group;
+  block.end_head = block.first_head + group;
+  block.key_base = static_cast<std::size_t>(set) * args.tokens;
+  block.view = cloud_view(args.mask, block.b, args.tokens, args.queries);
+  return block;
+}
+
+// The row of query head h's first query of the cloud b in Q, dO and the row terms.
+__device__ __forceinline__ std::size_t query_base(const SdpaBackwardArgs& args, int b, int h) {
+  return (static_cast<std::size_t>(b) * args.heads + h) * args.queries;
+}
+
+// The 64 queries a block of a queries kernel owns (query tile fastest, then b Hq + h): the tile's
+// first query, the cloud, the rows of its queries and of its kv head's keys, the cloud's lengths.
+struct QueryBlock {
+  int m0 = 0;
+  std::size_t row_base = 0, key_base = 0;
+  CloudView view;
+};
+
+__device__ __forceinline__ QueryBlock query_block(const SdpaBackwardArgs& args) {
+  const int query_tiles = (args.queries + kTile - 1) / kTile;
+  const int row_set = static_cast<int>(blockIdx.x / static_cast<unsigned>(query_tiles));
+  const int b = row_set / args.heads, h = row_set % args.heads;
+  QueryBlock block;
+  block.m0 = static_cast<int>(blockIdx.x % static_cast<unsigned>(query_tiles)) * kTile;
+  block.row_base = query_base(args, b, h);
+  block.key_base =
+      static_cast<std::size_t>(b * args.kv_heads + h / (args.heads / args.kv_heads)) * args.tokens;
+  block.view = cloud_view(args.mask, b, args.tokens, args.queries);
+  return block;
+}
+
 // dQ += dS K over the tile's 64 keys for the thread's rows 4 ty + a and columns tx + 16 c (dS in
 // shared memory, K in the [64][D + 1] tile `keys`).
 template <int D>
@@ -226,21 +277,18 @@ __global__ void __launch_bounds__(kThreads) sdpa_backward_keys_kernel(const Sdpa
   float* const dOs = s.b;
   float* const Ks = s.c;
   float* const Vs = s.d;
-  const int key_tiles = (args.tokens + kTile - 1) / kTile;
-  const int n0 = static_cast<int>(blockIdx.x % static_cast<unsigned>(key_tiles)) * kTile;
-  const int set = static_cast<int>(blockIdx.x / static_cast<unsigned>(key_tiles));  // b Hkv + g
-  const int b = set / args.kv_heads, g = set % args.kv_heads;
-  const int group = args.heads / args.kv_heads;
-  const CloudView view = cloud_view(args.mask, b, args.tokens, args.queries);
-  const std::size_t key_base = static_cast<std::size_t>(set) * args.tokens;
+  const KeyBlock block = key_block(args);
+  const int n0 = block.n0;
+  const CloudView& view = block.view;
+  const std::size_t key_base = block.key_base;
   load_rows<D>(Ks, args.key + key_base * args.rank, n0, view.key_length, args.rank);
   load_rows<D>(Vs, args.value + key_base * args.value_rank, n0, view.key_length, args.value_rank);
 
   const int ty = static_cast<int>(threadIdx.x) / 16, tx = static_cast<int>(threadIdx.x) % 16;
   float dk[4][kColumns] = {}, dv[4][kColumns] = {};
   float scale_term = 0.f;
-  for (int h = g * group; h < (g + 1) * group; ++h) {
-    const std::size_t row_base = (static_cast<std::size_t>(b) * args.heads + h) * args.queries;
+  for (int h = block.first_head; h < block.end_head; ++h) {
+    const std::size_t row_base = query_base(args, block.b, h);
     for (int m0 = 0; m0 < args.queries; m0 += kTile) {
       if (!tile_sees(args.mask, view, m0, n0)) continue;  // the same for the whole block
       __syncthreads();  // the last tile's rows, weights and score gradients have been read
@@ -318,14 +366,10 @@ __global__ void __launch_bounds__(kThreads)
   float* const Vs = s.b;
   float* const Qs = s.c;
   float* const dOs = s.d;
-  const int query_tiles = (args.queries + kTile - 1) / kTile;
-  const int m0 = static_cast<int>(blockIdx.x % static_cast<unsigned>(query_tiles)) * kTile;
-  const int row_set = static_cast<int>(blockIdx.x / static_cast<unsigned>(query_tiles));
-  const int b = row_set / args.heads, h = row_set % args.heads;
-  const int set = b * args.kv_heads + h / (args.heads / args.kv_heads);
-  const CloudView view = cloud_view(args.mask, b, args.tokens, args.queries);
-  const std::size_t row_base = static_cast<std::size_t>(row_set) * args.queries;
-  const std::size_t key_base = static_cast<std::size_t>(set) * args.tokens;
+  const QueryBlock block = query_block(args);
+  const int m0 = block.m0;
+  const CloudView& view = block.view;
+  const std::size_t row_base = block.row_base, key_base = block.key_base;
   load_rows<D>(Qs, args.query + row_base * args.rank, m0, view.query_length, args.rank);
   load_rows<D>(dOs, args.output_gradient + row_base * args.value_rank, m0, view.query_length,
                args.value_rank);
@@ -504,13 +548,10 @@ __global__ void __launch_bounds__(kTcThreads)
   T* const dOs = s.b;
   T* const Ks = s.c;
   T* const Vs = s.d;
-  const int key_tiles = (args.tokens + kTile - 1) / kTile;
-  const int n0 = static_cast<int>(blockIdx.x % static_cast<unsigned>(key_tiles)) * kTile;
-  const int set = static_cast<int>(blockIdx.x / static_cast<unsigned>(key_tiles));  // b Hkv + g
-  const int b = set / args.kv_heads, kv_head = set % args.kv_heads;
-  const int group = args.heads / args.kv_heads;
-  const CloudView view = cloud_view(args.mask, b, args.tokens, args.queries);
-  const std::size_t key_base = static_cast<std::size_t>(set) * args.tokens;
+  const KeyBlock block = key_block(args);
+  const int n0 = block.n0;
+  const CloudView& view = block.view;
+  const std::size_t key_base = block.key_base;
   load_tile<T, D>(Ks, key + key_base * args.rank, n0, view.key_length, args.rank);
   load_tile<T, D>(Vs, value + key_base * args.value_rank, n0, view.key_length, args.value_rank);
 
@@ -521,8 +562,8 @@ __global__ void __launch_bounds__(kTcThreads)
   const T* const my_values = Vs + warp * 16 * kLd;
   mma::FragC dk[kOut] = {}, dv[kOut] = {};
   float scale_term = 0.f;
-  for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
-    const std::size_t row_base = (static_cast<std::size_t>(b) * args.heads + h) * args.queries;
+  for (int h = block.first_head; h < block.end_head; ++h) {
+    const std::size_t row_base = query_base(args, block.b, h);
     for (int m0 = 0; m0 < args.queries; m0 += kTile) {
       if (!tile_sees(args.mask, view, m0, n0)) continue;  // the same for the whole block
       __syncthreads();                                    // the last tile's rows have been read
@@ -632,14 +673,10 @@ __global__ void __launch_bounds__(kTcThreads)
   T* const Vs = s.b;
   T* const Qs = s.c;
   T* const dOs = s.d;
-  const int query_tiles = (args.queries + kTile - 1) / kTile;
-  const int m0 = static_cast<int>(blockIdx.x % static_cast<unsigned>(query_tiles)) * kTile;
-  const int row_set = static_cast<int>(blockIdx.x / static_cast<unsigned>(query_tiles));
-  const int b = row_set / args.heads, h = row_set % args.heads;
-  const int set = b * args.kv_heads + h / (args.heads / args.kv_heads);
-  const CloudView view = cloud_view(args.mask, b, args.tokens, args.queries);
-  const std::size_t row_base = static_cast<std::size_t>(row_set) * args.queries;
-  const std::size_t key_base = static_cast<std::size_t>(set) * args.tokens;
+  const QueryBlock block = query_block(args);
+  const int m0 = block.m0;
+  const CloudView& view = block.view;
+  const std::size_t row_base = block.row_base, key_base = block.key_base;
   load_tile<T, D>(Qs, query + row_base * args.rank, m0, view.query_length, args.rank);
   load_tile<T, D>(dOs, args.output_gradient + row_base * args.value_rank, m0, view.query_length,
                   args.value_rank);
