@@ -207,7 +207,8 @@ fi
 #    tensor-core path (BM_TensorCore, bf16 and tf32 on cuDNN's shapes; bench/cuda_tensor_core.cpp)
 #    and its bf16 / cuDNN ratio; and the SDPA operator's backward (BM_SdpaBackward,
 #    bench/cuda_sdpa_backward.cpp: bf16 on the tensor cores, deterministic and with dQ by atomics,
-#    and the float32 kernels), in a step of its own.
+#    and the float32 kernels), in a step of its own, then its peers cuDNN and FlashAttention-2
+#    through PyTorch (bench/torch_cuda_sdpa.py, forward and backward, where python3 has torch).
 #    The peer runs as a step of its own (12 shapes, each building its cuDNN plan once, which can
 #    take seconds) so that it cannot push emflow's benchmarks past their time limit.
 BENCH_JSON="$LOG_DIR/device-check-bench.json"
@@ -215,6 +216,7 @@ CUDNN_JSON="$LOG_DIR/device-check-cudnn.json"
 OWN_FILTER=$BENCH_FILTER
 TC_JSON="$LOG_DIR/device-check-tensor-core.json"
 BACKWARD_JSON="$LOG_DIR/device-check-sdpa-backward.json"
+TORCH_JSON="$LOG_DIR/device-check-torch-sdpa.json"
 [[ "$OWN_FILTER" == "." ]] && OWN_FILTER='-BM_CudnnSdpa|BM_TensorCore|BM_SdpaBackward'
 run_step "benchmarks" 90 "$BENCH" --benchmark_min_time="$BENCH_MIN_TIME" \
   --benchmark_filter="$OWN_FILTER" --benchmark_out="$BENCH_JSON" --benchmark_out_format=json
@@ -226,6 +228,14 @@ if [[ "$BENCH_FILTER" == "." ]]; then
   run_step "benchmarks: SDPA backward" 60 "$BENCH" --benchmark_min_time="$BENCH_MIN_TIME" \
     --benchmark_filter=BM_SdpaBackward --benchmark_out="$BACKWARD_JSON" \
     --benchmark_out_format=json
+  # The peers of the backward (and of the forward): cuDNN's fused SDPA and FlashAttention-2 as
+  # PyTorch dispatches them, on the same shapes, each checked against torch's float32 math first.
+  if python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
+    >/dev/null 2>&1; then
+    run_step "benchmarks: torch cuDNN, FA2" 120 python3 bench/torch_cuda_sdpa.py --out "$TORCH_JSON"
+  else
+    record "benchmarks: torch cuDNN, FA2" "skipped (python3 has no torch with CUDA)" 0
+  fi
 fi
 # 5. Nsight Compute on the tensor-core attention kernel, where ncu is installed and time is left:
 #    bf16 at d = 64 and 128 and TF32 at d = 128 (N = 4096, not causal), one launch each: its
@@ -269,7 +279,7 @@ if [[ -s "$MARGINS" ]]; then
 fi
 if [[ -s "$BENCH_JSON" ]] && command -v python3 >/dev/null 2>&1; then
   echo
-  python3 - "$BENCH_JSON" "$CUDNN_JSON" "$TC_JSON" "$BACKWARD_JSON" <<'EOF'
+  python3 - "$BENCH_JSON" "$CUDNN_JSON" "$TC_JSON" "$BACKWARD_JSON" "$TORCH_JSON" <<'EOF'
 import json, os, sys
 runs = []
 for path in sys.argv[1:]:
@@ -325,11 +335,28 @@ back = {k: r for k, r in rows.items() if any(f"BM_SdpaBackward_{m}" in r for m i
 if back:
     print()
     print("the SDPA operator's backward (cuda::sdpa_backward_async; TFLOP/s as 2.5 x the forward's 4 B N^2 d)")
-    print(f"{'N':>6} {'d':>4} {'causal':>6} {'bf16':>16} {'bf16 atomics':>16} {'fp32':>16}")
+    print(f"{'N':>6} {'d':>4} {'causal':>6} {'bf16':>16} {'bf16 atomics':>16} {'fp32':>16} "
+          f"{'cuDNN (torch)':>16} {'bf16/cuDNN':>11}")
     for (n, d, causal), r in sorted(back.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+        ours = max((r[k][1] for k in ("BM_SdpaBackward_0", "BM_SdpaBackward_1") if k in r),
+                   default=0.0)
+        peer = r.get("BM_TorchSdpaBackward_cudnn", (0.0, 0.0))[1]
+        ratio = f"{ours / peer:11.3f}" if ours > 0 and peer > 0 else f"{'-':>11}"
         print(f"{n:>6} {d:>4} {causal:>6} {cell(r, 'BM_SdpaBackward_0'):>16} "
-              f"{cell(r, 'BM_SdpaBackward_1'):>16} {cell(r, 'BM_SdpaBackward_2'):>16}")
-skipped = [b for b in runs if b["name"].startswith(("BM_CudnnSdpa", "BM_TensorCore", "BM_SdpaBackward"))
+              f"{cell(r, 'BM_SdpaBackward_1'):>16} {cell(r, 'BM_SdpaBackward_2'):>16} "
+              f"{cell(r, 'BM_TorchSdpaBackward_cudnn'):>16} {ratio}")
+    print("  (bf16/cuDNN: emflow's faster bf16 mode over cuDNN's backward)")
+torch_rows = {k: r for k, r in rows.items() if any(name.startswith("BM_TorchSdpa") for name in r)}
+if torch_rows:
+    print()
+    print("PyTorch's fused SDPA on this GPU, bf16 (bench/torch_cuda_sdpa.py; backward as 2.5 x the forward's FLOP)")
+    print(f"{'N':>6} {'d':>4} {'causal':>6} {'cuDNN fwd':>16} {'FA2 fwd':>16} {'cuDNN bwd':>16} {'FA2 bwd':>16}")
+    for (n, d, causal), r in sorted(torch_rows.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+        print(f"{n:>6} {d:>4} {causal:>6} {cell(r, 'BM_TorchSdpa_cudnn'):>16} "
+              f"{cell(r, 'BM_TorchSdpa_flash'):>16} {cell(r, 'BM_TorchSdpaBackward_cudnn'):>16} "
+              f"{cell(r, 'BM_TorchSdpaBackward_flash'):>16}")
+skipped = [b for b in runs if b["name"].startswith(("BM_CudnnSdpa", "BM_TensorCore", "BM_SdpaBackward",
+                                                    "BM_TorchSdpa"))
            and "error_message" in b]
 for b in skipped[:3]:
     print(f"  {b['name']}: {b['error_message']}")
