@@ -19,7 +19,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #include "cuda_timing.hpp"
@@ -63,10 +62,9 @@ void run_backward(benchmark::State& state, bool deterministic) {
     input.scale = 1.0 / std::sqrt(static_cast<double>(d));
     input.mask = causal ? emflow::Mask::causal() : emflow::Mask::none();
 
-    // The saved forward pass, once (float through TF32: the GPU's one float forward).
+    // The saved forward pass, once (float on the float32 kernel).
     const emflow::SdpaOutput<T> forward{output.data(), lse.data(), nullptr};
-    emflow::cuda::PlanOptions plan;
-    if constexpr (std::is_same_v<T, float>) plan.precision = emflow::Precision::tf32;
+    const emflow::cuda::PlanOptions plan;  // float: Precision::fp32, the float32 kernel
     DeviceBuffer<unsigned char> forward_workspace(
         emflow::cuda::sdpa_workspace_size(input, forward, plan));
     emflow::cuda::sdpa_attend_async(input, forward, forward_workspace.data(),

@@ -1,5 +1,6 @@
-// The backward pass of the SDPA-shaped operator (docs/MATH.md §8.2, §8.3): in float32 (below) and
-// on the tensor cores for 16-bit storage (version 2, further down), in the FlashAttention-2 form:
+// The SDPA-shaped operator's own kernels: its float32 forward pass, and its backward pass
+// (docs/MATH.md §8.2, §8.3) in float32 (below) and on the tensor cores for 16-bit storage
+// (version 2, further down), in the FlashAttention-2 form:
 // the weights are recomputed from lse, never stored. By default without atomics: each gradient is
 // owned by the blocks of one kernel, so the result is the same bits run to run; the atomics mode
 // (SdpaBackwardArgs::atomic_queries) adds dQ from the keys kernel instead.
@@ -22,6 +23,12 @@
 // terms lse, E, dH: 98.25 KiB at D = 64, 162.25 KiB at D = 128 (two blocks an SM at D = 64,
 // one at 128, on the H200's 228 KiB). ptxas -v (sm_90, nvcc 13): the keys kernel 128 and 174
 // registers at D = 64 and 128, the queries kernel 128 and 128; no spills, no stack frame.
+//
+//   sdpa_forward_kernel<D>          the forward pass in float32 (Precision::fp32): one block per
+//       (query tile of 64, head, cloud), the same tiles, layout and skipping, S and an online
+//       softmax in base 2 per row (as the fused attention kernel), O += P V in registers; o, lse
+//       and H written once. Prediction for the H200 (never measured): bound by FFMA issue and
+//       unpipelined loads like the fused kernel, 15 to 25 TFLOP/s at D = 64 and 128.
 //
 // Masks, lengths and padding as the forward: tiles outside a block's visible band are skipped,
 // pairs outside a row's visible keys weigh 0, rows beyond the query length and keys beyond the
@@ -209,8 +216,10 @@ __device__ __forceinline__ KeyBlock key_block(const SdpaBackwardArgs& args) {
   return block;
 }
 
-// The row of query head h's first query of the cloud b in Q, dO and the row terms.
-__device__ __forceinline__ std::size_t query_base(const SdpaBackwardArgs& args, int b, int h) {
+// The row of query head h's first query of the cloud b in Q, dO and the row terms. Args:
+// SdpaBackwardArgs or SdpaForwardArgs.
+template <class Args>
+__device__ __forceinline__ std::size_t query_base(const Args& args, int b, int h) {
   return (static_cast<std::size_t>(b) * args.heads + h) * args.queries;
 }
 
@@ -222,7 +231,8 @@ struct QueryBlock {
   CloudView view;
 };
 
-__device__ __forceinline__ QueryBlock query_block(const SdpaBackwardArgs& args) {
+template <class Args>
+__device__ __forceinline__ QueryBlock query_block(const Args& args) {
   const int query_tiles = (args.queries + kTile - 1) / kTile;
   const int row_set = static_cast<int>(blockIdx.x / static_cast<unsigned>(query_tiles));
   const int b = row_set / args.heads, h = row_set % args.heads;
@@ -403,6 +413,147 @@ __global__ void __launch_bounds__(kThreads)
   if (args.scale_terms != nullptr) block_scale_term(scale_term, s.weights, args.scale_terms);
 }
 
+// The forward pass in float32 (SdpaForwardArgs): one block per 64 queries of one head, Q's tile
+// in shared memory, the visible key tiles of the kv head in turn; S = scale Q K^T in 4 x 4
+// register tiles (rows 4 ty + a, keys tx + 16 c), an online softmax in base 2 per row (its
+// maximum over the 16 threads of the row by shuffles), P through shared memory, O += P V in
+// registers (rows 4 ty + a, columns tx + 16 c). The sums of a row stay per thread until the end
+// and are then added over its 16 threads in a fixed order (the same bits run to run). Shared:
+// the backward's layout, Q in a, K in c, V in d, P in weights.
+template <int D>
+__global__ void __launch_bounds__(kThreads) sdpa_forward_kernel(const SdpaForwardArgs args) {
+  constexpr int kLd = D + 1;
+  constexpr int kColumns = D / 16;
+  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+  EMFLOW_DYNAMIC_SHARED(storage);
+  const Shared<D> s(reinterpret_cast<float*>(storage));
+  float* const Qs = s.a;
+  float* const Ks = s.c;
+  float* const Vs = s.d;
+  const QueryBlock block = query_block(args);
+  const int m0 = block.m0;
+  const CloudView& view = block.view;
+  load_rows<D>(Qs, args.query + block.row_base * args.rank, m0, view.query_length, args.rank);
+
+  const int ty = static_cast<int>(threadIdx.x) / 16, tx = static_cast<int>(threadIdx.x) % 16;
+  const float scale2 = args.scale * kLog2e;  // scores in base-2 units
+  float row_max[4], row_sum[4], row_moment[4];
+  int first[4], last[4];
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+    row_max[a] = -INFINITY;
+    row_sum[a] = row_moment[a] = 0.f;
+    visible_keys(args.mask, view, m0 + 4 * ty + a, &first[a], &last[a]);
+  }
+  float o[4][kColumns] = {};
+  for (int n0 = 0; n0 < view.key_length; n0 += kTile) {
+    if (!tile_sees(args.mask, view, m0, n0)) continue;  // the same for the whole block
+    __syncthreads();                                    // the previous tile's K, V and P are read
+    load_rows<D>(Ks, args.key + block.key_base * args.rank, n0, view.key_length, args.rank);
+    load_rows<D>(Vs, args.value + block.key_base * args.value_rank, n0, view.key_length,
+                 args.value_rank);
+    __syncthreads();
+    float t[4][4] = {};
+    for (int k = 0; k < args.rank; ++k) {
+      float q[4], key[4];
+#pragma unroll
+      for (int a = 0; a < 4; ++a) q[a] = Qs[(4 * ty + a) * kLd + k];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) key[c] = Ks[(tx + 16 * c) * kLd + k];
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) t[a][c] = fmaf(q[a], key[c], t[a][c]);
+      }
+    }
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int j = n0 + tx + 16 * c;
+        t[a][c] = j >= first[a] && j < last[a] ? scale2 * t[a][c] : -INFINITY;
+        tile_max = fmaxf(tile_max, t[a][c]);
+      }
+      // Every thread of the warp shuffles (both rows of 16 threads), whatever its row sees.
+#pragma unroll
+      for (int lane_mask = 8; lane_mask > 0; lane_mask >>= 1) {
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, lane_mask));
+      }
+      const float new_max = fmaxf(row_max[a], tile_max);
+      // The exponent's reference point: 0 while the row has seen no visible key (its weights
+      // are then 0), so -inf - -inf never occurs.
+      const float reference = new_max == -INFINITY ? 0.f : new_max;
+      float rescale = 0.f, shift = 0.f;
+      if (row_max[a] != -INFINITY) {
+        shift = row_max[a] - reference;  // <= 0
+        rescale = exp2f(shift);
+      }
+      row_moment[a] = rescale * (row_moment[a] + shift * row_sum[a]);
+      row_sum[a] *= rescale;
+      row_max[a] = new_max;
+#pragma unroll
+      for (int c = 0; c < kColumns; ++c) o[a][c] *= rescale;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float weight = 0.f;
+        if (t[a][c] != -INFINITY) {
+          const float centred = t[a][c] - reference;
+          weight = exp2f(centred);
+          row_sum[a] += weight;
+          row_moment[a] = fmaf(weight, centred, row_moment[a]);
+        }
+        s.weights[(4 * ty + a) * kPairLd + tx + 16 * c] = weight;
+      }
+    }
+    __syncthreads();  // P visible; a row's weights come from the 16 threads of its half-warp
+    for (int j = 0; j < kTile; ++j) {
+      float p[4];
+#pragma unroll
+      for (int a = 0; a < 4; ++a) p[a] = s.weights[(4 * ty + a) * kPairLd + j];
+#pragma unroll
+      for (int c = 0; c < kColumns; ++c) {
+        const float v = Vs[j * kLd + tx + 16 * c];
+#pragma unroll
+        for (int a = 0; a < 4; ++a) o[a][c] = fmaf(p[a], v, o[a][c]);
+      }
+    }
+  }
+  // The rows' sums over their 16 threads (a fixed shuffle order), then normalised and written.
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+#pragma unroll
+    for (int lane_mask = 8; lane_mask > 0; lane_mask >>= 1) {
+      row_sum[a] += __shfl_xor_sync(0xffffffffu, row_sum[a], lane_mask);
+      row_moment[a] += __shfl_xor_sync(0xffffffffu, row_moment[a], lane_mask);
+    }
+  }
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+    const int i = m0 + 4 * ty + a;
+    if (i >= args.queries) continue;
+    // A row that sees a key has its largest weight 1 in the sum: a sum that is not > 0 comes
+    // from a NaN or infinite score, whose weights are undefined (NaN, docs/MATH.md §6.6).
+    const bool any_key = first[a] < last[a];
+    const bool defined = row_sum[a] > 0.f;
+    const float inverse = defined ? 1.f / row_sum[a] : NAN;
+    const std::size_t row = block.row_base + static_cast<std::size_t>(i);
+    float* const out = args.output + row * args.value_rank;
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c) {
+      const int column = tx + 16 * c;
+      if (column < args.value_rank) out[column] = any_key ? o[a][c] * inverse : 0.f;
+    }
+    if (tx == 0) {
+      const float log2_sum = defined ? log2f(row_sum[a]) : NAN;
+      args.lse[row] = any_key ? (row_max[a] + log2_sum) * kLn2 : -INFINITY;
+      if (args.entropy != nullptr) {
+        args.entropy[row] = any_key ? kLn2 * (log2_sum - row_moment[a] * inverse) : 0.f;
+      }
+    }
+  }
+}
+
 template <int D>
 void allow(const char* operation) {
   const int bytes = static_cast<int>(BackwardLayout<D>::bytes);
@@ -412,6 +563,23 @@ void allow(const char* operation) {
   check_cuda(cudaFuncSetAttribute(sdpa_backward_queries_kernel<D>,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
              operation, "cudaFuncSetAttribute(sdpa_backward_queries_kernel)");
+}
+
+template <int D>
+void allow_forward(const char* operation) {
+  check_cuda(
+      cudaFuncSetAttribute(sdpa_forward_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(BackwardLayout<D>::bytes)),
+      operation, "cudaFuncSetAttribute(sdpa_forward_kernel)");
+}
+
+template <int D>
+void launch_forward_width(const SdpaForwardArgs& args, cudaStream_t stream, const char* operation) {
+  const unsigned query_blocks = static_cast<unsigned>((args.queries + kTile - 1) / kTile) *
+                                static_cast<unsigned>(args.heads) *
+                                static_cast<unsigned>(args.batch);
+  launch(operation, "sdpa_forward_kernel", sdpa_forward_kernel<D>, query_blocks, kThreads,
+         BackwardLayout<D>::bytes, stream, args);
 }
 
 template <int D>
@@ -887,6 +1055,23 @@ void launch_sdpa_backward(const SdpaBackwardArgs& args, cudaStream_t stream,
     launch_width<64>(args, stream, operation);
   } else {
     launch_width<128>(args, stream, operation);
+  }
+}
+
+void prepare_sdpa_forward(int width, const char* operation) {
+  if (width <= 64) {
+    allow_forward<64>(operation);
+  } else {
+    allow_forward<128>(operation);
+  }
+}
+
+void launch_sdpa_forward(const SdpaForwardArgs& args, cudaStream_t stream, const char* operation) {
+  const int width = args.rank > args.value_rank ? args.rank : args.value_rank;
+  if (width <= 64) {
+    launch_forward_width<64>(args, stream, operation);
+  } else {
+    launch_forward_width<128>(args, stream, operation);
   }
 }
 

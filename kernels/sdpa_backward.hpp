@@ -1,4 +1,5 @@
-// Launchers of the SDPA-shaped operator's backward pass in float32 (sdpa_backward.cu). Each
+// Launchers of the SDPA-shaped operator's float32 kernels (sdpa_backward.cu): the backward pass,
+// its tensor-core form for 16-bit storage, and the float32 forward pass. Each
 // enqueues on `stream`, checks the launch and never synchronises. Pointers are device pointers.
 #pragma once
 
@@ -44,6 +45,28 @@ struct SdpaBackwardArgs {
   int batch = 1, heads = 1, kv_heads = 1, queries = 1, tokens = 1, rank = 1, value_rank = 1;
   KernelMask mask;
 };
+
+/// The forward pass O = softmax(scale Q K^T) V in float32 (Precision::fp32 on the GPU): per
+/// cloud b, query head h and its kv head g = h / (heads / kv_heads), the rows of queries that
+/// see a key get o_i, lse_i (base e) and H_i (nats, where entropy is not null); those that see
+/// none o_i = 0, lse_i = -inf, H_i = 0. Layouts as SdpaBackwardArgs; value_rank may differ from
+/// rank. FFMA register tiles and an online softmax, one block per 64 queries of one head, the
+/// same bits run to run.
+struct SdpaForwardArgs {
+  const float* query = nullptr;
+  const float* key = nullptr;
+  const float* value = nullptr;
+  float* output = nullptr;
+  float* lse = nullptr;      ///< required
+  float* entropy = nullptr;  ///< or null
+  float scale = 1.f;
+  int batch = 1, heads = 1, kv_heads = 1, queries = 1, tokens = 1, rank = 1, value_rank = 1;
+  KernelMask mask;
+};
+
+/// Allows the forward kernel its shared memory (as prepare_sdpa_backward; the same bytes).
+void prepare_sdpa_forward(int width, const char* operation);
+void launch_sdpa_forward(const SdpaForwardArgs& args, cudaStream_t stream, const char* operation);
 
 /// The widest rank or value_rank of the float32 backward.
 constexpr int kSdpaBackwardMaxRank = 128;

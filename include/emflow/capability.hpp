@@ -164,7 +164,8 @@ const Machine& this_machine();
 /// tensor-core kernel.
 inline constexpr std::int64_t kCudaFusedMaxDim = 256;
 inline constexpr std::int64_t kTensorCoreMaxDim = 256;
-/// Largest rank and value_rank of the SDPA-shaped operator's backward pass on the GPU.
+/// Largest rank and value_rank of the SDPA-shaped operator's float32 kernels on the GPU (the
+/// forward pass with Precision::fp32) and of its backward pass there.
 inline constexpr std::int64_t kCudaSdpaBackwardMaxRank = 128;
 
 /// The storage type of T.

@@ -318,10 +318,12 @@ template <class T>
 std::size_t sdpa_workspace_size(const SdpaInput<T>& input, const SdpaOutput<T>& output,
                                 const PlanOptions& options = {});
 
-/// Enqueues emflow::sdpa_attend (sdpa.hpp) on `stream`: the tensor-core kernel on the caller's
-/// device arrays as they are (the blocking form's kernel, key splits by the same rule or
-/// options.key_splits), the output rounded to T once on the device; T bfloat16, float16, or
-/// float with Precision::tf32; value_rank equal to rank <= 256. Device pointers throughout:
+/// Enqueues emflow::sdpa_attend (sdpa.hpp) on `stream`, the blocking form's kernels on the
+/// caller's device arrays as they are: for T bfloat16, float16, or float with Precision::tf32
+/// the tensor-core kernel (key splits by the same rule or options.key_splits; value_rank equal
+/// to rank <= 256), the output rounded to T once on the device; for float with Precision::fp32
+/// the float32 kernel (float products, no key splits; rank and value_rank <= 128; its workspace
+/// is lse's rows when lse is not asked for, else none). Device pointers throughout:
 /// queries, keys, values, output (T), lse and entropy (float32, optional), and the key and query
 /// lengths and query positions (`batch` int64 entries each, optional, trusted as attend_async's).
 /// `workspace`: sdpa_workspace_size(input, output, options) bytes, 256-byte aligned (may be null

@@ -46,10 +46,13 @@
 //   Device::cpu, double, and Device::reference: the double-precision reference
 //     (reference::sdpa_attend, reference::sdpa_backward), the results rounded to T once. The
 //     reference holds the N x N weights and score gradients of one call (O(B Hq Nq Nk) doubles).
-//   Device::cuda, the forward pass: the tensor-core attention kernel (kernels/tc_attention.cu)
-//     on the arrays as they are, bfloat16 or float16 products (float with Precision::tf32: TF32
-//     products) accumulated in float32, the output rounded to T once, lse and entropy float32;
-//     value_rank equal to rank, rank <= 256 (else unsupported, naming the limit). Host arrays:
+//   Device::cuda, the forward pass: float with Precision::fp32 on a float32 kernel
+//     (kernels/sdpa_backward.cu: float products and sums, an online softmax; rank and
+//     value_rank <= 128, else unsupported naming the limit); bfloat16, float16 and float with
+//     Precision::tf32 on the tensor-core attention kernel (kernels/tc_attention.cu) on the
+//     arrays as they are, bfloat16 or float16 products (TF32 for float) accumulated in float32,
+//     the output rounded to T once, lse and entropy float32; value_rank equal to rank,
+//     rank <= 256 (else unsupported, naming the limit). Host arrays:
 //     copied to the device and back, the call returns when the results are on the host. Held to
 //     the 2x-naive rule of the tensor cores (docs/MATH.md §7.4).
 //   Device::cuda, the backward pass (kernels/sdpa_backward.cu: the weights recomputed from lse,

@@ -510,8 +510,9 @@ def sdpa_attend(query: Any, key: Any, value: Any, *, scale: Optional[float] = No
     Returns the output, or an ``Sdpa`` (output, lse, entropy) when lse or entropy is requested.
     CUDA torch tensors run on the GPU (emflow::cuda::sdpa_attend_async on ``stream``, the
     current torch stream by default, without synchronising): bfloat16 and float16, or float32
-    with ``precision="tf32"`` (TF32 products: the GPU's only float32 path); value rank equal to
-    the rank, at most 256. No GPU has run this path yet (docs/CUDA.md). Gradients:
+    with ``precision="tf32"`` (TF32 products), on the tensor cores with value rank equal to the
+    rank, at most 256; float32 with ``precision="fp32"`` on the float32 kernel (float products,
+    rank and value rank at most 128). No GPU has run this path yet (docs/CUDA.md). Gradients:
     ``emflow.torch.sdpa_attend``.
     """
     operation = "sdpa_attend"

@@ -17,8 +17,9 @@ also with fake implementations. beta and scale are Python floats: they take no g
 gradient through ``weights`` is not computed (a loss that depends on them is refused by name).
 
 CUDA tensors: the SDPA-shaped operator runs forward and backward on the GPU (through
-emflow::cuda::sdpa_attend_async and sdpa_backward_async on the current torch stream; float32 needs
-torch.backends.cuda.matmul.allow_tf32, the forward's products being TF32 there), ``attend`` and
+emflow::cuda::sdpa_attend_async and sdpa_backward_async on the current torch stream; float32's
+forward has TF32 products on the tensor cores where torch.backends.cuda.matmul.allow_tf32 allows
+them, else float products on the float32 kernel, rank and value rank at most 128), ``attend`` and
 ``attend_factored`` their forward pass only (emflow::cuda::attend_async), a gradient through them
 raising NotImplementedError. No GPU has run these paths yet (docs/CUDA.md). Inputs
 are made contiguous first (a no-op for contiguous tensors) and must share the dtype of x (or of
@@ -249,8 +250,8 @@ def _statistics(query: Tensor) -> Tensor:
 
 def _gpu(query: Tensor) -> dict:
     """The keyword arguments of a call on CUDA tensors: the current torch stream and a workspace
-    allocator on it, and for float32 the TF32 products of the GPU's only float32 path where torch
-    allows them (torch.backends.cuda.matmul.allow_tf32; else emflow refuses by name)."""
+    allocator on it, and for float32 the TF32 products of the tensor cores where torch allows them
+    (torch.backends.cuda.matmul.allow_tf32), else the float32 kernel's float products."""
     if not query.is_cuda:
         return {}
     stream, allocate = _emflow._cuda_stream(torch, query, None)

@@ -32,8 +32,13 @@
 //              the dense form. The partial state: float and double as the dense update without
 //              weights; not the factored form's. The decode cache: float, dense,
 //              dim <= kCudaFusedMaxDim, with a capacity.
-//              Index arithmetic is 32-bit: larger problems are refused. No GPU path for the
-//              SDPA-shaped operator or any backward pass yet.
+//              The SDPA-shaped operator: float with Precision::fp32 on the float32 kernel
+//              (rank, value_rank <= kCudaSdpaBackwardMaxRank), float with tf32 and 16-bit
+//              storage on the tensor cores (value_rank = rank <= kTensorCoreMaxDim); its
+//              backward: float32 kernels for float, the tensor cores for 16-bit storage (rank,
+//              value_rank <= kCudaSdpaBackwardMaxRank), no double. No GPU path for a layer's
+//              gradients (Operation::backward). Index arithmetic is 32-bit: larger problems are
+//              refused.
 //   automatic  cuda when a device is usable and computes the problem, else cpu; where the
 //              processor has none of the engine's paths, the reference.
 //
@@ -266,14 +271,26 @@ Route cuda_dense_products(const Problem& p, const char* op, bool expanded) {
   return refused(Device::cuda, op, "unknown algorithm");
 }
 
-/// The SDPA-shaped operator's forward on the GPU: the tensor-core attention kernel itself, on
-/// the caller's projected queries, keys and values (src/cuda/sdpa.cpp).
+/// The SDPA-shaped operator's forward on the GPU, on the caller's projected queries, keys and
+/// values (src/cuda/sdpa_async.cpp): float with Precision::fp32 on the float32 kernel of
+/// kernels/sdpa_backward.cu, float with tf32 and 16-bit storage on the tensor-core attention
+/// kernel.
 Route cuda_sdpa(const Problem& p, const char* op) {
   const bool tf32 = p.storage == Dtype::float32 && p.precision == Precision::tf32;
+  if (p.storage == Dtype::float32 && !tf32) {
+    // The float32 kernel of kernels/sdpa_backward.cu (FFMA, online softmax): float products.
+    if (p.rank > kCudaSdpaBackwardMaxRank || p.dim > kCudaSdpaBackwardMaxRank) {
+      return refused(Device::cuda, op, "the GPU's float32 SDPA needs rank and value_rank <= ",
+                     kCudaSdpaBackwardMaxRank, ", got ", p.rank, " and ", p.dim,
+                     " (Precision::tf32 runs rank <= ", kTensorCoreMaxDim,
+                     " on the tensor cores; or use Device::cpu)");
+    }
+    return runs(Device::cuda, Kernel::cuda_fused, Dtype::float32, Precision::fp32);
+  }
   if (!is_16bit(p.storage) && !tf32) {
     return refused(Device::cuda, op,
-                   "the SDPA-shaped operator runs on the GPU's tensor cores: bfloat16 or float16 "
-                   "storage, or float with Precision::tf32; got ",
+                   "the SDPA-shaped operator on the GPU computes float (Precision::fp32 or "
+                   "tf32), bfloat16 or float16; got ",
                    to_string(p.storage), " with Precision::", to_string(p.precision),
                    " (use Device::cpu)");
   }

@@ -1,10 +1,10 @@
 // The blocking CUDA paths of emflow::sdpa_attend and sdpa_backward (include/emflow/sdpa.hpp) on
 // Device::cuda: the caller's host arrays copied to the device on a stream of their own, the
-// stream-ordered call (src/cuda/sdpa_async.cpp: the tensor-core attention kernel forward, the
-// float32 backward kernels) run on the copies, the results copied back in the caller's types and
-// the stream synchronised. One path for both forms, so they give the same bits. The arguments
-// were validated and routed by core/sdpa.cpp (route(): bf16 or fp16 storage, or float with
-// Precision::tf32; non-finite input taken by the reference there).
+// stream-ordered call (src/cuda/sdpa_async.cpp: the float32 or tensor-core kernels forward, the
+// float32 or tensor-core backward kernels) run on the copies, the results copied back in the
+// caller's types and the stream synchronised. One path for both forms, so they give the same
+// bits. The arguments were validated and routed by core/sdpa.cpp (route(); non-finite input
+// taken by the reference there).
 #include <cuda_runtime.h>
 
 #include <cstdint>

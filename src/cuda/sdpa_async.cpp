@@ -1,11 +1,12 @@
 // The stream-ordered forms of the SDPA-shaped operator (cuda.hpp: sdpa_attend_async,
 // sdpa_backward_async, and their workspace sizes), which the blocking forms run on device copies
 // of host arrays (src/cuda/sdpa.cpp): on the caller's device arrays and stream, no
-// synchronisation. Forward: the tensor-core attention kernel, the 16-bit output rounded by a
-// kernel. Backward: the row terms' kernel, then the backward kernels (kernels/sdpa_backward.cu:
-// float32 for float, the tensor cores for 16-bit storage), the gradients rounded and the dscale
-// terms summed by kernels. The checks and the route are the blocking forms' (core/sdpa_checks.hpp,
-// route()), the lengths trusted on the device as attend_async's.
+// synchronisation. Forward: float with Precision::fp32 on the float32 kernel
+// (kernels/sdpa_backward.cu), else the tensor-core attention kernel, the 16-bit output rounded
+// by a kernel. Backward: the row terms' kernel, then the backward kernels
+// (kernels/sdpa_backward.cu: float32 for float, the tensor cores for 16-bit storage), the gradients
+// rounded and the dscale terms summed by kernels. The checks and the route are the blocking forms'
+// (core/sdpa_checks.hpp, route()), the lengths trusted on the device as attend_async's.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -87,12 +88,16 @@ struct ForwardPieces {
   emflow::detail::KeySplits splits;
   std::size_t bytes = 0;
 
+  // `float32_kernel`: the route is the float32 kernel (Kernel::cuda_fused), which needs lse
+  // alone: no key splits.
   ForwardPieces(const SdpaInput<T>& in, const SdpaOutput<T>& output, int requested_splits,
-                void* base) {
+                bool float32_kernel, void* base) {
     const std::size_t rows = rows_of(in.batch, in.query_heads, in.query_tokens);
     const auto r = static_cast<std::size_t>(in.rank);
-    splits = emflow::detail::choose_key_splits(in.batch, in.query_heads, in.query_tokens, in.tokens,
-                                               true, requested_splits);
+    if (!float32_kernel) {
+      splits = emflow::detail::choose_key_splits(in.batch, in.query_heads, in.query_tokens,
+                                                 in.tokens, true, requested_splits);
+    }
     const std::size_t split_rows =
         splits.splits > 1 ? static_cast<std::size_t>(splits.splits) * rows : 0;
     Carve carve(base);
@@ -180,8 +185,10 @@ std::size_t sdpa_workspace_size(const SdpaInput<T>& input, const SdpaOutput<T>& 
   T stand_in{};
   emflow::detail::check_sdpa(input, output.output != nullptr ? output.output : &stand_in, op,
                              emflow::detail::Lengths::device);
-  gpu_route(input, Operation::sdpa, options, false, op);
-  return ForwardPieces<T>(input, output, options.key_splits, nullptr).bytes;
+  const Route r = gpu_route(input, Operation::sdpa, options, false, op);
+  return ForwardPieces<T>(input, output, options.key_splits, r.kernel == Kernel::cuda_fused,
+                          nullptr)
+      .bytes;
 }
 
 template <class T>
@@ -189,14 +196,15 @@ void sdpa_attend_async(const SdpaInput<T>& input, const SdpaOutput<T>& output, v
                        std::size_t workspace_bytes, Stream stream, const PlanOptions& options) {
   const char* const op = "sdpa_attend_async";
   emflow::detail::check_sdpa(input, output.output, op, emflow::detail::Lengths::device);
-  gpu_route(input, Operation::sdpa, options, true, op);
+  const bool float32_kernel =
+      gpu_route(input, Operation::sdpa, options, true, op).kernel == Kernel::cuda_fused;
   const int device = emflow::detail::current_device(op);
   emflow::detail::expect_stream_of(op, stream, device);
   expect_input_on_device(input, op, device);
   expect_device_pointer(op, "output", output.output, device);
   expect_device_pointer(op, "lse", output.lse, device);
   expect_device_pointer(op, "entropy", output.entropy, device);
-  const ForwardPieces<T> need(input, output, options.key_splits, nullptr);
+  const ForwardPieces<T> need(input, output, options.key_splits, float32_kernel, nullptr);
   expect_workspace(op, workspace, workspace_bytes, need.bytes, device);
   const std::size_t rows = rows_of(input.batch, input.query_heads, input.query_tokens);
   std::vector<MemoryRange> ranges = emflow::detail::sdpa_input_ranges(input);
@@ -207,7 +215,31 @@ void sdpa_attend_async(const SdpaInput<T>& input, const SdpaOutput<T>& output, v
        range("workspace", static_cast<const unsigned char*>(workspace), need.bytes, true)});
   emflow::detail::check_disjoint(ranges.data(), ranges.size(), op);
 
-  const ForwardPieces<T> w(input, output, options.key_splits, workspace);
+  const ForwardPieces<T> w(input, output, options.key_splits, float32_kernel, workspace);
+  if constexpr (std::is_same_v<T, float>) {
+    if (float32_kernel) {  // float products (Precision::fp32): kernels/sdpa_backward.cu
+      emflow::detail::SdpaForwardArgs args;
+      args.query = input.queries;
+      args.key = input.keys;
+      args.value = input.values;
+      args.output = output.output;
+      args.lse = output.lse != nullptr ? output.lse : w.lse;
+      args.entropy = output.entropy;
+      args.scale = static_cast<float>(input.scale);
+      args.batch = static_cast<int>(input.batch);
+      args.heads = static_cast<int>(input.query_heads);
+      args.kv_heads = static_cast<int>(input.kv_heads);
+      args.queries = static_cast<int>(input.query_tokens);
+      args.tokens = static_cast<int>(input.tokens);
+      args.rank = static_cast<int>(input.rank);
+      args.value_rank = static_cast<int>(input.value_rank);
+      args.mask = device_mask(input);
+      const int width = args.rank > args.value_rank ? args.rank : args.value_rank;
+      emflow::detail::prepare_sdpa_forward(width, op);
+      emflow::detail::launch_sdpa_forward(args, stream, op);
+      return;
+    }
+  }
   emflow::detail::TcAttentionArgs args;
   args.type = emflow::detail::tc_type<T>();
   args.query = input.queries;

@@ -564,9 +564,8 @@ TEST(Capability, TheDisableListIsCheckedAndKept) {
 
 // The SDPA-shaped operator, its backward and a layer's backward are routed as every other call:
 // the engine (its bfloat16 backward where the machine has AVX512-BF16), double in the reference,
-// on the GPU the SDPA backward's float32 kernels for float and its tensor-core kernels for
-// 16-bit storage (none for a layer's backward, and the SDPA
-// forward there runs on the tensor cores, not in float32), and the reference under
+// on the GPU the SDPA operator's float32 kernels for float (forward and backward) and its
+// tensor-core kernels for 16-bit storage (none for a layer's backward), and the reference under
 // Device::automatic where no engine path runs.
 TEST(Capability, TheSdpaOperatorAndTheBackwardPassAreRouted) {
   Machine bf16 = cpu_only();
@@ -581,8 +580,8 @@ TEST(Capability, TheSdpaOperatorAndTheBackwardPassAreRouted) {
     EXPECT_TRUE(r.supported) << r.reason;
     EXPECT_EQ(r.kernel, Kernel::cpu_fused);
     r = route(p, Device::cuda, with_gpu(), "op");
-    if (operation == Operation::sdpa_backward) {
-      // The float32 backward kernels (kernels/sdpa_backward.cu), rank and value_rank <= 128.
+    if (operation != Operation::backward) {
+      // The float32 kernels (kernels/sdpa_backward.cu), rank and value_rank <= 128.
       expect_route(r, Device::cuda, Kernel::cuda_fused, Precision::fp32);
       EXPECT_EQ(route(p, Device::automatic, with_gpu(), "op").device, Device::cuda);
       Problem wide = p;
@@ -594,9 +593,7 @@ TEST(Capability, TheSdpaOperatorAndTheBackwardPassAreRouted) {
       EXPECT_EQ(route(p, Device::automatic, with_gpu(), "op").device, Device::cpu);
       EXPECT_FALSE(r.supported);
       EXPECT_NE(r.reason.find("op: cuda: "), std::string::npos) << r.reason;
-      EXPECT_NE(r.reason.find(operation == Operation::sdpa ? "Precision::tf32" : "no GPU path yet"),
-                std::string::npos)
-          << r.reason;
+      EXPECT_NE(r.reason.find("no GPU path yet"), std::string::npos) << r.reason;
     }
     EXPECT_EQ(route(p, Device::reference, bf16, "op").kernel, Kernel::reference);
     p.storage = Dtype::float64;
@@ -631,8 +628,9 @@ TEST(Capability, TheSdpaOperatorAndTheBackwardPassAreRouted) {
 }
 
 // The SDPA-shaped operator's forward on the GPU: the tensor-core kernel, for 16-bit storage or
-// float with TF32 products, with grouped heads, value_rank equal to rank, rank <= 256; taken
-// under Device::automatic where a GPU is present.
+// float with TF32 products, with grouped heads, value_rank equal to rank, rank <= 256, and the
+// float32 kernel for float with fp32 products; taken under Device::automatic where a GPU is
+// present.
 TEST(Capability, TheSdpaOperatorRunsOnTheTensorCores) {
   Problem p = factored(Dtype::bfloat16);
   p.operation = Operation::sdpa;
@@ -658,6 +656,20 @@ TEST(Capability, TheSdpaOperatorRunsOnTheTensorCores) {
   r = route(p, Device::cuda, with_gpu(), "op");
   EXPECT_FALSE(r.supported);
   EXPECT_NE(r.reason.find("rank <= 256"), std::string::npos) << r.reason;
+  // Float with Precision::fp32: the float32 kernel, a value rank unlike the rank allowed, up to
+  // 128; beyond, the reason names the limit and the tensor cores' TF32.
+  p.precision = Precision::fp32;
+  p.rank = 40;
+  p.dim = 24;
+  expect_route(route(p, Device::cuda, with_gpu(), "op"), Device::cuda, Kernel::cuda_fused,
+               Precision::fp32);
+  p.dim = kCudaSdpaBackwardMaxRank + 1;
+  r = route(p, Device::cuda, with_gpu(), "op");
+  EXPECT_FALSE(r.supported);
+  EXPECT_NE(r.reason.find("float32 SDPA needs rank and value_rank <= 128, got 40 and 129"),
+            std::string::npos)
+      << r.reason;
+  EXPECT_NE(r.reason.find("Precision::tf32"), std::string::npos) << r.reason;
   p.storage = Dtype::float64;
   p.precision = Precision::fp32;
   p.dim = p.rank = 16;

@@ -52,7 +52,7 @@ reference::Visibility visible(Mask mask, std::vector<std::int64_t> key_lengths =
 
 constexpr double kScale = 0.4;
 
-/// The cases of every test here (value rank equal to rank: the forward's kernel needs it).
+/// The cases of every test here (value rank equal to rank: the tensor-core forward needs it).
 std::vector<SdpaCase> cases() {
   std::vector<SdpaCase> all{
       {"grouped_causal", 2, 4, 2, 70, 70, 64, 64, visible(Mask::causal()), kScale},
@@ -69,9 +69,9 @@ std::vector<SdpaCase> cases() {
   return all;
 }
 
-/// The backward's cases: those above, a value rank unlike the rank (the forward cannot run it:
-/// its saved output comes from the reference), and rank and value rank beyond 64 (the kernels'
-/// wider tiles, D = 128).
+/// The backward's (and the float32 forward's) cases: those above, a value rank unlike the rank
+/// (the tensor-core forward cannot run it: the backward's saved output comes from the
+/// reference), and rank and value rank beyond 64 (the kernels' wider tiles, D = 128).
 std::vector<SdpaCase> backward_cases() {
   std::vector<SdpaCase> all = cases();
   all.push_back({"value_rank_unlike_rank", 2, 2, 1, 45, 70, 40, 24,
@@ -205,6 +205,68 @@ double relative_error(const std::vector<double>& a, const std::vector<double>& b
     norm += b[e] * b[e];
   }
   return std::sqrt(error / norm);
+}
+
+// Float with Precision::fp32 on the GPU: the float32 kernel (kernels/sdpa_backward.cu), float
+// products, against the double reference on every case of the backward (value ranks unlike the
+// rank and the width-128 tiles included): the output within 1e-5 relative (the CPU engine's
+// bound), lse and entropy per row, rows that see no key exactly o = 0, lse = -inf, H = 0 (the
+// buffers start as NaN). Without lse and entropy asked, the output keeps its bits.
+TEST(SdpaCudaFloat32, ForwardMatchesTheDoubleReference) {
+  EMFLOW_REQUIRE_CUDA();
+  const ExecutionOptions options{Device::cuda, 0, Precision::fp32};
+  for (const SdpaCase& c : backward_cases()) {
+    SCOPED_TRACE(c.name);
+    std::mt19937 random(91u + static_cast<unsigned>(c.keys));
+    const std::int64_t B = c.batch, Hq = c.query_heads, Hkv = c.kv_heads, Nq = c.queries,
+                       Nk = c.keys, r = c.rank, rv = c.value_rank;
+    // Full float values (not TF32-exact as random_stored makes them): float products.
+    std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+    const auto floats = [&](std::int64_t count) {
+      std::vector<float> v(static_cast<std::size_t>(count));
+      for (float& x : v) x = uniform(random);
+      return v;
+    };
+    const std::vector<float> Q = floats(B * Hq * Nq * r), K = floats(B * Hkv * Nk * r),
+                             V = floats(B * Hkv * Nk * rv);
+    const SdpaInput<float> in = input_of(c, Q, K, V);
+    const std::size_t rows = static_cast<std::size_t>(B * Hq * Nq);
+    std::vector<float> out(rows * static_cast<std::size_t>(rv), std::nanf(""));
+    std::vector<float> lse(rows, std::nanf("")), entropy(rows, std::nanf(""));
+    sdpa_attend(in, SdpaOutput<float>{out.data(), lse.data(), entropy.data()}, options);
+    EXPECT_EQ(detail::last_route().kernel, Kernel::cuda_fused);
+    EXPECT_EQ(detail::last_route().device, Device::cuda);
+
+    const reference::SdpaAttention exact =
+        reference::sdpa_attend(tensor_of(Q, {B, Hq, Nq, r}), tensor_of(K, {B, Hkv, Nk, r}),
+                               tensor_of(V, {B, Hkv, Nk, rv}), c.scale, c.visibility, true);
+    std::vector<double> ours(out.begin(), out.end());
+    const std::vector<double> want(exact.output.values().begin(), exact.output.values().end());
+    EXPECT_LT(relative_error(ours, want), 1e-5);
+    std::size_t without_keys = 0;
+    for (std::size_t row = 0; row < rows; ++row) {
+      const double l = exact.lse[static_cast<std::int64_t>(row)];
+      const double h = exact.entropy[static_cast<std::int64_t>(row)];
+      if (std::isinf(l)) {
+        ++without_keys;
+        EXPECT_EQ(lse[row], -INFINITY) << "row " << row << " sees no key";
+        EXPECT_EQ(entropy[row], 0.f) << "row " << row;
+        for (std::int64_t a = 0; a < rv; ++a) ASSERT_EQ(out[row * rv + a], 0.f) << "row " << row;
+        continue;
+      }
+      EXPECT_NEAR(lse[row], l, 1e-5 * (1.0 + std::fabs(l))) << "row " << row;
+      EXPECT_NEAR(entropy[row], h, 1e-4 * (1.0 + h)) << "row " << row;
+      for (std::int64_t a = 0; a < rv; ++a) {
+        ASSERT_NEAR(out[row * rv + a], want[row * rv + a], 2e-5) << "row " << row << " col " << a;
+      }
+    }
+    if (!c.visibility.query_lengths.empty()) {
+      EXPECT_GT(without_keys, 0u);
+    }
+    std::vector<float> alone(out.size(), std::nanf(""));
+    sdpa_attend(in, SdpaOutput<float>{alone.data()}, options);
+    EXPECT_EQ(alone, out);
+  }
 }
 
 template <class T>
@@ -385,11 +447,17 @@ TEST(SdpaCudaRefusals, WhatTheGpuDoesNotComputeIsNamed) {
   in.query_tokens = in.tokens = 8;
   in.rank = in.value_rank = 4;
   std::vector<float> out(8 * 6), lse(8);
+  // Float with Precision::fp32 runs the float32 kernel up to rank and value_rank 128.
+  const std::vector<float> Qw(8 * 130, 0.5f);
+  SdpaInput<float> wide_float = in;
+  wide_float.queries = wide_float.keys = wide_float.values = Qw.data();
+  wide_float.rank = wide_float.value_rank = 130;
+  std::vector<float> wide_out(8 * 130);
   EXPECT_TRUE(throws_error(
       [&] {
-        sdpa_attend(in, SdpaOutput<float>{out.data(), lse.data()}, {Device::cuda, 0});
+        sdpa_attend(wide_float, SdpaOutput<float>{wide_out.data(), lse.data()}, {Device::cuda, 0});
       },
-      ErrorCode::unsupported, {"sdpa_attend", "tensor cores", "Precision::tf32"}));
+      ErrorCode::unsupported, {"sdpa_attend", "float32 SDPA", "<= 128", "130", "Precision::tf32"}));
   in.value_rank = 6;
   EXPECT_TRUE(throws_error(
       [&] {
@@ -623,13 +691,19 @@ TEST(SdpaCudaAsync, RefusesHostArraysShortWorkspacesAndWhatNoKernelComputes) {
   fp32.queries = fp32.keys = fp32.values = wide_on.data();
   fp32.query_tokens = fp32.tokens = N;
   fp32.rank = fp32.value_rank = r;
-  EXPECT_TRUE(
-      throws_error([&] { cuda::sdpa_workspace_size(fp32, SdpaOutput<float>{wide_out.data()}); },
-                   ErrorCode::unsupported, {"sdpa_workspace_size"}));
+  // Float with Precision::fp32: the float32 kernel, whose workspace is lse's rows when lse is
+  // not asked for (16 floats, one 256-byte piece), none when it is.
+  EXPECT_EQ(cuda::sdpa_workspace_size(fp32, SdpaOutput<float>{wide_out.data()}), 256u);
+  cuda::DeviceBuffer<float> wide_lse(N);
+  EXPECT_EQ(cuda::sdpa_workspace_size(fp32, SdpaOutput<float>{wide_out.data(), wide_lse.data()}),
+            0u);
   SdpaInput<float> too_wide = fp32;
   too_wide.rank = too_wide.value_rank = 130;
   too_wide.query_tokens = too_wide.tokens = 1;
   float dq = 0.f;
+  EXPECT_TRUE(throws_error([&] { cuda::sdpa_workspace_size(too_wide, SdpaOutput<float>{&dq}); },
+                           ErrorCode::unsupported,
+                           {"sdpa_workspace_size", "float32 SDPA", "128", "130"}));
   EXPECT_TRUE(throws_error(
       [&] {
         cuda::sdpa_backward_workspace_size(too_wide, UpstreamGradients<float>{},
