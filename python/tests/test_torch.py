@@ -166,8 +166,8 @@ def test_cuda_operator_factored_matches_sdpa():
 def test_cuda_sdpa_trains_on_the_gpu_as_on_the_cpu():
     """The SDPA drop-in on CUDA tensors (cuda::sdpa_attend_async and sdpa_backward_async on the
     current stream): bfloat16 output and gradients within bfloat16's rounding of the CPU's on the
-    same stored values, grouped heads, torch's causal mask; float32 runs only where torch allows
-    TF32 (the GPU's float32 products), and is refused by name otherwise."""
+    same stored values, grouped heads, torch's causal mask; float32 where torch does not allow
+    TF32 runs the float32 kernel (float products), within float rounding of the CPU's."""
     generator = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, h, 40, 64, generator=generator).to(torch.bfloat16)
                for h in (4, 2, 2))
@@ -183,7 +183,10 @@ def test_cuda_sdpa_trains_on_the_gpu_as_on_the_cpu():
     allowed = torch.backends.cuda.matmul.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = False
-        with pytest.raises(NotImplementedError, match="tf32|TF32"):
-            emflow.torch.scaled_dot_product_attention(*(t.float().cuda() for t in (q, k, k)))
+        wide = [t.float() for t in (q, k, v)]
+        got = emflow.torch.scaled_dot_product_attention(*(t.cuda() for t in wide), is_causal=True,
+                                                        enable_gqa=True)
+        want = emflow.torch.scaled_dot_product_attention(*wide, is_causal=True, enable_gqa=True)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allowed
