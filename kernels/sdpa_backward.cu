@@ -224,23 +224,35 @@ __device__ __forceinline__ std::size_t query_base(const Args& args, int b, int h
 }
 
 // The 64 queries a block of a queries kernel owns (query tile fastest, then b Hq + h): the tile's
-// first query, the cloud, the rows of its queries and of its kv head's keys, the cloud's lengths.
+// first query, the cloud, the rows of its queries, of its kv head's keys and of its key bias
+// terms, the cloud's lengths.
 struct QueryBlock {
   int m0 = 0;
-  std::size_t row_base = 0, key_base = 0;
+  std::size_t row_base = 0, key_base = 0, bias_base = 0;
   CloudView view;
 };
+
+// Whether the arrays are (heads, batch, ...) rather than (batch, heads, ...): the forward's
+// factored layout (SdpaForwardArgs::heads_major); the backward's are batch-major.
+__device__ __forceinline__ bool heads_major(const SdpaBackwardArgs&) { return false; }
+__device__ __forceinline__ bool heads_major(const SdpaForwardArgs& args) {
+  return args.heads_major;
+}
 
 template <class Args>
 __device__ __forceinline__ QueryBlock query_block(const Args& args) {
   const int query_tiles = (args.queries + kTile - 1) / kTile;
   const int row_set = static_cast<int>(blockIdx.x / static_cast<unsigned>(query_tiles));
   const int b = row_set / args.heads, h = row_set % args.heads;
+  const int g = h / (args.heads / args.kv_heads);
+  const bool by_head = heads_major(args);
+  const auto head_set = static_cast<std::size_t>(by_head ? h * args.batch + b : b * args.heads + h);
   QueryBlock block;
   block.m0 = static_cast<int>(blockIdx.x % static_cast<unsigned>(query_tiles)) * kTile;
-  block.row_base = query_base(args, b, h);
+  block.row_base = head_set * args.queries;
   block.key_base =
-      static_cast<std::size_t>(b * args.kv_heads + h / (args.heads / args.kv_heads)) * args.tokens;
+      static_cast<std::size_t>(by_head ? g * args.batch + b : b * args.kv_heads + g) * args.tokens;
+  block.bias_base = head_set * args.tokens;
   block.view = cloud_view(args.mask, b, args.tokens, args.queries);
   return block;
 }
@@ -472,7 +484,10 @@ __global__ void __launch_bounds__(kThreads) sdpa_forward_kernel(const SdpaForwar
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int j = n0 + tx + 16 * c;
-        t[a][c] = j >= first[a] && j < last[a] ? scale2 * t[a][c] : -INFINITY;
+        const bool visible = j >= first[a] && j < last[a];
+        const float bias =
+            visible && args.key_bias != nullptr ? args.key_bias[block.bias_base + j] : 0.f;
+        t[a][c] = visible ? scale2 * (t[a][c] + bias) : -INFINITY;
         tile_max = fmaxf(tile_max, t[a][c]);
       }
       // Every thread of the warp shuffles (both rows of 16 threads), whatever its row sees.

@@ -49,17 +49,22 @@ struct SdpaBackwardArgs {
 /// The forward pass O = softmax(scale Q K^T) V in float32 (Precision::fp32 on the GPU): per
 /// cloud b, query head h and its kv head g = h / (heads / kv_heads), the rows of queries that
 /// see a key get o_i, lse_i (base e) and H_i (nats, where entropy is not null); those that see
-/// none o_i = 0, lse_i = -inf, H_i = 0. Layouts as SdpaBackwardArgs; value_rank may differ from
-/// rank. FFMA register tiles and an online softmax, one block per 64 queries of one head, the
-/// same bits run to run.
+/// none o_i = 0, lse_i = -inf, H_i = 0. Layouts as SdpaBackwardArgs (batch-major), or with
+/// heads_major the factored layer's (tc_factored.cpp): queries, output and the row arrays
+/// (heads, batch, queries, ...), keys and values (kv_heads, batch, tokens, ...). value_rank may
+/// differ from rank. With key_bias, s_ij = scale (<q_i, k_j> + bias_j), the bias of query head h
+/// at (h, b, j) heads-major, (b, h, j) batch-major. FFMA register tiles and an online softmax,
+/// one block per 64 queries of one head, the same bits run to run.
 struct SdpaForwardArgs {
   const float* query = nullptr;
   const float* key = nullptr;
   const float* value = nullptr;
+  const float* key_bias = nullptr;  ///< or null
   float* output = nullptr;
   float* lse = nullptr;      ///< required
   float* entropy = nullptr;  ///< or null
   float scale = 1.f;
+  bool heads_major = false;
   int batch = 1, heads = 1, kv_heads = 1, queries = 1, tokens = 1, rank = 1, value_rank = 1;
   KernelMask mask;
 };

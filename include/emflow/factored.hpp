@@ -25,7 +25,10 @@
 // reads kv head h / (heads / kv_heads), as transformers' repeat_kv groups them.
 // Both also hold in the partial states of a factored layer (partial.hpp) and in its decode cache
 // (decode.hpp), on the host: each key rotated at its position (the cache's once, when appended),
-// and only kv_heads projected keys and values held.
+// and only kv_heads projected keys and values held. On Device::cuda the update of such a layer
+// runs on the tensor cores (bfloat16, float16, float with Precision::tf32) or, for float with
+// Precision::fp32 and rank <= 128, on the SDPA operator's float32 kernel after float32
+// projections; never expanded (docs/CUDA.md).
 #pragma once
 
 #include <cstdint>

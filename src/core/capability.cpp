@@ -51,8 +51,10 @@
 // when it is appended), and store kv_heads projected keys and values. On cuda the factored
 // update with either runs on the tensor cores (16-bit storage, or float with tf32: the
 // projections turned at the rows' positions in tc_factored.cpp, a kv head per group of query
-// heads in the attention); the float32 and float64 paths, which expand the layer, the partial
-// state, the decode cache and explicit rotary positions (host memory) are refused there.
+// heads in the attention), or for float with fp32 on the same projections and the SDPA
+// operator's float32 kernel (rank <= kCudaSdpaBackwardMaxRank); the float64 path, which expands
+// the layer, the partial state, the decode cache and explicit rotary positions (host memory)
+// are refused there.
 #include "emflow/capability.hpp"
 
 #include <algorithm>
@@ -394,12 +396,21 @@ Route on_cuda(const Problem& p, const Machine& machine, const char* op) {
                                                     p.precision == Precision::tf32 && !p.weights &&
                                                     p.rank <= kTensorCoreMaxDim);
   if (factored && !tensor_cores && rotary_or_grouped(p)) {
+    // Float products: the projections of the tensor-core path in float32, then the SDPA
+    // operator's float32 kernel (kernels/sdpa_backward.cu) in rank r, never expanded.
+    if (p.storage == Dtype::float32 && p.precision == Precision::fp32 && !p.weights &&
+        p.rank <= kCudaSdpaBackwardMaxRank && p.algorithm != Algorithm::unfused) {
+      return runs(Device::cuda, Kernel::cuda_fused, Dtype::float32, Precision::fp32);
+    }
     return refused(Device::cuda, op, rotary_or_grouped_names(p),
                    " run on the GPU's tensor cores (bfloat16 or float16 storage, or float with "
                    "Precision::tf32; rank <= ",
                    kTensorCoreMaxDim,
-                   ", no weights): the float32 and float64 paths expand the "
-                   "layer to dense M_h, which a rotary layer does not have; else run on the cpu");
+                   ", no weights) or on its float32 kernel (float with "
+                   "Precision::fp32, rank <= ",
+                   kCudaSdpaBackwardMaxRank,
+                   ", no weights, not Algorithm::unfused): the float64 path expands the layer to "
+                   "dense M_h, which a rotary layer does not have; else run on the cpu");
   }
   if (factored && !tensor_cores) return cuda_dense_products(p, op, true);
   if (!factored && !is_16bit(p.storage)) return cuda_dense_products(p, op, false);

@@ -196,6 +196,12 @@ std::unique_ptr<PlanStrategy<T>> make_strategy(const Problem& p, const Route& r,
       return std::make_unique<ExpandedStrategy<T>>(
           p, make_strategy<T>(dense, inner, key_splits, operation), operation);
     }
+  } else if (r.kernel == Kernel::cuda_fused && p.form == Form::factored) {
+    // A rotary or grouped layer in float32, never expanded: its projections and the SDPA
+    // operator's float32 kernel (tc_factored.cpp).
+    if constexpr (std::is_same_v<T, float>) {
+      return std::make_unique<TcFactoredStrategy<T>>(p, key_splits, operation);
+    }
   } else if (r.kernel == Kernel::cuda_fused || r.kernel == Kernel::cuda_unfused) {
     if constexpr (wide) {
       return std::make_unique<ProductsStrategy<T>>(p, r.kernel, key_splits, operation);

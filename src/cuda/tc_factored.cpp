@@ -1,6 +1,10 @@
 // The factored layer (emflow/factored.hpp) on the tensor-core attention (tc_attention.cu): the
 // strategy of cuda::AttentionPlan for bfloat16 and float16 storage and for float with TF32
-// products (emflow/cuda.hpp), where route() chooses cuda_tensor_cores for the factored form.
+// products (emflow/cuda.hpp), where route() chooses cuda_tensor_cores for the factored form;
+// and for float with fp32 products where the layer has rotary positions or grouped kv heads
+// (route(): cuda_fused, not expanded), the same steps with step 2 on the SDPA operator's float32
+// kernel (kernels/sdpa_backward.cu, heads-major, scale beta, the key bias terms added to <q, k>;
+// no key splits).
 //
 //   1. project: per head, Q_h = A_h Y^T, and per kv head g, K_g = B_g X^T, V_g = V_g X^T (one
 //      per query head without grouped heads), accumulated in float32, each query and key turned
@@ -31,6 +35,7 @@
 #include "core/check.hpp"
 #include "core/rotary.hpp"
 #include "emflow/precision.hpp"
+#include "kernels/sdpa_backward.hpp"
 #include "kernels/tc_attention.hpp"
 #include "kernels/tc_projection.hpp"
 
@@ -45,7 +50,8 @@ TcFactoredStrategy<T>::TcFactoredStrategy(const Problem& p, int key_splits, cons
       heads_(static_cast<int>(p.heads)),
       rank_(static_cast<int>(p.rank)),
       kv_heads_(static_cast<int>(p.kv_heads != 0 ? p.kv_heads : p.heads)),
-      key_bias_(p.key_bias) {
+      key_bias_(p.key_bias),
+      float32_(std::is_same_v<T, float> && p.precision == Precision::fp32) {
   // Every size fits in int64 (the plan's checks) and the rows in int (route()'s index limit).
   const std::int64_t H = heads_, K = kv_heads_, B = batch_, N = tokens_, Nq = queries_, r = rank_;
   WorkspaceCursor at(operation);
@@ -53,12 +59,18 @@ TcFactoredStrategy<T>::TcFactoredStrategy(const Problem& p, int key_splits, cons
   key_ = at.take(K * B * N * r, sizeof(T), "keys");
   value_ = at.take(K * B * N * r, sizeof(T), "values");
   bias_ = at.take(key_bias_ ? H * B * N : 0, sizeof(float), "key bias terms");
-  state_.take(at, p, r, key_splits);
+  state_.take(at, p, r, float32_ ? 1 : key_splits);  // the float32 kernel splits no keys
   total_ = at.total();
 }
 
 template <class T>
 void TcFactoredStrategy<T>::bind(int device, bool prepare, const char* operation) {
+  if (float32_) {
+    expect_shared_memory(operation, "the float32 SDPA kernel", sdpa_backward_shared_bytes(rank_),
+                         device, shared_memory_limit(device, operation), "use device 'cpu'");
+    if (prepare) prepare_sdpa_forward(rank_, operation);
+    return;
+  }
   expect_shared_memory(
       operation, "the tensor-core attention", tc_shared_bytes(tc_type<T>(), rank_), device,
       shared_memory_limit(device, operation),
@@ -111,7 +123,30 @@ void TcFactoredStrategy<T>::run(const PlanCall<T>& call, unsigned char* base, cu
 
   TcAttentionArgs args = state_.args(base, input, q, k, /*shared_keys=*/false, v, bias);
   args.kv_heads = K;
-  launch_tc_attention(args, stream, operation);
+  if (float32_) {
+    if constexpr (std::is_same_v<T, float>) {
+      SdpaForwardArgs f;  // the state's head outputs, lse and entropy, as the kernel's
+      f.query = q;
+      f.key = k;
+      f.value = v;
+      f.key_bias = bias;
+      f.output = args.out;
+      f.lse = args.lse;
+      f.entropy = args.entropy;
+      f.scale = static_cast<float>(input.beta);
+      f.heads_major = true;
+      f.batch = B;
+      f.heads = H;
+      f.kv_heads = K;
+      f.queries = Nq;
+      f.tokens = N;
+      f.rank = f.value_rank = r;
+      f.mask = args.mask;
+      launch_sdpa_forward(f, stream, operation);
+    }
+  } else {
+    launch_tc_attention(args, stream, operation);
+  }
   launch_tc_combine(state_.combine_args(base, output, d), layer.content_up, layer.offset,
                     output.update, stream, operation);
 }

@@ -1,7 +1,8 @@
 // The factored EMF form on the tensor cores (tc_factored.cpp), a strategy of cuda::AttentionPlan
 // (plan_strategy.hpp): what route() sends to cuda_tensor_cores for the factored form, bfloat16
 // and float16 storage and float with Precision::tf32 (rank <= 256, no weights), rotary positions
-// and grouped kv heads included.
+// and grouped kv heads included; and the float32 form of a layer with rotary positions or grouped
+// kv heads (Precision::fp32, rank <= 128: the SDPA operator's float32 kernel in step 2).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -36,6 +37,7 @@ class TcFactoredStrategy final : public PlanStrategy<T> {
   std::size_t query_ = 0, key_ = 0, value_ = 0, bias_ = 0, total_ = 0;
   TcAttentionState state_;  // the head outputs and the key splits' states
   bool key_bias_ = false;
+  bool float32_ = false;  // float products: the float32 kernel instead of the tensor cores
 };
 
 extern template class TcFactoredStrategy<bfloat16>;

@@ -208,9 +208,11 @@ TEST(Capability, TheGpuRefusesWhatItsKernelsCannotCompute) {
 }
 
 // Rotary positions and grouped kv heads on the GPU: the factored update on the tensor cores
-// (16-bit storage, or float with tf32); the expanding float paths, partial states, decode caches
-// and explicit positions are refused by name, and automatic then stays on the CPU.
-TEST(Capability, RotaryAndGroupedHeadsRunOnTheGpusTensorCoresOnly) {
+// (16-bit storage, or float with tf32), or for float with fp32 on the SDPA operator's float32
+// kernel (rank <= 128, never expanded); float64 (which would expand), ranks beyond 128 in fp32,
+// partial states, decode caches and explicit positions are refused by name, and automatic then
+// stays on the CPU.
+TEST(Capability, RotaryAndGroupedHeadsRunOnTheGpuUnexpanded) {
   Problem p = factored(Dtype::bfloat16);
   p.kv_heads = 1;
   p.rotary_dim = 8;
@@ -225,15 +227,28 @@ TEST(Capability, RotaryAndGroupedHeadsRunOnTheGpusTensorCoresOnly) {
                Precision::tf32);
   Problem fp32 = tf32;
   fp32.precision = Precision::fp32;
-  const Route expanded = route(fp32, Device::cuda, with_gpu());
-  expect_refusal(expanded,
-                 "rotary positions (rotary.dim 8) and grouped kv heads (kv_heads 1 of 2)");
-  expect_refusal(expanded, "run on the GPU's tensor cores");
-  expect_route(route(fp32, Device::automatic, with_gpu()), Device::cpu, Kernel::cpu_fused,
+  expect_route(route(fp32, Device::cuda, with_gpu()), Device::cuda, Kernel::cuda_fused,
+               Precision::fp32);
+  expect_route(route(fp32, Device::automatic, with_gpu()), Device::cuda, Kernel::cuda_fused,
                Precision::fp32);
   Problem grouped_only = fp32;
   grouped_only.rotary_dim = 0;
-  expect_refusal(route(grouped_only, Device::cuda, with_gpu()), "grouped kv heads");
+  expect_route(route(grouped_only, Device::cuda, with_gpu()), Device::cuda, Kernel::cuda_fused,
+               Precision::fp32);
+  Problem wide = fp32;
+  wide.rank = kCudaSdpaBackwardMaxRank + 1;
+  const Route too_wide = route(wide, Device::cuda, with_gpu());
+  expect_refusal(too_wide,
+                 "rotary positions (rotary.dim 8) and grouped kv heads (kv_heads 1 of 2)");
+  expect_refusal(too_wide, "float32 kernel (float with Precision::fp32, rank <= 128");
+  expect_route(route(wide, Device::automatic, with_gpu()), Device::cpu, Kernel::cpu_fused,
+               Precision::fp32);
+  Problem wide_weights = fp32;
+  wide_weights.weights = true;
+  expect_refusal(route(wide_weights, Device::cuda, with_gpu()), "no weights");
+  Problem f64 = fp32;
+  f64.storage = Dtype::float64;
+  expect_refusal(route(f64, Device::cuda, with_gpu()), "the float64 path expands the layer");
   Problem positions = p;
   positions.rotary_positions = true;
   expect_refusal(route(positions, Device::cuda, with_gpu()), "explicit rotary positions");

@@ -23,6 +23,8 @@
 #include <vector>
 
 #include "common/testing.hpp"
+#include "core/dispatch.hpp"
+#include "emflow/capability.hpp"
 #include "emflow/error.hpp"
 #include "emflow/factored.hpp"
 #include "emflow/precision.hpp"
@@ -464,6 +466,148 @@ TEST(TcFactoredSplits, RequestedSplitsAgreeWithTheUnsplitResultWithinTheRule) {
       FactoredCase{"tf32_N130_d16_r36_none", kTf32, 1, 2, 130, 16, 36, kNone, {}, true, false}, 3);
 }
 
+// A layer with rotary positions or grouped kv heads in float with Precision::fp32: the
+// projections in float32 and the SDPA operator's float32 kernel (kernels/sdpa_backward.cu),
+// never expanded. Against the double result (the projections rounded to float once, as the
+// kernel stores them) within float rounding, and against the CPU engine; the stream-ordered plan
+// gives the blocking call's bits. The inputs are the tf32 cases' (TF32-exact values: the
+// projected queries and keys are full floats all the same).
+TEST(TcFactoredFloat32, RotaryAndGroupedLayersMatchTheDoubleResult) {
+  EMFLOW_REQUIRE_CUDA();
+  const FactoredCase cases[] = {
+      {"fp32_N130_d32_r16_causal_rotary16_kv2of4",
+       kTf32,
+       1,
+       4,
+       130,
+       32,
+       16,
+       kCausal,
+       {},
+       false,
+       true,
+       2,
+       16},
+      {"fp32_N70_d40_r24_window5_len_bias_rotary8_interleaved",
+       kTf32,
+       2,
+       2,
+       70,
+       40,
+       24,
+       kWindow5,
+       {70, 6},
+       true,
+       false,
+       0,
+       8,
+       RotaryPairing::interleaved},
+      {"fp32_N70_d24_r32_none_len_kv1of3",
+       kTf32,
+       2,
+       3,
+       70,
+       24,
+       32,
+       kNone,
+       {70, 33},
+       false,
+       true,
+       1},
+      {"fp32_N90_d20_r128_causal_len_bias_rotary36_kv2of6",
+       kTf32,
+       1,
+       6,
+       90,
+       20,
+       128,
+       kCausal,
+       {81},
+       true,
+       true,
+       2,
+       36},
+  };
+  const ExecutionOptions options{Device::cuda, 0, Precision::fp32};
+  for (const FactoredCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    const Inputs in = make_inputs(c);
+    const HostProblem<float> host(c, in);
+    const auto B = static_cast<std::size_t>(c.batch), N = static_cast<std::size_t>(c.tokens);
+    const auto d = static_cast<std::size_t>(c.dim), H = static_cast<std::size_t>(c.heads);
+    std::vector<float> update(B * N * d, std::nanf("")), lse(B * H * N, std::nanf("")),
+        entropy(B * H * N, std::nanf(""));
+    attend_factored(host.input, host.layer,
+                    AttentionOutput<float>{update.data(), lse.data(), entropy.data()}, options);
+    const Route& r = detail::last_route();
+    EXPECT_EQ(r.device, Device::cuda);
+    EXPECT_EQ(r.kernel, Kernel::cuda_fused);
+    EXPECT_FALSE(r.expanded);
+
+    const Expected exact = factored_attention(c, in, false);
+    const std::vector<double> got(update.begin(), update.end()), got_lse(lse.begin(), lse.end()),
+        got_entropy(entropy.begin(), entropy.end());
+    EXPECT_LE(max_difference(got, exact.update), 2e-5);
+    EXPECT_LE(max_difference(got_lse, exact.lse), 2e-5);
+    EXPECT_LE(max_difference(got_entropy, exact.entropy), 1e-4);
+
+    std::vector<float> cpu(update.size(), std::nanf("")), cpu_lse(lse.size(), std::nanf(""));
+    attend_factored(host.input, host.layer, AttentionOutput<float>{cpu.data(), cpu_lse.data()},
+                    {Device::cpu});
+    EXPECT_LE(max_difference(got, std::vector<double>(cpu.begin(), cpu.end())), 2e-5);
+
+    // The plan on device copies, on a stream (which outlives the buffers, and is destroyed on
+    // every path): the blocking call's bits.
+    struct OwnedStream {
+      cudaStream_t stream = nullptr;
+      ~OwnedStream() {
+        if (stream != nullptr) cudaStreamDestroy(stream);
+      }
+    } owned;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&owned.stream, cudaStreamNonBlocking), cudaSuccess);
+    const cudaStream_t stream = owned.stream;
+    {
+      const auto K = static_cast<std::size_t>(c.key_heads()), rr = static_cast<std::size_t>(c.rank);
+      cuda::DeviceBuffer<float> dx(B * N * d), da(H * rr * d), db(K * rr * d), du(H * d * rr),
+          dv(K * rr * d), dbias(H * d), doffset(d), dupdate(B * N * d), dlse(B * H * N),
+          dentropy(B * H * N);
+      cuda::DeviceBuffer<std::int64_t> dlengths(B);
+      dx.copy_from_host(host.x.data(), host.x.size(), stream);
+      da.copy_from_host(host.a.data(), host.a.size(), stream);
+      db.copy_from_host(host.b.data(), host.b.size(), stream);
+      du.copy_from_host(host.u.data(), host.u.size(), stream);
+      dv.copy_from_host(host.v.data(), host.v.size(), stream);
+      if (c.bias) dbias.copy_from_host(host.bias.data(), host.bias.size(), stream);
+      if (c.offset) doffset.copy_from_host(host.offset.data(), host.offset.size(), stream);
+      if (!c.key_lengths.empty()) dlengths.copy_from_host(c.key_lengths.data(), B, stream);
+      AttentionInput<float> input = host.input;
+      input.cloud = dx.data();
+      input.key_lengths = c.key_lengths.empty() ? nullptr : dlengths.data();
+      FactoredLayer<float> layer = host.layer;
+      layer.query_factor = da.data();
+      layer.key_factor = db.data();
+      layer.content_up = du.data();
+      layer.content_down = dv.data();
+      layer.key_bias = c.bias ? dbias.data() : nullptr;
+      layer.offset = c.offset ? doffset.data() : nullptr;
+      const AttentionOutput<float> output{dupdate.data(), dlse.data(), dentropy.data()};
+      const cuda::PlanOptions plan{cuda::Algorithm::automatic, Precision::fp32};
+      const std::size_t bytes = cuda::attend_factored_workspace_size(input, layer, output, plan);
+      cuda::DeviceBuffer<unsigned char> workspace(bytes);
+      cuda::attend_factored_async(input, layer, output, workspace.data(), bytes, stream, plan);
+      std::vector<float> async_update(update.size()), async_lse(lse.size()),
+          async_entropy(entropy.size());
+      dupdate.copy_to_host(async_update.data(), async_update.size(), stream);
+      dlse.copy_to_host(async_lse.data(), async_lse.size(), stream);
+      dentropy.copy_to_host(async_entropy.data(), async_entropy.size(), stream);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      expect_same_bits(c.name, "update", update, async_update);
+      expect_same_bits(c.name, "lse", lse, async_lse);
+      expect_same_bits(c.name, "entropy", entropy, async_entropy);
+    }
+  }
+}
+
 // The tensor-core path does not compute the weights: refused by name before any device work
 // (these checks run without a device).
 TEST(TcFactoredRefusals, WeightsAreUnsupportedByName) {
@@ -490,8 +634,8 @@ TEST(TcFactoredRefusals, WeightsAreUnsupportedByName) {
 
 // The precision must suit the storage type: tf32 needs float, bf16 and fp16 their own type;
 // refused by name before any device work. float with fp32 is not refused: it runs the layer
-// expanded to dense operators (tests/cuda/cuda_plan_test.cpp checks its values), as its
-// workspace size says.
+// expanded to dense operators (tests/cuda/cuda_plan_test.cpp checks its values; with rotary
+// positions or grouped heads the float32 kernel above), as its workspace size says.
 TEST(TcFactoredRefusals, PrecisionsThatDoNotSuitTheTypeAreRefusedByName) {
   const FactoredCase c{"refusal", kTf32, 1, 1, 3, 4, 2, kNone, {}, false, false};
   const Inputs in = make_inputs(c);
