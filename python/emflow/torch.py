@@ -17,7 +17,9 @@ also with fake implementations. beta and scale are Python floats: they take no g
 gradient through ``weights`` is not computed (a loss that depends on them is refused by name).
 
 CUDA tensors: the SDPA-shaped operator runs forward and backward on the GPU (through
-emflow::cuda::sdpa_attend_async and sdpa_backward_async on the current torch stream; float32's
+emflow::cuda::sdpa_attend_async and sdpa_backward_async on the current torch stream, the backward
+adding dQ by atomics unless torch.use_deterministic_algorithms(True) asks for the kernels that
+give the same bits run to run; float32's
 forward has TF32 products on the tensor cores where torch.backends.cuda.matmul.allow_tf32 allows
 them, else float products on the float32 kernel, rank and value rank at most 128), ``attend`` and
 ``attend_factored`` their forward pass only (emflow::cuda::attend_async), a gradient through them
@@ -259,6 +261,18 @@ def _gpu(query: Tensor) -> dict:
     return {"stream": stream, "allocate": allocate, "precision": "tf32" if tf32 else "fp32"}
 
 
+def _gpu_backward(query: Tensor) -> dict:
+    """The keyword arguments of the SDPA backward on CUDA tensors: _gpu's stream and allocator,
+    and dQ by atomics (FlashAttention-2's form, as torch's own fused backward) unless torch is
+    asked for deterministic algorithms (torch.use_deterministic_algorithms(True)), which gets
+    the kernels that give the same bits run to run."""
+    if not query.is_cuda:
+        return {}
+    keywords = {k: v for k, v in _gpu(query).items() if k != "precision"}
+    keywords["deterministic"] = torch.are_deterministic_algorithms_enabled()
+    return keywords
+
+
 @torch.library.custom_op("emflow::sdpa", mutates_args=())
 def _sdpa_op(query: Tensor, key: Tensor, value: Tensor, key_lengths: Optional[Tensor],
              scale: float, mask: str, query_position: Optional[int], device: str, threads: int
@@ -287,7 +301,7 @@ def _sdpa_backward_op(d_output: Optional[Tensor], d_lse: Optional[Tensor], query
                                   _lengths(key_lengths), None, 0, query_position, _dense(output),
                                   _dense(lse), None, _or_none(d_output), _or_none(d_lse), None,
                                   d_query, d_key, d_value, device, threads,
-                                  **{k: v for k, v in _gpu(query).items() if k != "precision"})
+                                  **_gpu_backward(query))
     return d_query, d_key, d_value
 
 

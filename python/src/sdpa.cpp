@@ -197,7 +197,7 @@ std::optional<double> backward_host(
     const OptIn& output, const InArray& lse, const OptIn& entropy, const OptIn& d_output,
     const OptIn& d_lse, const OptIn& d_entropy, OutArray& d_query, OutArray& d_key,
     OutArray& d_value, const std::string& device, std::int64_t threads, std::uintptr_t stream,
-    const nb::object& allocate) {
+    const nb::object& allocate, bool deterministic) {
   const SdpaInput<T> in = sdpa_input<T>(place, query, key, value, scale, mask, key_lengths,
                                         query_lengths, key_position, query_position);
   const Shape stats{in.batch, in.query_heads, in.query_tokens};
@@ -223,18 +223,21 @@ std::optional<double> backward_host(
     if constexpr (std::is_same_v<T, double>) {
       refuse_float64_on_gpu(place.operation);
     } else {
-      const std::size_t bytes = cuda::sdpa_backward_workspace_size(in, upstream, gradients);
+      cuda::SdpaBackwardOptions gpu;
+      gpu.deterministic = deterministic;
+      const std::size_t bytes = cuda::sdpa_backward_workspace_size(in, upstream, gradients, gpu);
       nb::object keep;
       void* workspace = workspace_of(place.operation, bytes, allocate, keep);
       nb::gil_scoped_release release;
       cuda::sdpa_backward_async(in, saved, upstream, gradients, workspace, bytes,
-                                reinterpret_cast<cuda::Stream>(stream));
+                                reinterpret_cast<cuda::Stream>(stream), gpu);
     }
 #endif
     return std::nullopt;
   }
   (void)stream;
   (void)allocate;
+  (void)deterministic;  // the host's backward is deterministic
   gradients.scale = &d_scale;
   {
     nb::gil_scoped_release release;
@@ -278,13 +281,13 @@ void bind_sdpa(nb::module_& m) {
          const OptIn& output, const InArray& lse, const OptIn& entropy, const OptIn& d_output,
          const OptIn& d_lse, const OptIn& d_entropy, OutArray d_query, OutArray d_key,
          OutArray d_value, const std::string& device, std::int64_t threads, std::uintptr_t stream,
-         const nb::object& allocate) {
+         const nb::object& allocate, bool deterministic) {
         const Placement place = placement_of("sdpa_backward", query);
         return for_dtype(place, [&](auto zero) {
-          return backward_host<decltype(zero)>(place, query, key, value, scale, mask, key_lengths,
-                                               query_lengths, key_position, query_position, output,
-                                               lse, entropy, d_output, d_lse, d_entropy, d_query,
-                                               d_key, d_value, device, threads, stream, allocate);
+          return backward_host<decltype(zero)>(
+              place, query, key, value, scale, mask, key_lengths, query_lengths, key_position,
+              query_position, output, lse, entropy, d_output, d_lse, d_entropy, d_query, d_key,
+              d_value, device, threads, stream, allocate, deterministic);
         });
       },
       nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("scale"), nb::arg("mask"),
@@ -293,11 +296,12 @@ void bind_sdpa(nb::module_& m) {
       nb::arg("entropy").none(), nb::arg("d_output").none(), nb::arg("d_lse").none(),
       nb::arg("d_entropy").none(), nb::arg("d_query"), nb::arg("d_key"), nb::arg("d_value"),
       nb::arg("device"), nb::arg("threads"), nb::arg("stream") = 0,
-      nb::arg("allocate") = nb::none(),
+      nb::arg("allocate") = nb::none(), nb::arg("deterministic") = true,
       "emflow::sdpa_backward on the given host arrays: dQ, dK and dV written into d_query, "
       "d_key and d_value from the saved output, lse (and entropy) and the upstream gradients "
       "(each optional); returns dL/dscale. CUDA arrays through cuda::sdpa_backward_async on "
-      "`stream` (workspace from `allocate(nbytes)`), returning None (dL/dscale not computed).");
+      "`stream` (workspace from `allocate(nbytes)`), returning None (dL/dscale not computed); "
+      "deterministic=False adds dQ by atomics there (cuda::SdpaBackwardOptions).");
 }
 
 }  // namespace emflow::python
