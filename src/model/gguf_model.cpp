@@ -166,10 +166,21 @@ Model load_gguf(const std::string& path) {
     fail(ErrorCode::unsupported, kOp, ": '", path, "': rotary scaling '", scaling, "' ('",
          scaling_key, "') is not supported (none or linear)");
   }
-  if (file.contains(meta.key("attention.sliding_window"))) {
-    fail(ErrorCode::unsupported, kOp, ": '", path, "': '", meta.key("attention.sliding_window"),
-         "': a sliding window in a GGUF file is not supported (a Mistral checkpoint in "
-         "safetensors is)");
+  // A sliding window (llama.cpp's standard one, as Mistral's config.sliding_window): query i sees
+  // keys j with 0 <= i - j < window, Mask::sliding_window(window); 0 is none. Qwen2's is refused,
+  // as in its safetensors config (whether its layers use it is not in the file).
+  const std::string window_key = meta.key("attention.sliding_window");
+  if (qwen2 && file.contains(window_key)) {
+    fail(ErrorCode::unsupported, kOp, ": '", path, "': '", window_key,
+         "': Qwen2's sliding window is not supported");
+  }
+  if (file.contains(window_key)) {
+    const std::int64_t window = file.get_integer(window_key);
+    if (window < 0) {
+      fail(ErrorCode::io, kOp, ": '", path, "': key '", window_key, "' is ", window,
+           ", expected an integer >= 0");
+    }
+    model.sliding_window = window;
   }
   if (file.has_tensor("rope_freqs.weight")) {
     fail(ErrorCode::unsupported, kOp, ": '", path,

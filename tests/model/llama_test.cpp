@@ -218,7 +218,7 @@ TEST(LlamaModel, LogitsNeedAnUnembedding) {
 // ---- a GGUF file written here: F32 tensors, the metadata of a llama ----
 
 struct GgufValue {
-  std::uint32_t type;  // 4 uint32, 6 float32, 8 string
+  std::uint32_t type;  // 4 uint32, 5 int32 (u's bits), 6 float32, 8 string
   std::uint32_t u = 0;
   float f = 0;
   std::string s;
@@ -240,7 +240,7 @@ std::string gguf_bytes(const std::vector<std::pair<std::string, GgufValue>>& met
   for (const auto& [key, value] : metadata) {
     put_str(out, key);
     put_u32(out, value.type);
-    if (value.type == 4) put_u32(out, value.u);
+    if (value.type == 4 || value.type == 5) put_u32(out, value.u);
     if (value.type == 6) out.append(reinterpret_cast<const char*>(&value.f), 4);
     if (value.type == 8) put_str(out, value.s);
   }
@@ -349,6 +349,52 @@ TEST_F(LlamaFiles, AGgufFileReadsBackTheModelWithQueryAndKeyRowsUnpermuted) {
   expect_same(m.embedding, g.embedding, "embedding");
   expect_same(m.unembedding, g.unembedding, "unembedding");
   expect_same(m.final_gain, g.final_gain, "final norm");
+}
+
+// A GGUF file's sliding window (llama.cpp's attention.sliding_window, query i seeing keys
+// i - w < j <= i) is the model's: the model read back runs as the one written, bit for bit, and
+// unlike the same model without the window; a negative window is refused by name.
+TEST_F(LlamaFiles, AGgufSlidingWindowIsTheModelsWindow) {
+  const Model m = make_llama(false, false, 3);
+  auto meta = llama_metadata();
+  meta.push_back({"llama.attention.sliding_window", GgufValue{4, 3, 0, ""}});
+  const Model g =
+      emflow::model::load_checkpoint(write("w.gguf", gguf_bytes(meta, llama_tensors(m))));
+  EXPECT_EQ(g.sliding_window, 3);
+  const Tensor<double> x = emflow::testing::random_tensor({1, 6, kDim}, 5, -1.0, 1.0);
+  const auto trajectory = [&](const Model& model) {
+    emflow::model::RunSettings settings;
+    settings.factored = true;  // a rotary layer's only form
+    return emflow::model::run_model(model, x, {}, settings).trajectory;
+  };
+  Model written = m;
+  written.norm_eps = g.norm_eps;  // the file's float32 epsilon
+  const Tensor<double> want = trajectory(written), got = trajectory(g);
+  EXPECT_EQ(got.values(), want.values());
+  Model unwindowed = g;
+  unwindowed.sliding_window = 0;
+  EXPECT_NE(trajectory(unwindowed).values(), want.values());
+
+  meta.back().second = GgufValue{5, static_cast<std::uint32_t>(-2), 0, ""};  // int32 -2
+  const std::string bad = write("w_bad.gguf", gguf_bytes(meta, llama_tensors(m)));
+  const std::string message = emflow::testing::error_of(
+      emflow::ErrorCode::io, [&] { emflow::model::load_checkpoint(bad); });
+  EXPECT_NE(message.find("'llama.attention.sliding_window' is -2, expected an integer >= 0"),
+            std::string::npos)
+      << message;
+  // Qwen2's window is refused, as in its safetensors config.
+  for (auto& [key, value] : meta) {
+    if (key.rfind("llama.", 0) == 0) key = "qwen2." + key.substr(6);
+  }
+  meta[0].second.s = "qwen2";
+  meta.back().second = GgufValue{4, 3, 0, ""};
+  const std::string qwen2 = write("w_qwen2.gguf", gguf_bytes(meta, llama_tensors(m)));
+  const std::string refused = emflow::testing::error_of(
+      emflow::ErrorCode::unsupported, [&] { emflow::model::load_checkpoint(qwen2); });
+  EXPECT_NE(
+      refused.find("'qwen2.attention.sliding_window': Qwen2's sliding window is not supported"),
+      std::string::npos)
+      << refused;
 }
 
 // A qwen2 GGUF file: the keys under "qwen2.", the query and key rows as they are (llama.cpp
