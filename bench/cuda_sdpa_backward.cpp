@@ -1,6 +1,7 @@
-// The SDPA-shaped operator's backward pass on the GPU (Google Benchmark, CUDA-event timing).
+// The SDPA-shaped operator's backward pass on the GPU, and its float forward (Google Benchmark,
+// CUDA-event timing).
 //
-//   emflow_bench_cuda --benchmark_filter=SdpaBackward
+//   emflow_bench_cuda --benchmark_filter='SdpaBackward|SdpaForward'
 //
 // BM_SdpaBackward times cuda::sdpa_backward_async (src/cuda/sdpa_async.cpp: the row terms'
 // kernel, then the backward kernels of kernels/sdpa_backward.cu) on the shapes of BM_TensorCore:
@@ -13,6 +14,10 @@
 // reads against FlashAttention-2's and cuDNN's backward. Each iteration is one call on the
 // benchmark's stream bracketed by CUDA events, after two warm-up calls. Without a device the
 // benchmark is skipped with a message.
+//
+// BM_SdpaForward times cuda::sdpa_attend_async on the same shapes in float: `mode` 0 the float32
+// kernel (Precision::fp32, kernels/sdpa_backward.cu), 1 the tensor cores in TF32 (tc_attention.cu);
+// FLOP 4 B N^2 d, halved for the causal mask.
 #include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
 
@@ -115,6 +120,66 @@ void BM_SdpaBackward(benchmark::State& state) {
       break;
   }
 }
+
+void BM_SdpaForward(benchmark::State& state) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    state.SkipWithError("no CUDA device");
+    return;
+  }
+  const std::int64_t n = state.range(0), d = state.range(1);
+  const bool causal = state.range(2) != 0;
+  const std::int64_t batch = std::max<std::int64_t>(1, kTokensPerCase / n);
+  const auto count = static_cast<std::size_t>(batch * n * d);
+  try {
+    emflow::bench::CudaTiming timing;
+    const cudaStream_t stream = timing.stream();
+    DeviceBuffer<float> queries = random_device<float>(count, 1, 1.f, stream);
+    DeviceBuffer<float> keys = random_device<float>(count, 2, 1.f, stream);
+    DeviceBuffer<float> values = random_device<float>(count, 3, 1.f, stream);
+    DeviceBuffer<float> output(count), lse(static_cast<std::size_t>(batch * n));
+    emflow::SdpaInput<float> input;
+    input.queries = queries.data();
+    input.keys = keys.data();
+    input.values = values.data();
+    input.batch = batch;
+    input.query_heads = input.kv_heads = 1;
+    input.query_tokens = input.tokens = n;
+    input.rank = input.value_rank = d;
+    input.scale = 1.0 / std::sqrt(static_cast<double>(d));
+    input.mask = causal ? emflow::Mask::causal() : emflow::Mask::none();
+    const emflow::SdpaOutput<float> out{output.data(), lse.data(), nullptr};
+    emflow::cuda::PlanOptions options;
+    if (state.range(3) == 1) options.precision = emflow::Precision::tf32;
+    DeviceBuffer<unsigned char> workspace(emflow::cuda::sdpa_workspace_size(input, out, options));
+    const auto enqueue = [&] {
+      emflow::cuda::sdpa_attend_async(input, out, workspace.data(), workspace.size(), stream,
+                                      options);
+    };
+    if (emflow::bench::warmed_up(state, stream, enqueue)) {
+      for (auto _ : state) state.SetIterationTime(timing.seconds(enqueue));
+      const double flop = 4.0 * static_cast<double>(batch) * static_cast<double>(n * n * d);
+      state.counters["TFLOP/s"] = benchmark::Counter((causal ? flop / 2 : flop) * 1e-12,
+                                                     benchmark::Counter::kIsIterationInvariantRate);
+      state.counters["B"] = static_cast<double>(batch);
+    }
+  } catch (const emflow::Error& e) {
+    state.SkipWithError(e.what());
+  }
+}
+
+void forward_sizes(benchmark::internal::Benchmark* b) {
+  for (std::int64_t mode : {0, 1}) {
+    for (std::int64_t causal : {0, 1}) {
+      for (std::int64_t dim : {64, 128}) {
+        for (std::int64_t tokens : {4096, 16384}) b->Args({tokens, dim, causal, mode});
+      }
+    }
+  }
+  b->ArgNames({"N", "d", "causal", "mode"})->UseManualTime()->Unit(benchmark::kMillisecond);
+}
+
+BENCHMARK(BM_SdpaForward)->Apply(forward_sizes);
 
 void backward_sizes(benchmark::internal::Benchmark* b) {
   for (std::int64_t mode : {0, 1, 2}) {

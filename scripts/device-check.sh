@@ -207,7 +207,8 @@ fi
 #    tensor-core path (BM_TensorCore, bf16 and tf32 on cuDNN's shapes; bench/cuda_tensor_core.cpp)
 #    and its bf16 / cuDNN ratio; and the SDPA operator's backward (BM_SdpaBackward,
 #    bench/cuda_sdpa_backward.cpp: bf16 on the tensor cores, deterministic and with dQ by atomics,
-#    and the float32 kernels), in a step of its own, then its peers cuDNN and FlashAttention-2
+#    and the float32 kernels; with the float forward, BM_SdpaForward: the float32 kernel and TF32
+#    on the tensor cores), in a step of its own, then its peers cuDNN and FlashAttention-2
 #    through PyTorch (bench/torch_cuda_sdpa.py, forward and backward, where python3 has torch).
 #    The peer runs as a step of its own (12 shapes, each building its cuDNN plan once, which can
 #    take seconds) so that it cannot push emflow's benchmarks past their time limit.
@@ -217,7 +218,7 @@ OWN_FILTER=$BENCH_FILTER
 TC_JSON="$LOG_DIR/device-check-tensor-core.json"
 BACKWARD_JSON="$LOG_DIR/device-check-sdpa-backward.json"
 TORCH_JSON="$LOG_DIR/device-check-torch-sdpa.json"
-[[ "$OWN_FILTER" == "." ]] && OWN_FILTER='-BM_CudnnSdpa|BM_TensorCore|BM_SdpaBackward'
+[[ "$OWN_FILTER" == "." ]] && OWN_FILTER='-BM_CudnnSdpa|BM_TensorCore|BM_SdpaBackward|BM_SdpaForward'
 run_step "benchmarks" 90 "$BENCH" --benchmark_min_time="$BENCH_MIN_TIME" \
   --benchmark_filter="$OWN_FILTER" --benchmark_out="$BENCH_JSON" --benchmark_out_format=json
 if [[ "$BENCH_FILTER" == "." ]]; then
@@ -225,8 +226,8 @@ if [[ "$BENCH_FILTER" == "." ]]; then
     --benchmark_filter=BM_TensorCore --benchmark_out="$TC_JSON" --benchmark_out_format=json
   run_step "benchmarks: cuDNN bf16" 60 "$BENCH" --benchmark_min_time="$BENCH_MIN_TIME" \
     --benchmark_filter=BM_CudnnSdpa --benchmark_out="$CUDNN_JSON" --benchmark_out_format=json
-  run_step "benchmarks: SDPA backward" 60 "$BENCH" --benchmark_min_time="$BENCH_MIN_TIME" \
-    --benchmark_filter=BM_SdpaBackward --benchmark_out="$BACKWARD_JSON" \
+  run_step "benchmarks: SDPA backward" 90 "$BENCH" --benchmark_min_time="$BENCH_MIN_TIME" \
+    --benchmark_filter='BM_SdpaBackward|BM_SdpaForward' --benchmark_out="$BACKWARD_JSON" \
     --benchmark_out_format=json
   # The peers of the backward (and of the forward): cuDNN's fused SDPA and FlashAttention-2 as
   # PyTorch dispatches them, on the same shapes, each checked against torch's float32 math first.
@@ -297,7 +298,7 @@ for b in runs:
     key = tuple(int(v) for _, v in named[:3])
     if kind == "BM_TensorCore":  # one row per precision: BM_TensorCore_bf16, BM_TensorCore_tf32
         kind += "_tf32" if dict(named).get("tf32") == "1" else "_bf16"
-    if kind == "BM_SdpaBackward":  # one row per mode: 0 bf16, 1 bf16 atomics, 2 fp32
+    if kind in ("BM_SdpaBackward", "BM_SdpaForward"):  # one row per mode (the benchmark's)
         kind += "_" + dict(named).get("mode", "0")
     rows.setdefault(key, {})[kind] = (b["real_time"], b.get("TFLOP/s", 0.0))
 print("attention-equivalent TFLOP/s (fp32; ms per call in brackets)")
@@ -346,6 +347,14 @@ if back:
               f"{cell(r, 'BM_SdpaBackward_1'):>16} {cell(r, 'BM_SdpaBackward_2'):>16} "
               f"{cell(r, 'BM_TorchSdpaBackward_cudnn'):>16} {ratio}")
     print("  (bf16/cuDNN: emflow's faster bf16 mode over cuDNN's backward)")
+forward = {k: r for k, r in rows.items() if any(f"BM_SdpaForward_{m}" in r for m in "01")}
+if forward:
+    print()
+    print("the SDPA operator's float forward (cuda::sdpa_attend_async; 4 B N^2 d)")
+    print(f"{'N':>6} {'d':>4} {'causal':>6} {'fp32 kernel':>16} {'tf32 tensor cores':>18}")
+    for (n, d, causal), r in sorted(forward.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+        print(f"{n:>6} {d:>4} {causal:>6} {cell(r, 'BM_SdpaForward_0'):>16} "
+              f"{cell(r, 'BM_SdpaForward_1'):>18}")
 torch_rows = {k: r for k, r in rows.items() if any(name.startswith("BM_TorchSdpa") for name in r)}
 if torch_rows:
     print()
@@ -356,7 +365,7 @@ if torch_rows:
               f"{cell(r, 'BM_TorchSdpa_flash'):>16} {cell(r, 'BM_TorchSdpaBackward_cudnn'):>16} "
               f"{cell(r, 'BM_TorchSdpaBackward_flash'):>16}")
 skipped = [b for b in runs if b["name"].startswith(("BM_CudnnSdpa", "BM_TensorCore", "BM_SdpaBackward",
-                                                    "BM_TorchSdpa"))
+                                                    "BM_SdpaForward", "BM_TorchSdpa"))
            and "error_message" in b]
 for b in skipped[:3]:
     print(f"  {b['name']}: {b['error_message']}")
