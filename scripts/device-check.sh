@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device check of the CUDA backend: one call, under 8 minutes, on a machine with an NVIDIA GPU.
+# Device check of the CUDA backend: one call, under 9 minutes, on a machine with an NVIDIA GPU.
 #
 #   bash scripts/device-check.sh             # on the GPU machine, from the repository root
 #   bash scripts/device-check.sh --prepare   # on a build machine without a GPU (see below)
@@ -8,9 +8,10 @@
 # compute-sanitizer memcheck, racecheck, synccheck and initcheck over the whole GPU suite (the
 # four at once), runs the GPU benchmarks briefly, and prints a short table last. Expected on an
 # H200: build 2 to 3 minutes, tests 1, sanitizers at most 3.5, benchmarks 2 to 3 (with the torch
-# peers): under 9 in all, later steps skipped past 6.5 minutes (BUDGET_S). Everything is also written to $OUT/device-check.log when OUT is set
-# (else to ./device-check.log), with the date, the GPU and the commit at the top, ready to be
-# committed under bench/results/ (see bench/results/README.md).
+# peers): under 9 in all, later steps skipped past 6.5 minutes (BUDGET_S). Everything is also
+# written to $OUT/device-check.log when OUT is set (else to ./device-check.log), with the date,
+# the GPU and the commit at the top, ready to be committed under bench/results/ (see
+# bench/results/README.md).
 #
 # The build needs CMake, a CUDA toolkit, OpenMP, GoogleTest and Google Benchmark on the GPU
 # machine (DEPS_PREFIX=/path adds a prefix where they are installed). Where they are missing, run
@@ -30,7 +31,7 @@ BUILD=${BUILD:-build-device}
 PREBUILT=${PREBUILT:-build-device-prebuilt}
 BENCH_MIN_TIME=${BENCH_MIN_TIME:-0.05}
 BENCH_FILTER=${BENCH_FILTER:-.}
-BUDGET_S=390  # later steps are skipped once this much time has gone, to stay under 8 minutes
+BUDGET_S=390  # later steps are skipped once this much time has gone, to stay under 9 minutes
 
 configure_and_build() {  # $1: build folder
   local prefix=()
