@@ -39,6 +39,24 @@ using emflow::cuda::DeviceBuffer;
 
 constexpr std::int64_t kTokensPerCase = 16384;
 
+// The benchmarks' problem: `batch` clouds of one head, n queries and n keys of width d, scale
+// 1/sqrt(d), the causal mask or none.
+template <class T>
+emflow::SdpaInput<T> one_head(const T* queries, const T* keys, const T* values, std::int64_t batch,
+                              std::int64_t n, std::int64_t d, bool causal) {
+  emflow::SdpaInput<T> input;
+  input.queries = queries;
+  input.keys = keys;
+  input.values = values;
+  input.batch = batch;
+  input.query_heads = input.kv_heads = 1;
+  input.query_tokens = input.tokens = n;
+  input.rank = input.value_rank = d;
+  input.scale = 1.0 / std::sqrt(static_cast<double>(d));
+  input.mask = causal ? emflow::Mask::causal() : emflow::Mask::none();
+  return input;
+}
+
 template <class T>
 void run_backward(benchmark::State& state, bool deterministic) {
   const std::int64_t n = state.range(0), d = state.range(1);
@@ -56,16 +74,8 @@ void run_backward(benchmark::State& state, bool deterministic) {
     DeviceBuffer<T> output(count), dq(count), dk(count), dv(count);
     DeviceBuffer<float> lse(rows);
 
-    emflow::SdpaInput<T> input;
-    input.queries = queries.data();
-    input.keys = keys.data();
-    input.values = values.data();
-    input.batch = batch;
-    input.query_heads = input.kv_heads = 1;
-    input.query_tokens = input.tokens = n;
-    input.rank = input.value_rank = d;
-    input.scale = 1.0 / std::sqrt(static_cast<double>(d));
-    input.mask = causal ? emflow::Mask::causal() : emflow::Mask::none();
+    const emflow::SdpaInput<T> input =
+        one_head<T>(queries.data(), keys.data(), values.data(), batch, n, d, causal);
 
     // The saved forward pass, once (float on the float32 kernel).
     const emflow::SdpaOutput<T> forward{output.data(), lse.data(), nullptr};
@@ -138,16 +148,8 @@ void BM_SdpaForward(benchmark::State& state) {
     DeviceBuffer<float> keys = random_device<float>(count, 2, 1.f, stream);
     DeviceBuffer<float> values = random_device<float>(count, 3, 1.f, stream);
     DeviceBuffer<float> output(count), lse(static_cast<std::size_t>(batch * n));
-    emflow::SdpaInput<float> input;
-    input.queries = queries.data();
-    input.keys = keys.data();
-    input.values = values.data();
-    input.batch = batch;
-    input.query_heads = input.kv_heads = 1;
-    input.query_tokens = input.tokens = n;
-    input.rank = input.value_rank = d;
-    input.scale = 1.0 / std::sqrt(static_cast<double>(d));
-    input.mask = causal ? emflow::Mask::causal() : emflow::Mask::none();
+    const emflow::SdpaInput<float> input =
+        one_head<float>(queries.data(), keys.data(), values.data(), batch, n, d, causal);
     const emflow::SdpaOutput<float> out{output.data(), lse.data(), nullptr};
     emflow::cuda::PlanOptions options;
     if (state.range(3) == 1) options.precision = emflow::Precision::tf32;
