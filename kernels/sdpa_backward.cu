@@ -123,6 +123,27 @@ __device__ __forceinline__ void load_row_terms(float* lse, float* term, float* e
   }
 }
 
+// products[a][c] += <rows_{4 ty + a}, keys_{tx + 16 c}> over the first `width` columns of two
+// [64][D + 1] tiles: the thread's 4 x 4 pairs of S (Q against K) or dP (dO against V).
+template <int D>
+__device__ __forceinline__ void tile_products(float (&products)[4][4], const float* rows,
+                                              const float* keys, int width) {
+  constexpr int kLd = D + 1;
+  const int ty = static_cast<int>(threadIdx.x) / 16, tx = static_cast<int>(threadIdx.x) % 16;
+  for (int k = 0; k < width; ++k) {
+    float q[4], key[4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) q[a] = rows[(4 * ty + a) * kLd + k];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) key[c] = keys[(tx + 16 * c) * kLd + k];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) products[a][c] = fmaf(q[a], key[c], products[a][c]);
+    }
+  }
+}
+
 // The pair terms of the thread's 4 x 4 pairs (rows 4 ty + a of the query tile at m0, keys
 // tx + 16 c of the key tile at n0): p and dS into the shared [64][65] arrays, and the sum of
 // dS_ij <q_i, k_j> over them returned. Q, dO in `rows_q`, `rows_do`; K, V in `keys_k`, `keys_v`.
@@ -131,33 +152,10 @@ __device__ __forceinline__ float pair_terms(const SdpaBackwardArgs& args, const 
                                             const float* rows_q, const float* rows_do,
                                             const float* keys_k, const float* keys_v,
                                             const CloudView& view, int m0, int n0) {
-  constexpr int kLd = D + 1;
   const int ty = static_cast<int>(threadIdx.x) / 16, tx = static_cast<int>(threadIdx.x) % 16;
   float raw[4][4] = {}, dp[4][4] = {};
-  for (int k = 0; k < args.rank; ++k) {
-    float q[4], key[4];
-#pragma unroll
-    for (int a = 0; a < 4; ++a) q[a] = rows_q[(4 * ty + a) * kLd + k];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) key[c] = keys_k[(tx + 16 * c) * kLd + k];
-#pragma unroll
-    for (int a = 0; a < 4; ++a) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) raw[a][c] = fmaf(q[a], key[c], raw[a][c]);
-    }
-  }
-  for (int k = 0; k < args.value_rank; ++k) {
-    float g[4], v[4];
-#pragma unroll
-    for (int a = 0; a < 4; ++a) g[a] = rows_do[(4 * ty + a) * kLd + k];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) v[c] = keys_v[(tx + 16 * c) * kLd + k];
-#pragma unroll
-    for (int a = 0; a < 4; ++a) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) dp[a][c] = fmaf(g[a], v[c], dp[a][c]);
-    }
-  }
+  tile_products<D>(raw, rows_q, keys_k, args.rank);
+  tile_products<D>(dp, rows_do, keys_v, args.value_rank);
   float scale_term = 0.f;
 #pragma unroll
   for (int a = 0; a < 4; ++a) {
@@ -466,18 +464,7 @@ __global__ void __launch_bounds__(kThreads) sdpa_forward_kernel(const SdpaForwar
                  args.value_rank);
     __syncthreads();
     float t[4][4] = {};
-    for (int k = 0; k < args.rank; ++k) {
-      float q[4], key[4];
-#pragma unroll
-      for (int a = 0; a < 4; ++a) q[a] = Qs[(4 * ty + a) * kLd + k];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) key[c] = Ks[(tx + 16 * c) * kLd + k];
-#pragma unroll
-      for (int a = 0; a < 4; ++a) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) t[a][c] = fmaf(q[a], key[c], t[a][c]);
-      }
-    }
+    tile_products<D>(t, Qs, Ks, args.rank);
 #pragma unroll
     for (int a = 0; a < 4; ++a) {
       float tile_max = -INFINITY;

@@ -246,28 +246,35 @@ std::vector<double> widened(const std::vector<T>& values) {
   return out;
 }
 
-// One case through cuda::attend_factored_async with PlanOptions::key_splits = `key_splits` (0:
-// the automatic choice, which the blocking form makes too, so their bits agree; else the blocking
-// form's result is held to the rule's bound instead, and the plan must take that many splits).
+// What cuda::attend_factored_async wrote, copied back.
 template <class T>
-void check_case(const FactoredCase& c, int key_splits = 0) {
-  const Inputs in = make_inputs(c);
-  const HostProblem<T> host(c, in);
+struct AsyncResult {
+  std::vector<T> update;
+  std::vector<float> lse, entropy;
+  int key_splits = 0;  // of the plan the options make
+};
+
+// One case through cuda::attend_factored_async with `options` on device copies of `host`, on a
+// stream of its own (destroyed on every path), the outputs poisoned with NaN first. Empty after
+// a CUDA failure (recorded).
+template <class T>
+AsyncResult<T> run_async(const FactoredCase& c, const HostProblem<T>& host,
+                         const cuda::PlanOptions& options) {
   const auto B = static_cast<std::size_t>(c.batch), N = static_cast<std::size_t>(c.tokens);
   const auto d = static_cast<std::size_t>(c.dim), H = static_cast<std::size_t>(c.heads);
-  const auto r = static_cast<std::size_t>(c.rank);
-
-  // The stream-ordered call on device copies. The stream outlives the buffers and is destroyed
-  // on every path (a failed assertion returns early).
+  const auto K = static_cast<std::size_t>(c.key_heads()), r = static_cast<std::size_t>(c.rank);
   struct OwnedStream {
     cudaStream_t stream = nullptr;
     ~OwnedStream() {
       if (stream != nullptr) cudaStreamDestroy(stream);
     }
   } owned;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&owned.stream, cudaStreamNonBlocking), cudaSuccess);
+  if (cudaStreamCreateWithFlags(&owned.stream, cudaStreamNonBlocking) != cudaSuccess) {
+    ADD_FAILURE() << c.name << ": cudaStreamCreateWithFlags failed";
+    return {};
+  }
   const cudaStream_t stream = owned.stream;
-  cuda::DeviceBuffer<T> dx(B * N * d), da(H * r * d), db(H * r * d), du(H * d * r), dv(H * r * d),
+  cuda::DeviceBuffer<T> dx(B * N * d), da(H * r * d), db(K * r * d), du(H * d * r), dv(K * r * d),
       dbias(H * d), doffset(d), dupdate(B * N * d);
   cuda::DeviceBuffer<float> dlse(B * H * N), dentropy(B * H * N);
   cuda::DeviceBuffer<std::int64_t> dlengths(B);
@@ -287,32 +294,48 @@ void check_case(const FactoredCase& c, int key_splits = 0) {
   AttentionInput<T> input = host.input;
   input.cloud = dx.data();
   input.key_lengths = c.key_lengths.empty() ? nullptr : dlengths.data();
-  FactoredLayer<T> layer{c.heads,
-                         c.rank,
-                         da.data(),
-                         db.data(),
-                         du.data(),
-                         dv.data(),
-                         c.bias ? dbias.data() : nullptr,
-                         c.offset ? doffset.data() : nullptr};
-  layer.kv_heads = c.kv_heads;
-  layer.rotary = c.rotary();
+  FactoredLayer<T> layer = host.layer;
+  layer.query_factor = da.data();
+  layer.key_factor = db.data();
+  layer.content_up = du.data();
+  layer.content_down = dv.data();
+  layer.key_bias = c.bias ? dbias.data() : nullptr;
+  layer.offset = c.offset ? doffset.data() : nullptr;
   const AttentionOutput<T> output{dupdate.data(), dlse.data(), dentropy.data()};
-  const cuda::PlanOptions options{cuda::Algorithm::automatic, tensor_core_precision<T>(),
-                                  key_splits};
-  if (key_splits != 0) {
-    EXPECT_EQ(cuda::AttentionPlan<T>(input, layer, output, options).key_splits(), key_splits)
-        << c.name;
-  }
+  AsyncResult<T> result;
+  result.key_splits = cuda::AttentionPlan<T>(input, layer, output, options).key_splits();
   const std::size_t bytes = cuda::attend_factored_workspace_size(input, layer, output, options);
   cuda::DeviceBuffer<unsigned char> workspace(bytes);
   cuda::attend_factored_async(input, layer, output, workspace.data(), bytes, stream, options);
-  std::vector<T> update(dupdate.size());
-  std::vector<float> lse(dlse.size()), entropy(dentropy.size());
-  dupdate.copy_to_host(update.data(), update.size(), stream);
-  dlse.copy_to_host(lse.data(), lse.size(), stream);
-  dentropy.copy_to_host(entropy.data(), entropy.size(), stream);
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  result.update.resize(dupdate.size());
+  result.lse.resize(dlse.size());
+  result.entropy.resize(dentropy.size());
+  dupdate.copy_to_host(result.update.data(), result.update.size(), stream);
+  dlse.copy_to_host(result.lse.data(), result.lse.size(), stream);
+  dentropy.copy_to_host(result.entropy.data(), result.entropy.size(), stream);
+  if (cudaStreamSynchronize(stream) != cudaSuccess) {
+    ADD_FAILURE() << c.name << ": cudaStreamSynchronize failed";
+    return {};
+  }
+  return result;
+}
+
+// One case through cuda::attend_factored_async with PlanOptions::key_splits = `key_splits` (0:
+// the automatic choice, which the blocking form makes too, so their bits agree; else the blocking
+// form's result is held to the rule's bound instead, and the plan must take that many splits).
+template <class T>
+void check_case(const FactoredCase& c, int key_splits = 0) {
+  const Inputs in = make_inputs(c);
+  const HostProblem<T> host(c, in);
+  const cuda::PlanOptions options{cuda::Algorithm::automatic, tensor_core_precision<T>(),
+                                  key_splits};
+  const AsyncResult<T> run = run_async(c, host, options);
+  ASSERT_FALSE(run.update.empty()) << c.name;
+  if (key_splits != 0) {
+    EXPECT_EQ(run.key_splits, key_splits) << c.name;
+  }
+  const std::vector<T>& update = run.update;
+  const std::vector<float>&lse = run.lse, &entropy = run.entropy;
 
   // The blocking form on the host arrays: the same kernels, so the same bits.
   std::vector<T> blocking_update(update.size(), poison<T>());
@@ -556,55 +579,14 @@ TEST(TcFactoredFloat32, RotaryAndGroupedLayersMatchTheDoubleResult) {
                     {Device::cpu});
     EXPECT_LE(max_difference(got, std::vector<double>(cpu.begin(), cpu.end())), 2e-5);
 
-    // The plan on device copies, on a stream (which outlives the buffers, and is destroyed on
-    // every path): the blocking call's bits.
-    struct OwnedStream {
-      cudaStream_t stream = nullptr;
-      ~OwnedStream() {
-        if (stream != nullptr) cudaStreamDestroy(stream);
-      }
-    } owned;
-    ASSERT_EQ(cudaStreamCreateWithFlags(&owned.stream, cudaStreamNonBlocking), cudaSuccess);
-    const cudaStream_t stream = owned.stream;
-    {
-      const auto K = static_cast<std::size_t>(c.key_heads()), rr = static_cast<std::size_t>(c.rank);
-      cuda::DeviceBuffer<float> dx(B * N * d), da(H * rr * d), db(K * rr * d), du(H * d * rr),
-          dv(K * rr * d), dbias(H * d), doffset(d), dupdate(B * N * d), dlse(B * H * N),
-          dentropy(B * H * N);
-      cuda::DeviceBuffer<std::int64_t> dlengths(B);
-      dx.copy_from_host(host.x.data(), host.x.size(), stream);
-      da.copy_from_host(host.a.data(), host.a.size(), stream);
-      db.copy_from_host(host.b.data(), host.b.size(), stream);
-      du.copy_from_host(host.u.data(), host.u.size(), stream);
-      dv.copy_from_host(host.v.data(), host.v.size(), stream);
-      if (c.bias) dbias.copy_from_host(host.bias.data(), host.bias.size(), stream);
-      if (c.offset) doffset.copy_from_host(host.offset.data(), host.offset.size(), stream);
-      if (!c.key_lengths.empty()) dlengths.copy_from_host(c.key_lengths.data(), B, stream);
-      AttentionInput<float> input = host.input;
-      input.cloud = dx.data();
-      input.key_lengths = c.key_lengths.empty() ? nullptr : dlengths.data();
-      FactoredLayer<float> layer = host.layer;
-      layer.query_factor = da.data();
-      layer.key_factor = db.data();
-      layer.content_up = du.data();
-      layer.content_down = dv.data();
-      layer.key_bias = c.bias ? dbias.data() : nullptr;
-      layer.offset = c.offset ? doffset.data() : nullptr;
-      const AttentionOutput<float> output{dupdate.data(), dlse.data(), dentropy.data()};
-      const cuda::PlanOptions plan{cuda::Algorithm::automatic, Precision::fp32};
-      const std::size_t bytes = cuda::attend_factored_workspace_size(input, layer, output, plan);
-      cuda::DeviceBuffer<unsigned char> workspace(bytes);
-      cuda::attend_factored_async(input, layer, output, workspace.data(), bytes, stream, plan);
-      std::vector<float> async_update(update.size()), async_lse(lse.size()),
-          async_entropy(entropy.size());
-      dupdate.copy_to_host(async_update.data(), async_update.size(), stream);
-      dlse.copy_to_host(async_lse.data(), async_lse.size(), stream);
-      dentropy.copy_to_host(async_entropy.data(), async_entropy.size(), stream);
-      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      expect_same_bits(c.name, "update", update, async_update);
-      expect_same_bits(c.name, "lse", lse, async_lse);
-      expect_same_bits(c.name, "entropy", entropy, async_entropy);
-    }
+    // The plan on device copies, on a stream: the blocking call's bits.
+    const AsyncResult<float> run =
+        run_async(c, host, {cuda::Algorithm::automatic, Precision::fp32});
+    ASSERT_FALSE(run.update.empty()) << c.name;
+    EXPECT_EQ(run.key_splits, 1) << c.name;
+    expect_same_bits(c.name, "update", update, run.update);
+    expect_same_bits(c.name, "lse", lse, run.lse);
+    expect_same_bits(c.name, "entropy", entropy, run.entropy);
   }
 }
 
