@@ -563,7 +563,7 @@ Machine with_gpu() {
   return m;
 }
 
-TEST(RotaryRoutes, HostPathsComputeAndTheGpuRefusesByName) {
+TEST(RotaryRoutes, HostPathsComputeAndTheGpuTakesTheUpdateUnexpanded) {
   RotaryProblem p;
   p.rotary.dim = 4;
   p.heads = 4;
@@ -586,16 +586,29 @@ TEST(RotaryRoutes, HostPathsComputeAndTheGpuRefusesByName) {
   emflow::Problem problem = describe(in, layer, out);
   EXPECT_EQ(problem.rotary_dim, 4);
   EXPECT_EQ(problem.kv_heads, 2);
+  // The GPU computes the float32 update unexpanded (its projections, then the SDPA operator's
+  // float32 kernel; tests/cuda/tc_factored_test.cpp holds its values), and Device::automatic
+  // takes it there; without a GPU, the engine.
   const Route gpu = route(problem, Device::cuda, with_gpu());
-  EXPECT_FALSE(gpu.supported);
-  EXPECT_NE(gpu.reason.find("rotary positions (rotary.dim 4)"), std::string::npos) << gpu.reason;
-  EXPECT_NE(gpu.reason.find("grouped kv heads (kv_heads 2 of 4)"), std::string::npos) << gpu.reason;
-  const Route automatic = route(problem, Device::automatic, with_gpu());
+  EXPECT_TRUE(gpu.supported) << gpu.reason;
+  EXPECT_EQ(gpu.kernel, Kernel::cuda_fused);
+  EXPECT_FALSE(gpu.expanded);
+  EXPECT_EQ(route(problem, Device::automatic, with_gpu()).device, Device::cuda);
+  Machine host_only = with_gpu();
+  host_only.cuda_device = false;
+  const Route automatic = route(problem, Device::automatic, host_only);
   EXPECT_EQ(automatic.device, Device::cpu);
   EXPECT_EQ(automatic.kernel, Kernel::cpu_fused);
   EXPECT_FALSE(automatic.expanded);
-  // Double and the reference: the factored form in double, never expanded with a rotation.
+  // Double and the reference: the factored form in double, never expanded with a rotation; the
+  // GPU's double path would expand it, and refuses by name.
   problem.storage = Dtype::float64;
+  const Route gpu64 = route(problem, Device::cuda, with_gpu());
+  EXPECT_FALSE(gpu64.supported);
+  EXPECT_NE(gpu64.reason.find("rotary positions (rotary.dim 4)"), std::string::npos)
+      << gpu64.reason;
+  EXPECT_NE(gpu64.reason.find("grouped kv heads (kv_heads 2 of 4)"), std::string::npos)
+      << gpu64.reason;
   for (const Device device : {Device::cpu, Device::reference}) {
     const Route r = route(problem, device, with_gpu());
     EXPECT_TRUE(r.supported) << r.reason;
@@ -626,12 +639,18 @@ TEST(RotaryRoutes, HostPathsComputeAndTheGpuRefusesByName) {
   }
   problem.operation = Operation::update;
 
-  // The entry points: each refuses with ErrorCode::unsupported and the reason.
-  try {
-    attend_factored(in, layer, out, {Device::cuda});
-    FAIL() << "cuda accepted a rotary layer";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::unsupported);
+  // The entry point on the GPU: where none is usable, refused as a missing device (with a GPU it
+  // computes, above).
+  if (!this_machine().cuda_device) {
+    try {
+      attend_factored(in, layer, out, {Device::cuda});
+      FAIL() << "cuda accepted a rotary layer without a device";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::unsupported);
+      EXPECT_NE(std::string(e.what()).find("device 'cuda' requested but unavailable"),
+                std::string::npos)
+          << e.what();
+    }
   }
   {
     // The decode cache of the rotary, grouped layer: the first cloud token by token equals the
