@@ -95,8 +95,13 @@ struct Model {
   // llama only (empty or 0 for bert and gpt2):
   /// The key/value heads K (dividing heads): query head h reads kv head h / (heads / K).
   std::int64_t kv_heads = 0;
-  /// The rotary embedding of every layer (dim, base, pairing, scaling; its pointers null).
+  /// The rotary embedding of every layer (dim, base, pairing, scaling; its pointers null: a
+  /// call takes rotary_embedding()).
   Rotary rotary{};
+  /// The rotary embedding's rotary.dim / 2 inverse frequencies where the source lists them per
+  /// frequency (a GGUF file's rope_freqs.weight, llama3's scaling as llama.cpp stores it:
+  /// base^(-2i / dim) / factor_i); rotary.scaling is then none. Empty: base and scaling give them.
+  std::vector<double> rotary_frequencies;
   /// Mistral's sliding window w: query i sees keys j with i - w < j <= i; 0: causal only.
   std::int64_t sliding_window = 0;
   Tensor<double> embedding;    ///< (vocab, d): token id t is row t (the cloud entering layer 0)
@@ -109,6 +114,13 @@ struct Model {
   std::int64_t layer_count() const noexcept { return static_cast<std::int64_t>(layers.size()); }
   /// kv_heads, 0 resolved to heads.
   std::int64_t key_heads() const noexcept { return kv_heads == 0 ? heads : kv_heads; }
+  /// The Rotary a layer call takes: `rotary`, reading rotary_frequencies where there are any
+  /// (valid while this model lives and rotary_frequencies is unchanged; positions null).
+  Rotary rotary_embedding() const noexcept {
+    Rotary r = rotary;
+    r.inverse_frequencies = rotary_frequencies.empty() ? nullptr : rotary_frequencies.data();
+    return r;
+  }
   /// The rows of the unembedding (the vocabulary size); 0 for a model without one.
   std::int64_t vocab_size() const noexcept {
     return embedding.rank() == 2 ? embedding.extent(0) : 0;
@@ -143,8 +155,11 @@ Model load_checkpoint(const std::string& model_dir, const ConvertOptions& option
 /// llama.block_count, embedding_length, feed_forward_length, attention.head_count,
 /// attention.head_count_kv (absent: head_count), attention.layer_norm_rms_epsilon,
 /// rope.freq_base (absent: 10000), rope.dimension_count (absent: the head size) and
-/// rope.scaling.type / rope.scaling.factor (none or linear; any other scaling, and a
-/// rope_freqs.weight tensor, are refused by name; so is a sliding window). llama.cpp's converter
+/// rope.scaling.type / rope.scaling.factor (none or linear; any other scaling is refused by
+/// name), a rope_freqs.weight tensor (rotary.dim / 2 positive factors, llama3's scaling as
+/// llama.cpp stores it: frequency i is base^(-2i / dim) / factor_i, times the linear scaling's
+/// 1 / factor where both are given; Model::rotary_frequencies) and attention.sliding_window
+/// (llama; qwen2's is refused). llama.cpp's converter
 /// permutes the rows of attn_q and attn_k per head for its interleaved rotary; they are permuted
 /// back, so that the model holds transformers' layout and the half-split pairing. The vocabulary is
 /// kept. Errors name the file and the key or tensor (ErrorCode::io), or what is not supported

@@ -135,7 +135,8 @@ std::string rotary_report(const model::Model& m) {
                       (*f)[static_cast<std::size_t>(at)]);
         }
       }
-      const RotaryDrift drift = rotary_drift(a.data(), b.data(), rank, width, m.rotary, offsets);
+      const RotaryDrift drift =
+          rotary_drift(a.data(), b.data(), rank, width, m.rotary_embedding(), offsets);
       std::int64_t half = -1;
       for (std::size_t k = 0; k < offsets.size(); ++k) {
         csv << l << ',' << h << ',' << g << ',' << offsets[k] << ','
@@ -190,7 +191,9 @@ void run_convert(const ConvertArguments& args) {
             << m.layer_count() << " layers, " << m.heads << " heads";
   if (llama) {
     std::cout << " (" << m.key_heads() << " kv heads), rotary over " << m.rotary.dim << " of "
-              << m.head_dim << " (base " << m.rotary.base << ", " << to_string(m.rotary.scaling)
+              << m.head_dim << " (base " << m.rotary.base << ", "
+              << (m.rotary_frequencies.empty() ? to_string(m.rotary.scaling)
+                                               : "per-frequency factors")
               << "), vocabulary " << m.vocab_size() << (m.unembedding.size() > 0 ? "" : " (tied)");
   }
   std::cout << ", d = " << m.dim << ", feed-forward " << m.ffn_dim << ", "

@@ -50,7 +50,7 @@ class Decoder {
       f.heads = model.heads;
       f.rank = model.head_dim;
       f.kv_heads = model.key_heads();
-      f.rotary = model.rotary;
+      f.rotary = model.rotary_embedding();
       caches_.emplace_back(f, a.biased ? d + 1 : d, 1.0,
                            DecodeOptions{Device::cpu, 0, Precision::fp32});
       if constexpr (std::is_same_v<T, float>) {

@@ -182,13 +182,26 @@ Model load_gguf(const std::string& path) {
     }
     model.sliding_window = window;
   }
-  if (file.has_tensor("rope_freqs.weight")) {
-    fail(ErrorCode::unsupported, kOp, ": '", path,
-         "': tensor 'rope_freqs.weight' (per-frequency rotary factors, as llama3's scaling is "
-         "stored) is not supported");
-  }
 
   const Tensors tensors{file};
+  // llama3's scaling as llama.cpp's converter stores it: one factor per frequency, frequency i
+  // turning at base^(-2i / dim) / factor_i (ggml_rope_ext's freq_factors; the linear scaling,
+  // where also given, multiplies in). They become the model's explicit frequencies.
+  if (file.has_tensor("rope_freqs.weight")) {
+    const Tensor<double> factors = tensors.get(&model.sources, "rotary.frequency_factors",
+                                               "rope_freqs.weight", -1, {model.rotary.dim / 2});
+    model.rotary_frequencies = rotary_inverse_frequencies(model.rotary, 1);
+    for (std::int64_t i = 0; i < factors.size(); ++i) {
+      const double factor = factors.data()[i];
+      if (!std::isfinite(factor) || factor <= 0.0) {
+        fail(ErrorCode::io, kOp, ": '", path, "': tensor 'rope_freqs.weight' holds ", factor,
+             " at ", i, ", expected finite factors > 0");
+      }
+      model.rotary_frequencies[static_cast<std::size_t>(i)] /= factor;
+    }
+    model.rotary.scaling = RotaryScaling::none;
+    model.rotary.factor = 1.0;
+  }
   const std::int64_t d = model.dim, I = model.ffn_dim, H = model.heads, K = model.kv_heads;
   const std::int64_t k = model.head_dim;
   if (!file.has_tensor("token_embd.weight")) {

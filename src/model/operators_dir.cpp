@@ -6,6 +6,7 @@
 // are removed (or an old folder it had moved aside is put back) by the next one.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <csignal>
@@ -145,15 +146,19 @@ std::map<std::string, std::string> llama_model_files(const Model& model) {
   return files;
 }
 
-json rotary_of(const Rotary& r) {
-  return {{"dim", r.dim},
-          {"base", r.base},
-          {"pairing", to_string(r.pairing)},
-          {"scaling", to_string(r.scaling)},
-          {"factor", r.factor},
-          {"low_freq_factor", r.low_freq_factor},
-          {"high_freq_factor", r.high_freq_factor},
-          {"original_max_positions", r.original_max_positions}};
+json rotary_of(const Model& model) {
+  const Rotary& r = model.rotary;
+  json out = {{"dim", r.dim},
+              {"base", r.base},
+              {"pairing", to_string(r.pairing)},
+              {"scaling", to_string(r.scaling)},
+              {"factor", r.factor},
+              {"low_freq_factor", r.low_freq_factor},
+              {"high_freq_factor", r.high_freq_factor},
+              {"original_max_positions", r.original_max_positions}};
+  // Per-frequency inverse frequencies (a GGUF file's rope_freqs): JSON numbers round-trip.
+  if (!model.rotary_frequencies.empty()) out["inverse_frequencies"] = model.rotary_frequencies;
+  return out;
 }
 
 const char* storage_name(StorageType storage) {
@@ -182,7 +187,7 @@ json manifest_of(const Model& model, const std::map<std::string, std::string>& e
   if (model.layout == Layout::llama) {
     m["kv_heads"] = model.key_heads();
     m["sliding_window"] = model.sliding_window;
-    m["rotary"] = rotary_of(model.rotary);
+    m["rotary"] = rotary_of(model);
     m["vocab_size"] = model.vocab_size();
     m["tied_embeddings"] = model.unembedding.size() == 0;
     m["tokenizer_model"] = model.tokenizer_model;
@@ -522,9 +527,19 @@ Model read_operators(const std::string& ops_dir) {
         bad("'rotary.dim' is " + r["dim"].dump() + ", expected an even number in 2.." +
             std::to_string(model.head_dim));
       }
+      if (r.contains("inverse_frequencies")) {
+        const json& f = r["inverse_frequencies"];
+        const std::size_t half = static_cast<std::size_t>(model.rotary.dim / 2);
+        if (!f.is_array() || f.size() != half ||
+            !std::all_of(f.begin(), f.end(), [](const json& v) { return v.is_number(); })) {
+          bad("'rotary.inverse_frequencies' is " + f.dump() + ", expected " + std::to_string(half) +
+              " numbers (rotary.dim / 2)");
+        }
+        model.rotary_frequencies = f.get<std::vector<double>>();
+      }
       // The rest of the fields are checked by the attention when it runs (rotary.hpp).
       try {
-        rotary_inverse_frequencies(model.rotary, 1);
+        rotary_inverse_frequencies(model.rotary_embedding(), 1);
       } catch (const Error& e) {
         bad(std::string("'rotary': ") + e.what());
       }

@@ -150,7 +150,7 @@ ModelTrace<T> run_model(const Model& model, const Tensor<T>& clouds,
       factored.content_up = f.up.data();
       factored.content_down = f.down.data();
       factored.kv_heads = model.key_heads();
-      factored.rotary = model.rotary;
+      factored.rotary = model.rotary_embedding();
       in.cloud = lifted.data();
       in.dim = d + 1;
       in.layer = {};
@@ -173,7 +173,7 @@ ModelTrace<T> run_model(const Model& model, const Tensor<T>& clouds,
       factored.offset = c.empty() ? nullptr : c.data();
       if (llama) {
         factored.kv_heads = model.key_heads();
-        factored.rotary = model.rotary;  // positions 0..N-1, the masks' (its pointers null)
+        factored.rotary = model.rotary_embedding();  // positions 0..N-1, the masks'
       }
       in.layer = {};
       attend_factored(in, factored, out, options);

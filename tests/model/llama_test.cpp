@@ -3,7 +3,8 @@
 // out here (RMSNorm, rotary half-split queries and keys, grouped kv heads, the causal mask and
 // right padding, SwiGLU, the final norm and the unembedding); the operator folder's round trip in
 // float64 and float32; and the GGUF loader: llama.cpp's permutation of the query and key rows
-// undone, and every bad file refused naming the file and the tensor or key.
+// undone, its per-frequency rotary factors (rope_freqs.weight) read, and every bad file refused
+// naming the file and the tensor or key.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -397,6 +398,83 @@ TEST_F(LlamaFiles, AGgufSlidingWindowIsTheModelsWindow) {
       << refused;
 }
 
+// llama3's scaling as llama.cpp's converter stores it in a GGUF file: rope_freqs.weight, one
+// factor per frequency, frequency i turning at base^(-2i / dim) / factor_i. The model read back
+// holds those frequencies and runs, bit for bit, as the model written with them; with the
+// factors of llama3's scaling (rounded to float32, as the file holds them) it runs as the model
+// with that scaling to float32's rounding of the factors. The operator folder keeps them exactly,
+// and a folder whose frequencies are not rotary.dim / 2 numbers is refused by name.
+TEST_F(LlamaFiles, AGgufFilesPerFrequencyFactorsGiveTheModelsFrequencies) {
+  Model llama3 = make_llama(false);
+  llama3.rotary.scaling = emflow::RotaryScaling::llama3;
+  llama3.rotary.factor = 8.0;
+  llama3.rotary.low_freq_factor = 1.0;
+  llama3.rotary.high_freq_factor = 4.0;
+  llama3.rotary.original_max_positions = 16;  // kHead = 4: one frequency blended, one divided
+  emflow::Rotary plain = llama3.rotary;
+  plain.scaling = emflow::RotaryScaling::none;
+  const std::vector<double> base = emflow::rotary_inverse_frequencies(plain, 1);
+  const std::vector<double> scaled = emflow::rotary_inverse_frequencies(llama3.rotary, 1);
+  Tensor<double> factors(Shape{kHead / 2});
+  for (std::int64_t t = 0; t < kHead / 2; ++t) {
+    factors[t] =
+        static_cast<float>(base[static_cast<std::size_t>(t)] / scaled[static_cast<std::size_t>(t)]);
+    EXPECT_GT(factors[t], 1.0) << t;  // both frequencies scaled: the factors matter
+  }
+  auto tensors = llama_tensors(llama3);
+  tensors.emplace_back("rope_freqs.weight", factors);
+  const Model g =
+      emflow::model::load_checkpoint(write("f.gguf", gguf_bytes(llama_metadata(), tensors)));
+  EXPECT_EQ(g.rotary.scaling, emflow::RotaryScaling::none);
+  EXPECT_EQ(g.sources.at("rotary.frequency_factors"), "rope_freqs.weight");
+  ASSERT_EQ(g.rotary_frequencies.size(), base.size());
+  for (std::size_t t = 0; t < base.size(); ++t) {
+    EXPECT_EQ(g.rotary_frequencies[t], base[t] / factors[static_cast<std::int64_t>(t)]) << t;
+    EXPECT_NEAR(g.rotary_frequencies[t], scaled[t], 1e-7 * scaled[t]) << t;
+  }
+  EXPECT_EQ(g.rotary_embedding().inverse_frequencies, g.rotary_frequencies.data());
+
+  const Tensor<double> x = emflow::testing::random_tensor({1, 9, kDim}, 5, -1.0, 1.0);
+  const auto trajectory = [&](const Model& model) {
+    emflow::model::RunSettings settings;
+    settings.factored = true;  // a rotary layer's only form
+    return emflow::model::run_model(model, x, {}, settings).trajectory;
+  };
+  Model written = llama3;
+  written.norm_eps = g.norm_eps;  // the file's float32 epsilon
+  const Tensor<double> scaled_run = trajectory(written);
+  written.rotary = g.rotary;
+  written.rotary_frequencies = g.rotary_frequencies;
+  const Tensor<double> got = trajectory(g);
+  EXPECT_EQ(got.values(), trajectory(written).values());
+  double worst = 0.0, scale = 0.0;
+  for (std::int64_t i = 0; i < got.size(); ++i) {
+    worst = std::max(worst, std::abs(got[i] - scaled_run[i]));
+    scale = std::max(scale, std::abs(scaled_run[i]));
+  }
+  EXPECT_LT(worst, 1e-6 * scale);
+  Model unscaled = g;
+  unscaled.rotary_frequencies.clear();
+  EXPECT_NE(trajectory(unscaled).values(), got.values());
+
+  // The operator folder: the frequencies exactly, and refused when malformed.
+  emflow::model::write_operators(g, path("ops"), {}, emflow::model::StorageType::float64);
+  const Model back = emflow::model::read_operators(path("ops"));
+  EXPECT_EQ(back.rotary_frequencies, g.rotary_frequencies);
+  EXPECT_EQ(back.rotary.scaling, emflow::RotaryScaling::none);
+  std::string manifest = text_of("ops/manifest.json");
+  const std::size_t at = manifest.find("\"inverse_frequencies\"");
+  ASSERT_NE(at, std::string::npos) << manifest;
+  const std::size_t open = manifest.find('[', at), close = manifest.find(']', at);
+  manifest.replace(open, close - open + 1, "[0.5]");
+  put("ops/manifest.json", manifest);
+  const std::string message = emflow::testing::error_of(
+      emflow::ErrorCode::io, [&] { emflow::model::read_operators(path("ops")); });
+  EXPECT_NE(message.find("'rotary.inverse_frequencies' is [0.5], expected 2 numbers"),
+            std::string::npos)
+      << message;
+}
+
 // A qwen2 GGUF file: the keys under "qwen2.", the query and key rows as they are (llama.cpp
 // permutes a llama model's only), and the q, k, v biases.
 TEST_F(LlamaFiles, AQwen2GgufFileReadsBackTheModelWithItsBiasesAndRowsAsTheyAre) {
@@ -531,6 +609,21 @@ TEST_F(LlamaFiles, BadGgufFilesAreRefusedNamingTheFileAndTheTensor) {
                      tensors,
                      emflow::ErrorCode::unsupported,
                      {"rotary scaling 'yarn'", "llama.rope.scaling.type"}});
+  }
+  for (const std::int64_t length : {kHead / 2 + 1, kHead / 2}) {
+    auto t = tensors;
+    Tensor<double> factors(Shape{length});
+    for (std::int64_t i = 0; i < length; ++i) factors[i] = i == 1 ? 0.0 : 2.0;
+    t.emplace_back("rope_freqs.weight", factors);
+    cases.push_back({length == kHead / 2 ? "freqs_zero.gguf" : "freqs_shape.gguf",
+                     llama_metadata(),
+                     t,
+                     emflow::ErrorCode::io,
+                     {length == kHead / 2 ? "tensor 'rope_freqs.weight' holds 0 at 1, expected "
+                                            "finite factors > 0"
+                                          : "tensor 'rope_freqs.weight' "
+                                            "(rotary.frequency_factors) has shape (3,), expected "
+                                            "(2,)"}});
   }
   {
     auto meta = llama_metadata();

@@ -31,9 +31,10 @@ def model_folder():
     return folder
 
 
-def float64_reference(model):
+def float64_reference(model, inv_freq=None):
     """A float64 copy of `model` (a LlamaForCausalLM) whose RMSNorm and rotary embedding
-    compute in float64."""
+    compute in float64; `inv_freq` (float64, head_dim / 2), where given, replaces the rotary
+    frequencies of the config's scaling."""
     model = copy.deepcopy(model).double()
     norm_type = type(model.model.norm)
 
@@ -50,6 +51,7 @@ def float64_reference(model):
     assert kind in ("default", "linear", "llama3", "dynamic"), \
         f"no float64 reference for rope_type {kind}"
     dim = config.hidden_size // config.num_attention_heads
+    given = inv_freq
     inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if kind == "linear":
         inv_freq = inv_freq / params["factor"]
@@ -62,6 +64,8 @@ def float64_reference(model):
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelength < old / high) & ~(wavelength > old / low)
         inv_freq = torch.where(medium, smoothed, scaled)
+    if given is not None:
+        inv_freq = torch.as_tensor(given, dtype=torch.float64)
     # dynamic: up to max_position_embeddings tokens transformers keeps the default frequencies
     # (_compute_dynamic_ntk_parameters with seq_len = max_position_embeddings scales the base by
     # 1); the parity prompts are shorter.

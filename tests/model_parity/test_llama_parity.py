@@ -5,7 +5,8 @@ default, linear, llama3 and dynamic scalings, tied and untied unembedding), a Mi
 sliding window, narrower than the prompts) and a Qwen2ForCausalLM (biases on q, k and v, which
 emflow runs as a factored layer in d + 1 dimensions), converted by `emflow convert` and
 run by `emflow flow --model --logits` on a right-padded batch, equal the framework's hidden
-states and last-token logits layer by layer.
+states and last-token logits layer by layer; and the same from GGUF files written as llama.cpp's
+converter writes them (a qwen2 model; a llama model with llama3's per-frequency factors).
 """
 import json
 
@@ -181,14 +182,15 @@ def test_rotary_report_is_the_framework_forms_drift(converted, tmp_path):
                 assert abs(change - want_change) < 2e-3, (case, layer, head, t)
 
 
-def write_qwen2_gguf(model, path):
-    """`model` (a Qwen2ForCausalLM) as llama.cpp's converter writes a qwen2 GGUF file: the keys
-    under "qwen2.", the tensors in float32 under llama.cpp's names, the query and key rows as
-    they are (its qwen2 rotary pairs halves, so they are not permuted as a llama model's are), the
-    q, k, v biases, and a token list for the vocabulary size."""
+def write_gguf(model, path, arch="qwen2", rope_factors=None):
+    """`model` as llama.cpp's converter writes a GGUF file of `arch`: the keys under "<arch>.",
+    the tensors in float32 under llama.cpp's names and a token list for the vocabulary size. A
+    qwen2 model's query and key rows as they are (its rotary pairs halves) with its q, k, v
+    biases; a llama model's permuted per head for llama.cpp's interleaved rotary, and its
+    rope_freqs.weight where `rope_factors` are given (llama3's scaling as llama.cpp stores it)."""
     gguf = pytest.importorskip("gguf")
     config = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -203,8 +205,19 @@ def write_qwen2_gguf(model, path):
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+
+    def permute(w, n):  # transformers' row h k + j k/2 + i stored at h k + 2 i + j
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    if rope_factors is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_factors, dtype=np.float32))
     for name, tensor in model.state_dict().items():
         array = tensor.detach().float().numpy()
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            array = permute(array, heads)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            array = permute(array, kv_heads)
         if name == "model.embed_tokens.weight":
             writer.add_tensor("token_embd.weight", array)
         elif name == "model.norm.weight":
@@ -226,7 +239,7 @@ def test_a_qwen2_gguf_file_matches_the_framework(tmp_path, precision):
     # transformers reads the file back to the model it was written from (so the file follows
     # the format's conventions), and emflow's conversion of the file runs as that model does.
     model = make_model("qwen2-biases", tmp_path / "model")
-    write_qwen2_gguf(model, tmp_path / "model.gguf")
+    write_gguf(model, tmp_path / "model.gguf")
     read = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file="model.gguf", torch_dtype=torch.float32).eval()
     for (name, theirs), (_, mine) in zip(model.state_dict().items(), read.state_dict().items()):
@@ -258,4 +271,76 @@ def test_a_qwen2_gguf_file_matches_the_framework(tmp_path, precision):
         assert e < tol, (layer, e)
     e = float(np.max(np.abs(ours - last)) / np.max(np.abs(last)))
     print(f"qwen2 gguf {precision}: last-token logits rel err {e:.3e}")
+    assert e < tol
+
+
+def llama3_rope_factors(config):
+    """The factors llama.cpp's converter writes as rope_freqs.weight for llama3's scaling: per
+    frequency f = base^(-2i / dim), 1 above the high-frequency wavelength bound, the scaling's
+    factor below the low one, and between them the blend's divisor, 1 / ((1 - s) / factor + s),
+    s = (original context / wavelength - low) / (high - low)."""
+    params = config.rope_parameters
+    dim = config.hidden_size // config.num_attention_heads
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old = params["original_max_position_embeddings"]
+    factors = []
+    for i in range(0, dim, 2):
+        wavelength = 2 * np.pi / params["rope_theta"] ** (-i / dim)
+        if wavelength < old / high:
+            factors.append(1.0)
+        elif wavelength > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelength - low) / (high - low)
+            factors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+def test_a_llama3_gguf_file_with_rope_freqs_matches_the_framework(tmp_path, precision):
+    # llama3's scaling reaches a GGUF file as per-frequency factors (rope_freqs.weight), not as
+    # a scaling type. In float64 the reference turns at the frequencies the file gives,
+    # base^(-2i / dim) / factor_i with the float32 factors; in float32 it is the framework's own
+    # llama3 model, whose frequencies those are to float32's rounding.
+    model = make_model("llama3", tmp_path / "model")
+    factors = llama3_rope_factors(model.config)
+    factor = model.config.rope_parameters["factor"]
+    assert (factors == factor).any() and ((factors > 1) & (factors < factor)).any()  # both bands
+    write_gguf(model, tmp_path / "model.gguf", "llama", factors)
+    read = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="model.gguf", torch_dtype=torch.float32).eval()
+    for (name, theirs), (_, mine) in zip(model.state_dict().items(), read.state_dict().items()):
+        assert torch.equal(theirs, mine), name  # the rows permuted as llama.cpp permutes them
+    conversion = run("convert", str(tmp_path / "model.gguf"), "--out", str(tmp_path / "ops"),
+                     "--dtype", precision)
+    assert "per-frequency factors" in conversion.stdout, conversion.stdout
+    manifest = json.loads((tmp_path / "ops" / "manifest.json").read_text())
+    dim = model.config.hidden_size // model.config.num_attention_heads
+    base = 1.0 / model.config.rope_parameters["rope_theta"] ** (np.arange(0, dim, 2) / dim)
+    frequencies = base / factors.astype(np.float64)
+    assert manifest["rotary"]["scaling"] == "default"
+    np.testing.assert_allclose(manifest["rotary"]["inverse_frequencies"], frequencies,
+                               rtol=1e-15)
+    reference = float64_reference(model, frequencies) if precision == "float64" else model
+    np_dtype = np.float64 if precision == "float64" else np.float32
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
+    lengths = np.array([12, 8], dtype=np.int64)
+    mask = (torch.arange(12)[None, :] < torch.from_numpy(lengths)[:, None]).long()
+    with torch.no_grad():
+        out = reference(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    hidden = [h.numpy() for h in out.hidden_states]
+    last = np.stack([out.logits.numpy()[b, n - 1] for b, n in enumerate(lengths)])
+    np.save(tmp_path / "x.npy", hidden[0].astype(np_dtype))
+    np.save(tmp_path / "k.npy", lengths)
+    run("flow", "--model", str(tmp_path / "ops"), "--cloud", str(tmp_path / "x.npy"),
+        "--key-lengths", str(tmp_path / "k.npy"), "--device", "cpu", "--out",
+        str(tmp_path / "traj.npy"), "--logits", str(tmp_path / "logits.npy"))
+    traj, ours = np.load(tmp_path / "traj.npy"), np.load(tmp_path / "logits.npy")
+    tol = 1e-12 if precision == "float64" else 1e-5
+    for layer in range(1, LAYERS):  # the last layer's state is after the final norm there
+        e = token_error(traj[layer], hidden[layer], lengths)
+        print(f"llama3 gguf {precision} after layer {layer - 1}: per token rel err {e:.3e}")
+        assert e < tol, (layer, e)
+    e = float(np.max(np.abs(ours - last)) / np.max(np.abs(last)))
+    print(f"llama3 gguf {precision}: last-token logits rel err {e:.3e}")
     assert e < tol
