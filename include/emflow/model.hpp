@@ -54,6 +54,9 @@ enum class Activation {
   relu,
   silu,  ///< x / (1 + exp(-x)), gated: silu(gate x) * (up x)  (llama's "silu")
 };
+// A llama layer's feed-forward block is gated by its activation: act(gate x) * (up x), silu
+// (SwiGLU) or, where the config's hidden_act names gelu, gelu_new or gelu_pytorch_tanh, a
+// gelu-gated block (GeGLU); the formulas below write silu, the default.
 const char* to_string(Layout layout) noexcept;
 const char* to_string(Activation activation) noexcept;
 

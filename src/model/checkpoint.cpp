@@ -359,10 +359,13 @@ Model load_llama(Model model, const json& config, const ConvertOptions& options)
          ": --name is not supported for the llama layout (its "
          "tensors have the Hugging Face names)");
   }
+  // The gate's activation: silu (SwiGLU), or a gelu-gated block (GeGLU) where the config names
+  // gelu, gelu_new or gelu_pytorch_tanh (relu too), as transformers' LlamaMLP applies it.
   const std::string act = config_string(config, path, "hidden_act", "silu");
-  if (act != "silu") {
+  if (act != "silu" && act != "gelu" && act != "gelu_new" && act != "gelu_pytorch_tanh" &&
+      act != "relu") {
     fail(ErrorCode::unsupported, kOp, ": '", path, "': hidden_act '", act,
-         "' is not supported for llama (silu)");
+         "' is not supported for llama (silu, gelu, gelu_new, gelu_pytorch_tanh, relu)");
   }
   for (const char* key : {"attention_bias", "mlp_bias"}) {
     if (config_bool(config, path, key, false)) {
@@ -394,7 +397,7 @@ Model load_llama(Model model, const json& config, const ConvertOptions& options)
   model.norm_eps = config_eps(config, path, "rms_norm_eps", 1e-6);
   model.pre_norm = true;
   model.causal = true;
-  model.activation = Activation::silu;
+  model.activation = act == "silu" ? Activation::silu : parse_activation(act, path);
   model.rotary = llama_rotary(config, path, model.head_dim);
   if (model.model_type == "mistral" && present(config, "sliding_window")) {
     model.sliding_window = config_int(config, path, {"sliding_window"});

@@ -55,9 +55,9 @@ class Decoder {
                            DecodeOptions{Device::cpu, 0, Precision::fp32});
       if constexpr (std::is_same_v<T, float>) {
         if (layers::float_products() && bf16) {
-          ffn16_.emplace_back(layer, d);
+          ffn16_.emplace_back(layer, model.activation, d);
         } else if (layers::float_products()) {
-          ffn32_.emplace_back(layer, d);
+          ffn32_.emplace_back(layer, model.activation, d);
         }
       }
     }
@@ -119,7 +119,9 @@ class Decoder {
         if (!ffn32_.empty()) ffn32_[l](normed_.data(), update_.data(), count, threads_, scratch_);
         if (!ffn16_.empty()) ffn16_[l](normed_.data(), update_.data(), count, threads_, scratch_);
       }
-      if (!products()) layers::gated_feed_forward(layer, normed_.data(), update_.data(), count, d);
+      if (!products())
+        layers::gated_feed_forward(layer, model_.activation, normed_.data(), update_.data(), count,
+                                   d);
       for (std::int64_t k = 0; k < n; ++k) x[k] += update_[static_cast<std::size_t>(k)];
     }
   }

@@ -33,10 +33,11 @@ inline double activate(Activation activation, double x) {
   return x > 0 ? x : 0.0;
 }
 
-// llama's gated block: out_r = W_down (silu(W_gate x_r) * (W_up x_r)), accumulated in double.
+// llama's gated block: out_r = W_down (act(W_gate x_r) * (W_up x_r)), accumulated in double;
+// act is the model's activation (silu; gelu or gelu_tanh for a gelu-gated config).
 template <class T>
-void gated_feed_forward(const ModelLayer& layer, const T* in, T* out, std::int64_t rows,
-                        std::int64_t d) {
+void gated_feed_forward(const ModelLayer& layer, Activation activation, const T* in, T* out,
+                        std::int64_t rows, std::int64_t d) {
   const std::int64_t I = layer.ffn_in.extent(0);
   const double* w_gate = layer.ffn_gate.data();
   const double* w_up = layer.ffn_in.data();
@@ -52,7 +53,7 @@ void gated_feed_forward(const ModelLayer& layer, const T* in, T* out, std::int64
         g += gate_row[a] * x[static_cast<std::size_t>(a)];
         u += up_row[a] * x[static_cast<std::size_t>(a)];
       }
-      hidden[static_cast<std::size_t>(k)] = activate(Activation::silu, g) * u;
+      hidden[static_cast<std::size_t>(k)] = activate(activation, g) * u;
     }
     for (std::int64_t a = 0; a < d; ++a) {
       double s = 0.0;
@@ -135,13 +136,15 @@ void put_transposed(const Tensor<double>& w, std::vector<W>& out, std::int64_t s
 // A llama layer's gated feed-forward block as products of a float run (where float_products()),
 // its weights in W (float, or bfloat16 where the processor has AVX512-BF16):
 // [W_gate^T | W_up^T] (d x 2 I', I' = I padded to whole vectors) and W_down^T (I' x d'), zero
-// in the padding, so that the block is two products and silu(g) u between them, each element
-// accumulated in float32 in a fixed order.
+// in the padding, so that the block is two products and act(g) u between them, each element
+// accumulated in float32 in a fixed order. silu runs on the engine's vectors
+// (detail::cpu_gated_silu); a gelu-gated block's activation is computed per element in double
+// and rounded to float, then multiplied by u in float.
 template <class W>
 class GatedFeedForwardProducts {
  public:
-  GatedFeedForwardProducts(const ModelLayer& layer, std::int64_t d)
-      : d_(d), inner_(padded(layer.ffn_in.extent(0))), out_(padded(d)) {
+  GatedFeedForwardProducts(const ModelLayer& layer, Activation activation, std::int64_t d)
+      : activation_(activation), d_(d), inner_(padded(layer.ffn_in.extent(0))), out_(padded(d)) {
     gate_up_ = panels<W>(d, 2 * inner_);
     put_transposed(layer.ffn_gate, gate_up_, 2 * inner_, 0);
     put_transposed(layer.ffn_in, gate_up_, 2 * inner_, inner_);
@@ -149,7 +152,7 @@ class GatedFeedForwardProducts {
     put_transposed(layer.ffn_out, down_, out_, 0);
   }
 
-  // out (rows x d) = W_down (silu(W_gate x_r) * (W_up x_r)) for the rows x_r of in (rows x d);
+  // out (rows x d) = W_down (act(W_gate x_r) * (W_up x_r)) for the rows x_r of in (rows x d);
   // `scratch` is resized to what the call needs (one buffer for every layer of a model).
   void operator()(const float* in, float* out, std::int64_t rows, int threads,
                   std::vector<float>& scratch) const {
@@ -159,7 +162,16 @@ class GatedFeedForwardProducts {
     float* gate_up = scratch.data();
     float* hidden = gate_up + rows * 2 * I;
     products(in, rows, d_, gate_up_.data(), 2 * I, gate_up, threads);
-    detail::cpu_gated_silu(gate_up, rows, I, hidden);
+    if (activation_ == Activation::silu) {
+      detail::cpu_gated_silu(gate_up, rows, I, hidden);
+    } else {
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const float* g = gate_up + r * 2 * I;
+        for (std::int64_t k = 0; k < I; ++k) {
+          hidden[r * I + k] = static_cast<float>(activate(activation_, g[k])) * g[I + k];
+        }
+      }
+    }
     if (!wide) {
       products(hidden, rows, I, down_.data(), out_, out, threads);
       return;
@@ -172,6 +184,7 @@ class GatedFeedForwardProducts {
   }
 
  private:
+  Activation activation_;
   std::int64_t d_, inner_, out_;
   std::vector<W> gate_up_, down_;
 };

@@ -198,13 +198,13 @@ ModelTrace<T> run_model(const Model& model, const Tensor<T>& clouds,
       if constexpr (std::is_same_v<T, float>) {
         if (layers::float_products()) {
           std::vector<float> scratch;
-          layers::GatedFeedForward32(layer, d)(normed.data(), ffn.data(), rows, options.threads,
-                                               scratch);
+          layers::GatedFeedForward32(layer, model.activation, d)(normed.data(), ffn.data(), rows,
+                                                                 options.threads, scratch);
         } else {
-          gated_feed_forward(layer, normed.data(), ffn.data(), rows, d);
+          gated_feed_forward(layer, model.activation, normed.data(), ffn.data(), rows, d);
         }
       } else {
-        gated_feed_forward(layer, normed.data(), ffn.data(), rows, d);
+        gated_feed_forward(layer, model.activation, normed.data(), ffn.data(), rows, d);
       }
       for (std::size_t k = 0; k < x.size(); ++k) x[k] += ffn[k];
     } else if (settings.full_layer) {

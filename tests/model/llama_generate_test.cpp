@@ -68,14 +68,18 @@ TYPED_TEST_SUITE(LlamaGenerate, emflow::testing::FloatTypes);
 
 TYPED_TEST(LlamaGenerate, EqualsRerunningTheGrownSequenceAtEveryStep) {
   using T = TypeParam;
+  using emflow::model::Activation;
   struct Variant {
     bool tied, biases;
     std::int64_t window;
+    Activation gate = Activation::silu;
   };
   const double tol = std::is_same<T, double>::value ? 1e-12 : 1e-4;
-  for (const Variant v : {Variant{true, false, 0}, Variant{false, false, 0}, Variant{true, true, 0},
-                          Variant{false, false, 3}}) {
-    const Model m = make_llama(v.tied, v.biases, v.window);
+  for (const Variant v :
+       {Variant{true, false, 0}, Variant{false, false, 0}, Variant{true, true, 0},
+        Variant{false, false, 3}, Variant{true, false, 0, Activation::gelu_tanh}}) {
+    Model m = make_llama(v.tied, v.biases, v.window);
+    m.activation = v.gate;
     const std::int64_t B = 3, N = 5, K = 7;
     const Tensor<std::int64_t> ids(Shape{B, N},
                                    {3, 14, 1, 27, 8, 5, 22, 9, -1, -1, 17, -1, -1, -1, -1});
@@ -105,8 +109,9 @@ TYPED_TEST(LlamaGenerate, EqualsRerunningTheGrownSequenceAtEveryStep) {
           worst = std::max(worst, std::abs(static_cast<double>(g.logits[(b * K + k) * kVocab + t]) -
                                            static_cast<double>(want[static_cast<std::size_t>(t)])));
         }
-        EXPECT_LT(worst, tol * scale) << "prompt " << b << " step " << k << " tied " << v.tied
-                                      << " biases " << v.biases << " window " << v.window;
+        EXPECT_LT(worst, tol * scale)
+            << "prompt " << b << " step " << k << " tied " << v.tied << " biases " << v.biases
+            << " window " << v.window << " gate " << to_string(v.gate);
         const std::int64_t next = std::max_element(want.begin(), want.end()) - want.begin();
         EXPECT_EQ(g.ids[b * K + k], next) << "prompt " << b << " step " << k;
         sequence.push_back(g.ids[b * K + k]);

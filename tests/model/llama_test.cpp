@@ -82,6 +82,18 @@ void rotate(double* v, std::int64_t p, const Model& m) {
   }
 }
 
+// The gate's activation: silu (SwiGLU), or gelu, exact or with tanh (a gelu-gated block).
+double gated(emflow::model::Activation activation, double g) {
+  switch (activation) {
+    case emflow::model::Activation::gelu:
+      return g * 0.5 * std::erfc(-g / std::sqrt(2.0));
+    case emflow::model::Activation::gelu_tanh:
+      return 0.5 * g * (1 + std::tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)));
+    default:
+      return g / (1 + std::exp(-g));
+  }
+}
+
 // The real rows (n of them) of one cloud after every layer; the input first.
 std::vector<Rows> plain_run(const Model& m, Rows x) {
   const std::int64_t n = static_cast<std::int64_t>(x.size()), k = m.head_dim;
@@ -134,8 +146,7 @@ std::vector<Rows> plain_run(const Model& m, Rows x) {
     for (std::int64_t i = 0; i < n; ++i) {
       const std::vector<double> h = rms(x[i], layer.norm2_gain, m.norm_eps);
       std::vector<double> gate = matvec(layer.ffn_gate, h), up = matvec(layer.ffn_in, h);
-      for (std::size_t c = 0; c < gate.size(); ++c)
-        gate[c] = gate[c] / (1 + std::exp(-gate[c])) * up[c];
+      for (std::size_t c = 0; c < gate.size(); ++c) gate[c] = gated(m.activation, gate[c]) * up[c];
       const std::vector<double> down = matvec(layer.ffn_out, gate);
       for (std::int64_t a = 0; a < m.dim; ++a) x[i][a] += down[a];
     }
@@ -150,14 +161,18 @@ TYPED_TEST_SUITE(LlamaModel, emflow::testing::FloatTypes);
 
 TYPED_TEST(LlamaModel, EqualsThePlainImplementationOnAPaddedBatch) {
   using T = TypeParam;
+  using emflow::model::Activation;
   struct Variant {
     bool tied, biases;
     std::int64_t window;
+    Activation gate = Activation::silu;
   };
   for (const Variant v : {Variant{true, false, 0}, Variant{false, false, 0}, Variant{true, true, 0},
-                          Variant{false, false, 3}}) {
+                          Variant{false, false, 3}, Variant{true, false, 0, Activation::gelu_tanh},
+                          Variant{false, true, 0, Activation::gelu}}) {
     const bool tied = v.tied;
-    const Model m = make_llama(v.tied, v.biases, v.window);
+    Model m = make_llama(v.tied, v.biases, v.window);
+    m.activation = v.gate;
     const std::int64_t B = 2, N = 6;
     const std::vector<std::int64_t> lengths{6, 4};
     const Tensor<double> x = emflow::testing::random_tensor({B, N, kDim}, 31, -1.0, 1.0);
@@ -186,8 +201,9 @@ TYPED_TEST(LlamaModel, EqualsThePlainImplementationOnAPaddedBatch) {
             scale = std::max(scale, std::abs(expected[r][i][a]));
             worst = std::max(worst, std::abs(got - expected[r][i][a]));
           }
-      EXPECT_LT(worst, tol * scale) << "cloud " << b << (tied ? " tied" : " untied")
-                                    << (v.biases ? ", biases" : "") << ", window " << v.window;
+      EXPECT_LT(worst, tol * scale)
+          << "cloud " << b << (tied ? " tied" : " untied") << (v.biases ? ", biases" : "")
+          << ", window " << v.window << ", gate " << to_string(v.gate);
       const std::vector<double> h = rms(expected[kLayers][n - 1], m.final_gain, m.norm_eps);
       const std::vector<double> want = matvec(m.output_matrix(), h);
       for (std::int64_t t = 0; t < kVocab; ++t) {
@@ -534,6 +550,7 @@ TEST_F(LlamaFiles, AQwen2GgufFileReadsBackTheModelWithItsBiasesAndRowsAsTheyAre)
 
 TEST_F(LlamaFiles, TheOperatorFolderRoundTripsInFloat64AndFloat32) {
   Model m = make_llama(true, true, 3);
+  m.activation = emflow::model::Activation::gelu_tanh;  // a gelu-gated block
   m.vocabulary = {"a", "b", "Ġc"};
   m.tokenizer_model = "gpt2";
   for (const auto storage :
@@ -551,6 +568,7 @@ TEST_F(LlamaFiles, TheOperatorFolderRoundTripsInFloat64AndFloat32) {
     EXPECT_EQ(back.rotary.dim, m.rotary.dim);
     EXPECT_EQ(back.rotary.base, m.rotary.base);
     EXPECT_EQ(back.sliding_window, 3);
+    EXPECT_EQ(back.activation, emflow::model::Activation::gelu_tanh);
     EXPECT_EQ(back.vocabulary, m.vocabulary);
     EXPECT_EQ(back.tokenizer_model, "gpt2");
     EXPECT_EQ(back.unembedding.size(), 0);

@@ -376,7 +376,7 @@ def test_a_llama_checkpoint_converts(tmp_path):
     (None, {"tie_word_embeddings": False}, ["tensor 'lm_head.weight' is missing"]),
     (None, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["yarn"]),
     (None, {"attention_bias": True}, ["'attention_bias' is true"]),
-    (None, {"hidden_act": "gelu"}, ["hidden_act 'gelu'"]),
+    (None, {"hidden_act": "quick_gelu"}, ["hidden_act 'quick_gelu'", "silu, gelu, gelu_new"]),
     (None, {"num_key_value_heads": 3}, ["not a multiple of num_key_value_heads 3"]),
     (None, {"num_hidden_layers": 3}, ["holds 2 layers", "says 3"]),
     (None, {"model_type": "qwen2", "use_sliding_window": True}, ["use_sliding_window is true"]),

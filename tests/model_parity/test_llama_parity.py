@@ -1,7 +1,8 @@
 """The llama layout from a Hugging Face checkpoint (config.json and model.safetensors, the names
 model.layers.N.self_attn.q_proj, ..., mlp.gate_proj, ...): small randomly initialised
 LlamaForCausalLM models built by transformers from a config (grouped kv heads, rotary with the
-default, linear, llama3 and dynamic scalings, tied and untied unembedding), a MistralForCausalLM (its
+default, linear, llama3 and dynamic scalings, tied and untied unembedding, a gelu-gated
+feed-forward block), a MistralForCausalLM (its
 sliding window, narrower than the prompts) and a Qwen2ForCausalLM (biases on q, k and v, which
 emflow runs as a factored layer in d + 1 dimensions), converted by `emflow convert` and
 run by `emflow flow --model --logits` on a right-padded batch, equal the framework's hidden
@@ -38,6 +39,10 @@ CASES = {
                            rope={"rope_type": "default", "rope_theta": 10000.0}),
     "qwen2-biases": dict(kind="qwen2", tie_word_embeddings=True,
                          rope={"rope_type": "default", "rope_theta": 1000000.0}),
+    # A gelu-gated feed-forward block (GeGLU): LlamaMLP applies the config's hidden_act to the
+    # gate, here gelu with tanh.
+    "gelu-gated": dict(tie_word_embeddings=False, hidden_act="gelu_pytorch_tanh",
+                       rope={"rope_type": "default", "rope_theta": 10000.0}),
 }
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
            "mistral": ("MistralConfig", "MistralForCausalLM"),
@@ -49,7 +54,7 @@ def make_model(case, folder):
     settings = CASES[case]
     kind = settings.get("kind", "llama")
     config_class, model_class = (getattr(transformers, name) for name in CLASSES[kind])
-    extra = {"sliding_window": settings["sliding_window"]} if "sliding_window" in settings else {}
+    extra = {key: settings[key] for key in ("sliding_window", "hidden_act") if key in settings}
     config = config_class(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
@@ -79,6 +84,7 @@ def converted(request, tmp_path_factory):
     assert manifest["tied_embeddings"] == CASES[request.param]["tie_word_embeddings"]
     assert manifest["rotary"]["scaling"] == CASES[request.param]["rope"]["rope_type"]
     assert manifest["sliding_window"] == CASES[request.param].get("sliding_window", 0)
+    assert manifest["activation"] == ("gelu_tanh" if request.param == "gelu-gated" else "silu")
     biases = "query_bias" in manifest["layer_files"][0]["files"]
     assert biases == (CASES[request.param].get("kind") == "qwen2")
     return request.param, model, folder / "ops"
