@@ -216,6 +216,12 @@ struct RunSettings {
   /// operators: it needs true (false is refused with the reason).
   bool factored = false;
   double cluster_eps = 1e-3;
+  /// llama: the rotary position of every token, (B, N) row-major; empty: 0..N-1 in every
+  /// cloud. The masks stay by index (causal, the window, the key lengths): positions only turn
+  /// the queries and keys, as transformers' position_ids do (a chunk of a longer sequence, a
+  /// left-padded prompt). Within +-2^60; host memory, so the GPU refuses them by name. Other
+  /// layouts (no rotary) refuse them.
+  std::vector<std::int64_t> positions;
 };
 
 /// What run_model records.
@@ -236,10 +242,11 @@ struct ModelTrace {
 ///
 /// llama: x <- x + Attn(RMS_1(x)) through emflow::attend_factored (the causal mask or the
 /// model's sliding window, the key lengths, kv_heads and the model's rotary embedding at
-/// positions 0..N-1; CPU or reference: the GPU's float32 and float64 paths refuse rotary
-/// layers), then with full_layer x <- x + down(silu(gate(g)) * up(g)), g = RMS_2(x). The last
-/// record is the cloud after the last layer, before the final norm (next_token_logits applies it);
-/// gpt2's last record is after ln_f, as before.
+/// positions 0..N-1, or settings.positions; the GPU computes rotary layers on its tensor cores
+/// and in float32, not in float64 nor at explicit positions), then with full_layer x <- x +
+/// down(silu(gate(g)) * up(g)), g = RMS_2(x). The last record is the cloud after the last layer,
+/// before the final norm (next_token_logits applies it); gpt2's last record is after ln_f, as
+/// before.
 template <class T>
 ModelTrace<T> run_model(const Model& model, const Tensor<T>& clouds,
                         const std::vector<std::int64_t>& key_lengths, const RunSettings& settings,

@@ -123,18 +123,29 @@ class Model:
         return rows.reshape(array.shape + (self.dim,))
 
     def run(self, clouds: Any, key_lengths: Any = None, *, full_layer: bool = True,
-            factored: Optional[bool] = None, threads: int = 0) -> Run:
+            factored: Optional[bool] = None, threads: int = 0, positions: Any = None) -> Run:
         """The model's layers on token clouds (N, d) or (B, N, d), float32 (float64 kept as
         float64), as ``emflow flow --model`` runs them; key_lengths (B): each cloud's real
         tokens (right padding). full_layer=False runs attention and norms only (the EMF flow).
         factored: the attention in the factored form (None: as the model needs, the factored
-        form for llama, the dense operators otherwise). Without B in, none in the arrays out."""
+        form for llama, the dense operators otherwise). positions (llama): the rotary position
+        of every token, integers shaped as the clouds' tokens, (N) or (B, N) (None: 0..N-1; the
+        masks stay by index, as transformers' position_ids). Without B in, none in the arrays
+        out."""
         array, single = _clouds(clouds)
         if factored is None:
             factored = self.layout == "llama"
+        turned = None
+        if positions is not None:
+            given = np.asarray(positions)
+            expected = array.shape[1:2] if single else array.shape[:2]
+            if given.dtype.kind not in "iu" or given.shape != expected:
+                raise ValueError(f"Model.run: positions must be integers of shape {expected} "
+                                 f"(one per token), got {given.dtype} {given.shape}")
+            turned = [int(p) for p in given.reshape(-1)]
         trajectory, attention, entropy = self._model.run(array, _lengths(key_lengths),
                                                          bool(full_layer), bool(factored),
-                                                         int(threads))
+                                                         int(threads), turned)
         if single:
             return Run(trajectory[:, 0], attention[:, 0], entropy[:, 0])
         return Run(trajectory, attention, entropy)

@@ -38,12 +38,14 @@ std::vector<std::int64_t> lengths_of(const std::optional<std::vector<std::int64_
 template <class T>
 nb::object run(const model::Model& m, const InArray& clouds,
                const std::optional<std::vector<std::int64_t>>& key_lengths, bool full_layer,
-               bool factored, int threads) {
+               bool factored, int threads,
+               const std::optional<std::vector<std::int64_t>>& positions) {
   const Placement place{"Model.run", nb::dtype<T>(), nb::device::cpu::value, 0, "clouds", false};
   const Tensor<T> x = host_copy<T>(place, "clouds", clouds);
   model::RunSettings settings;
   settings.full_layer = full_layer;
   settings.factored = factored;
+  settings.positions = lengths_of(positions);  // (B * N) or empty
   ExecutionOptions options;
   options.device = Device::cpu;
   options.threads = threads;
@@ -145,14 +147,15 @@ void bind_model(nb::module_& m) {
           "run",
           [](const model::Model& x, const InArray& clouds,
              const std::optional<std::vector<std::int64_t>>& key_lengths, bool full_layer,
-             bool factored, int threads) {
+             bool factored, int threads,
+             const std::optional<std::vector<std::int64_t>>& positions) {
             if (clouds.dtype() == nb::dtype<double>()) {
-              return run<double>(x, clouds, key_lengths, full_layer, factored, threads);
+              return run<double>(x, clouds, key_lengths, full_layer, factored, threads, positions);
             }
-            return run<float>(x, clouds, key_lengths, full_layer, factored, threads);
+            return run<float>(x, clouds, key_lengths, full_layer, factored, threads, positions);
           },
           nb::arg("clouds"), nb::arg("key_lengths").none(), nb::arg("full_layer"),
-          nb::arg("factored"), nb::arg("threads"))
+          nb::arg("factored"), nb::arg("threads"), nb::arg("positions").none() = nb::none())
       .def(
           "logits",
           [](const model::Model& x, const InArray& clouds,

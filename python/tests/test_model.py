@@ -40,6 +40,24 @@ def test_generation_continues_the_prompt_with_paris(model):
     assert np.all(out.step_seconds > 0)
 
 
+def test_positions_turn_the_tokens_and_a_uniform_shift_changes_little(model):
+    # Rotary scores read the offsets of the positions alone: shifting every position by the same
+    # amount leaves each layer's cloud as it was, but for the rounding of the angles; 0..N-1
+    # given is the default, bit for bit; a gap moves the last token.
+    x = model.embed(PROMPT)
+    plain = model.run(x).trajectory
+    assert np.array_equal(model.run(x, positions=np.arange(len(PROMPT))).trajectory, plain)
+    scale = np.abs(plain[1:]).max()
+    shifted = model.run(x, positions=np.arange(len(PROMPT)) + 1000).trajectory
+    assert np.abs(shifted - plain).max() < 1e-3 * scale
+    gapped = model.run(x, positions=[0, 1, 2, 3, 60]).trajectory
+    last = np.abs(plain[1:, -1]).max()  # its own scale (the first token's is far larger)
+    assert np.abs(gapped[1:, -1] - plain[1:, -1]).max() > 0.1 * last
+    assert np.array_equal(gapped[:, :-1], plain[:, :-1])  # causal: the others never see it
+    with pytest.raises(ValueError, match="positions must be integers of shape"):
+        model.run(x, positions=np.arange(len(PROMPT) - 1))
+
+
 def test_each_new_id_is_the_argmax_of_the_grown_sequence_run_again(model):
     new = 4
     out = model.generate(PROMPT, new, logits=True)

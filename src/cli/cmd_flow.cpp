@@ -282,6 +282,9 @@ their observables; outputs are written only when the whole run succeeds.)");
   std::vector<CLI::Option*> model_only = {
       command->add_option("--key-lengths", args->model.key_lengths,
                           "--model: real tokens per cloud (.npy, B integers); the rest is padding"),
+      command->add_option("--positions", args->model.positions,
+                          "--model: the rotary position of every token (.npy, (B, N) or (N) "
+                          "integers; default 0..N-1), a llama model's; the masks stay by index"),
       command->add_option("--labels", args->model.labels,
                           "--model: text file, the token strings of cloud 0, one a line (--plot)"),
       command->add_flag("--full-layer", args->full_layer,

@@ -67,9 +67,11 @@ void run(const ModelFlowArguments& args, Dtype dtype) {
   }
   if (!args.cosine_counts.empty()) outputs.declare("--cosine-counts", args.cosine_counts);
   // Every file the run reads is an input no output may replace: the cloud, the key lengths, the
-  // labels and each file of the operator folder (its manifest and every file it lists).
+  // positions, the labels and each file of the operator folder (its manifest and every file it
+  // lists).
   outputs.declare_input("--cloud", args.cloud);
   outputs.declare_input("--key-lengths", args.key_lengths);
+  outputs.declare_input("--positions", args.positions);
   outputs.declare_input("--labels", args.labels);
   for (const std::string& file : model::operator_files(args.model)) {
     outputs.declare_input("--model", file);
@@ -128,6 +130,18 @@ void run(const ModelFlowArguments& args, Dtype dtype) {
   }
   settings.factored = form == "factored";
   settings.cluster_eps = args.cluster_eps;
+  if (!args.positions.empty()) {
+    if (!llama) {
+      fail_option("--positions", "gives rotary positions, but the model '", args.model,
+                  "' is of the ", to_string(m.layout), " layout, which has none");
+    }
+    const Tensor<std::int64_t> p = read_integer_input("--positions", args.positions, 1, 2);
+    if (!(p.shape() == Shape{B, N} || (B == 1 && p.shape() == Shape{N}))) {
+      expect_shape("--positions", args.positions, p.shape(), {B, N},
+                   "(one per token of --cloud; (N) for one cloud)");
+    }
+    settings.positions = p.values();
+  }
   const model::ModelTrace<T> trace = model::run_model(m, cloud, lengths, settings, options);
   const std::int64_t L = m.layer_count();
 

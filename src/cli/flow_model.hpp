@@ -12,6 +12,7 @@ struct ModelFlowArguments {
   std::string cloud;        ///< (N, d) or (B, N, d), float32 or float64
   std::string key_lengths;  ///< optional (B) int32/int64
   std::string labels;       ///< optional text file (--labels): token strings of cloud 0, one a line
+  std::string positions;    ///< optional (B, N) or (N) int32/int64: rotary positions (llama)
   bool attention_only = false;
   /// emf (dense M_h, F_h) or factored (Q/K/V/O blocks); empty: emf, factored for llama
   std::string form;

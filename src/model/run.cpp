@@ -77,12 +77,28 @@ ModelTrace<T> run_model(const Model& model, const Tensor<T>& clouds,
     }
   }
   const bool llama = model.layout == Layout::llama;
+  if (!settings.positions.empty()) {
+    if (!llama) {
+      fail_argument(op, "settings.positions", "are rotary positions, but the ",
+                    to_string(model.layout), " layout has no rotary embedding");
+    }
+    if (static_cast<std::int64_t>(settings.positions.size()) != B * N) {
+      fail_argument(op, "settings.positions", "has ", settings.positions.size(),
+                    " entries, expected B * N = ", B * N, " (one per token)");
+    }
+  }
   if (llama && !settings.factored) {
     fail_argument(
         op, "settings.factored",
         "is false, but the llama layout's rotary attention has no single dense M_h "
         "(its relevance depends on the offset of the positions, docs/MATH.md 2.4): run "
         "it in the factored form (settings.factored = true, emflow flow --form factored)");
+  }
+  // The rotary embedding of every layer: at positions 0..N-1 (the masks'), or those given, for
+  // the keys and the queries alike (self-attention).
+  Rotary rotary = model.rotary_embedding();
+  if (!settings.positions.empty()) {
+    rotary.key_positions = rotary.query_positions = settings.positions.data();
   }
   ModelTrace<T> trace;
   trace.trajectory = Tensor<T>(Shape{L + 1, B, N, d});
@@ -150,7 +166,7 @@ ModelTrace<T> run_model(const Model& model, const Tensor<T>& clouds,
       factored.content_up = f.up.data();
       factored.content_down = f.down.data();
       factored.kv_heads = model.key_heads();
-      factored.rotary = model.rotary_embedding();
+      factored.rotary = rotary;
       in.cloud = lifted.data();
       in.dim = d + 1;
       in.layer = {};
@@ -173,7 +189,7 @@ ModelTrace<T> run_model(const Model& model, const Tensor<T>& clouds,
       factored.offset = c.empty() ? nullptr : c.data();
       if (llama) {
         factored.kv_heads = model.key_heads();
-        factored.rotary = model.rotary_embedding();  // positions 0..N-1, the masks'
+        factored.rotary = rotary;
       }
       in.layer = {};
       attend_factored(in, factored, out, options);

@@ -94,8 +94,10 @@ double gated(emflow::model::Activation activation, double g) {
   }
 }
 
-// The real rows (n of them) of one cloud after every layer; the input first.
-std::vector<Rows> plain_run(const Model& m, Rows x) {
+// The real rows (n of them) of one cloud after every layer; the input first. Token i is turned
+// at position positions[i] (default: i); the masks are by index.
+std::vector<Rows> plain_run(const Model& m, Rows x,
+                            const std::vector<std::int64_t>& positions = {}) {
   const std::int64_t n = static_cast<std::int64_t>(x.size()), k = m.head_dim;
   const std::int64_t group = m.heads / m.kv_heads;
   std::vector<Rows> records{x};
@@ -115,8 +117,9 @@ std::vector<Rows> plain_run(const Model& m, Rows x) {
           val[i][c] += layer.attention.value_bias[static_cast<std::int64_t>(c)];
         }
       }
-      for (std::int64_t hd = 0; hd < m.heads; ++hd) rotate(q[i].data() + hd * k, i, m);
-      for (std::int64_t hd = 0; hd < m.kv_heads; ++hd) rotate(key[i].data() + hd * k, i, m);
+      const std::int64_t p = positions.empty() ? i : positions[static_cast<std::size_t>(i)];
+      for (std::int64_t hd = 0; hd < m.heads; ++hd) rotate(q[i].data() + hd * k, p, m);
+      for (std::int64_t hd = 0; hd < m.kv_heads; ++hd) rotate(key[i].data() + hd * k, p, m);
     }
     Rows next = x;
     for (std::int64_t i = 0; i < n; ++i) {
@@ -158,6 +161,65 @@ std::vector<Rows> plain_run(const Model& m, Rows x) {
 template <class T>
 class LlamaModel : public ::testing::Test {};
 TYPED_TEST_SUITE(LlamaModel, emflow::testing::FloatTypes);
+
+// Explicit rotary positions (RunSettings::positions): each token turned at its own, the masks by
+// index, as the plain implementation computes it; 0..N-1 given is the default, bit for bit; a
+// count other than B * N and a layout without rotary are refused by name.
+TYPED_TEST(LlamaModel, ExplicitPositionsTurnEachTokenAtItsOwn) {
+  using T = TypeParam;
+  const Model m = make_llama(false, false, 3);  // with a window, which stays by index
+  const std::int64_t B = 2, N = 6;
+  const std::vector<std::int64_t> lengths{6, 4};
+  const std::vector<std::int64_t> positions{7, 8, 9, 12, 13, 40, 5, 6, 8, 11, 99, 99};
+  const Tensor<double> x = emflow::testing::random_tensor({B, N, kDim}, 33, -1.0, 1.0);
+  const Tensor<T> clouds(x.shape(), std::vector<T>(x.values().begin(), x.values().end()));
+  emflow::model::RunSettings settings;
+  settings.factored = true;
+  const Tensor<T> plain = emflow::model::run_model(m, clouds, lengths, settings).trajectory;
+  settings.positions = positions;
+  const Tensor<T> turned = emflow::model::run_model(m, clouds, lengths, settings).trajectory;
+  const double tol = std::is_same<T, double>::value ? 1e-13 : 2e-5;
+  for (std::int64_t b = 0; b < B; ++b) {
+    const std::int64_t n = lengths[static_cast<std::size_t>(b)];
+    Rows rows(n);
+    for (std::int64_t i = 0; i < n; ++i)
+      rows[i].assign(x.data() + (b * N + i) * kDim, x.data() + (b * N + i + 1) * kDim);
+    const std::vector<Rows> expected = plain_run(
+        m, rows,
+        std::vector<std::int64_t>(positions.begin() + b * N, positions.begin() + (b + 1) * N));
+    double scale = 0, worst = 0, moved = 0;
+    for (std::int64_t r = 1; r <= kLayers; ++r)
+      for (std::int64_t i = 0; i < n; ++i)
+        for (std::int64_t a = 0; a < kDim; ++a) {
+          const std::int64_t at = ((r * B + b) * N + i) * kDim + a;
+          scale = std::max(scale, std::abs(expected[r][i][a]));
+          worst = std::max(worst, std::abs(static_cast<double>(turned[at]) - expected[r][i][a]));
+          moved = std::max(moved, std::abs(static_cast<double>(turned[at] - plain[at])));
+        }
+    EXPECT_LT(worst, tol * scale) << "cloud " << b;
+    EXPECT_GT(moved, 1e-3 * scale) << "cloud " << b << ": the positions must matter here";
+  }
+  std::vector<std::int64_t> counting(static_cast<std::size_t>(B * N));
+  for (std::int64_t i = 0; i < B * N; ++i) counting[static_cast<std::size_t>(i)] = i % N;
+  settings.positions = counting;
+  EXPECT_EQ(emflow::model::run_model(m, clouds, lengths, settings).trajectory.values(),
+            plain.values());
+
+  settings.positions.pop_back();
+  std::string message = emflow::testing::error_of(emflow::ErrorCode::invalid_argument, [&] {
+    emflow::model::run_model(m, clouds, lengths, settings);
+  });
+  EXPECT_NE(message.find("'settings.positions' has 11 entries, expected B * N = 12"),
+            std::string::npos)
+      << message;
+  Model gpt2 = m;
+  gpt2.layout = Layout::gpt2;
+  settings.positions = counting;
+  message = emflow::testing::error_of(emflow::ErrorCode::invalid_argument, [&] {
+    emflow::model::run_model(gpt2, clouds, lengths, settings);
+  });
+  EXPECT_NE(message.find("the gpt2 layout has no rotary embedding"), std::string::npos) << message;
+}
 
 TYPED_TEST(LlamaModel, EqualsThePlainImplementationOnAPaddedBatch) {
   using T = TypeParam;

@@ -128,6 +128,47 @@ def test_llama_layers_and_logits_match_the_framework(converted, tmp_path, precis
     assert ours.shape == (3, VOCAB) and e < tol
 
 
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+def test_explicit_positions_are_the_frameworks_position_ids(converted, tmp_path, precision):
+    # `emflow flow --positions`: each token turned at a position of its own (a chunk of a longer
+    # sequence, gaps), as transformers' position_ids turn it; the masks stay by index in both.
+    case, model, ops = converted
+    model = float64_reference(model) if precision == "float64" else model
+    np_dtype = np.float64 if precision == "float64" else np.float32
+    ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(9))
+    lengths = np.array([10, 7], dtype=np.int64)
+    positions = np.array([[20, 21, 22, 23, 27, 28, 29, 35, 36, 37],
+                          [3, 5, 8, 13, 21, 34, 55, 0, 0, 0]], dtype=np.int64)  # < 64
+    mask = (torch.arange(10)[None, :] < torch.from_numpy(lengths)[:, None]).long()
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=torch.from_numpy(positions),
+                    output_hidden_states=True)
+    hidden = [h.numpy() for h in out.hidden_states]
+    last = np.stack([out.logits.numpy()[b, n - 1] for b, n in enumerate(lengths)])
+    np.save(tmp_path / "x.npy", hidden[0].astype(np_dtype))
+    np.save(tmp_path / "k.npy", lengths)
+    np.save(tmp_path / "p.npy", positions)
+    run("flow", "--model", str(ops), "--cloud", str(tmp_path / "x.npy"), "--key-lengths",
+        str(tmp_path / "k.npy"), "--positions", str(tmp_path / "p.npy"), "--device", "cpu",
+        "--out", str(tmp_path / "traj.npy"), "--logits", str(tmp_path / "logits.npy"))
+    traj, ours = np.load(tmp_path / "traj.npy"), np.load(tmp_path / "logits.npy")
+    tol = 1e-12 if precision == "float64" else 1e-5
+    for layer in range(1, LAYERS):  # the last layer's state is after the final norm there
+        e = token_error(traj[layer], hidden[layer], lengths)
+        print(f"llama {case} {precision} at given positions, after layer {layer - 1}: "
+              f"per token rel err {e:.3e}")
+        assert e < tol, (layer, e)
+    e = float(np.max(np.abs(ours - last)) / np.max(np.abs(last)))
+    print(f"llama {case} {precision} at given positions: last-token logits rel err {e:.3e}")
+    assert e < tol
+    np.save(tmp_path / "p.npy", positions[:, :9])  # not one per token: refused by name
+    refused = run("flow", "--model", str(ops), "--cloud", str(tmp_path / "x.npy"), "--positions",
+                  str(tmp_path / "p.npy"), "--out", str(tmp_path / "t2.npy"), ok=False)
+    assert refused.returncode != 0 and "--positions" in refused.stderr, refused.stderr
+    assert "(2, 9)" in refused.stderr and "(2, 10)" in refused.stderr, refused.stderr
+    assert not (tmp_path / "t2.npy").exists()
+
+
 def test_rotary_report_is_the_framework_forms_drift(converted, tmp_path):
     # `emflow convert --report` on a llama model writes rotary.csv: per layer, head and offset t,
     # how M(t) = A^T R(-t) B (a key t positions before its query) compares with M(0). Here the
