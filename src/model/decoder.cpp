@@ -119,9 +119,10 @@ class Decoder {
         if (!ffn32_.empty()) ffn32_[l](normed_.data(), update_.data(), count, threads_, scratch_);
         if (!ffn16_.empty()) ffn16_[l](normed_.data(), update_.data(), count, threads_, scratch_);
       }
-      if (!products())
+      if (!products()) {
         layers::gated_feed_forward(layer, model_.activation, normed_.data(), update_.data(), count,
                                    d);
+      }
       for (std::int64_t k = 0; k < n; ++k) x[k] += update_[static_cast<std::size_t>(k)];
     }
   }

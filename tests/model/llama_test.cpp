@@ -511,6 +511,15 @@ TEST_F(LlamaFiles, AGgufFilesPerFrequencyFactorsGiveTheModelsFrequencies) {
     EXPECT_NEAR(g.rotary_frequencies[t], scaled[t], 1e-7 * scaled[t]) << t;
   }
   EXPECT_EQ(g.rotary_embedding().inverse_frequencies, g.rotary_frequencies.data());
+  // With the linear scaling too (rope.scaling.type), llama.cpp multiplies both in.
+  auto linear = llama_metadata();
+  linear.push_back({"llama.rope.scaling.type", GgufValue{8, 0, 0, "linear"}});
+  linear.push_back({"llama.rope.scaling.factor", GgufValue{6, 0, 2.0f, ""}});
+  const Model both = emflow::model::load_checkpoint(write("fl.gguf", gguf_bytes(linear, tensors)));
+  EXPECT_EQ(both.rotary.scaling, emflow::RotaryScaling::none);
+  for (std::size_t t = 0; t < base.size(); ++t) {
+    EXPECT_EQ(both.rotary_frequencies[t], base[t] / 2.0 / factors[static_cast<std::int64_t>(t)]);
+  }
 
   const Tensor<double> x = emflow::testing::random_tensor({1, 9, kDim}, 5, -1.0, 1.0);
   const auto trajectory = [&](const Model& model) {
