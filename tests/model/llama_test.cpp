@@ -386,6 +386,13 @@ std::vector<std::pair<std::string, Tensor<double>>> llama_tensors(const Model& m
   return t;
 }
 
+// run_model's trajectory of `model` on x in the factored form (a rotary layer's only form).
+Tensor<double> factored_run(const Model& model, const Tensor<double>& x) {
+  emflow::model::RunSettings settings;
+  settings.factored = true;
+  return emflow::model::run_model(model, x, {}, settings).trajectory;
+}
+
 class LlamaFiles : public emflow::testing::FileFolder {
  protected:
   LlamaFiles() : FileFolder("emflow_llama_files") {}
@@ -441,11 +448,7 @@ TEST_F(LlamaFiles, AGgufSlidingWindowIsTheModelsWindow) {
       emflow::model::load_checkpoint(write("w.gguf", gguf_bytes(meta, llama_tensors(m))));
   EXPECT_EQ(g.sliding_window, 3);
   const Tensor<double> x = emflow::testing::random_tensor({1, 6, kDim}, 5, -1.0, 1.0);
-  const auto trajectory = [&](const Model& model) {
-    emflow::model::RunSettings settings;
-    settings.factored = true;  // a rotary layer's only form
-    return emflow::model::run_model(model, x, {}, settings).trajectory;
-  };
+  const auto trajectory = [&](const Model& model) { return factored_run(model, x); };
   Model written = m;
   written.norm_eps = g.norm_eps;  // the file's float32 epsilon
   const Tensor<double> want = trajectory(written), got = trajectory(g);
@@ -522,11 +525,7 @@ TEST_F(LlamaFiles, AGgufFilesPerFrequencyFactorsGiveTheModelsFrequencies) {
   }
 
   const Tensor<double> x = emflow::testing::random_tensor({1, 9, kDim}, 5, -1.0, 1.0);
-  const auto trajectory = [&](const Model& model) {
-    emflow::model::RunSettings settings;
-    settings.factored = true;  // a rotary layer's only form
-    return emflow::model::run_model(model, x, {}, settings).trajectory;
-  };
+  const auto trajectory = [&](const Model& model) { return factored_run(model, x); };
   Model written = llama3;
   written.norm_eps = g.norm_eps;  // the file's float32 epsilon
   const Tensor<double> scaled_run = trajectory(written);

@@ -90,6 +90,39 @@ def converted(request, tmp_path_factory):
     return request.param, model, folder / "ops"
 
 
+def check_flow(reference, ops, tmp_path, label, precision, ids, lengths, positions=None):
+    """Runs `reference` (a transformers model) and `emflow flow --model ops` on the same
+    right-padded batch (and rotary positions, where given), and asserts that every layer's
+    cloud but the last (after the final norm there) and the last-token logits agree: 1e-12 in
+    float64, 1e-5 in float32."""
+    np_dtype = np.float64 if precision == "float64" else np.float32
+    n = ids.shape[1]
+    mask = (torch.arange(n)[None, :] < torch.from_numpy(lengths)[:, None]).long()
+    given = {} if positions is None else {"position_ids": torch.from_numpy(positions)}
+    with torch.no_grad():
+        out = reference(input_ids=ids, attention_mask=mask, output_hidden_states=True, **given)
+    hidden = [h.numpy() for h in out.hidden_states]
+    last = np.stack([out.logits.numpy()[b, k - 1] for b, k in enumerate(lengths)])
+    np.save(tmp_path / "x.npy", hidden[0].astype(np_dtype))
+    np.save(tmp_path / "k.npy", lengths)
+    extra = []
+    if positions is not None:
+        np.save(tmp_path / "p.npy", positions)
+        extra = ["--positions", str(tmp_path / "p.npy")]
+    run("flow", "--model", str(ops), "--cloud", str(tmp_path / "x.npy"), "--key-lengths",
+        str(tmp_path / "k.npy"), *extra, "--device", "cpu", "--out", str(tmp_path / "traj.npy"),
+        "--logits", str(tmp_path / "logits.npy"))
+    traj, ours = np.load(tmp_path / "traj.npy"), np.load(tmp_path / "logits.npy")
+    tol = 1e-12 if precision == "float64" else 1e-5
+    for layer in range(1, LAYERS):
+        e = token_error(traj[layer], hidden[layer], lengths)
+        print(f"{label} {precision} after layer {layer - 1}: per token rel err {e:.3e}")
+        assert e < tol, (layer, e)
+    e = float(np.max(np.abs(ours - last)) / np.max(np.abs(last)))
+    print(f"{label} {precision}: last-token logits rel err {e:.3e}")
+    assert e < tol
+
+
 @pytest.mark.parametrize("precision", ["float64", "float32"])
 def test_llama_layers_and_logits_match_the_framework(converted, tmp_path, precision):
     case, model, ops = converted
@@ -133,34 +166,13 @@ def test_explicit_positions_are_the_frameworks_position_ids(converted, tmp_path,
     # `emflow flow --positions`: each token turned at a position of its own (a chunk of a longer
     # sequence, gaps), as transformers' position_ids turn it; the masks stay by index in both.
     case, model, ops = converted
-    model = float64_reference(model) if precision == "float64" else model
-    np_dtype = np.float64 if precision == "float64" else np.float32
+    reference = float64_reference(model) if precision == "float64" else model
     ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(9))
     lengths = np.array([10, 7], dtype=np.int64)
     positions = np.array([[20, 21, 22, 23, 27, 28, 29, 35, 36, 37],
                           [3, 5, 8, 13, 21, 34, 55, 0, 0, 0]], dtype=np.int64)  # < 64
-    mask = (torch.arange(10)[None, :] < torch.from_numpy(lengths)[:, None]).long()
-    with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=torch.from_numpy(positions),
-                    output_hidden_states=True)
-    hidden = [h.numpy() for h in out.hidden_states]
-    last = np.stack([out.logits.numpy()[b, n - 1] for b, n in enumerate(lengths)])
-    np.save(tmp_path / "x.npy", hidden[0].astype(np_dtype))
-    np.save(tmp_path / "k.npy", lengths)
-    np.save(tmp_path / "p.npy", positions)
-    run("flow", "--model", str(ops), "--cloud", str(tmp_path / "x.npy"), "--key-lengths",
-        str(tmp_path / "k.npy"), "--positions", str(tmp_path / "p.npy"), "--device", "cpu",
-        "--out", str(tmp_path / "traj.npy"), "--logits", str(tmp_path / "logits.npy"))
-    traj, ours = np.load(tmp_path / "traj.npy"), np.load(tmp_path / "logits.npy")
-    tol = 1e-12 if precision == "float64" else 1e-5
-    for layer in range(1, LAYERS):  # the last layer's state is after the final norm there
-        e = token_error(traj[layer], hidden[layer], lengths)
-        print(f"llama {case} {precision} at given positions, after layer {layer - 1}: "
-              f"per token rel err {e:.3e}")
-        assert e < tol, (layer, e)
-    e = float(np.max(np.abs(ours - last)) / np.max(np.abs(last)))
-    print(f"llama {case} {precision} at given positions: last-token logits rel err {e:.3e}")
-    assert e < tol
+    check_flow(reference, ops, tmp_path, f"llama {case} at given positions", precision, ids,
+               lengths, positions)
     np.save(tmp_path / "p.npy", positions[:, :9])  # not one per token: refused by name
     refused = run("flow", "--model", str(ops), "--cloud", str(tmp_path / "x.npy"), "--positions",
                   str(tmp_path / "p.npy"), "--out", str(tmp_path / "t2.npy"), ok=False)
@@ -297,28 +309,9 @@ def test_a_qwen2_gguf_file_matches_the_framework(tmp_path, precision):
     assert manifest["layout"] == "llama" and manifest["kv_heads"] == 2
     assert "query_bias" in manifest["layer_files"][0]["files"]
     reference = float64_reference(model) if precision == "float64" else model
-    np_dtype = np.float64 if precision == "float64" else np.float32
     ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(5))
-    lengths = np.array([10, 6], dtype=np.int64)
-    mask = (torch.arange(10)[None, :] < torch.from_numpy(lengths)[:, None]).long()
-    with torch.no_grad():
-        out = reference(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-    hidden = [h.numpy() for h in out.hidden_states]
-    last = np.stack([out.logits.numpy()[b, n - 1] for b, n in enumerate(lengths)])
-    np.save(tmp_path / "x.npy", hidden[0].astype(np_dtype))
-    np.save(tmp_path / "k.npy", lengths)
-    run("flow", "--model", str(tmp_path / "ops"), "--cloud", str(tmp_path / "x.npy"),
-        "--key-lengths", str(tmp_path / "k.npy"), "--device", "cpu", "--out",
-        str(tmp_path / "traj.npy"), "--logits", str(tmp_path / "logits.npy"))
-    traj, ours = np.load(tmp_path / "traj.npy"), np.load(tmp_path / "logits.npy")
-    tol = 1e-12 if precision == "float64" else 1e-5
-    for layer in range(1, LAYERS):  # the last layer's state is after the final norm there
-        e = token_error(traj[layer], hidden[layer], lengths)
-        print(f"qwen2 gguf {precision} after layer {layer - 1}: per token rel err {e:.3e}")
-        assert e < tol, (layer, e)
-    e = float(np.max(np.abs(ours - last)) / np.max(np.abs(last)))
-    print(f"qwen2 gguf {precision}: last-token logits rel err {e:.3e}")
-    assert e < tol
+    check_flow(reference, tmp_path / "ops", tmp_path, "qwen2 gguf", precision, ids,
+               np.array([10, 6], dtype=np.int64))
 
 
 def llama3_rope_factors(config):
@@ -369,25 +362,6 @@ def test_a_llama3_gguf_file_with_rope_freqs_matches_the_framework(tmp_path, prec
     np.testing.assert_allclose(manifest["rotary"]["inverse_frequencies"], frequencies,
                                rtol=1e-15)
     reference = float64_reference(model, frequencies) if precision == "float64" else model
-    np_dtype = np.float64 if precision == "float64" else np.float32
     ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
-    lengths = np.array([12, 8], dtype=np.int64)
-    mask = (torch.arange(12)[None, :] < torch.from_numpy(lengths)[:, None]).long()
-    with torch.no_grad():
-        out = reference(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-    hidden = [h.numpy() for h in out.hidden_states]
-    last = np.stack([out.logits.numpy()[b, n - 1] for b, n in enumerate(lengths)])
-    np.save(tmp_path / "x.npy", hidden[0].astype(np_dtype))
-    np.save(tmp_path / "k.npy", lengths)
-    run("flow", "--model", str(tmp_path / "ops"), "--cloud", str(tmp_path / "x.npy"),
-        "--key-lengths", str(tmp_path / "k.npy"), "--device", "cpu", "--out",
-        str(tmp_path / "traj.npy"), "--logits", str(tmp_path / "logits.npy"))
-    traj, ours = np.load(tmp_path / "traj.npy"), np.load(tmp_path / "logits.npy")
-    tol = 1e-12 if precision == "float64" else 1e-5
-    for layer in range(1, LAYERS):  # the last layer's state is after the final norm there
-        e = token_error(traj[layer], hidden[layer], lengths)
-        print(f"llama3 gguf {precision} after layer {layer - 1}: per token rel err {e:.3e}")
-        assert e < tol, (layer, e)
-    e = float(np.max(np.abs(ours - last)) / np.max(np.abs(last)))
-    print(f"llama3 gguf {precision}: last-token logits rel err {e:.3e}")
-    assert e < tol
+    check_flow(reference, tmp_path / "ops", tmp_path, "llama3 gguf", precision, ids,
+               np.array([12, 8], dtype=np.int64))
