@@ -16,6 +16,10 @@
 // reason: an unexpected `unsupported` fails. Outputs are poisoned with NaN before each call, and
 // every query without a visible key must read exactly 0, -inf and 0.
 //
+// The factored form also runs with grouped kv heads and rotary positions (MatrixRotary, a llama
+// layer): its oracle is the layer's definition in double, each projected query and key turned at
+// its position (rotary_oracle), since a rotary layer has no single M_h to expand.
+//
 // The decode cache is BasicDecodeCache<float> or <double> (the 16-bit types have none, which
 // route() says in tests/attention/entry_routes_test.cpp); the partial state of the factored form
 // is float or double and blocking only (attend_partial of a FactoredLayer), and the partial state
@@ -123,6 +127,9 @@ struct Case {
   std::int64_t batch, heads, tokens, queries, dim, rank;
   Mask mask;
   bool lengths = false, bias = false, offset = false, weights = false;
+  /// The factored form only: kv heads (0: heads) and rotary positions over the first `rotary`
+  /// coordinates of the rank (half-split pairs, base 10000; 0: none).
+  std::int64_t kv_heads = 0, rotary = 0;
 
   std::string name() const {
     std::string out = "B" + std::to_string(batch) + "_H" + std::to_string(heads) + "_N" +
@@ -133,6 +140,8 @@ struct Case {
     if (bias) out += "_bias";
     if (offset) out += "_offset";
     if (weights) out += "_weights";
+    if (kv_heads != 0) out += "_kv" + std::to_string(kv_heads);
+    if (rotary != 0) out += "_rotary" + std::to_string(rotary);
     return out;
   }
 };
@@ -156,8 +165,26 @@ std::string param_name(const ::testing::TestParamInfo<Param>& info) {
 /// and the dense operators the oracle reads (for the factored form, expanded in double).
 struct Stored {
   CrossProblem p;  // relevance and content: M_h, F_h (expanded for the factored form)
-  std::vector<double> A, B, U, V;  // (H, r, d), (H, r, d), (H, d, r), (H, r, d)
+  std::vector<double> A, B, U, V;  // (H, r, d), (K, r, d), (H, d, r), (K, r, d)
+  std::int64_t kv_heads = 0;       // K: the heads of B and V (the factored form)
+  std::int64_t rotary = 0;         // rotated coordinates of the rank (0: none)
 };
+
+constexpr double kRotaryBase = 10000.0;
+
+/// v (the first `dim` coordinates of a projected query or key, in half-split pairs (t, t + dim
+/// / 2)) turned by position * base^(-2t / dim), the angles in double (docs/MATH.md §2.4).
+template <class V>
+void turn(V* v, std::int64_t dim, std::int64_t position) {
+  for (std::int64_t t = 0; t < dim / 2; ++t) {
+    const double angle =
+        static_cast<double>(position) *
+        std::pow(kRotaryBase, -2.0 * static_cast<double>(t) / static_cast<double>(dim));
+    const double a = static_cast<double>(v[t]), b = static_cast<double>(v[t + dim / 2]);
+    v[t] = static_cast<V>(a * std::cos(angle) - b * std::sin(angle));
+    v[t + dim / 2] = static_cast<V>(b * std::cos(angle) + a * std::sin(angle));
+  }
+}
 
 Stored make_problem(const Case& c, Form form, Storage storage, Op op) {
   Stored s;
@@ -187,25 +214,31 @@ Stored make_problem(const Case& c, Form form, Storage storage, Op op) {
   }
   if (form == Form::factored) {
     const std::int64_t H = c.heads, r = c.rank, d = c.dim;
+    const std::int64_t K = c.kv_heads != 0 ? c.kv_heads : H;
+    s.kv_heads = K;
+    s.rotary = c.rotary;
     const double scale = 1.0 / std::sqrt(static_cast<double>(r));
-    const auto factor = [&](std::uint64_t seed) {
-      std::vector<double> f = uniform(static_cast<std::size_t>(H * r * d), seed, -scale, scale);
+    const auto factor = [&](std::int64_t heads, std::uint64_t seed) {
+      std::vector<double> f = uniform(static_cast<std::size_t>(heads * r * d), seed, -scale, scale);
       for (double& x : f) x = round_to(storage, x);
       return f;
     };
-    s.A = factor(71);
-    s.B = factor(72);
-    s.U = factor(73);
-    s.V = factor(74);
+    s.A = factor(H, 71);
+    s.B = factor(K, 72);
+    s.U = factor(H, 73);
+    s.V = factor(K, 74);
+    // M_h = A_h^T B_g and F_h = U_h V_g, g = h / (H / K): the oracle of a layer without rotary
+    // positions (a rotary layer has no single M_h: rotary_oracle below).
     for (std::int64_t h = 0; h < H; ++h) {
+      const std::int64_t g = h / (H / K);
       for (std::int64_t k = 0; k < d; ++k) {
         for (std::int64_t a = 0; a < d; ++a) {
           double m = 0.0, f = 0.0;
           for (std::int64_t q = 0; q < r; ++q) {
             m += s.A[static_cast<std::size_t>((h * r + q) * d + k)] *
-                 s.B[static_cast<std::size_t>((h * r + q) * d + a)];
+                 s.B[static_cast<std::size_t>((g * r + q) * d + a)];
             f += s.U[static_cast<std::size_t>((h * d + k) * r + q)] *
-                 s.V[static_cast<std::size_t>((h * r + q) * d + a)];
+                 s.V[static_cast<std::size_t>((g * r + q) * d + a)];
           }
           p.relevance[static_cast<std::size_t>((h * d + k) * d + a)] = m;
           p.content[static_cast<std::size_t>((h * d + k) * d + a)] = f;
@@ -214,6 +247,79 @@ Stored make_problem(const Case& c, Form form, Storage storage, Op op) {
     }
   }
   return s;
+}
+
+/// The oracle of a rotary layer from the definition, in double (it has no single M_h): per head
+/// h, reading kv head g = h / (H / K), q = A_h q_i and k_j = B_g x_j turned at their positions
+/// (the mask's: query_origin(b) + i and key_position + j), s_ij = beta (<q, k_j> + u_h^T x_j),
+/// the softmax over the visible keys, and update_i = sum_h U_h sum_j w_ij V_g x_j + c.
+CrossResult rotary_oracle(const Stored& s) {
+  const CrossProblem& p = s.p;
+  const std::int64_t B = p.batch, H = p.heads, N = p.tokens, Nq = p.rows(), d = p.dim;
+  const std::int64_t K = s.kv_heads, r = static_cast<std::int64_t>(s.A.size()) / (H * d);
+  const double inf = std::numeric_limits<double>::infinity();
+  const auto at = [](std::int64_t i) { return static_cast<std::size_t>(i); };
+  CrossResult out;
+  out.update.assign(at(B * Nq * d), 0.0);
+  out.lse.assign(at(B * H * Nq), -inf);
+  out.entropy.assign(out.lse.size(), 0.0);
+  out.weights.assign(at(B * H * Nq * N), 0.0);
+  const std::vector<double>& Q = p.self ? p.cloud : p.queries;
+  const auto project = [&](const std::vector<double>& w, std::int64_t head, const double* x) {
+    std::vector<double> y(at(r), 0.0);
+    for (std::int64_t m = 0; m < r; ++m) {
+      for (std::int64_t k = 0; k < d; ++k) y[at(m)] += w[at((head * r + m) * d + k)] * x[k];
+    }
+    return y;
+  };
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t i = 0; i < p.query_length(b); ++i) {
+      std::vector<std::int64_t> visible;
+      for (std::int64_t j = 0; j < p.key_length(b); ++j) {
+        if (p.mask.allows(p.query_origin(b) + i, p.key_position + j)) visible.push_back(j);
+      }
+      if (visible.empty()) continue;
+      double* delta = &out.update[at((b * Nq + i) * d)];
+      for (std::int64_t h = 0; h < H; ++h) {
+        const std::int64_t g = h / (H / K);
+        std::vector<double> q = project(s.A, h, &Q[at((b * Nq + i) * d)]);
+        turn(q.data(), s.rotary, p.query_origin(b) + i);
+        std::vector<double> score;
+        std::vector<std::vector<double>> contents;
+        for (std::int64_t j : visible) {
+          const double* x = &p.cloud[at((b * N + j) * d)];
+          std::vector<double> k = project(s.B, g, x);
+          turn(k.data(), s.rotary, p.key_position + j);
+          double dot = 0.0;
+          for (std::int64_t m = 0; m < r; ++m) dot += q[at(m)] * k[at(m)];
+          for (std::int64_t a = 0; p.bias && a < d; ++a) dot += p.key_bias[at(h * d + a)] * x[a];
+          score.push_back(p.beta * dot);
+          contents.push_back(project(s.V, g, x));
+        }
+        double m = -inf;
+        for (double v : score) m = std::max(m, v);
+        double z = 0.0;
+        for (double v : score) z += std::exp(v - m);
+        const double lse = m + std::log(z);
+        const std::int64_t row = (b * H + h) * Nq + i;
+        double expected = 0.0;
+        std::vector<double> o(at(r), 0.0);
+        for (std::size_t t = 0; t < visible.size(); ++t) {
+          const double w = std::exp(score[t] - lse);
+          expected += w * score[t];
+          out.weights[at(row * N + visible[t])] = w;
+          for (std::int64_t c = 0; c < r; ++c) o[at(c)] += w * contents[t][at(c)];
+        }
+        for (std::int64_t a = 0; a < d; ++a) {
+          for (std::int64_t c = 0; c < r; ++c) delta[a] += s.U[at((h * d + a) * r + c)] * o[at(c)];
+        }
+        out.lse[at(row)] = lse;
+        out.entropy[at(row)] = lse - expected;
+      }
+      for (std::int64_t a = 0; p.offset && a < d; ++a) delta[a] += p.shift[at(a)];
+    }
+  }
+  return out;
 }
 
 /// The naive kernel of the 2x-naive rule, in the storage type's precision: the projections as
@@ -280,18 +386,28 @@ CrossResult naive(const Stored& s, Form form, Storage storage) {
             }
           }
         } else {
-          std::vector<float> qa(static_cast<std::size_t>(r));
+          // Grouped heads read kv head g; rotary positions turn the float sums of the query and
+          // key projections before they are rounded, as the projections do.
+          const std::int64_t g = h / (H / s.kv_heads);
+          std::vector<float> qa(static_cast<std::size_t>(r)), kb(qa.size());
           for (std::int64_t m = 0; m < r; ++m) {
             float sum = 0.f;
             for (std::int64_t k = 0; k < d; ++k) sum += op(at(s.A, (h * r + m) * d + k)) * q(k);
-            qa[static_cast<std::size_t>(m)] = rnd(sum);
+            qa[static_cast<std::size_t>(m)] = sum;
           }
+          turn(qa.data(), s.rotary, p.query_origin(b) + i);
+          for (float& v : qa) v = rnd(v);
           for (std::int64_t j : visible) {
+            for (std::int64_t m = 0; m < r; ++m) {
+              float sum = 0.f;
+              for (std::int64_t k = 0; k < d; ++k)
+                sum += op(at(s.B, (g * r + m) * d + k)) * x(j, k);
+              kb[static_cast<std::size_t>(m)] = sum;
+            }
+            turn(kb.data(), s.rotary, p.key_position + j);
             float dot = 0.f;
             for (std::int64_t m = 0; m < r; ++m) {
-              float kb = 0.f;
-              for (std::int64_t k = 0; k < d; ++k) kb += op(at(s.B, (h * r + m) * d + k)) * x(j, k);
-              dot += qa[static_cast<std::size_t>(m)] * rnd(kb);
+              dot += qa[static_cast<std::size_t>(m)] * rnd(kb[static_cast<std::size_t>(m)]);
             }
             if (p.bias) {
               for (std::int64_t k = 0; k < d; ++k) dot += op(at(p.key_bias, h * d + k)) * x(j, k);
@@ -299,7 +415,7 @@ CrossResult naive(const Stored& s, Form form, Storage storage) {
             score.push_back(static_cast<float>(p.beta) * dot);
             for (std::int64_t m = 0; m < r; ++m) {
               float v = 0.f;
-              for (std::int64_t k = 0; k < d; ++k) v += op(at(s.V, (h * r + m) * d + k)) * x(j, k);
+              for (std::int64_t k = 0; k < d; ++k) v += op(at(s.V, (g * r + m) * d + k)) * x(j, k);
               content.push_back(rnd(v));
             }
           }
@@ -399,6 +515,9 @@ struct Arrays {
                A.data(), B.data(),
                U.data(), V.data(),
                u,        c};
+      layer.kv_heads = s.kv_heads;
+      layer.rotary.dim = s.rotary;
+      layer.rotary.base = kRotaryBase;
     }
     poison();
   }
@@ -810,7 +929,7 @@ void check(const MatrixTarget& t, const Case& c) {
     return;
   }
   ASSERT_TRUE(want.supported) << what << ": ran, but route() says " << to_string(want);
-  expect_meets_contract(got_of(a), cross_oracle(s.p),
+  expect_meets_contract(got_of(a), s.rotary != 0 ? rotary_oracle(s) : cross_oracle(s.p),
                         t.storage == Storage::f64 || t.storage == Storage::f32
                             ? CrossResult{}
                             : naive(s, t.form, t.storage),
@@ -868,12 +987,15 @@ std::vector<MatrixTarget> all_matrix_targets() {
   return out;
 }
 
-/// Every target crossed with every case (the partial operation needs two keys for two blocks).
+/// Every target crossed with every case (the partial operation needs two keys for two blocks;
+/// kv heads and rotary positions are the factored form's).
 std::vector<Param> every(const std::vector<Case>& cases) {
   std::vector<Param> out;
   for (const MatrixTarget& t : all_matrix_targets()) {
     for (const Case& c : cases) {
-      if (t.op != Op::partial || c.tokens >= 2) out.push_back({t, c});
+      if (t.op == Op::partial && c.tokens < 2) continue;
+      if (t.form == Form::dense && (c.kv_heads != 0 || c.rotary != 0)) continue;
+      out.push_back({t, c});
     }
   }
   return out;
@@ -898,7 +1020,21 @@ std::vector<Case> wide_cases() {
   };
 }
 
+// The factored form with grouped kv heads and rotary positions (a llama layer): four heads
+// over two kv heads turned over the whole rank, with lengths, bias and offset, causal; three
+// heads over one kv head turned over 4 of 6 coordinates under a window; two heads over one kv
+// head without rotation (its oracle the expanded layer).
+std::vector<Case> rotary_cases() {
+  return {
+      {2, 4, 9, 5, 6, 4, Mask::causal(), true, true, true, false, 2, 4},
+      {1, 3, 12, 4, 8, 6, Mask::sliding_window(4), false, false, true, false, 1, 4},
+      {1, 2, 10, 3, 5, 4, Mask::none(), false, true, false, false, 1, 0},
+  };
+}
+
 INSTANTIATE_TEST_SUITE_P(MatrixSmall, Matrix, ::testing::ValuesIn(every(small_cases())),
+                         param_name);
+INSTANTIATE_TEST_SUITE_P(MatrixRotary, Matrix, ::testing::ValuesIn(every(rotary_cases())),
                          param_name);
 INSTANTIATE_TEST_SUITE_P(MatrixWide, Matrix, ::testing::ValuesIn(every(wide_cases())), param_name);
 
@@ -920,6 +1056,7 @@ TEST(MatrixCoverage, EveryPairRouteAllowsRunsInTheMatrix) {
   std::map<std::string, std::pair<int, int>> counts;  // supported, all
   std::vector<Param> params = every(small_cases());
   for (const Param& p : every(wide_cases())) params.push_back(p);
+  for (const Param& p : every(rotary_cases())) params.push_back(p);
   for (const Param& p : params) {
     const MatrixTarget& t = p.target;
     bool ok = false;

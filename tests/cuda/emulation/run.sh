@@ -69,6 +69,9 @@ SMALL+=':CudaPlan*:Cases/CudaPlanStrategies.*'
 # stream-ordered, the plan, the decode cache) x form x storage x operation on its smallest
 # ragged case (two clouds of 7 keys, causal, key bias and offset), run or refused as route() says.
 SMALL+=':MatrixSmall/*/cuda*_B2_H2_N7_*:MatrixCoverage.*'
+# Its factored rotary case (a llama layer: four heads over two kv heads, rotary positions,
+# lengths, bias, offset, causal) on every CUDA entry point.
+SMALL+=':MatrixRotary/*/cuda*_B2_H4_N9_*'
 LARGE='Large/*/cuda_fused_f32_*'
 for c in B2_H2_N200_d16_window5 B1_H1_N300_d130_window70 B3_H2_N300_d64_window1 B1_H1_N1000_d64_none \
   B1_H1_N1000_d128_causal B1_H1_N1000_d255_window300; do
