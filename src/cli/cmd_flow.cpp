@@ -306,7 +306,7 @@ their observables; outputs are written only when the whole run succeeds.)");
       command->add_option("--cosine-counts", args->model.cosine_counts,
                           "--model output: the histogram's counts (.npy, int64), (L + 1, B, 40): "
                           "pairs i < j of real tokens per cosine bin of width 0.05 over [-1, 1]")};
-  model_only[2]->excludes(model_only[3]);
+  command->get_option("--full-layer")->excludes(command->get_option("--attention-only"));
   for (CLI::Option* option : model_only) option->needs(model);
   for (const char* name : {"--tokens",
                            "--dim",
