@@ -249,6 +249,15 @@ Stored make_problem(const Case& c, Form form, Storage storage, Op op) {
   return s;
 }
 
+/// The keys query i of cloud b sees: each pair of positions put to Mask::allows.
+std::vector<std::int64_t> visible_keys(const CrossProblem& p, std::int64_t b, std::int64_t i) {
+  std::vector<std::int64_t> visible;
+  for (std::int64_t j = 0; j < p.key_length(b); ++j) {
+    if (p.mask.allows(p.query_origin(b) + i, p.key_position + j)) visible.push_back(j);
+  }
+  return visible;
+}
+
 /// The oracle of a rotary layer from the definition, in double (it has no single M_h): per head
 /// h, reading kv head g = h / (H / K), q = A_h q_i and k_j = B_g x_j turned at their positions
 /// (the mask's: query_origin(b) + i and key_position + j), s_ij = beta (<q, k_j> + u_h^T x_j),
@@ -274,10 +283,7 @@ CrossResult rotary_oracle(const Stored& s) {
   };
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t i = 0; i < p.query_length(b); ++i) {
-      std::vector<std::int64_t> visible;
-      for (std::int64_t j = 0; j < p.key_length(b); ++j) {
-        if (p.mask.allows(p.query_origin(b) + i, p.key_position + j)) visible.push_back(j);
-      }
+      const std::vector<std::int64_t> visible = visible_keys(p, b, i);
       if (visible.empty()) continue;
       double* delta = &out.update[at((b * Nq + i) * d)];
       for (std::int64_t h = 0; h < H; ++h) {
@@ -351,10 +357,7 @@ CrossResult naive(const Stored& s, Form form, Storage storage) {
   out.weights.assign(static_cast<std::size_t>(B * H * Nq * N), 0.0);
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t i = 0; i < p.query_length(b); ++i) {
-      std::vector<std::int64_t> visible;
-      for (std::int64_t j = 0; j < p.key_length(b); ++j) {
-        if (p.mask.allows(p.query_origin(b) + i, p.key_position + j)) visible.push_back(j);
-      }
+      const std::vector<std::int64_t> visible = visible_keys(p, b, i);
       if (visible.empty()) continue;
       std::vector<float> o(static_cast<std::size_t>(d), 0.f);
       const auto q = [&](std::int64_t k) { return op(at(Q, (b * Nq + i) * d + k)); };
