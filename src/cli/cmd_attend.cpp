@@ -10,6 +10,7 @@
 // form on the tensor cores with TF32 operands (float32 products where weights are asked). Every
 // input is read and
 // checked, the update is computed, and only then are the outputs written, all or none.
+#include <CLI/CLI.hpp>
 #include <cmath>
 #include <memory>
 #include <string>

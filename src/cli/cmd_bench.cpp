@@ -14,6 +14,7 @@
 // what the run would take alone.
 #include <omp.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>

@@ -2,6 +2,7 @@
 // one folder of .npy files and a manifest (emflow/model.hpp, docs/MODELS.md), with an optional
 // report of the spectra the clustering theorems speak about, or for a rotary (llama) model of
 // how each head's relevance turns with the offset of query and key.
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cmath>
 #include <complex>

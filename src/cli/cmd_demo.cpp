@@ -7,6 +7,7 @@
 // the whole cloud in float64.
 #include <omp.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>

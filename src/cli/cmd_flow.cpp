@@ -5,6 +5,7 @@
 // use --precision (float32 by default, the fast path of the CPU and CUDA backends). Every
 // argument is checked and every output declared before the run; the outputs are written only
 // when the whole run succeeds, all or none.
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cmath>
 #include <cstdio>

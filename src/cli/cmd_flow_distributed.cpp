@@ -39,7 +39,7 @@ void run(const FlowArguments& args, Dtype dtype, distributed::Communicator& comm
   std::vector<flow::FlowLayer<T>> layers;
 
   distributed::agreed(comm, [&] {
-    if (args.generate_option->count() > 0) {
+    if (given(args.generate_option)) {
       fail_option("--generate", "is not available with --distributed");
     }
     settings = flow_settings(args);
@@ -65,13 +65,13 @@ void run(const FlowArguments& args, Dtype dtype, distributed::Communicator& comm
       }
       if (one_cloud) {
         // One cloud repeated B times, e.g. to run it at B temperatures.
-        B = args.batch_option->count() ? args.batch : 1;
+        B = given(args.batch_option) ? args.batch : 1;
         if (B < 1) fail_option("--batch", "must be >= 1, got ", B);
         rows.reserve(part.size() * static_cast<std::size_t>(B));
         for (std::int64_t b = 0; b < B; ++b) rows.insert(rows.end(), part.begin(), part.end());
       } else {
         B = shape[0];
-        if (args.batch_option->count() && args.batch != B) {
+        if (given(args.batch_option) && args.batch != B) {
           fail_option("--batch", "is ", args.batch, " but --x '", args.cloud, "' holds ", B,
                       " clouds");
         }

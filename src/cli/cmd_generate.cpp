@@ -2,6 +2,7 @@
 // the prompts' token ids through every layer with one decode cache per layer, then K new tokens
 // one at a time. Everything is read and checked and every output declared first; the outputs are
 // written only when the whole run succeeds, all or none.
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <iomanip>
 #include <iostream>

@@ -2,6 +2,7 @@
 // (docs/MATH.md §4, §5): for each inverse temperature beta, many random clouds flow on the sphere
 // with Q = K = V = I, and the fraction of clustered pairs is drawn over (time, beta). The
 // defaults are theirs: 90 betas in [0.1, 9], n = 32, d = 2, dt = 0.1, T = 30, 2048 clouds.
+#include <CLI/CLI.hpp>
 #include <cerrno>
 #include <chrono>
 #include <cmath>

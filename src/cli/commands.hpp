@@ -3,7 +3,7 @@
 // message on stderr and a non-zero exit.
 #pragma once
 
-#include <CLI/CLI.hpp>
+#include "cli11_fwd.hpp"
 
 namespace emflow::cli {
 

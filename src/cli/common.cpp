@@ -1,5 +1,6 @@
 #include "common.hpp"
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <new>
 #include <thread>
@@ -208,6 +209,8 @@ ExecutionOptions execution_options(const std::string& device, int threads) {
   options.threads = threads;
   return options;
 }
+
+bool given(const CLI::Option* option) { return option != nullptr && option->count() > 0; }
 
 CLI::App* add_command(CLI::App& app, const std::string& name, const std::string& summary,
                       const std::string& footer) {

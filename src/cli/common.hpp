@@ -3,13 +3,13 @@
 // registration of a subcommand.
 #pragma once
 
-#include <CLI/CLI.hpp>
 #include <cstdint>
 #include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "cli11_fwd.hpp"
 #include "emflow/attention.hpp"
 #include "emflow/error.hpp"
 #include "emflow/io.hpp"
@@ -134,6 +134,9 @@ CLI::Option* add_device_option(CLI::App& command, std::string& text);
 CLI::Option* add_threads_option(CLI::App& command, int& threads);
 /// Parses what add_device_option / add_threads_option collected.
 ExecutionOptions execution_options(const std::string& device, int threads);
+
+/// Whether the user gave `option` (registered, and counted at least once by the parse).
+bool given(const CLI::Option* option);
 
 /// Adds the subcommand `name` with its one-line `summary` and the `footer` its --help ends with.
 CLI::App* add_command(CLI::App& app, const std::string& name, const std::string& summary,

@@ -83,7 +83,7 @@ std::string csv_number(double v) {
 }
 
 flow::FlowSettings flow_settings(const FlowArguments& args) {
-  const bool continuous = args.layers_option->count() == 0;
+  const bool continuous = !given(args.layers_option);
   if (!continuous && args.layers < 1) fail_option("--layers", "must be >= 1, got ", args.layers);
   if (continuous) {
     if (!(std::isfinite(args.time) && args.time > 0)) {

@@ -3,11 +3,11 @@
 // files a finished run writes, so that both runs write the same files.
 #pragma once
 
-#include <CLI/CLI.hpp>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "cli11_fwd.hpp"
 #include "common.hpp"
 #include "emflow/flow.hpp"
 #include "emflow/io.hpp"
