@@ -229,14 +229,17 @@ struct Rows {
 };
 inline Rows rows[32][2];
 // Each lane's counts of ldmatrix and of MMA, by parity (the exchange below), from 0 at every
-// block: the emulation keeps its threads from launch to launch (emu::block_serial).
-inline thread_local unsigned rows_parity = 0, parity = 0;
-inline thread_local unsigned long long parities_block = ~0ull;
-inline void fresh_parities() {
-  if (parities_block != emu::block_serial) {
-    parities_block = emu::block_serial;
-    rows_parity = parity = 0;
-  }
+// block (emu::block_serial). Kept per CUDA thread of the block, not per host thread: the
+// emulation's CUDA threads take turns on one host thread (emu_block.h, Fibers).
+struct Parities {
+  unsigned rows = 0, mma = 0;
+  unsigned long long block = ~0ull;
+};
+inline Parities parities_of[1024];
+inline Parities& parities() {
+  Parities& p = parities_of[threadIdx.x];
+  if (p.block != emu::block_serial) p = Parities{0, 0, emu::block_serial};
+  return p;
 }
 
 template <bool Trans>
@@ -248,9 +251,9 @@ inline void ldmatrix_x4(std::uint32_t (&r)[4], const void* row) {
   if (!emu::in_shared(row, 16)) {
     emu::kernel_violation(emu::thread_name() + ": ldmatrix with a row outside shared memory");
   }
-  fresh_parities();
-  Rows& area = rows[warp][rows_parity];
-  rows_parity ^= 1u;
+  Parities& p = parities();
+  Rows& area = rows[warp][p.rows];
+  p.rows ^= 1u;
   area.row[lane] = static_cast<const unsigned char*>(row);
   (void)__shfl_xor_sync(0xffffffffu, 0, 1);  // the whole warp's addresses are in place
   const int g = lane >> 2, t = lane & 3;
@@ -282,9 +285,9 @@ inline float element(Kind kind, std::uint32_t reg, int half) {
 
 inline void run(Kind kind, FragC& d, const FragA& a, const FragB& b) {
   const int lane = lane_id(), warp = static_cast<int>(threadIdx.x) >> 5;
-  fresh_parities();
-  Exchange& area = exchange[warp][parity];
-  parity ^= 1u;
+  Parities& p = parities();
+  Exchange& area = exchange[warp][p.mma];
+  p.mma ^= 1u;
   for (int r = 0; r < 4; ++r) area.a[lane][r] = a.x[r];
   for (int r = 0; r < 2; ++r) area.b[lane][r] = b.x[r];
   (void)__shfl_xor_sync(0xffffffffu, 0, 1);  // the whole warp's fragments are in place
@@ -457,7 +460,7 @@ template <int Bytes>
 __device__ __forceinline__ void cp_async(void* dst, const void* src, int src_bytes) {
   static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "cp.async copies 4, 8 or 16 bytes");
 #if defined(EMFLOW_CUDA_EMULATION)
-  emu::async_copies.issue(dst, src, Bytes, static_cast<unsigned>(src_bytes));
+  emu::async_copies().issue(dst, src, Bytes, static_cast<unsigned>(src_bytes));
 #elif defined(__CUDA_ARCH__)
   const auto address = static_cast<std::uint32_t>(__cvta_generic_to_shared(dst));
   if constexpr (Bytes == 16) {
@@ -477,7 +480,7 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src, int src_byt
 /// Closes the copies this thread issued since the last commit into one group.
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(EMFLOW_CUDA_EMULATION)
-  emu::async_copies.commit();
+  emu::async_copies().commit();
 #elif defined(__CUDA_ARCH__)
   asm volatile("cp.async.commit_group;\n" ::);
 #endif
@@ -487,7 +490,7 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int Newest>
 __device__ __forceinline__ void cp_async_wait() {
 #if defined(EMFLOW_CUDA_EMULATION)
-  emu::async_copies.wait(Newest);
+  emu::async_copies().wait(Newest);
 #elif defined(__CUDA_ARCH__)
   asm volatile("cp.async.wait_group %0;\n" ::"n"(Newest) : "memory");
 #endif

@@ -1,7 +1,7 @@
 // CPU emulation of the part of the CUDA runtime that emflow uses (tests/cuda/emulation/run.sh),
-// for checking kernel logic without a GPU. Kernels run as host threads, block by block in a
-// shuffled order, with the hardware's rules checked (emu_block.h). What is stricter than a GPU
-// usually is, on purpose:
+// for checking kernel logic without a GPU. Kernels run as fibers (or host threads), block by
+// block in a shuffled order, with the hardware's rules checked (emu_block.h). What is stricter
+// than a GPU usually is, on purpose:
 //   * asynchronous work (kernel launches, cudaMemcpyAsync, cudaMemsetAsync, cuBLAS calls) is
 //     only queued; it runs when the host synchronises with it (cudaStreamSynchronize, an
 //     event's cudaEventSynchronize, cudaDeviceSynchronize, cudaFree / cudaFreeHost, which
@@ -448,7 +448,7 @@ inline cudaError_t cudaMemsetAsync(void* d, int value, std::size_t n, cudaStream
 }
 
 // Atomics (phase counts, the flow's union-find): one global lock (blocks run one after another;
-// threads of a block are host threads).
+// the threads of a block are fibers or host threads).
 namespace emu {
 inline std::mutex atomic_mutex;  // one for every address and operation
 }

@@ -1,7 +1,8 @@
-// The execution of one emulated kernel launch (cuda_runtime.h): one host thread per CUDA thread
-// of a block (a team of threads kept from launch to launch), the blocks one after another in a
-// shuffled order, and every rule of the hardware the emulation can check reported as a violation
-// instead of being quietly tolerated:
+// The execution of one emulated kernel launch (cuda_runtime.h): the CUDA threads of a block as
+// fibers of the launching host thread, or under ThreadSanitizer as host threads of their own (see
+// "How the threads of a launch take turns" below), the blocks one after another in a shuffled
+// order, and every rule of the hardware the emulation can check reported as a violation instead
+// of being quietly tolerated:
 //   * a __syncthreads reached by only part of the block (some threads exited or wait elsewhere),
 //     or reached at two different places of the code, is a violation, not a hang;
 //   * a shuffle's mask must name the calling lane and the lane it reads, no lane beyond the
@@ -15,9 +16,11 @@
 // process, unless a test expects it (emu::ExpectViolation): then the launch stops, its error is
 // returned by the call that synchronises with it, and the message is kept for the test to read.
 #pragma once
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
@@ -30,6 +33,25 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define EMU_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_THREAD__)
+#define EMU_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define EMU_TSAN 1
+#endif
+#endif
+#if defined(EMU_ASAN)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
 
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
@@ -133,6 +155,223 @@ inline void poison_static_shared() {
 
 inline std::vector<float4> dynamic_shared;
 
+// --- How the threads of a launch take turns ------------------------------------------------------
+// By default the CUDA threads of a launch are fibers of the host thread that runs it: each has a
+// stack of its own, and control passes from one to the next only where a thread waits (a
+// barrier, a shuffle, the end of a block), in the order of the threads, round after round. Host
+// threads, one per CUDA thread (the Team below), leave those turns to the operating system: with
+// one shard of the tests per core, about 375,000 switches a second, and more than two thirds of
+// the run in sched_yield and the atomic waits around it. ThreadSanitizer reports races between
+// host threads, so under it (and with EMU_THREADS=1 in the environment) every CUDA thread is a
+// host thread of its own. Per-thread state of the emulated device code is therefore kept by the
+// thread's index in the block, never in thread_local variables (but thread_index, which the
+// fibers' scheduler sets at every turn, and block_index, the same for every thread of a block).
+inline bool use_fibers() {
+#if defined(EMU_TSAN) || !defined(__x86_64__)
+  return false;
+#else
+  static const bool fibers = std::getenv("EMU_THREADS") == nullptr;
+  return fibers;
+#endif
+}
+
+#if defined(__x86_64__)
+// Saves the running context's callee-saved registers, its SSE and x87 control words and its stack
+// pointer (to *from), and resumes the context whose stack pointer is `to` (System V x86-64).
+// Written out rather than swapcontext: glibc's makes a system call at every switch (the signal
+// mask), and AddressSanitizer intercepts it to clear the shadow of the whole stack it switches to.
+// Weak: every translation unit that includes this header defines it.
+extern "C" void emu_switch_context(void** from, void* to);
+asm(R"(
+  .text
+  .weak emu_switch_context
+  .type emu_switch_context, @function
+emu_switch_context:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $16, %rsp
+  stmxcsr 8(%rsp)
+  fnstcw 12(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr 8(%rsp)
+  fldcw 12(%rsp)
+  addq $16, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size emu_switch_context, .-emu_switch_context
+)");
+#endif
+
+class Fibers {
+ public:
+  // Reserved per fiber; only the pages a kernel touches are backed. A page below it, neither
+  // readable nor writable, turns an overflow into a fault.
+  static constexpr std::size_t kStackBytes = std::size_t{1} << 20;
+
+  // The calling host thread's fibers, their stacks kept from launch to launch.
+  static Fibers& of_this_thread() {
+    static thread_local Fibers fibers;
+    return fibers;
+  }
+  Fibers() = default;
+  Fibers(const Fibers&) = delete;
+  Fibers& operator=(const Fibers&) = delete;
+  ~Fibers() {
+    const auto page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+    for (Fiber& f : fibers_) munmap(f.stack - page, kStackBytes + page);
+  }
+
+  // The scheduler of the calling host thread, while it runs a launch (else null).
+  static Fibers*& running() {
+    static thread_local Fibers* scheduler = nullptr;
+    return scheduler;
+  }
+
+  // Runs body(t) for t = 0 .. count - 1, each on a fiber; returns when every one has returned.
+  void run(unsigned count, const std::function<void(unsigned)>& body) {
+    const auto page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+    while (fibers_.size() < count) {
+      void* region = mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE,
+                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
+      if (region == MAP_FAILED || mprotect(region, page, PROT_NONE) != 0) {
+        std::perror("emulated CUDA: a fiber's stack");
+        std::abort();
+      }
+      fibers_.emplace_back();
+      fibers_.back().stack = static_cast<unsigned char*>(region) + page;
+    }
+    body_ = &body;
+    Fibers*& scheduler = running();
+    scheduler = this;
+    for (unsigned t = 0; t < count; ++t) start(fibers_[t]);
+    for (unsigned left = count; left > 0;) {
+      bool turned = false;
+      for (unsigned t = 0; t < count; ++t) {
+        Fiber& f = fibers_[t];
+        // A waiting fiber takes its turn once what it waits for has changed.
+        if (f.done || (f.awaited != nullptr && f.awaited->load() == f.seen)) continue;
+        f.awaited = nullptr;
+        turned = true;
+        current_ = t;
+        thread_index = {t, 0, 0};
+        void* fake_stack = nullptr;
+        start_switch(&fake_stack, f.stack, kStackBytes);
+        emu_switch_context(&scheduler_sp_, f.sp);
+        finish_switch(fake_stack, nullptr, nullptr);
+        if (f.done) --left;
+      }
+      if (!turned) {
+        // The barriers and shuffles report a block whose live threads all wait (a violation)
+        // before it can come to this, so this is a defect of the emulation itself.
+        std::fprintf(stderr, "emulated CUDA: %s: every fiber of the launch waits\n",
+                     current_kernel);
+        std::abort();
+      }
+    }
+    scheduler = nullptr;
+    body_ = nullptr;
+  }
+
+  // The running fiber waits until `generation` is no longer `seen`: the others take their turns.
+  void wait(const std::atomic<unsigned>& generation, unsigned seen) {
+    Fiber& f = fibers_[current_];
+    f.awaited = &generation;
+    f.seen = seen;
+    start_switch(&f.fake_stack, scheduler_bottom_, scheduler_size_);
+    emu_switch_context(&f.sp, scheduler_sp_);
+    finish_switch(f.fake_stack, &scheduler_bottom_, &scheduler_size_);
+  }
+
+ private:
+  struct Fiber {
+    unsigned char* stack = nullptr;  // its lowest address; kStackBytes of it
+    void* sp = nullptr;              // its saved stack pointer, while switched out
+    bool done = false;
+    const std::atomic<unsigned>* awaited = nullptr;  // what it waits for, if it waits
+    unsigned seen = 0;
+    void* fake_stack = nullptr;  // AddressSanitizer's, while the fiber is switched out
+  };
+
+  // A fresh fiber: its first turn enters `entry` as if emu_switch_context had been called there.
+  static void start(Fiber& f) {
+    f.done = false;
+    f.awaited = nullptr;
+    f.fake_stack = nullptr;
+    unsigned char* top = f.stack + kStackBytes;
+#if defined(EMU_ASAN)
+    // The frames the last fiber on this stack left at its end (entry's) may still be poisoned.
+    __asan_unpoison_memory_region(top - kStartBytes, kStartBytes);
+#endif
+    auto* words = reinterpret_cast<std::uint64_t*>(top);
+    *--words = 0;  // entry's return address: none (it never returns), and the end of backtraces
+    *--words = reinterpret_cast<std::uint64_t>(&Fibers::entry);
+    for (int r = 0; r < 6; ++r) *--words = 0;         // rbp, rbx, r12 to r15
+    *--words = std::uint64_t{0x037f} << 32 | 0x1f80;  // the x87 and SSE control words' defaults
+    --words;
+    f.sp = words;
+  }
+  static constexpr std::size_t kStartBytes = 16384;
+
+  static void entry() {
+    Fibers& self = *running();
+    self.finish_switch(nullptr, &self.scheduler_bottom_, &self.scheduler_size_);
+    const unsigned t = self.current_;
+    try {
+      (*self.body_)(t);
+    } catch (...) {
+      std::terminate();  // as an exception leaving a host thread's function does
+    }
+    Fiber& f = self.fibers_[t];
+    f.done = true;
+    self.start_switch(nullptr, self.scheduler_bottom_, self.scheduler_size_);  // ends the fiber
+    emu_switch_context(&f.sp, self.scheduler_sp_);
+    __builtin_unreachable();
+  }
+
+  // AddressSanitizer is told of every switch of stacks, or it takes a fiber's frames for
+  // overflows of the host thread's stack.
+  static void start_switch([[maybe_unused]] void** fake_stack, [[maybe_unused]] const void* bottom,
+                           [[maybe_unused]] std::size_t size) {
+#if defined(EMU_ASAN)
+    __sanitizer_start_switch_fiber(fake_stack, bottom, size);
+#endif
+  }
+  static void finish_switch([[maybe_unused]] void* fake_stack,
+                            [[maybe_unused]] const void** bottom_old,
+                            [[maybe_unused]] std::size_t* size_old) {
+#if defined(EMU_ASAN)
+    __sanitizer_finish_switch_fiber(fake_stack, bottom_old, size_old);
+#endif
+  }
+
+  std::vector<Fiber> fibers_;
+  void* scheduler_sp_ = nullptr;            // the host thread's stack pointer, while a fiber runs
+  const void* scheduler_bottom_ = nullptr;  // the host thread's stack (AddressSanitizer)
+  std::size_t scheduler_size_ = 0;
+  unsigned current_ = 0;
+  const std::function<void(unsigned)>* body_ = nullptr;
+};
+
+// Returns once `generation` has moved past `seen`: the fiber gives up its turn meanwhile, or the
+// host thread sleeps on the atomic.
+inline void await_change(const std::atomic<unsigned>& generation, unsigned seen) {
+  if (Fibers* scheduler = Fibers::running()) {
+    while (generation.load() == seen) scheduler->wait(generation, seen);
+    return;
+  }
+  while (generation.load() == seen) generation.wait(seen);
+}
+
 // --- One block's threads and their synchronisation -----------------------------------------------
 struct Warp {
   unsigned valid = 0;    // lanes that exist (the last warp of a block may be partial)
@@ -207,7 +446,7 @@ struct Block {
 
   void wait(std::atomic<unsigned>& gen, unsigned seen, std::unique_lock<std::mutex>& lock) {
     lock.unlock();
-    while (gen.load() == seen) gen.wait(seen);
+    await_change(gen, seen);
     if (failed.load()) throw KernelStopped{};
   }
 
@@ -404,7 +643,9 @@ struct AsyncCopies {
     ends.clear();
   }
 };
-inline thread_local AsyncCopies async_copies;
+inline AsyncCopies async_copies_of[1024];
+// The calling CUDA thread's copies.
+inline AsyncCopies& async_copies() { return async_copies_of[thread_index.x]; }
 
 // The order of the blocks: a permutation drawn from EMU_SEED (default 1) and the launch's
 // number, so a run is reproducible and every launch sees another order.
@@ -421,7 +662,8 @@ inline unsigned long long launches = 0;
 // of a grid over an array too large to be processed whole on a CPU).
 inline unsigned only_last_blocks = 0;
 
-// The host threads that run a launch's CUDA threads, made once and kept: starting and ending a
+// The host threads that run a launch's CUDA threads where they are not fibers (ThreadSanitizer,
+// EMU_THREADS=1), made once and kept: starting and ending a
 // thread costs more than most emulated blocks (about 45 ms for a block of 256 threads under
 // ASan, against 0.5 ms for one of its barriers), so each launch hands its body to the first
 // `count` of them instead. Launches are serialised (cuda_runtime.h runs them under its queue's
@@ -486,6 +728,34 @@ class Team {
   bool stopping_ = false;
 };
 
+// The barrier at the end of every block: the last of its threads to arrive starts the next block
+// (`start`, with every other thread still waiting), then all go on.
+class BetweenBlocks {
+ public:
+  BetweenBlocks(unsigned threads, const std::function<void()>& start)
+      : threads_(threads), start_(start) {}
+  void arrive_and_wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const unsigned seen = generation_.load();
+    if (++arrived_ == threads_) {
+      arrived_ = 0;
+      start_();
+      generation_.fetch_add(1);
+      generation_.notify_all();
+      return;
+    }
+    lock.unlock();
+    await_change(generation_, seen);
+  }
+
+ private:
+  const unsigned threads_;
+  const std::function<void()>& start_;
+  std::mutex mutex_;
+  unsigned arrived_ = 0;
+  std::atomic<unsigned> generation_{0};
+};
+
 // Runs a kernel: `grid` blocks of `threads` threads, `shared` bytes of dynamic shared memory.
 // Returns false when a violation stopped it.
 template <class Kernel>
@@ -506,7 +776,7 @@ bool run_blocks(const char* name, unsigned grid, unsigned threads, std::size_t s
   dynamic_shared.assign((shared + sizeof(float4) - 1) / sizeof(float4), float4{});
   bool stopped = false;
   std::size_t next = 0;
-  const auto start_block = [&]() noexcept {
+  const std::function<void()> start_block = [&]() noexcept {
     if (block.failed.load()) stopped = true;
     if (stopped || next == order.size()) return;
     block.reset(threads);
@@ -516,7 +786,7 @@ bool run_blocks(const char* name, unsigned grid, unsigned threads, std::size_t s
     ++next;
   };
   start_block();
-  std::barrier between_blocks(static_cast<std::ptrdiff_t>(threads), start_block);
+  BetweenBlocks between_blocks(threads, start_block);
   const std::function<void(unsigned)> body = [&](unsigned t) {
     for (std::size_t k = 0; k < order.size(); ++k) {
       thread_index = {t, 0, 0};
@@ -527,13 +797,17 @@ bool run_blocks(const char* name, unsigned grid, unsigned threads, std::size_t s
       } catch (const KernelStopped&) {
         halted = true;
       }
-      async_copies.finish(halted);
+      async_copies().finish(halted);
       block.exit(halted);
       between_blocks.arrive_and_wait();
       if (stopped) break;
     }
   };
-  Team::instance().run(threads, body);
+  if (use_fibers()) {
+    Fibers::of_this_thread().run(threads, body);
+  } else {
+    Team::instance().run(threads, body);
+  }
   current_kernel = "";
   return !stopped && !block.failed.load();
 }
