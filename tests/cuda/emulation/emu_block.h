@@ -210,6 +210,9 @@ emu_switch_context:
   ret
   .size emu_switch_context, .-emu_switch_context
 )");
+#else
+// Elsewhere the CUDA threads are host threads (use_fibers), and this is never called.
+inline void emu_switch_context(void**, void*) { std::abort(); }
 #endif
 
 class Fibers {
