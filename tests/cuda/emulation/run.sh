@@ -17,7 +17,9 @@
 # build-emulation-<mode>/shard-<k>.log, then prints one summary. The .cu files compile as C++
 # with EMFLOW_CUDA_EMULATION defined: kernels/launch.cuh launches through emu_launch. What the
 # emulation enforces is listed in cuda_runtime.h and emu_block.h. EMU_NO_DEVICE=1 makes the
-# emulated runtime report no device; EMU_SEED picks the order of the blocks (default 1).
+# emulated runtime report no device; EMU_SEED picks the order of the blocks (default 1);
+# EMU_THREADS=1 runs each CUDA thread as a host thread of its own instead of a fiber (as the
+# thread mode always does: emu_block.h).
 # EMULATION_JOBS sets the build's parallelism (default: every core).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
