@@ -64,7 +64,20 @@ class WorkspaceCursor {
   explicit WorkspaceCursor(const char* operation) : operation_(operation) {}
   /// Reserves `elements` of `element_bytes` (none for 0) and returns the region's offset.
   std::size_t take(std::int64_t elements, std::size_t element_bytes, const char* region);
+  /// Reserves `count` elements of V and returns their address in the workspace at `base`, or null
+  /// for none (count 0) and while sizing (a null `base`).
+  template <class V>
+  V* take_array(unsigned char* base, std::size_t count, const char* region) {
+    if (count == 0) return nullptr;
+    const std::size_t offset = take(static_cast<std::int64_t>(count), sizeof(V), region);
+    return base != nullptr ? reinterpret_cast<V*>(base + offset) : nullptr;
+  }
   std::size_t total() const noexcept { return cursor_; }
+  /// total() rounded up to a whole kWorkspaceAlignment, so that workspaces laid end to end stay
+  /// aligned (the SDPA calls' sizes).
+  std::size_t aligned_total() const noexcept {
+    return (cursor_ + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment;
+  }
 
  private:
   const char* operation_;

@@ -19,6 +19,7 @@
 #include "emflow/cuda.hpp"
 #include "kernels/sdpa_backward.hpp"
 #include "kernels/tc_attention.hpp"
+#include "plan_strategy.hpp"
 #include "products_strategy.hpp"
 #include "tc_state.hpp"
 
@@ -29,31 +30,7 @@ namespace {
 using emflow::detail::expect_device_pointer;
 using emflow::detail::expect_workspace;
 using emflow::detail::MemoryRange;
-
-constexpr std::size_t kAlignment = 256;
-
-std::size_t aligned(std::size_t bytes) {
-  return (bytes + kAlignment - 1) / kAlignment * kAlignment;
-}
-
-// Pieces of a workspace, each 256-byte aligned: sized with a null base, then taken from the
-// caller's workspace in the same order.
-class Carve {
- public:
-  explicit Carve(void* base = nullptr) : base_(static_cast<unsigned char*>(base)) {}
-  template <class V>
-  V* take(std::size_t count) {
-    if (count == 0) return nullptr;
-    V* piece = base_ != nullptr ? reinterpret_cast<V*>(base_ + used_) : nullptr;
-    used_ += aligned(count * sizeof(V));
-    return piece;
-  }
-  std::size_t used() const noexcept { return used_; }
-
- private:
-  unsigned char* base_ = nullptr;
-  std::size_t used_ = 0;
-};
+using emflow::detail::WorkspaceCursor;
 
 // The route of the call on the GPU: refused with route()'s reason when no kernel computes it.
 // `device_needed`: false for the workspace sizes, which answer for a device that is present.
@@ -91,7 +68,7 @@ struct ForwardPieces {
   // `float32_kernel`: the route is the float32 kernel (Kernel::cuda_fused), which needs lse
   // alone: no key splits.
   ForwardPieces(const SdpaInput<T>& in, const SdpaOutput<T>& output, int requested_splits,
-                bool float32_kernel, void* base) {
+                bool float32_kernel, void* base, const char* op) {
     const std::size_t rows = rows_of(in.batch, in.query_heads, in.query_tokens);
     const auto r = static_cast<std::size_t>(in.rank);
     if (!float32_kernel) {
@@ -100,13 +77,14 @@ struct ForwardPieces {
     }
     const std::size_t split_rows =
         splits.splits > 1 ? static_cast<std::size_t>(splits.splits) * rows : 0;
-    Carve carve(base);
-    if (!std::is_same_v<T, float>) out = carve.take<float>(rows * r);
-    if (output.lse == nullptr) lse = carve.take<float>(rows);
-    split_out = carve.take<float>(split_rows * r);
-    split_lse = carve.take<float>(split_rows);
-    split_entropy = carve.take<float>(split_rows);
-    bytes = carve.used();
+    WorkspaceCursor at(op);
+    auto* const bytes_at = static_cast<unsigned char*>(base);
+    if (!std::is_same_v<T, float>) out = at.take_array<float>(bytes_at, rows * r, "out");
+    if (output.lse == nullptr) lse = at.take_array<float>(bytes_at, rows, "lse");
+    split_out = at.take_array<float>(bytes_at, split_rows * r, "split_out");
+    split_lse = at.take_array<float>(bytes_at, split_rows, "split_lse");
+    split_entropy = at.take_array<float>(bytes_at, split_rows, "split_entropy");
+    bytes = at.aligned_total();
   }
 };
 
@@ -123,7 +101,7 @@ struct BackwardPieces {
 
   BackwardPieces(const SdpaInput<T>& in, const UpstreamGradients<T>& upstream,
                  const SdpaGradientOutput<T>& gradients, const SdpaBackwardOptions& options,
-                 void* base) {
+                 void* base, const char* op) {
     const std::size_t rows = rows_of(in.batch, in.query_heads, in.query_tokens);
     const std::size_t kv = rows_of(in.batch, in.kv_heads, in.tokens);
     const auto r = static_cast<std::size_t>(in.rank);
@@ -132,20 +110,23 @@ struct BackwardPieces {
     blocks = static_cast<int>(
         options.deterministic ? (in.query_tokens + kTile - 1) / kTile * in.query_heads * in.batch
                               : (in.tokens + kTile - 1) / kTile * in.kv_heads * in.batch);
-    Carve carve(base);
+    WorkspaceCursor at(op);
+    auto* const bytes_at = static_cast<unsigned char*>(base);
     if (!std::is_same_v<T, float>) {
-      query_gradient = carve.take<float>(rows * r);
-      key_gradient = carve.take<float>(kv * r);
-      value_gradient = carve.take<float>(kv * rv);
+      query_gradient = at.take_array<float>(bytes_at, rows * r, "query_gradient");
+      key_gradient = at.take_array<float>(bytes_at, kv * r, "key_gradient");
+      value_gradient = at.take_array<float>(bytes_at, kv * rv, "value_gradient");
     }
-    output_gradient = carve.take<float>(rows * rv);
-    lse = carve.take<float>(rows);
-    row_term = carve.take<float>(rows);
-    if (upstream.entropy != nullptr) entropy_gradient = carve.take<float>(rows);
+    output_gradient = at.take_array<float>(bytes_at, rows * rv, "output_gradient");
+    lse = at.take_array<float>(bytes_at, rows, "lse");
+    row_term = at.take_array<float>(bytes_at, rows, "row_term");
+    if (upstream.entropy != nullptr) {
+      entropy_gradient = at.take_array<float>(bytes_at, rows, "entropy_gradient");
+    }
     if (gradients.scale != nullptr) {
-      scale_terms = carve.take<float>(static_cast<std::size_t>(blocks));
+      scale_terms = at.take_array<float>(bytes_at, static_cast<std::size_t>(blocks), "scale_terms");
     }
-    bytes = carve.used();
+    bytes = at.aligned_total();
   }
 };
 
@@ -187,7 +168,7 @@ std::size_t sdpa_workspace_size(const SdpaInput<T>& input, const SdpaOutput<T>& 
                              emflow::detail::Lengths::device);
   const Route r = gpu_route(input, Operation::sdpa, options, false, op);
   return ForwardPieces<T>(input, output, options.key_splits, r.kernel == Kernel::cuda_fused,
-                          nullptr)
+                          nullptr, op)
       .bytes;
 }
 
@@ -204,7 +185,7 @@ void sdpa_attend_async(const SdpaInput<T>& input, const SdpaOutput<T>& output, v
   expect_device_pointer(op, "output", output.output, device);
   expect_device_pointer(op, "lse", output.lse, device);
   expect_device_pointer(op, "entropy", output.entropy, device);
-  const ForwardPieces<T> need(input, output, options.key_splits, float32_kernel, nullptr);
+  const ForwardPieces<T> need(input, output, options.key_splits, float32_kernel, nullptr, op);
   expect_workspace(op, workspace, workspace_bytes, need.bytes, device);
   const std::size_t rows = rows_of(input.batch, input.query_heads, input.query_tokens);
   std::vector<MemoryRange> ranges = emflow::detail::sdpa_input_ranges(input);
@@ -215,7 +196,7 @@ void sdpa_attend_async(const SdpaInput<T>& input, const SdpaOutput<T>& output, v
        range("workspace", static_cast<const unsigned char*>(workspace), need.bytes, true)});
   emflow::detail::check_disjoint(ranges.data(), ranges.size(), op);
 
-  const ForwardPieces<T> w(input, output, options.key_splits, float32_kernel, workspace);
+  const ForwardPieces<T> w(input, output, options.key_splits, float32_kernel, workspace, op);
   if constexpr (std::is_same_v<T, float>) {
     if (float32_kernel) {  // float products (Precision::fp32): kernels/sdpa_backward.cu
       emflow::detail::SdpaForwardArgs args;
@@ -286,7 +267,7 @@ std::size_t sdpa_backward_workspace_size(const SdpaInput<T>& input,
   emflow::detail::check_sdpa(input, gradients.queries != nullptr ? gradients.queries : &stand_in,
                              op, emflow::detail::Lengths::device);
   gpu_route(input, Operation::sdpa_backward, {}, false, op);
-  return BackwardPieces<T>(input, upstream, gradients, options, nullptr).bytes;
+  return BackwardPieces<T>(input, upstream, gradients, options, nullptr, op).bytes;
 }
 
 template <class T>
@@ -320,7 +301,7 @@ void sdpa_backward_async(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
   for (std::size_t k = 0; k < std::size(names); ++k) {
     expect_device_pointer(op, names[k], pointers[k], device);
   }
-  const BackwardPieces<T> need(input, upstream, gradients, options, nullptr);
+  const BackwardPieces<T> need(input, upstream, gradients, options, nullptr, op);
   expect_workspace(op, workspace, workspace_bytes, need.bytes, device);
   const std::size_t rows = rows_of(input.batch, input.query_heads, input.query_tokens);
   const std::size_t kv = rows_of(input.batch, input.kv_heads, input.tokens);
@@ -341,7 +322,7 @@ void sdpa_backward_async(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
                                      need.bytes, true)});
   emflow::detail::check_disjoint(ranges.data(), ranges.size(), op);
 
-  const BackwardPieces<T> w(input, upstream, gradients, options, workspace);
+  const BackwardPieces<T> w(input, upstream, gradients, options, workspace, op);
   emflow::detail::SdpaBackwardArgs args;
   if constexpr (std::is_same_v<T, float>) {
     args.query = input.queries;
