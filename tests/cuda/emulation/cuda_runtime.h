@@ -21,6 +21,7 @@
 #pragma once
 #include <sys/mman.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -29,6 +30,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <tuple>
@@ -51,6 +53,10 @@ using cudaStream_t = CUstream_st*;
 struct CUevent_st {
   unsigned long long at = 0;  // the queue position it completes at (0: never recorded)
   int device = 0;             // the device current when it was created
+  bool timing = true;         // not made with cudaEventDisableTiming
+  // Host milliseconds (steady clock) at which the last record's queued work ran; shared with
+  // that work, which may run after the event is destroyed, as on a GPU. Negative until it ran.
+  std::shared_ptr<double> completed_ms;
 };
 using cudaEvent_t = CUevent_st*;
 enum cudaError_t {
@@ -340,6 +346,11 @@ inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t s) { return emu::run_stream(s); }
+// Whether everything queued on `s` has run (queued work runs only when the host synchronises).
+inline cudaError_t cudaStreamQuery(cudaStream_t s) {
+  std::lock_guard<std::recursive_mutex> lock(emu::queue_mutex);
+  return emu::pending_of(s) == 0 ? cudaSuccess : cudaErrorNotReady;
+}
 inline cudaError_t cudaDeviceSynchronize() { return emu::run_all(); }
 
 inline cudaError_t cudaEventCreate(cudaEvent_t* e) {
@@ -347,7 +358,11 @@ inline cudaError_t cudaEventCreate(cudaEvent_t* e) {
   (*e)->device = emu::current_device;
   return cudaSuccess;
 }
-inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) { return cudaEventCreate(e); }
+inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags) {
+  const cudaError_t made = cudaEventCreate(e);
+  if (made == cudaSuccess) (*e)->timing = (flags & cudaEventDisableTiming) == 0;
+  return made;
+}
 inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
   delete e;
   return cudaSuccess;
@@ -358,13 +373,34 @@ inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s = nullptr) {
     return emu::last_error = cudaErrorInvalidResourceHandle;
   }
   std::lock_guard<std::recursive_mutex> lock(emu::queue_mutex);
-  emu::enqueue(s, [] { return true; });
+  e->completed_ms = std::make_shared<double>(-1.0);
+  emu::enqueue(s, [when = e->completed_ms] {
+    *when = std::chrono::duration<double, std::milli>(
+                std::chrono::steady_clock::now().time_since_epoch())
+                .count();
+    return true;
+  });
   e->at = emu::queued;
   return cudaSuccess;
 }
 inline cudaError_t cudaEventSynchronize(cudaEvent_t e) { return emu::run_until(e->at); }
 inline cudaError_t cudaEventQuery(cudaEvent_t e) {
   return emu::done >= e->at ? cudaSuccess : cudaErrorNotReady;
+}
+// Host time between the two events' queued work (the emulation's time, not a GPU's). As on a GPU:
+// both must have been recorded with timing on (else cudaErrorInvalidResourceHandle) and have
+// completed (else cudaErrorNotReady).
+inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  if (ms == nullptr || start == nullptr || end == nullptr) {
+    return emu::last_error = cudaErrorInvalidValue;
+  }
+  if (!start->timing || !end->timing || start->at == 0 || end->at == 0) {
+    return emu::last_error = cudaErrorInvalidResourceHandle;
+  }
+  std::lock_guard<std::recursive_mutex> lock(emu::queue_mutex);
+  if (emu::done < start->at || emu::done < end->at) return cudaErrorNotReady;
+  *ms = static_cast<float>(*end->completed_ms - *start->completed_ms);
+  return cudaSuccess;
 }
 // Work is run in the order it was queued, so a later operation of `s` already follows `e`.
 inline cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned = 0) {

@@ -67,6 +67,9 @@ SMALL+=':CudaDecode.*'
 # its plan's, the factored form in float and double, and the device binding on two emulated
 # devices (their shared-memory limits, a device reset, the decode cache on its own device).
 SMALL+=':CudaPlan*:Cases/CudaPlanStrategies.*'
+# The device timing of `emflow bench --device cuda` and the GPU benchmarks (tools::CudaTiming),
+# and the tool's GPU line itself where the build has the tool (CI's).
+SMALL+=':CudaTiming.*:CudaBenchCommand.*'
 # The test matrix (tests/attention/matrix_test.cpp): every CUDA entry point (blocking,
 # stream-ordered, the plan, the decode cache) x form x storage x operation on its smallest
 # ragged case (two clouds of 7 keys, causal, key bias and offset), run or refused as route() says.
