@@ -2,8 +2,9 @@
 # tests/consumer/subproject, which adds this source tree with add_subdirectory, builds and runs its
 # program, and checks the compile lines: emflow's warning flags and CPU path definitions stay on
 # emflow's own files and never reach the consumer's. The consumer gives no build type (so emflow's code is
-# compiled without optimisation, the cheapest build that links) and builds without CUDA: what is
-# checked here is the configuration and the flags, which the CUDA build shares.
+# compiled without optimisation, the cheapest build that links) and builds without CUDA and with
+# the CPU engine's host path alone (a third of src/cpu's compilation): what is checked here is the
+# configuration and the flags, which the CUDA build and every path share.
 cmake_minimum_required(VERSION 3.25)
 
 function(run what)
@@ -22,6 +23,7 @@ run("configuring the consumer" ${CMAKE_COMMAND}
     -DCMAKE_CXX_COMPILER=${EMFLOW_CONSUMER_CXX}
     -DEMFLOW_SOURCE_DIR=${EMFLOW_SOURCE_DIR}
     -DEMFLOW_WITH_CUDA=OFF
+    -DEMFLOW_ONLY_CPU_PATH=host
     -DCMAKE_EXPORT_COMPILE_COMMANDS=ON)
 run("building the consumer" ${CMAKE_COMMAND} --build ${work} --target emflow_example)
 run("running the consumer" ${work}/emflow_example)
