@@ -10,8 +10,16 @@
 #   SANITIZE_SHARDS=0 scripts/sanitize.sh -R Npy   one ctest test per case; ctest arguments
 #                                                  after the options are passed on
 #
+#   SANITIZE_EMULATION=1 scripts/sanitize.sh     the same suites on a library built against the
+#                                                CPU emulation of CUDA (EMFLOW_CUDA_EMULATION),
+#                                                which reports no device to them (EMU_NO_DEVICE=1),
+#                                                and the emulation's GPU test binary built beside
+#                                                them: tests/cuda/emulation/run.sh then runs it
+#                                                from this build (EMULATION_BUILD), so that CI
+#                                                compiles the library once for both
+#
 # Environment: SANITIZE_BUILD (build folder, default build-asan), SANITIZE_SUITES, SANITIZE_JOBS,
-# SANITIZE_SHARDS (gtest shards per suite, default 6).
+# SANITIZE_SHARDS (gtest shards per suite, default 6), SANITIZE_EMULATION (0 or 1, default 0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,16 +33,27 @@ shards=${SANITIZE_SHARDS:-6}
 read -r -a suites <<<"${SANITIZE_SUITES:-core reference io cli cpu attention backward reliability}"
 flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g1"
 
+emulation=${SANITIZE_EMULATION:-0}
+[[ "$emulation" == 0 || "$emulation" == 1 ]] ||
+  { echo "sanitize.sh: SANITIZE_EMULATION must be 0 or 1, not '$emulation'" >&2; exit 2; }
+
 start=$(date +%s)
 # -O1: a third of the compile time of -O3 and fast enough for the tests; asserts stay on.
 # One path of the CPU engine, the one this processor takes (EMFLOW_ONLY_CPU_PATH=host): the
 # suites run that path alone here, and it is a third of src/cpu's compile time.
+# The same flags as the emulation's preset (CMakePresets.json, emulation-address).
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE=-O1 \
   -DEMFLOW_ONLY_CPU_PATH=host -DEMFLOW_WITH_CUDA=OFF -DEMFLOW_BUILD_BENCHMARKS=OFF -DEMFLOW_BUILD_TESTS=ON \
   -DEMFLOW_BUILD_CLI=ON -DCMAKE_CXX_FLAGS="$flags" -DEMFLOW_TEST_SHARDS="$shards" \
+  -DEMFLOW_CUDA_EMULATION="$( ((emulation)) && echo ON || echo OFF)" \
   -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" >/dev/null
 targets=(emflow_cli)
 for suite in "${suites[@]}"; do targets+=("emflow_${suite}_tests"); done
+if ((emulation)); then
+  targets+=(emflow_cuda_emulated_tests)
+  # The CPU suites see a build with CUDA and no device, as on a machine without a GPU.
+  export EMU_NO_DEVICE=1
+fi
 cmake --build "$build" --target "${targets[@]}" -j "$jobs"
 built=$(date +%s)
 echo "sanitize.sh: built in $((built - start)) s"

@@ -20,7 +20,10 @@
 # emulated runtime report no device; EMU_SEED picks the order of the blocks (default 1);
 # EMU_THREADS=1 runs each CUDA thread as a host thread of its own instead of a fiber (as the
 # thread mode always does: emu_block.h).
-# EMULATION_JOBS sets the build's parallelism (default: every core).
+# EMULATION_JOBS sets the build's parallelism (default: every core). EMULATION_BUILD names a
+# build folder configured already with EMFLOW_CUDA_EMULATION=ON and this mode's sanitizer (CI:
+# scripts/sanitize.sh with SANITIZE_EMULATION=1, which builds the library once for its CPU suites
+# and for this binary) to use instead of the preset's.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
 MODE=${1:-address}
@@ -83,13 +86,26 @@ for c in B2_H2_N200_d16_window5 B1_H1_N300_d130_window70 B3_H2_N300_d64_window1 
   LARGE+=":Large/*/cuda_unfused_f64_${c}_*:Large/*/cuda_unfused_f64_${c}"
 done
 FILTER=${2:-"$SMALL:$LARGE-*RepeatedRunsAreBitwiseEqual*/cuda_unfused_*"}
-BUILD="$ROOT/build-emulation-$MODE"
 jobs=${EMULATION_JOBS:-$cores}
 shards=${EMULATION_SHARDS:-$((cores < 4 ? cores : 4))}
 
 cd "$ROOT"
-mkdir -p "$BUILD"
-cmake --preset "emulation-$MODE" >"$BUILD/configure.log" 2>&1 || { cat "$BUILD/configure.log" >&2; exit 1; }
+if [[ -n "${EMULATION_BUILD:-}" ]]; then
+  BUILD=$(cd "$EMULATION_BUILD" 2>/dev/null && pwd) ||
+    { echo "EMULATION_BUILD: no folder '$EMULATION_BUILD'" >&2; exit 2; }
+  cache="$BUILD/CMakeCache.txt"
+  sanitizer=$([[ "$MODE" == thread ]] && echo thread || echo address)
+  if ! grep -qE '^EMFLOW_CUDA_EMULATION:BOOL=(ON|1|TRUE)$' "$cache" 2>/dev/null ||
+    ! grep -qE "^CMAKE_CXX_FLAGS:STRING=.*-fsanitize=[a-z,]*$sanitizer" "$cache"; then
+    echo "EMULATION_BUILD: $BUILD is not a build configured with EMFLOW_CUDA_EMULATION=ON and" \
+      "-fsanitize=$sanitizer (its CMakeCache.txt)" >&2
+    exit 2
+  fi
+else
+  BUILD="$ROOT/build-emulation-$MODE"
+  mkdir -p "$BUILD"
+  cmake --preset "emulation-$MODE" >"$BUILD/configure.log" 2>&1 || { cat "$BUILD/configure.log" >&2; exit 1; }
+fi
 cmake --build "$BUILD" -j "$jobs" --target emflow_cuda_emulated_tests
 # libgomp is not instrumented, so TSan would flag the host's OpenMP regions: one OpenMP thread.
 [[ "$MODE" == thread ]] && export OMP_NUM_THREADS=1
