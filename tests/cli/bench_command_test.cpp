@@ -2,13 +2,12 @@
 // add their lines; bad options fail with a message naming the option. No timing is asserted.
 #include <gtest/gtest.h>
 
-#include <array>
 #include <chrono>
 #include <cstdint>
-#include <cstdio>
 #include <string>
 #include <vector>
 
+#include "common/cli.hpp"
 #include "emflow/memory.hpp"
 
 namespace {
@@ -16,25 +15,9 @@ namespace {
 using emflow::memory_limit_bytes;
 
 #if defined(EMFLOW_CLI_PATH)
-struct Result {
-  int status = -1;
-  std::vector<std::string> lines;  // stdout and stderr together
-};
+using Result = emflow::testing::CliOutput;
 
-Result run(const std::string& arguments) {
-  Result result;
-  const std::string command = std::string(EMFLOW_CLI_PATH) + " " + arguments + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return result;
-  std::array<char, 4096> buffer{};
-  while (fgets(buffer.data(), static_cast<int>(buffer.size()), pipe) != nullptr) {
-    std::string line(buffer.data());
-    if (!line.empty() && line.back() == '\n') line.pop_back();
-    result.lines.push_back(line);
-  }
-  result.status = pclose(pipe);
-  return result;
-}
+Result run(const std::string& arguments) { return emflow::testing::run_cli_output(arguments); }
 
 bool has(const std::string& line, const std::string& text) {
   return line.find(text) != std::string::npos;

@@ -5,12 +5,15 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <array>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "common/files.hpp"
 
@@ -45,6 +48,33 @@ inline CliRun run_cli(const std::string& arguments, const std::string& stderr_pa
   (void)prefix;
   return {};
 #endif
+}
+
+/// A run of emflow whose output the test reads: its exit status as pclose gives it (0 for exit 0)
+/// and the lines it wrote to stdout and stderr together, without their newlines.
+struct CliOutput {
+  int status = -1;
+  std::vector<std::string> lines;
+};
+
+/// Runs emflow with `arguments` (shell words) and collects its output lines.
+inline CliOutput run_cli_output(const std::string& arguments) {
+  CliOutput result;
+#ifdef EMFLOW_CLI_PATH
+  const std::string command = std::string(EMFLOW_CLI_PATH) + " " + arguments + " 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return result;
+  std::array<char, 4096> buffer{};
+  while (fgets(buffer.data(), static_cast<int>(buffer.size()), pipe) != nullptr) {
+    std::string line(buffer.data());
+    if (!line.empty() && line.back() == '\n') line.pop_back();
+    result.lines.push_back(line);
+  }
+  result.status = pclose(pipe);
+#else
+  (void)arguments;
+#endif
+  return result;
 }
 
 /// The shell words that start emflow on `ranks` ranks of an MPI job with one OpenMP thread each

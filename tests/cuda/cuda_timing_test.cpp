@@ -6,15 +6,14 @@
 #include <gtest/gtest.h>
 
 #if defined(EMFLOW_WITH_CUDA)
-#include <array>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "common/cli.hpp"
 #include "emflow/cuda.hpp"
 #include "tools/cuda_timing.hpp"
 
@@ -60,22 +59,14 @@ TEST(CudaTiming, TheTimedWorkHasRunWhenSecondsReturns) {
 TEST(CudaBenchCommand, TimesAttendOnTheDevice) {
   std::string reason;
   if (!cuda::device_available(&reason)) GTEST_SKIP() << "no CUDA device: " << reason;
-  const std::string command = std::string(EMFLOW_CLI_PATH) +
-                              " bench --device cuda --tokens 70 --dim 5 --heads 2 --batch 2"
-                              " --mask causal --repeats 2 --threads 1 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  ASSERT_NE(pipe, nullptr);
-  std::vector<std::string> lines;
-  std::array<char, 4096> buffer{};
-  while (fgets(buffer.data(), static_cast<int>(buffer.size()), pipe) != nullptr) {
-    lines.emplace_back(buffer.data());
-  }
-  const int status = pclose(pipe);
+  const CliOutput run = run_cli_output(
+      "bench --device cuda --tokens 70 --dim 5 --heads 2 --batch 2 --mask causal --repeats 2 "
+      "--threads 1");
   std::string all;
-  for (const std::string& line : lines) all += line;
-  ASSERT_EQ(status, 0) << all;
+  for (const std::string& line : run.lines) all += line + "\n";
+  ASSERT_EQ(run.status, 0) << all;
   int cuda_lines = 0, cpu_lines = 0;
-  for (const std::string& line : lines) {
+  for (const std::string& line : run.lines) {
     if (line.find("\"op\": \"attend\"") == std::string::npos) continue;
     if (line.find("\"device\": \"cpu\"") != std::string::npos) ++cpu_lines;
     if (line.find("\"device\": \"cuda\"") == std::string::npos) continue;
