@@ -41,13 +41,9 @@ start=$(date +%s)
 # -O1: a third of the compile time of -O3 and fast enough for the tests; asserts stay on.
 # One path of the CPU engine, the one this processor takes (EMFLOW_ONLY_CPU_PATH=host): the
 # suites run that path alone here, and it is a third of src/cpu's compile time.
-# The test code (EMFLOW_TEST_CXX_FLAGS) goes without UBSan's pointer checks (alignment, null,
-# vptr, pointer-overflow, object-size), which instrument every access and member call and cost
-# most of UBSan's compile time: tests/attention/matrix_test.cpp compiles in 31 s with them, 21 s
-# without, 20 s under ASan alone. ASan still checks its memory accesses and UBSan's other checks
-# (nonnull-attribute, shifts, overflow, bounds) still run there; the library and the tool get
-# every check. (An inline function of a public header that a test file instantiates too may run
-# as that file's copy, without the pointer checks, when the library calls it in a test binary.)
+# The test code (EMFLOW_TEST_CXX_FLAGS) goes without UBSan's pointer checks, most of UBSan's
+# compile time; ASan and UBSan's other checks still run in it, the library and the tool get every
+# check (docs/RELIABILITY.md section 2: the measurements, and what that gives up).
 # The same flags as the emulation's preset (CMakePresets.json, emulation-address).
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE=-O1 \
   -DEMFLOW_TEST_CXX_FLAGS="-fno-sanitize=alignment,null,vptr,pointer-overflow,object-size" \
