@@ -20,6 +20,7 @@
 #include "emflow/distributed_flow.hpp"
 #include "emflow/flow.hpp"
 #include "emflow/io.hpp"
+#include "flow_command.hpp"
 #include "job.hpp"
 #include "tools/plot.hpp"
 #include "tools/progress.hpp"
@@ -66,12 +67,6 @@ void parse_beta_range(const std::string& text, flow::PhaseSettings& s) {
   s.beta_start = start;
   s.beta_stop = stop;
   s.beta_count = count;
-}
-
-std::string csv_number(double v) {
-  char text[40];
-  std::snprintf(text, sizeof text, "%.9g", v);
-  return text;
 }
 
 void run_phase(PhaseArguments& args) {
