@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# AddressSanitizer + UndefinedBehaviorSanitizer build of the library and the CLI, with the CPU test
-# suites that exercise them (core, reference, io, cli, cpu, attention, backward, reliability; their
-# own code without UBSan's pointer checks; CUDA, benchmarks and the slower flow suite are left out
-# to keep CI short; the attention suite's GPU cases skip), then ctest on those suites. Any
-# sanitizer report aborts the test that caused it, so ctest fails.
+# AddressSanitizer + UndefinedBehaviorSanitizer build of the library and the CLI (compiled as one
+# unity build, EMFLOW_CLI_UNITY_BUILD), with the CPU test suites that exercise them (core,
+# reference, io, cli, cpu, attention, backward, reliability; their own code without UBSan's
+# pointer checks; CUDA, benchmarks and the slower flow suite are left out to keep CI short; the
+# attention suite's GPU cases skip), then ctest on those suites. Any sanitizer report aborts the
+# test that caused it, so ctest fails.
 #
 #   scripts/sanitize.sh                   build and run the suites above
 #   SANITIZE_SUITES="io cli" scripts/sanitize.sh
@@ -48,7 +49,7 @@ start=$(date +%s)
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE=-O1 \
   -DEMFLOW_TEST_CXX_FLAGS="-fno-sanitize=alignment,null,vptr,pointer-overflow,object-size" \
   -DEMFLOW_ONLY_CPU_PATH=host -DEMFLOW_WITH_CUDA=OFF -DEMFLOW_BUILD_BENCHMARKS=OFF -DEMFLOW_BUILD_TESTS=ON \
-  -DEMFLOW_BUILD_CLI=ON -DCMAKE_CXX_FLAGS="$flags" -DEMFLOW_TEST_SHARDS="$shards" \
+  -DEMFLOW_BUILD_CLI=ON -DEMFLOW_CLI_UNITY_BUILD=ON -DCMAKE_CXX_FLAGS="$flags" -DEMFLOW_TEST_SHARDS="$shards" \
   -DEMFLOW_CUDA_EMULATION="$( ((emulation)) && echo ON || echo OFF)" \
   -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" >/dev/null
 targets=(emflow_cli)
