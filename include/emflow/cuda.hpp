@@ -147,13 +147,16 @@ struct PlanAccess;
 }  // namespace detail
 
 /// A computation made once and enqueued many times (the header comment): the contextual update of
-/// a dense layer, of a factored layer, or the partial state over a block of keys, for storage type
-/// T (float, double, bfloat16 or float16; the partial state is float or double).
+/// a dense layer, of a factored layer, the partial state over a block of keys, or the forward pass
+/// of the SDPA-shaped operator (sdpa.hpp), for storage type T (float, double, bfloat16 or
+/// float16; the partial state is float or double; the SDPA operator float, bfloat16 or float16).
 ///
 /// A plan is made from the shapes of `input` (batch, tokens, query_tokens, dim, heads; rank for
-/// the factored form), its mask and which of its optional arrays are given (queries, key_bias),
+/// the factored form; for the SDPA operator batch, query_heads, kv_heads, query_tokens, tokens,
+/// rank and value_rank), its mask and which of its optional arrays are given (queries, key_bias),
 /// and which outputs are asked for: the arrays themselves may be null or device pointers, they
-/// are not read. beta is checked but not kept: each run passes its own.
+/// are not read. beta (the SDPA operator's scale) is checked but not kept: each run passes its
+/// own.
 template <class T>
 class AttentionPlan {
  public:
@@ -172,6 +175,12 @@ class AttentionPlan {
   /// array of a PartialOutput is written.
   AttentionPlan(const AttentionInput<T>& input, const PartialOutput<T>& output,
                 const PlanOptions& options = {});
+  /// The forward pass of the SDPA-shaped operator (emflow::sdpa_attend): the kernels of
+  /// sdpa_attend_async (float with Precision::fp32 on the float32 kernel, else the tensor cores
+  /// with key splits by the same rule or options.key_splits, value_rank equal to rank there); lse
+  /// and entropy written where asked for.
+  AttentionPlan(const SdpaInput<T>& input, const SdpaOutput<T>& output,
+                const PlanOptions& options = {});
   ~AttentionPlan();
   AttentionPlan(AttentionPlan&& other) noexcept;
   AttentionPlan& operator=(AttentionPlan&& other) noexcept;
@@ -189,6 +198,8 @@ class AttentionPlan {
                              const PlanOptions& options = {}) noexcept;
   static Route can_implement(const AttentionInput<T>& input, const PartialOutput<T>& output,
                              const PlanOptions& options = {}) noexcept;
+  static Route can_implement(const SdpaInput<T>& input, const SdpaOutput<T>& output,
+                             const PlanOptions& options = {}) noexcept;
 
   /// The workspace_size() a plan of this problem has, without a device (the strategy depends on
   /// the shapes and options only). Throws as the constructor does, except for a missing device.
@@ -202,8 +213,11 @@ class AttentionPlan {
   static std::size_t get_workspace_size(const AttentionInput<T>& input,
                                         const PartialOutput<T>& output,
                                         const PlanOptions& options = {});
+  static std::size_t get_workspace_size(const SdpaInput<T>& input, const SdpaOutput<T>& output,
+                                        const PlanOptions& options = {});
 
-  /// Bytes of device workspace each run needs (256-byte aligned, as cudaMalloc gives).
+  /// Bytes of device workspace each run needs (256-byte aligned, as cudaMalloc gives; 0 for an
+  /// SDPA plan in float32 that asks for lse and has no key splits).
   std::size_t workspace_size() const noexcept;
   /// Where and how the plan runs (route()'s answer: its kernel, precision, expansion).
   const Route& route() const noexcept;
@@ -219,6 +233,7 @@ class AttentionPlan {
   bool matches(const AttentionInput<T>& input, const FactoredLayer<T>& layer,
                const AttentionOutput<T>& output) const noexcept;
   bool matches(const AttentionInput<T>& input, const PartialOutput<T>& output) const noexcept;
+  bool matches(const SdpaInput<T>& input, const SdpaOutput<T>& output) const noexcept;
 
   /// Enqueues the plan on `stream`, with the arrays of `input` and `output` (device pointers; the
   /// key and query lengths `batch` int64 entries on the device that the caller guarantees are in
@@ -226,7 +241,8 @@ class AttentionPlan {
   /// synchronisation, and the kernels clamp them). Checks, with integer compares only, that the
   /// call is the plan's (the form; batch, tokens, query_tokens, dim, heads, rank and the mask; the
   /// same optional inputs and outputs given; the required arrays not null; a finite beta) and
-  /// that `workspace` is not null, holds workspace_size() bytes and is 256-byte aligned; it does
+  /// that `workspace` holds workspace_size() bytes and is 256-byte aligned (null only where that
+  /// is 0); it does
   /// not check where the pointers point (attend_async does). Then makes the plan's device current
   /// (restoring the caller's on return), refuses a stream of another device or a CUDA error
   /// already pending, and enqueues. The workspace must not be used by other work until this run's
@@ -238,6 +254,11 @@ class AttentionPlan {
            const AttentionOutput<T>& output, void* workspace, std::size_t workspace_bytes,
            Stream stream) const;
   void run(const AttentionInput<T>& input, const PartialOutput<T>& output, void* workspace,
+           std::size_t workspace_bytes, Stream stream) const;
+  /// The SDPA form: the same checks on its own shapes (batch, query_heads, kv_heads,
+  /// query_tokens, tokens, rank, value_rank, the mask; lse and entropy asked for as planned; a
+  /// finite scale) and its arrays (queries, keys, values and output not null).
+  void run(const SdpaInput<T>& input, const SdpaOutput<T>& output, void* workspace,
            std::size_t workspace_bytes, Stream stream) const;
 
  private:
@@ -313,22 +334,23 @@ void finish_partial_async(const PartialShape& shape, const PartialInput<T>& stat
 
 /// Bytes of device workspace sdpa_attend_async needs for these shapes and outputs (reads no
 /// array, needs no device). Throws emflow::Error for invalid shapes or a problem the GPU does
-/// not compute (route()'s reason).
+/// not compute (route()'s reason): AttentionPlan<T>::get_workspace_size.
 template <class T>
 std::size_t sdpa_workspace_size(const SdpaInput<T>& input, const SdpaOutput<T>& output,
                                 const PlanOptions& options = {});
 
-/// Enqueues emflow::sdpa_attend (sdpa.hpp) on `stream`, the blocking form's kernels on the
-/// caller's device arrays as they are: for T bfloat16, float16, or float with Precision::tf32
-/// the tensor-core kernel (key splits by the same rule or options.key_splits; value_rank equal
-/// to rank <= 256), the output rounded to T once on the device; for float with Precision::fp32
-/// the float32 kernel (float products, no key splits; rank and value_rank <= 128; its workspace
-/// is lse's rows when lse is not asked for, else none). Device pointers throughout:
-/// queries, keys, values, output (T), lse and entropy (float32, optional), and the key and query
-/// lengths and query positions (`batch` int64 entries each, optional, trusted as attend_async's).
-/// `workspace`: sdpa_workspace_size(input, output, options) bytes, 256-byte aligned (may be null
-/// when that is 0: float output with lse asked for and no key splits). Checks as
-/// attend_async (device memory of the current device, no output overlapping an input, another
+/// Enqueues emflow::sdpa_attend (sdpa.hpp) on `stream`: a plan made and run in one call
+/// (AttentionPlan<T>(input, output, options).run(...)), after the pointer checks of attend_async;
+/// the blocking form's kernels on the caller's device arrays as they are: for T bfloat16, float16,
+/// or float with Precision::tf32 the tensor-core kernel (key splits by the same rule or
+/// options.key_splits; value_rank equal to rank <= 256), the output rounded to T once on the
+/// device; for float with Precision::fp32 the float32 kernel (float products, no key splits; rank
+/// and value_rank <= 128; its workspace is lse's rows when lse is not asked for, else none). Device
+/// pointers throughout: queries, keys, values, output (T), lse and entropy (float32, optional), and
+/// the key and query lengths and query positions (`batch` int64 entries each, optional, trusted as
+/// attend_async's). `workspace`: sdpa_workspace_size(input, output, options) bytes, 256-byte
+/// aligned (may be null when that is 0: float output with lse asked for and no key splits). Checks
+/// as attend_async (device memory of the current device, no output overlapping an input, another
 /// output or the workspace); no synchronisation. Unlike the blocking form it reads no value on
 /// the host: a non-finite input reaches the output as the kernel carries it (the blocking form
 /// sends such input to the reference).

@@ -3,7 +3,8 @@
 // runs), given the strategy the route names (plan_strategy.hpp) and bound to the current device;
 // then run many times, each run matched against the description with integer compares before the
 // strategy enqueues it. Also the workspace cursor and the shared-memory checks the strategies
-// share, and detail::PlanAccess (plan_access.hpp).
+// share, and detail::PlanAccess (plan_access.hpp). The forms: the update of a dense or factored
+// layer, the partial state, and the SDPA-shaped operator's forward pass.
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -18,6 +19,7 @@
 #include "core/backends.hpp"
 #include "core/check.hpp"
 #include "core/low_precision.hpp"
+#include "core/sdpa_checks.hpp"
 #include "cuda_support.hpp"
 #include "decode_strategy.hpp"
 #include "emflow/capability.hpp"
@@ -26,6 +28,7 @@
 #include "plan_access.hpp"
 #include "plan_strategy.hpp"
 #include "products_strategy.hpp"
+#include "sdpa_strategy.hpp"
 #include "tc_dense.hpp"
 #include "tc_factored.hpp"
 
@@ -165,6 +168,26 @@ Problem checked_problem(const char* operation, const AttentionInput<T>& input,
   return p;
 }
 
+// The SDPA-shaped operator's forward pass. A plan reads no array: null queries, keys or values
+// stand in for arrays given at each run (which checks them: run()).
+template <class T>
+Problem checked_problem(const char* operation, const SdpaInput<T>& input,
+                        const SdpaOutput<T>& output, const PlanOptions& options) {
+  const ExecutionOptions exec = execution<T>(options, operation);
+  static const T stand_in{};
+  SdpaInput<T> shapes = input;
+  if (shapes.queries == nullptr) shapes.queries = &stand_in;
+  if (shapes.keys == nullptr) shapes.keys = &stand_in;
+  if (shapes.values == nullptr) shapes.values = &stand_in;
+  T written{};
+  emflow::detail::check_sdpa(shapes, &written, operation, emflow::detail::Lengths::device);
+  Problem p = emflow::detail::sdpa_problem(input, Operation::sdpa, exec);
+  p.algorithm = options.algorithm;
+  p.lse = output.lse != nullptr;
+  p.entropy = output.entropy != nullptr;
+  return p;
+}
+
 // A machine with a device: the rules of route() do not depend on which device it is.
 Machine with_device() {
   Machine machine = this_machine();
@@ -180,7 +203,14 @@ std::unique_ptr<PlanStrategy<T>> make_strategy(const Problem& p, const Route& r,
   using namespace emflow::detail;
   constexpr bool wide = std::is_same_v<T, float> || std::is_same_v<T, double>;
   constexpr bool tensor_cores = !std::is_same_v<T, double>;
-  if (r.kernel == Kernel::cuda_tensor_cores && !r.expanded) {
+  if (p.operation == Operation::sdpa) {
+    if constexpr (tensor_cores) {
+      if (!r.expanded &&
+          (r.kernel == Kernel::cuda_tensor_cores || r.kernel == Kernel::cuda_fused)) {
+        return std::make_unique<SdpaStrategy<T>>(p, r.kernel, key_splits, operation);
+      }
+    }
+  } else if (r.kernel == Kernel::cuda_tensor_cores && !r.expanded) {
     if constexpr (tensor_cores) {
       if (p.form == Form::factored) {
         return std::make_unique<TcFactoredStrategy<T>>(p, key_splits, operation);
@@ -266,6 +296,12 @@ void check_form(const Problem& planned, Operation operation, Form form, const ch
   if (planned.operation == Operation::decode) {
     fail_argument(op, "plan", "belongs to a decode cache, which runs its own calls");
   }
+  if ((planned.operation == Operation::sdpa) != (operation == Operation::sdpa)) {
+    fail_argument(op, "input",
+                  planned.operation == Operation::sdpa
+                      ? "must be an SdpaInput: the plan was made for the SDPA-shaped operator"
+                      : "must be an AttentionInput: the plan was made for an attention layer");
+  }
   if (planned.operation != operation) {
     fail_argument(op, "output",
                   planned.operation == Operation::partial
@@ -293,8 +329,16 @@ bool same_problem(const Problem& planned, const Problem& given, const char* op, 
   const std::int64_t given_sizes[] = {given.batch,    given.tokens,    given.query_tokens,
                                       given.dim,      given.heads,     given.rank,
                                       given.kv_heads, given.rotary_dim};
-  const char* const size_names[] = {"batch", "tokens", "query_tokens", "dim",
-                                    "heads", "rank",   "kv_heads",     "rotary.dim"};
+  // The SDPA-shaped operator keeps its value rank in dim and its query heads in heads.
+  const bool sdpa = planned.operation == Operation::sdpa;
+  const char* const size_names[] = {"batch",
+                                    "tokens",
+                                    "query_tokens",
+                                    sdpa ? "value_rank" : "dim",
+                                    sdpa ? "query_heads" : "heads",
+                                    "rank",
+                                    "kv_heads",
+                                    "rotary.dim"};
   for (int k = 0; k < 8; ++k) {
     if (given_sizes[k] == planned_sizes[k]) continue;
     if (!raise) return false;
@@ -326,6 +370,7 @@ bool same_problem(const Problem& planned, const Problem& given, const char* op, 
 }
 
 void check_workspace(const void* workspace, std::size_t bytes, std::size_t needed, const char* op) {
+  if (workspace == nullptr && needed == 0) return;
   if (workspace == nullptr) fail_argument(op, "workspace", "must not be null");
   if (bytes < needed) {
     fail_argument(op, "workspace_bytes", "must be >= ", needed,
@@ -380,6 +425,12 @@ AttentionPlan<T>::AttentionPlan(const AttentionInput<T>& input, const PartialOut
                            Purpose::run)) {}
 
 template <class T>
+AttentionPlan<T>::AttentionPlan(const SdpaInput<T>& input, const SdpaOutput<T>& output,
+                                const PlanOptions& options)
+    : state_(make_state<T>(kPlan, checked_problem(kPlan, input, output, options), options,
+                           Purpose::run)) {}
+
+template <class T>
 AttentionPlan<T>::~AttentionPlan() = default;
 template <class T>
 AttentionPlan<T>::AttentionPlan(AttentionPlan&&) noexcept = default;
@@ -408,6 +459,12 @@ Route AttentionPlan<T>::can_implement(const AttentionInput<T>& input,
 }
 
 template <class T>
+Route AttentionPlan<T>::can_implement(const SdpaInput<T>& input, const SdpaOutput<T>& output,
+                                      const PlanOptions& options) noexcept {
+  return can_implement_form<T>(input, output, options);
+}
+
+template <class T>
 std::size_t AttentionPlan<T>::get_workspace_size(const AttentionInput<T>& input,
                                                  const AttentionOutput<T>& output,
                                                  const PlanOptions& options) {
@@ -425,6 +482,13 @@ std::size_t AttentionPlan<T>::get_workspace_size(const AttentionInput<T>& input,
 template <class T>
 std::size_t AttentionPlan<T>::get_workspace_size(const AttentionInput<T>& input,
                                                  const PartialOutput<T>& output,
+                                                 const PlanOptions& options) {
+  return detail::PlanAccess::workspace_size(kPlan, input, output, options);
+}
+
+template <class T>
+std::size_t AttentionPlan<T>::get_workspace_size(const SdpaInput<T>& input,
+                                                 const SdpaOutput<T>& output,
                                                  const PlanOptions& options) {
   return detail::PlanAccess::workspace_size(kPlan, input, output, options);
 }
@@ -491,6 +555,30 @@ bool AttentionPlan<T>::matches(const AttentionInput<T>& input,
   }
 }
 
+template <class T>
+bool AttentionPlan<T>::matches(const SdpaInput<T>& input,
+                               const SdpaOutput<T>& output) const noexcept {
+  if (!state_) return false;
+  const Problem& planned = state_->problem;
+  if (planned.operation != Operation::sdpa || output.output == nullptr) return false;
+  Problem given = planned;  // the sizes and arrays that same_problem compares, from the call
+  given.batch = input.batch;
+  given.tokens = input.tokens;
+  given.query_tokens = input.query_tokens;
+  given.dim = input.value_rank;
+  given.heads = input.query_heads;
+  given.rank = input.rank;
+  given.kv_heads = input.kv_heads;
+  given.mask = input.mask;
+  given.lse = output.lse != nullptr;
+  given.entropy = output.entropy != nullptr;
+  try {  // an allocation failure of a message's strings reads as no match
+    return same_problem(planned, given, "", false);
+  } catch (...) {
+    return false;
+  }
+}
+
 // Each run: its form, its match with the plan, and the validator of emflow::attend (or
 // attend_factored) for device arrays, whose checks are integer compares (the shapes, positions,
 // beta, the mask, the required arrays not null; the length values are not read), then enqueue.
@@ -542,6 +630,25 @@ void AttentionPlan<T>::run(const AttentionInput<T>& input, const PartialOutput<T
   emflow::detail::PlanCall<T> call;
   call.input = &input;
   call.partial = &output;
+  enqueue(s, call, workspace, workspace_bytes, stream);
+}
+
+// The SDPA form: the validator of emflow::sdpa_attend for device arrays (integer compares; the
+// output required), then the match with the plan.
+template <class T>
+void AttentionPlan<T>::run(const SdpaInput<T>& input, const SdpaOutput<T>& output, void* workspace,
+                           std::size_t workspace_bytes, Stream stream) const {
+  const detail::PlanState<T>& s = state_of(state_);
+  const char* const op = s.operation.c_str();
+  check_form(s.problem, Operation::sdpa, Form::factored, op);
+  emflow::detail::check_sdpa(input, output.output, op, emflow::detail::Lengths::device);
+  Problem given = emflow::detail::sdpa_problem(input, Operation::sdpa, ExecutionOptions{});
+  given.lse = output.lse != nullptr;
+  given.entropy = output.entropy != nullptr;
+  same_problem(s.problem, given, op, true);
+  emflow::detail::PlanCall<T> call;
+  call.sdpa = &input;
+  call.sdpa_output = &output;
   enqueue(s, call, workspace, workspace_bytes, stream);
 }
 
@@ -601,6 +708,21 @@ std::size_t PlanAccess::workspace_size(const char* operation, const AttentionInp
       ->strategy->workspace_bytes();
 }
 
+template <class T>
+AttentionPlan<T> PlanAccess::make(const char* operation, const SdpaInput<T>& input,
+                                  const SdpaOutput<T>& output, const PlanOptions& options) {
+  return AttentionPlan<T>(make_state<T>(
+      operation, checked_problem(operation, input, output, options), options, Purpose::run));
+}
+
+template <class T>
+std::size_t PlanAccess::workspace_size(const char* operation, const SdpaInput<T>& input,
+                                       const SdpaOutput<T>& output, const PlanOptions& options) {
+  return make_state<T>(operation, checked_problem(operation, input, output, options), options,
+                       Purpose::size)
+      ->strategy->workspace_bytes();
+}
+
 AttentionPlan<float> PlanAccess::decode(const char* operation,
                                         const emflow::detail::DecodeShape& shape) {
   emflow::detail::expect_positive(operation, "dim", shape.dim);
@@ -641,21 +763,25 @@ void PlanAccess::run_decode(const AttentionPlan<float>& plan,
       .run_decode(call, static_cast<unsigned char*>(workspace), stream, op);
 }
 
-#define EMFLOW_PLAN_ACCESS(T)                                                                    \
-  template AttentionPlan<T> PlanAccess::make<T>(const char*, const AttentionInput<T>&,           \
-                                                const AttentionOutput<T>&, const PlanOptions&);  \
-  template AttentionPlan<T> PlanAccess::make<T>(const char*, const AttentionInput<T>&,           \
-                                                const FactoredLayer<T>&,                         \
-                                                const AttentionOutput<T>&, const PlanOptions&);  \
-  template AttentionPlan<T> PlanAccess::make<T>(const char*, const AttentionInput<T>&,           \
-                                                const PartialOutput<T>&, const PlanOptions&);    \
-  template std::size_t PlanAccess::workspace_size<T>(                                            \
-      const char*, const AttentionInput<T>&, const AttentionOutput<T>&, const PlanOptions&);     \
-  template std::size_t PlanAccess::workspace_size<T>(                                            \
-      const char*, const AttentionInput<T>&, const FactoredLayer<T>&, const AttentionOutput<T>&, \
-      const PlanOptions&);                                                                       \
-  template std::size_t PlanAccess::workspace_size<T>(const char*, const AttentionInput<T>&,      \
-                                                     const PartialOutput<T>&, const PlanOptions&);
+#define EMFLOW_PLAN_ACCESS(T)                                                                      \
+  template AttentionPlan<T> PlanAccess::make<T>(const char*, const AttentionInput<T>&,             \
+                                                const AttentionOutput<T>&, const PlanOptions&);    \
+  template AttentionPlan<T> PlanAccess::make<T>(const char*, const AttentionInput<T>&,             \
+                                                const FactoredLayer<T>&,                           \
+                                                const AttentionOutput<T>&, const PlanOptions&);    \
+  template AttentionPlan<T> PlanAccess::make<T>(const char*, const AttentionInput<T>&,             \
+                                                const PartialOutput<T>&, const PlanOptions&);      \
+  template std::size_t PlanAccess::workspace_size<T>(                                              \
+      const char*, const AttentionInput<T>&, const AttentionOutput<T>&, const PlanOptions&);       \
+  template std::size_t PlanAccess::workspace_size<T>(                                              \
+      const char*, const AttentionInput<T>&, const FactoredLayer<T>&, const AttentionOutput<T>&,   \
+      const PlanOptions&);                                                                         \
+  template std::size_t PlanAccess::workspace_size<T>(const char*, const AttentionInput<T>&,        \
+                                                     const PartialOutput<T>&, const PlanOptions&); \
+  template AttentionPlan<T> PlanAccess::make<T>(const char*, const SdpaInput<T>&,                  \
+                                                const SdpaOutput<T>&, const PlanOptions&);         \
+  template std::size_t PlanAccess::workspace_size<T>(const char*, const SdpaInput<T>&,             \
+                                                     const SdpaOutput<T>&, const PlanOptions&);
 EMFLOW_PLAN_ACCESS(float)
 EMFLOW_PLAN_ACCESS(double)
 EMFLOW_PLAN_ACCESS(bfloat16)

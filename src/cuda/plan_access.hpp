@@ -1,7 +1,7 @@
 // What the library's own CUDA code needs of cuda::AttentionPlan (emflow/cuda.hpp, plan.cpp) beyond
 // its public interface: plans whose errors name the calling operation (the one-call wrappers of
-// attend_async.cpp, the blocking paths, the flow), and the device decode cache's plan
-// (decode_strategy.hpp), which runs its own calls.
+// attend_async.cpp and sdpa_async.cpp, the blocking paths, the flow), and the device decode cache's
+// plan (decode_strategy.hpp), which runs its own calls.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,6 +26,9 @@ struct PlanAccess {
   template <class T>
   static AttentionPlan<T> make(const char* operation, const AttentionInput<T>& input,
                                const PartialOutput<T>& output, const PlanOptions& options);
+  template <class T>
+  static AttentionPlan<T> make(const char* operation, const SdpaInput<T>& input,
+                               const SdpaOutput<T>& output, const PlanOptions& options);
 
   /// AttentionPlan::get_workspace_size, its errors naming `operation`.
   template <class T>
@@ -38,6 +41,9 @@ struct PlanAccess {
   template <class T>
   static std::size_t workspace_size(const char* operation, const AttentionInput<T>& input,
                                     const PartialOutput<T>& output, const PlanOptions& options);
+  template <class T>
+  static std::size_t workspace_size(const char* operation, const SdpaInput<T>& input,
+                                    const SdpaOutput<T>& output, const PlanOptions& options);
 
   /// The plan of a device decode cache of `shape` on the current device: route() asked for
   /// Operation::decode, the fused kernel readied there, the workspace laid out for the capacity.

@@ -11,6 +11,8 @@
 //                     operators by cuBLAS in the workspace, then a dense strategy on them
 //   DecodeStrategy    (decode_strategy.hpp)    float: the device decode cache's query blocks
 //                     against its keys, split and merged (flash-decoding)
+//   SdpaStrategy      (sdpa_strategy.hpp)      float, bfloat16, float16: the SDPA-shaped
+//                     operator's forward pass on the caller's projected queries, keys and values
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,18 +24,21 @@
 #include "emflow/capability.hpp"
 #include "emflow/factored.hpp"
 #include "emflow/partial.hpp"
+#include "emflow/sdpa.hpp"
 
 namespace emflow::detail {
 
 /// The arrays of one run, which the plan has matched against the Problem it was made for: the
 /// input, the factored layer (the factored form) and where the run writes (an update or a
-/// partial state).
+/// partial state); or, for the SDPA-shaped operator, its input and output alone.
 template <class T>
 struct PlanCall {
   const AttentionInput<T>* input = nullptr;
   const FactoredLayer<T>* layer = nullptr;
   const AttentionOutput<T>* output = nullptr;
   const PartialOutput<T>* partial = nullptr;
+  const SdpaInput<T>* sdpa = nullptr;
+  const SdpaOutput<T>* sdpa_output = nullptr;
 };
 
 template <class T>

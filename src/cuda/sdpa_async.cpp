@@ -1,14 +1,16 @@
-// The stream-ordered forms of the SDPA-shaped operator (cuda.hpp: sdpa_attend_async,
-// sdpa_backward_async, and their workspace sizes), which the blocking forms run on device copies
-// of host arrays (src/cuda/sdpa.cpp): on the caller's device arrays and stream, no
-// synchronisation. Forward: float with Precision::fp32 on the float32 kernel
-// (kernels/sdpa_backward.cu), else the tensor-core attention kernel, the 16-bit output rounded
-// by a kernel. Backward: the row terms' kernel, then the backward kernels
-// (kernels/sdpa_backward.cu: float32 for float, the tensor cores for 16-bit storage), the gradients
-// rounded and the dscale terms summed by kernels. The checks and the route are the blocking forms'
-// (core/sdpa_checks.hpp, route()), the lengths trusted on the device as attend_async's.
+// The SDPA-shaped operator on the caller's device arrays and stream (cuda.hpp), which the
+// blocking forms run on device copies of host arrays (src/cuda/sdpa.cpp); no synchronisation.
+// Forward: SdpaStrategy (sdpa_strategy.hpp), the plan strategy of the SDPA form, and
+// sdpa_attend_async / sdpa_workspace_size as a plan made and run in one call: float with
+// Precision::fp32 on the float32 kernel (kernels/sdpa_backward.cu), else the tensor-core attention
+// kernel, the 16-bit output rounded by a kernel. Backward (sdpa_backward_async): the row terms'
+// kernel, then the backward kernels (kernels/sdpa_backward.cu: float32 for float, the tensor cores
+// for 16-bit storage), the gradients rounded and the dscale terms summed by kernels. The checks
+// and the route are the blocking forms' (core/sdpa_checks.hpp, route()), the lengths trusted on
+// the device as attend_async's.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -19,8 +21,10 @@
 #include "emflow/cuda.hpp"
 #include "kernels/sdpa_backward.hpp"
 #include "kernels/tc_attention.hpp"
+#include "plan_access.hpp"
 #include "plan_strategy.hpp"
 #include "products_strategy.hpp"
+#include "sdpa_strategy.hpp"
 #include "tc_state.hpp"
 
 namespace emflow::cuda {
@@ -54,39 +58,6 @@ Route gpu_route(const SdpaInput<T>& input, Operation operation, const PlanOption
 std::size_t rows_of(std::int64_t batch, std::int64_t heads, std::int64_t tokens) {
   return static_cast<std::size_t>(batch * heads * tokens);
 }
-
-// The forward pass's workspace: the float32 output for 16-bit storage, lse when not asked for
-// (the kernel writes it), the key splits' partial states.
-template <class T>
-struct ForwardPieces {
-  float* out = nullptr;
-  float* lse = nullptr;
-  float *split_out = nullptr, *split_lse = nullptr, *split_entropy = nullptr;
-  emflow::detail::KeySplits splits;
-  std::size_t bytes = 0;
-
-  // `float32_kernel`: the route is the float32 kernel (Kernel::cuda_fused), which needs lse
-  // alone: no key splits.
-  ForwardPieces(const SdpaInput<T>& in, const SdpaOutput<T>& output, int requested_splits,
-                bool float32_kernel, void* base, const char* op) {
-    const std::size_t rows = rows_of(in.batch, in.query_heads, in.query_tokens);
-    const auto r = static_cast<std::size_t>(in.rank);
-    if (!float32_kernel) {
-      splits = emflow::detail::choose_key_splits(in.batch, in.query_heads, in.query_tokens,
-                                                 in.tokens, true, requested_splits);
-    }
-    const std::size_t split_rows =
-        splits.splits > 1 ? static_cast<std::size_t>(splits.splits) * rows : 0;
-    WorkspaceCursor at(op);
-    auto* const bytes_at = static_cast<unsigned char*>(base);
-    if (!std::is_same_v<T, float>) out = at.take_array<float>(bytes_at, rows * r, "out");
-    if (output.lse == nullptr) lse = at.take_array<float>(bytes_at, rows, "lse");
-    split_out = at.take_array<float>(bytes_at, split_rows * r, "split_out");
-    split_lse = at.take_array<float>(bytes_at, split_rows, "split_lse");
-    split_entropy = at.take_array<float>(bytes_at, split_rows, "split_entropy");
-    bytes = at.aligned_total();
-  }
-};
 
 // The backward pass's workspace: the three gradients in float32 for 16-bit storage (the tensor
 // cores read Q, K and V as they are), the row arrays, the dscale terms (one per query block, or
@@ -159,52 +130,71 @@ MemoryRange range(const char* name, const V* pointer, std::size_t count, bool wr
 
 }  // namespace
 
+}  // namespace emflow::cuda
+
+namespace emflow::detail {
+
 template <class T>
-std::size_t sdpa_workspace_size(const SdpaInput<T>& input, const SdpaOutput<T>& output,
-                                const PlanOptions& options) {
-  const char* const op = "sdpa_workspace_size";
-  T stand_in{};
-  emflow::detail::check_sdpa(input, output.output != nullptr ? output.output : &stand_in, op,
-                             emflow::detail::Lengths::device);
-  const Route r = gpu_route(input, Operation::sdpa, options, false, op);
-  return ForwardPieces<T>(input, output, options.key_splits, r.kernel == Kernel::cuda_fused,
-                          nullptr, op)
-      .bytes;
+SdpaStrategy<T>::SdpaStrategy(const Problem& problem, Kernel kernel, int key_splits,
+                              const char* operation)
+    : float32_(kernel == Kernel::cuda_fused),
+      width_(static_cast<int>(std::max(problem.rank, problem.dim))),
+      rank_(static_cast<int>(problem.rank)) {
+  if (float32_ && !std::is_same_v<T, float>) {
+    fail(ErrorCode::internal, operation, ": the float32 SDPA kernel computes float storage only");
+  }
+  const std::size_t rows = cuda::rows_of(problem.batch, problem.heads, problem.query_tokens);
+  const auto r = static_cast<std::int64_t>(problem.rank);
+  if (!float32_) {
+    splits_ = choose_key_splits(problem.batch, problem.heads, problem.query_tokens, problem.tokens,
+                                true, key_splits);
+  }
+  const auto split_rows = static_cast<std::int64_t>(
+      splits_.splits > 1 ? static_cast<std::size_t>(splits_.splits) * rows : 0);
+  const auto row_count = static_cast<std::int64_t>(rows);
+  WorkspaceCursor at(operation);
+  own_out_ = !std::is_same_v<T, float>;
+  if (own_out_) out_ = at.take(row_count * r, sizeof(float), "out");
+  own_lse_ = !problem.lse;
+  if (own_lse_) lse_ = at.take(row_count, sizeof(float), "lse");
+  if (split_rows > 0) {
+    split_out_ = at.take(split_rows * r, sizeof(float), "split_out");
+    split_lse_ = at.take(split_rows, sizeof(float), "split_lse");
+    split_entropy_ = at.take(split_rows, sizeof(float), "split_entropy");
+  }
+  bytes_ = at.aligned_total();
 }
 
 template <class T>
-void sdpa_attend_async(const SdpaInput<T>& input, const SdpaOutput<T>& output, void* workspace,
-                       std::size_t workspace_bytes, Stream stream, const PlanOptions& options) {
-  const char* const op = "sdpa_attend_async";
-  emflow::detail::check_sdpa(input, output.output, op, emflow::detail::Lengths::device);
-  const bool float32_kernel =
-      gpu_route(input, Operation::sdpa, options, true, op).kernel == Kernel::cuda_fused;
-  const int device = emflow::detail::current_device(op);
-  emflow::detail::expect_stream_of(op, stream, device);
-  expect_input_on_device(input, op, device);
-  expect_device_pointer(op, "output", output.output, device);
-  expect_device_pointer(op, "lse", output.lse, device);
-  expect_device_pointer(op, "entropy", output.entropy, device);
-  const ForwardPieces<T> need(input, output, options.key_splits, float32_kernel, nullptr, op);
-  expect_workspace(op, workspace, workspace_bytes, need.bytes, device);
-  const std::size_t rows = rows_of(input.batch, input.query_heads, input.query_tokens);
-  std::vector<MemoryRange> ranges = emflow::detail::sdpa_input_ranges(input);
-  ranges.insert(
-      ranges.end(),
-      {range("output", output.output, rows * input.value_rank, true),
-       range("lse", output.lse, rows, true), range("entropy", output.entropy, rows, true),
-       range("workspace", static_cast<const unsigned char*>(workspace), need.bytes, true)});
-  emflow::detail::check_disjoint(ranges.data(), ranges.size(), op);
+void SdpaStrategy<T>::bind(int device, bool prepare, const char* operation) {
+  const int limit = shared_memory_limit(device, operation);
+  if (float32_) {
+    expect_shared_memory(operation, "the float32 SDPA kernel", sdpa_backward_shared_bytes(width_),
+                         device, limit, "use device 'cpu'");
+    if (prepare) prepare_sdpa_forward(width_, operation);
+    return;
+  }
+  expect_shared_memory(
+      operation, "the tensor-core attention", tc_shared_bytes(tc_type<T>(), rank_), device, limit,
+      std::is_same_v<T, float> ? "use Precision::fp32 (the float32 kernel)" : "use device 'cpu'");
+  if (prepare) prepare_tc_attention(tc_type<T>(), rank_, operation);
+}
 
-  const ForwardPieces<T> w(input, output, options.key_splits, float32_kernel, workspace, op);
+template <class T>
+void SdpaStrategy<T>::run(const PlanCall<T>& call, unsigned char* base, cudaStream_t stream,
+                          const char* operation) const {
+  const SdpaInput<T>& input = *call.sdpa;
+  const SdpaOutput<T>& output = *call.sdpa_output;
+  float* const lse =
+      own_lse_ ? reinterpret_cast<float*>(base + lse_) : static_cast<float*>(output.lse);
   if constexpr (std::is_same_v<T, float>) {
-    if (float32_kernel) {  // float products (Precision::fp32): kernels/sdpa_backward.cu
-      emflow::detail::SdpaForwardArgs args;
+    if (float32_) {  // float products (Precision::fp32): kernels/sdpa_backward.cu
+      SdpaForwardArgs args;
       args.query = input.queries;
       args.key = input.keys;
       args.value = input.values;
       args.output = output.output;
-      args.lse = output.lse != nullptr ? output.lse : w.lse;
+      args.lse = lse;
       args.entropy = output.entropy;
       args.scale = static_cast<float>(input.scale);
       args.batch = static_cast<int>(input.batch);
@@ -214,15 +204,14 @@ void sdpa_attend_async(const SdpaInput<T>& input, const SdpaOutput<T>& output, v
       args.tokens = static_cast<int>(input.tokens);
       args.rank = static_cast<int>(input.rank);
       args.value_rank = static_cast<int>(input.value_rank);
-      args.mask = device_mask(input);
-      const int width = args.rank > args.value_rank ? args.rank : args.value_rank;
-      emflow::detail::prepare_sdpa_forward(width, op);
-      emflow::detail::launch_sdpa_forward(args, stream, op);
+      args.mask = cuda::device_mask(input);
+      launch_sdpa_forward(args, stream, operation);
       return;
     }
   }
-  emflow::detail::TcAttentionArgs args;
-  args.type = emflow::detail::tc_type<T>();
+  float* const out = own_out_ ? reinterpret_cast<float*>(base + out_) : nullptr;
+  TcAttentionArgs args;
+  args.type = tc_type<T>();
   args.query = input.queries;
   args.key = input.keys;
   args.value = input.values;
@@ -232,29 +221,69 @@ void sdpa_attend_async(const SdpaInput<T>& input, const SdpaOutput<T>& output, v
   if constexpr (std::is_same_v<T, float>) {
     args.out = output.output;
   } else {
-    args.out = w.out;
+    args.out = out;
   }
-  args.lse = output.lse != nullptr ? output.lse : w.lse;
+  args.lse = lse;
   args.entropy = output.entropy;
   args.batch = static_cast<int>(input.batch);
   args.heads = static_cast<int>(input.query_heads);
   args.tokens = static_cast<int>(input.tokens);
   args.queries = static_cast<int>(input.query_tokens);
   args.dim = static_cast<int>(input.rank);
-  args.mask = device_mask(input);
-  args.splits = w.splits.splits;
-  args.split_keys = w.splits.keys;
-  if (w.splits.splits > 1) {
-    args.split_out = w.split_out;
-    args.split_lse = w.split_lse;
-    args.split_entropy = w.split_entropy;
+  args.mask = cuda::device_mask(input);
+  args.splits = splits_.splits;
+  args.split_keys = splits_.keys;
+  if (splits_.splits > 1) {
+    args.split_out = reinterpret_cast<float*>(base + split_out_);
+    args.split_lse = reinterpret_cast<float*>(base + split_lse_);
+    args.split_entropy = reinterpret_cast<float*>(base + split_entropy_);
   }
-  emflow::detail::prepare_tc_attention(args.type, args.dim, op);
-  emflow::detail::launch_tc_attention(args, stream, op);
+  launch_tc_attention(args, stream, operation);
   if constexpr (!std::is_same_v<T, float>) {
-    emflow::detail::launch_narrow(w.out, output.output, rows * static_cast<std::size_t>(input.rank),
-                                  stream, op);
+    launch_narrow(out, output.output,
+                  cuda::rows_of(input.batch, input.query_heads, input.query_tokens) *
+                      static_cast<std::size_t>(input.rank),
+                  stream, operation);
   }
+}
+
+template class SdpaStrategy<float>;
+template class SdpaStrategy<bfloat16>;
+template class SdpaStrategy<float16>;
+
+}  // namespace emflow::detail
+
+namespace emflow::cuda {
+
+template <class T>
+std::size_t sdpa_workspace_size(const SdpaInput<T>& input, const SdpaOutput<T>& output,
+                                const PlanOptions& options) {
+  return detail::PlanAccess::workspace_size("sdpa_workspace_size", input, output, options);
+}
+
+// A plan made and run in one call, after the checks a plan's run leaves to its caller: every
+// pointer device memory of the plan's device (the workspace too), no output overlapping an input,
+// another output or the workspace.
+template <class T>
+void sdpa_attend_async(const SdpaInput<T>& input, const SdpaOutput<T>& output, void* workspace,
+                       std::size_t workspace_bytes, Stream stream, const PlanOptions& options) {
+  const char* const op = "sdpa_attend_async";
+  const AttentionPlan<T> plan = detail::PlanAccess::make(op, input, output, options);
+  const int device = plan.device();
+  expect_input_on_device(input, op, device);
+  expect_device_pointer(op, "output", output.output, device);
+  expect_device_pointer(op, "lse", output.lse, device);
+  expect_device_pointer(op, "entropy", output.entropy, device);
+  expect_workspace(op, workspace, workspace_bytes, plan.workspace_size(), device);
+  const std::size_t rows = rows_of(input.batch, input.query_heads, input.query_tokens);
+  std::vector<MemoryRange> ranges = emflow::detail::sdpa_input_ranges(input);
+  ranges.insert(ranges.end(),
+                {range("output", output.output, rows * input.value_rank, true),
+                 range("lse", output.lse, rows, true), range("entropy", output.entropy, rows, true),
+                 range("workspace", static_cast<const unsigned char*>(workspace),
+                       plan.workspace_size(), true)});
+  emflow::detail::check_disjoint(ranges.data(), ranges.size(), op);
+  plan.run(input, output, workspace, workspace_bytes, stream);
 }
 
 template <class T>

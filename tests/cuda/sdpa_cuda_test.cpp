@@ -658,6 +658,175 @@ TYPED_TEST(SdpaCuda, StreamOrderedFormsGiveTheBlockingFormsBits) {
   }
 }
 
+// The forward pass as a plan (cuda::AttentionPlan made from SdpaInput): made once from the shapes
+// with null arrays, run twice on one workspace with other arrays and another scale, each run
+// bitwise the blocking form's (which the tests above hold against the double reference), into
+// outputs filled with NaN first so that an untouched output fails; its size is
+// sdpa_workspace_size's and matches() tells its calls from others. Float in both precisions: TF32
+// on the tensor cores, fp32 on the float32 kernel (whose value rank may differ from the rank).
+TYPED_TEST(SdpaCuda, APlanMadeOnceRunsTwiceAsTheBlockingForm) {
+  EMFLOW_REQUIRE_CUDA();
+  using T = TypeParam;
+  std::vector<Precision> precisions{Precision::fp32};
+  if (std::is_same_v<T, float>) precisions = {Precision::tf32, Precision::fp32};
+  const Stream stream;
+  const cudaStream_t s = stream.handle;
+  std::vector<SdpaCase> all = cases();
+  if (std::is_same_v<T, float>) all.push_back(backward_cases()[5]);  // rv != r
+  for (const Precision precision : precisions) {
+    for (const SdpaCase& c : all) {
+      const bool tensor_cores = !std::is_same_v<T, float> || precision == Precision::tf32;
+      if (tensor_cores && c.value_rank != c.rank) continue;
+      SCOPED_TRACE(c.name + (precision == Precision::tf32 ? " tf32" : " fp32"));
+      const std::int64_t B = c.batch, Hq = c.query_heads, Hkv = c.kv_heads, Nq = c.queries,
+                         Nk = c.keys, r = c.rank, rv = c.value_rank;
+      const std::size_t rows = static_cast<std::size_t>(B * Hq * Nq);
+      const auto key_lengths = on_device(c.visibility.key_lengths, s);
+      const auto query_lengths = on_device(c.visibility.query_lengths, s);
+      const auto query_positions = on_device(c.visibility.query_positions, s);
+      cuda::DeviceBuffer<T> out(rows * static_cast<std::size_t>(rv));
+      cuda::DeviceBuffer<float> out_lse(rows), out_entropy(rows);
+      const SdpaOutput<T> where{out.data(), out_lse.data(), out_entropy.data()};
+      const cuda::PlanOptions options{Algorithm::automatic, precision};
+
+      const std::vector<T> none;
+      SdpaInput<T> shapes = input_of(c, none, none, none);
+      shapes.queries = shapes.keys = shapes.values = nullptr;
+      shapes.key_lengths = c.visibility.key_lengths.empty() ? nullptr : key_lengths.data();
+      shapes.query_lengths = c.visibility.query_lengths.empty() ? nullptr : query_lengths.data();
+      shapes.query_positions =
+          c.visibility.query_positions.empty() ? nullptr : query_positions.data();
+      const cuda::AttentionPlan<T> plan(shapes, where, options);
+      EXPECT_EQ(plan.route().kernel, tensor_cores ? Kernel::cuda_tensor_cores : Kernel::cuda_fused);
+      if (c.name == "few_queries_many_keys_split" && tensor_cores) {
+        EXPECT_GT(plan.key_splits(), 1);
+      }
+      cuda::DeviceBuffer<unsigned char> workspace(std::max<std::size_t>(plan.workspace_size(), 1));
+
+      for (int run = 0; run < 2; ++run) {
+        SCOPED_TRACE("run " + std::to_string(run));
+        std::mt19937 random(29u + static_cast<unsigned>(run * 1000 + c.keys));
+        const std::vector<T> Q =
+            random_stored<T>(static_cast<std::size_t>(B * Hq * Nq * r), random);
+        const std::vector<T> K =
+            random_stored<T>(static_cast<std::size_t>(B * Hkv * Nk * r), random);
+        const std::vector<T> V =
+            random_stored<T>(static_cast<std::size_t>(B * Hkv * Nk * rv), random);
+        SdpaInput<T> host = input_of(c, Q, K, V);
+        host.scale = run == 0 ? c.scale : 0.25;
+        std::vector<T> O(rows * static_cast<std::size_t>(rv));
+        std::vector<float> lse(rows), H(rows);
+        sdpa_attend(host, SdpaOutput<T>{O.data(), lse.data(), H.data()},
+                    ExecutionOptions{Device::cuda, 0, precision});
+
+        const auto dQ = on_device(Q, s), dK = on_device(K, s), dV = on_device(V, s);
+        SdpaInput<T> device = shapes;
+        device.queries = dQ.data();
+        device.keys = dK.data();
+        device.values = dV.data();
+        device.scale = host.scale;
+        ASSERT_TRUE(plan.matches(device, where));
+        ASSERT_EQ(plan.workspace_size(), cuda::sdpa_workspace_size(device, where, options));
+        // NaN everywhere (all bits set) before the run.
+        ASSERT_EQ(cudaMemsetAsync(out.data(), 0xFF, out.bytes(), s), cudaSuccess);
+        ASSERT_EQ(cudaMemsetAsync(out_lse.data(), 0xFF, out_lse.bytes(), s), cudaSuccess);
+        ASSERT_EQ(cudaMemsetAsync(out_entropy.data(), 0xFF, out_entropy.bytes(), s), cudaSuccess);
+        plan.run(device, where, workspace.data(), workspace.bytes(), s);
+        EXPECT_EQ(bits_of(to_host(out, s)), bits_of(O)) << "output";
+        EXPECT_EQ(bits_of(to_host(out_lse, s)), bits_of(lse)) << "lse";
+        EXPECT_EQ(bits_of(to_host(out_entropy, s)), bits_of(H)) << "entropy";
+        // Something was computed: a finite lse and a nonzero output somewhere.
+        EXPECT_TRUE(std::any_of(lse.begin(), lse.end(), [](float v) { return std::isfinite(v); }));
+        EXPECT_TRUE(std::any_of(O.begin(), O.end(), [](T v) { return stored_value(v) != 0.0; }));
+      }
+
+      // matches(): another shape, or lse not asked for, is another plan's call.
+      SdpaInput<T> other = shapes;
+      other.query_tokens = Nq + 1;
+      EXPECT_FALSE(plan.matches(other, where));
+      EXPECT_FALSE(plan.matches(shapes, SdpaOutput<T>{out.data(), nullptr, out_entropy.data()}));
+    }
+  }
+}
+
+// What an SDPA plan refuses, by name: a call that is not its plan's (another shape, an output not
+// asked for at planning, an attention layer's input), storage the GPU does not compute
+// (can_implement says why without throwing); and a plan that needs no workspace runs with none.
+TEST(SdpaCudaPlan, RefusesCallsThatAreNotItsOwnAndRunsWithoutAWorkspaceWhenItNeedsNone) {
+  EMFLOW_REQUIRE_CUDA();
+  const std::int64_t N = 16, r = 16;
+  std::mt19937 random(5u);
+  const std::vector<bfloat16> host = random_stored<bfloat16>(N * r, random);
+  const auto on = on_device(host, nullptr);
+  cuda::DeviceBuffer<bfloat16> out(N * r);
+  cuda::DeviceBuffer<float> lse(N);
+  SdpaInput<bfloat16> in;
+  in.queries = in.keys = in.values = on.data();
+  in.query_tokens = in.tokens = N;
+  in.rank = in.value_rank = r;
+  in.mask = Mask::causal();
+  const SdpaOutput<bfloat16> where{out.data(), lse.data()};
+  const cuda::AttentionPlan<bfloat16> plan(in, where);
+  cuda::DeviceBuffer<unsigned char> workspace(plan.workspace_size());
+  SdpaInput<bfloat16> fewer = in;
+  fewer.query_tokens = N - 1;
+  EXPECT_TRUE(throws_error(
+      [&] { plan.run(fewer, where, workspace.data(), workspace.bytes(), nullptr); },
+      ErrorCode::invalid_argument, {"cuda::AttentionPlan", "'query_tokens'", "15", "16"}));
+  SdpaInput<bfloat16> unmasked = in;
+  unmasked.mask = Mask::none();
+  EXPECT_TRUE(
+      throws_error([&] { plan.run(unmasked, where, workspace.data(), workspace.bytes(), nullptr); },
+                   ErrorCode::invalid_argument, {"'mask'", "causal"}));
+  EXPECT_TRUE(throws_error(
+      [&] {
+        plan.run(in, SdpaOutput<bfloat16>{out.data()}, workspace.data(), workspace.bytes(),
+                 nullptr);
+      },
+      ErrorCode::invalid_argument, {"'lse'", "null", "given"}));
+  AttentionInput<bfloat16> layer_input;
+  AttentionOutput<bfloat16> layer_output;
+  EXPECT_TRUE(throws_error(
+      [&] { plan.run(layer_input, layer_output, workspace.data(), workspace.bytes(), nullptr); },
+      ErrorCode::invalid_argument, {"'input'", "SdpaInput"}));
+  EXPECT_TRUE(
+      throws_error([&] { plan.run(in, where, workspace.data(), workspace.bytes() - 1, nullptr); },
+                   ErrorCode::invalid_argument, {"'workspace_bytes'"}));
+  EXPECT_FALSE(plan.matches(fewer, where));
+
+  // float64: no GPU kernel; can_implement says so without throwing, the constructor throws it.
+  SdpaInput<double> wide;
+  wide.query_tokens = wide.tokens = N;
+  wide.rank = wide.value_rank = r;
+  double dummy = 0.0;
+  const Route refused =
+      cuda::AttentionPlan<double>::can_implement(wide, SdpaOutput<double>{&dummy});
+  EXPECT_FALSE(refused.supported);
+  EXPECT_NE(refused.reason.find("float64"), std::string::npos) << refused.reason;
+  EXPECT_TRUE(throws_error([&] { cuda::AttentionPlan<double> p(wide, SdpaOutput<double>{&dummy}); },
+                           ErrorCode::unsupported, {"float64"}));
+
+  // Float with Precision::fp32 and lse asked for: the float32 kernel needs no workspace, and the
+  // plan runs with none; its output is the one-call form's.
+  std::vector<float> q(N * r);
+  std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+  for (float& v : q) v = uniform(random);
+  const auto fq = on_device(q, nullptr);
+  SdpaInput<float> fp32;
+  fp32.queries = fp32.keys = fp32.values = fq.data();
+  fp32.query_tokens = fp32.tokens = N;
+  fp32.rank = fp32.value_rank = r;
+  cuda::DeviceBuffer<float> f_out(N * r), f_lse(N), g_out(N * r), g_lse(N);
+  const cuda::AttentionPlan<float> none(fp32, SdpaOutput<float>{f_out.data(), f_lse.data()});
+  EXPECT_EQ(none.workspace_size(), 0u);
+  EXPECT_EQ(none.route().kernel, Kernel::cuda_fused);
+  none.run(fp32, SdpaOutput<float>{f_out.data(), f_lse.data()}, nullptr, 0, nullptr);
+  cuda::sdpa_attend_async(fp32, SdpaOutput<float>{g_out.data(), g_lse.data()}, nullptr, 0, nullptr);
+  const std::vector<float> planned = to_host(f_out, nullptr), one_call = to_host(g_out, nullptr);
+  EXPECT_EQ(bits_of(planned), bits_of(one_call));
+  EXPECT_TRUE(std::any_of(planned.begin(), planned.end(), [](float v) { return v != 0.f; }));
+}
+
 // What the stream-ordered forms refuse, by name: host arrays, a short workspace, float without
 // TF32 on the forward's tensor cores, a rank beyond the backward's kernels.
 TEST(SdpaCudaAsync, RefusesHostArraysShortWorkspacesAndWhatNoKernelComputes) {
