@@ -27,6 +27,7 @@
 #include "emflow/factored.hpp"
 #include "emflow/partial.hpp"
 #include "emflow/precision.hpp"
+#include "emflow/sdpa.hpp"
 
 #if defined(EMFLOW_WITH_CUDA)
 #include <cuda_runtime.h>
@@ -778,7 +779,8 @@ TEST(CudaPlanDevices, EachPlanAllowsItsKernelsTheirSharedMemoryOnItsDevice) {
 
 // A tile that does not fit the device's opt-in shared memory per block is refused by name when
 // the plan is made, and said by can_implement: TF32 at dim 256 needs 195.25 KiB, the fused kernel
-// at dim 256 150 KiB, against the 99 KiB of a device like sm_86 / sm_89.
+// at dim 256 150 KiB, against the 99 KiB of a device like sm_86 / sm_89; the same for the SDPA
+// operator's plan.
 TEST(CudaPlanDevices, ATileBeyondTheDevicesSharedMemoryIsRefusedByName) {
   PresentedDevices devices({emu::DeviceModel{}, emu::DeviceModel{101376}});
   Sizes shape;
@@ -809,6 +811,23 @@ TEST(CudaPlanDevices, ATileBeyondTheDevicesSharedMemoryIsRefusedByName) {
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   EXPECT_TRUE(AttentionPlan<float>::can_implement(in, out, tf32).supported);
   EXPECT_EQ(AttentionPlan<float>(in, out, tf32).device(), 0);
+
+  // The SDPA operator's plan checks its kernel the same way (TF32 at rank 256), before any
+  // launch: refused on device 1, made on device 0.
+  SdpaInput<float> sdpa;
+  sdpa.query_tokens = sdpa.tokens = 8;
+  sdpa.rank = sdpa.value_rank = 256;
+  const SdpaOutput<float> sdpa_out{};
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  EXPECT_TRUE(throws_error([&] { AttentionPlan<float> plan(sdpa, sdpa_out, tf32); },
+                           ErrorCode::unsupported,
+                           {"the tensor-core attention needs 199936 bytes of shared memory",
+                            "device 1 allows 101376", "Precision::fp32 (the float32 kernel)"}));
+  const Route sdpa_refused = AttentionPlan<float>::can_implement(sdpa, sdpa_out, tf32);
+  EXPECT_FALSE(sdpa_refused.supported);
+  EXPECT_NE(sdpa_refused.reason.find("199936"), std::string::npos) << sdpa_refused.reason;
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  EXPECT_EQ(AttentionPlan<float>(sdpa, sdpa_out, tf32).device(), 0);
 }
 
 // The device decode cache belongs to the device that was current when it was made: its calls run
