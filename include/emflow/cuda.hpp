@@ -140,6 +140,16 @@ struct PlanOptions {
   int key_splits = 0;
 };
 
+/// How sdpa_backward_async forms dQ.
+struct SdpaBackwardOptions {
+  /// true (the default): a kernel of its own over each query tile (seven products a tile pair:
+  /// S and dP are formed again), the same bits run to run. false: each key tile adds its share
+  /// to dQ by atomicAdd on float32 (five products, FlashAttention-2's form): the sums land in an
+  /// order that varies, so dQ may differ in its last bits from run to run (dK, dV and dscale do
+  /// not).
+  bool deterministic = true;
+};
+
 namespace detail {
 template <class T>
 struct PlanState;
@@ -147,9 +157,10 @@ struct PlanAccess;
 }  // namespace detail
 
 /// A computation made once and enqueued many times (the header comment): the contextual update of
-/// a dense layer, of a factored layer, the partial state over a block of keys, or the forward pass
-/// of the SDPA-shaped operator (sdpa.hpp), for storage type T (float, double, bfloat16 or
-/// float16; the partial state is float or double; the SDPA operator float, bfloat16 or float16).
+/// a dense layer, of a factored layer, the partial state over a block of keys, or the forward or
+/// backward pass of the SDPA-shaped operator (sdpa.hpp), for storage type T (float, double,
+/// bfloat16 or float16; the partial state is float or double; the SDPA operator float, bfloat16 or
+/// float16).
 ///
 /// A plan is made from the shapes of `input` (batch, tokens, query_tokens, dim, heads; rank for
 /// the factored form; for the SDPA operator batch, query_heads, kv_heads, query_tokens, tokens,
@@ -181,6 +192,12 @@ class AttentionPlan {
   /// and entropy written where asked for.
   AttentionPlan(const SdpaInput<T>& input, const SdpaOutput<T>& output,
                 const PlanOptions& options = {});
+  /// The backward pass of the SDPA-shaped operator (emflow::sdpa_backward): the kernels of
+  /// sdpa_backward_async (float32 for float, the tensor cores for 16-bit storage; rank and
+  /// value_rank <= 128), made from the shapes of `input`, which upstream gradients are given
+  /// (update, lse, entropy) and whether dscale is asked for (gradients.scale).
+  AttentionPlan(const SdpaInput<T>& input, const UpstreamGradients<T>& upstream,
+                const SdpaGradientOutput<T>& gradients, const SdpaBackwardOptions& options = {});
   ~AttentionPlan();
   AttentionPlan(AttentionPlan&& other) noexcept;
   AttentionPlan& operator=(AttentionPlan&& other) noexcept;
@@ -200,6 +217,9 @@ class AttentionPlan {
                              const PlanOptions& options = {}) noexcept;
   static Route can_implement(const SdpaInput<T>& input, const SdpaOutput<T>& output,
                              const PlanOptions& options = {}) noexcept;
+  static Route can_implement(const SdpaInput<T>& input, const UpstreamGradients<T>& upstream,
+                             const SdpaGradientOutput<T>& gradients,
+                             const SdpaBackwardOptions& options = {}) noexcept;
 
   /// The workspace_size() a plan of this problem has, without a device (the strategy depends on
   /// the shapes and options only). Throws as the constructor does, except for a missing device.
@@ -215,6 +235,10 @@ class AttentionPlan {
                                         const PlanOptions& options = {});
   static std::size_t get_workspace_size(const SdpaInput<T>& input, const SdpaOutput<T>& output,
                                         const PlanOptions& options = {});
+  static std::size_t get_workspace_size(const SdpaInput<T>& input,
+                                        const UpstreamGradients<T>& upstream,
+                                        const SdpaGradientOutput<T>& gradients,
+                                        const SdpaBackwardOptions& options = {});
 
   /// Bytes of device workspace each run needs (256-byte aligned, as cudaMalloc gives; 0 for an
   /// SDPA plan in float32 that asks for lse and has no key splits).
@@ -234,6 +258,9 @@ class AttentionPlan {
                const AttentionOutput<T>& output) const noexcept;
   bool matches(const AttentionInput<T>& input, const PartialOutput<T>& output) const noexcept;
   bool matches(const SdpaInput<T>& input, const SdpaOutput<T>& output) const noexcept;
+  bool matches(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
+               const UpstreamGradients<T>& upstream,
+               const SdpaGradientOutput<T>& gradients) const noexcept;
 
   /// Enqueues the plan on `stream`, with the arrays of `input` and `output` (device pointers; the
   /// key and query lengths `batch` int64 entries on the device that the caller guarantees are in
@@ -260,6 +287,12 @@ class AttentionPlan {
   /// finite scale) and its arrays (queries, keys, values and output not null).
   void run(const SdpaInput<T>& input, const SdpaOutput<T>& output, void* workspace,
            std::size_t workspace_bytes, Stream stream) const;
+  /// The SDPA backward: the same checks, the upstream gradients and dscale given as planned; the
+  /// saved arrays a given upstream gradient needs (lse always, O with dO, H with dH) and dQ, dK,
+  /// dV not null.
+  void run(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
+           const UpstreamGradients<T>& upstream, const SdpaGradientOutput<T>& gradients,
+           void* workspace, std::size_t workspace_bytes, Stream stream) const;
 
  private:
   friend struct detail::PlanAccess;
@@ -358,17 +391,8 @@ template <class T>
 void sdpa_attend_async(const SdpaInput<T>& input, const SdpaOutput<T>& output, void* workspace,
                        std::size_t workspace_bytes, Stream stream, const PlanOptions& options = {});
 
-/// How sdpa_backward_async forms dQ.
-struct SdpaBackwardOptions {
-  /// true (the default): a kernel of its own over each query tile (seven products a tile pair:
-  /// S and dP are formed again), the same bits run to run. false: each key tile adds its share
-  /// to dQ by atomicAdd on float32 (five products, FlashAttention-2's form): the sums land in an
-  /// order that varies, so dQ may differ in its last bits from run to run (dK, dV and dscale do
-  /// not).
-  bool deterministic = true;
-};
-
-/// Bytes of device workspace sdpa_backward_async needs (reads no array, needs no device).
+/// Bytes of device workspace sdpa_backward_async needs (reads no array, needs no device):
+/// AttentionPlan<T>::get_workspace_size.
 template <class T>
 std::size_t sdpa_backward_workspace_size(const SdpaInput<T>& input,
                                          const UpstreamGradients<T>& upstream,
@@ -376,14 +400,15 @@ std::size_t sdpa_backward_workspace_size(const SdpaInput<T>& input,
                                          const SdpaBackwardOptions& options = {});
 
 /// Enqueues emflow::sdpa_backward (sdpa.hpp) on `stream` (the blocking form runs this on device
-/// copies): the row terms formed on the device, then the backward kernels (kernels/
-/// sdpa_backward.cu: float32 for float, the tensor cores for 16-bit storage), the gradients
-/// rounded to T once; T float, bfloat16 or float16; rank and value_rank <= 128. Device pointers
-/// throughout: the input as sdpa_attend_async's; saved O (T), lse and H (float32; O with dO, H with
-/// dH); upstream dO (T), dlse and dH (float32), each optional; gradients dQ, dK, dV (T, required)
-/// and dscale (a device double, optional). `workspace`: sdpa_backward_workspace_size(input,
-/// upstream, gradients, options) bytes, 256-byte aligned. Checks and non-finite values as
-/// sdpa_attend_async. `options`: deterministic (the default) or dQ by atomics.
+/// copies), a plan made and run in one call after the pointer checks: the row terms formed on the
+/// device, then the backward kernels (kernels/ sdpa_backward.cu: float32 for float, the tensor
+/// cores for 16-bit storage), the gradients rounded to T once; T float, bfloat16 or float16; rank
+/// and value_rank <= 128. Device pointers throughout: the input as sdpa_attend_async's; saved O
+/// (T), lse and H (float32; O with dO, H with dH); upstream dO (T), dlse and dH (float32), each
+/// optional; gradients dQ, dK, dV (T, required) and dscale (a device double, optional).
+/// `workspace`: sdpa_backward_workspace_size(input, upstream, gradients, options) bytes, 256-byte
+/// aligned. Checks and non-finite values as sdpa_attend_async. `options`: deterministic (the
+/// default) or dQ by atomics.
 template <class T>
 void sdpa_backward_async(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
                          const UpstreamGradients<T>& upstream,

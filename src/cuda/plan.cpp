@@ -4,7 +4,7 @@
 // then run many times, each run matched against the description with integer compares before the
 // strategy enqueues it. Also the workspace cursor and the shared-memory checks the strategies
 // share, and detail::PlanAccess (plan_access.hpp). The forms: the update of a dense or factored
-// layer, the partial state, and the SDPA-shaped operator's forward pass.
+// layer, the partial state, and the SDPA-shaped operator's forward and backward passes.
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -75,6 +75,7 @@ struct PlanState {
   Route route;
   int device = -1;  // -1: sized only (get_workspace_size), never run
   std::unique_ptr<emflow::detail::PlanStrategy<T>> strategy;
+  emflow::detail::SdpaBackwardForm backward;  // Operation::sdpa_backward only
 };
 
 }  // namespace detail
@@ -168,12 +169,10 @@ Problem checked_problem(const char* operation, const AttentionInput<T>& input,
   return p;
 }
 
-// The SDPA-shaped operator's forward pass. A plan reads no array: null queries, keys or values
-// stand in for arrays given at each run (which checks them: run()).
+// The SDPA-shaped operator's checks of its shapes, scale and mask. A plan reads no array: null
+// queries, keys, values or outputs stand in for arrays given at each run (which checks them).
 template <class T>
-Problem checked_problem(const char* operation, const SdpaInput<T>& input,
-                        const SdpaOutput<T>& output, const PlanOptions& options) {
-  const ExecutionOptions exec = execution<T>(options, operation);
+void check_sdpa_shapes(const char* operation, const SdpaInput<T>& input) {
   static const T stand_in{};
   SdpaInput<T> shapes = input;
   if (shapes.queries == nullptr) shapes.queries = &stand_in;
@@ -181,10 +180,35 @@ Problem checked_problem(const char* operation, const SdpaInput<T>& input,
   if (shapes.values == nullptr) shapes.values = &stand_in;
   T written{};
   emflow::detail::check_sdpa(shapes, &written, operation, emflow::detail::Lengths::device);
+}
+
+// The SDPA-shaped operator's forward pass.
+template <class T>
+Problem checked_problem(const char* operation, const SdpaInput<T>& input,
+                        const SdpaOutput<T>& output, const PlanOptions& options) {
+  const ExecutionOptions exec = execution<T>(options, operation);
+  check_sdpa_shapes(operation, input);
   Problem p = emflow::detail::sdpa_problem(input, Operation::sdpa, exec);
   p.algorithm = options.algorithm;
   p.lse = output.lse != nullptr;
   p.entropy = output.entropy != nullptr;
+  return p;
+}
+
+// The SDPA-shaped operator's backward pass, with what it is made with beyond the Problem.
+template <class T>
+Problem checked_problem(const char* operation, const SdpaInput<T>& input,
+                        const UpstreamGradients<T>& upstream,
+                        const SdpaGradientOutput<T>& gradients, const SdpaBackwardOptions& options,
+                        emflow::detail::SdpaBackwardForm* form) {
+  const ExecutionOptions exec = execution<T>(PlanOptions{}, operation);
+  check_sdpa_shapes(operation, input);
+  Problem p = emflow::detail::sdpa_problem(input, Operation::sdpa_backward, exec);
+  form->update = upstream.update != nullptr;
+  form->lse = upstream.lse != nullptr;
+  form->entropy = upstream.entropy != nullptr;
+  form->scale = gradients.scale != nullptr;
+  form->deterministic = options.deterministic;
   return p;
 }
 
@@ -199,11 +223,16 @@ Machine with_device() {
 // The strategy route() names for `p` (validated and supported).
 template <class T>
 std::unique_ptr<PlanStrategy<T>> make_strategy(const Problem& p, const Route& r, int key_splits,
+                                               const emflow::detail::SdpaBackwardForm& backward,
                                                const char* operation) {
   using namespace emflow::detail;
   constexpr bool wide = std::is_same_v<T, float> || std::is_same_v<T, double>;
   constexpr bool tensor_cores = !std::is_same_v<T, double>;
-  if (p.operation == Operation::sdpa) {
+  if (p.operation == Operation::sdpa_backward) {
+    if constexpr (tensor_cores) {
+      return std::make_unique<SdpaBackwardStrategy<T>>(p, backward, operation);
+    }
+  } else if (p.operation == Operation::sdpa) {
     if constexpr (tensor_cores) {
       if (!r.expanded &&
           (r.kernel == Kernel::cuda_tensor_cores || r.kernel == Kernel::cuda_fused)) {
@@ -224,7 +253,7 @@ std::unique_ptr<PlanStrategy<T>> make_strategy(const Problem& p, const Route& r,
       Route inner = r;
       inner.expanded = false;
       return std::make_unique<ExpandedStrategy<T>>(
-          p, make_strategy<T>(dense, inner, key_splits, operation), operation);
+          p, make_strategy<T>(dense, inner, key_splits, backward, operation), operation);
     }
   } else if (r.kernel == Kernel::cuda_fused && p.form == Form::factored) {
     // A rotary or grouped layer in float32, never expanded: its projections and the SDPA
@@ -249,14 +278,16 @@ Route route_for(const Problem& p, Purpose purpose, const char* operation) {
 }
 
 template <class T>
-std::unique_ptr<detail::PlanState<T>> make_state(const char* operation, const Problem& p,
-                                                 const PlanOptions& options, Purpose purpose) {
+std::unique_ptr<detail::PlanState<T>> make_state(
+    const char* operation, const Problem& p, const PlanOptions& options, Purpose purpose,
+    const emflow::detail::SdpaBackwardForm& backward = {}) {
   auto state = std::make_unique<detail::PlanState<T>>();
   state->operation = operation;
   state->problem = p;
+  state->backward = backward;
   state->route = route_for(p, purpose, operation);
   if (!state->route.supported) fail(ErrorCode::unsupported, state->route.reason);
-  state->strategy = make_strategy<T>(p, state->route, options.key_splits, operation);
+  state->strategy = make_strategy<T>(p, state->route, options.key_splits, backward, operation);
   if (purpose != Purpose::size) {
     // Refuses an error already pending: the strategy's queries report failures through the last
     // error, so one left by the caller is named as the caller's.
@@ -289,6 +320,31 @@ Route can_implement_form(const Form&... form) noexcept {
   }
 }
 
+// The backward's can_implement: as can_implement_form, with its form.
+template <class T>
+Route can_implement_backward(const SdpaInput<T>& input, const UpstreamGradients<T>& upstream,
+                             const SdpaGradientOutput<T>& gradients,
+                             const SdpaBackwardOptions& options) noexcept {
+  try {
+    emflow::detail::SdpaBackwardForm form;
+    const Problem p = checked_problem(kPlan, input, upstream, gradients, options, &form);
+    const Route r = route_for(p, Purpose::check, kPlan);
+    if (!r.supported) return r;
+    (void)make_state<T>(kPlan, p, PlanOptions{}, Purpose::check, form);
+    return r;
+  } catch (const Error& e) {
+    Route refused;
+    refused.device = Device::cuda;
+    refused.reason = e.what();
+    return refused;
+  } catch (...) {
+    Route refused;
+    refused.device = Device::cuda;
+    refused.reason = std::string(kPlan) + ": out of memory while planning";
+    return refused;
+  }
+}
+
 const char* presence(bool present) { return present ? "given" : "null"; }
 
 // The form of a run against the form of its plan.
@@ -296,11 +352,21 @@ void check_form(const Problem& planned, Operation operation, Form form, const ch
   if (planned.operation == Operation::decode) {
     fail_argument(op, "plan", "belongs to a decode cache, which runs its own calls");
   }
-  if ((planned.operation == Operation::sdpa) != (operation == Operation::sdpa)) {
+  const auto sdpa = [](Operation o) {
+    return o == Operation::sdpa || o == Operation::sdpa_backward;
+  };
+  if (sdpa(planned.operation) != sdpa(operation)) {
     fail_argument(op, "input",
-                  planned.operation == Operation::sdpa
+                  sdpa(planned.operation)
                       ? "must be an SdpaInput: the plan was made for the SDPA-shaped operator"
                       : "must be an AttentionInput: the plan was made for an attention layer");
+  }
+  if (sdpa(operation) && planned.operation != operation) {
+    fail_argument(op, "plan",
+                  planned.operation == Operation::sdpa
+                      ? "was made for the SDPA operator's forward pass (run it with an SdpaOutput)"
+                      : "was made for the SDPA operator's backward pass (run it with the saved "
+                        "forward, the upstream gradients and the gradients)");
   }
   if (planned.operation != operation) {
     fail_argument(op, "output",
@@ -330,7 +396,8 @@ bool same_problem(const Problem& planned, const Problem& given, const char* op, 
                                       given.dim,      given.heads,     given.rank,
                                       given.kv_heads, given.rotary_dim};
   // The SDPA-shaped operator keeps its value rank in dim and its query heads in heads.
-  const bool sdpa = planned.operation == Operation::sdpa;
+  const bool sdpa =
+      planned.operation == Operation::sdpa || planned.operation == Operation::sdpa_backward;
   const char* const size_names[] = {"batch",
                                     "tokens",
                                     "query_tokens",
@@ -431,6 +498,13 @@ AttentionPlan<T>::AttentionPlan(const SdpaInput<T>& input, const SdpaOutput<T>& 
                            Purpose::run)) {}
 
 template <class T>
+AttentionPlan<T>::AttentionPlan(const SdpaInput<T>& input, const UpstreamGradients<T>& upstream,
+                                const SdpaGradientOutput<T>& gradients,
+                                const SdpaBackwardOptions& options)
+    : state_(
+          std::move(detail::PlanAccess::make(kPlan, input, upstream, gradients, options).state_)) {}
+
+template <class T>
 AttentionPlan<T>::~AttentionPlan() = default;
 template <class T>
 AttentionPlan<T>::AttentionPlan(AttentionPlan&&) noexcept = default;
@@ -465,6 +539,14 @@ Route AttentionPlan<T>::can_implement(const SdpaInput<T>& input, const SdpaOutpu
 }
 
 template <class T>
+Route AttentionPlan<T>::can_implement(const SdpaInput<T>& input,
+                                      const UpstreamGradients<T>& upstream,
+                                      const SdpaGradientOutput<T>& gradients,
+                                      const SdpaBackwardOptions& options) noexcept {
+  return can_implement_backward<T>(input, upstream, gradients, options);
+}
+
+template <class T>
 std::size_t AttentionPlan<T>::get_workspace_size(const AttentionInput<T>& input,
                                                  const AttentionOutput<T>& output,
                                                  const PlanOptions& options) {
@@ -491,6 +573,14 @@ std::size_t AttentionPlan<T>::get_workspace_size(const SdpaInput<T>& input,
                                                  const SdpaOutput<T>& output,
                                                  const PlanOptions& options) {
   return detail::PlanAccess::workspace_size(kPlan, input, output, options);
+}
+
+template <class T>
+std::size_t AttentionPlan<T>::get_workspace_size(const SdpaInput<T>& input,
+                                                 const UpstreamGradients<T>& upstream,
+                                                 const SdpaGradientOutput<T>& gradients,
+                                                 const SdpaBackwardOptions& options) {
+  return detail::PlanAccess::workspace_size(kPlan, input, upstream, gradients, options);
 }
 
 template <class T>
@@ -561,19 +651,58 @@ bool AttentionPlan<T>::matches(const SdpaInput<T>& input,
   if (!state_) return false;
   const Problem& planned = state_->problem;
   if (planned.operation != Operation::sdpa || output.output == nullptr) return false;
-  Problem given = planned;  // the sizes and arrays that same_problem compares, from the call
-  given.batch = input.batch;
-  given.tokens = input.tokens;
-  given.query_tokens = input.query_tokens;
-  given.dim = input.value_rank;
-  given.heads = input.query_heads;
-  given.rank = input.rank;
-  given.kv_heads = input.kv_heads;
-  given.mask = input.mask;
-  given.lse = output.lse != nullptr;
-  given.entropy = output.entropy != nullptr;
   try {  // an allocation failure of a message's strings reads as no match
+    Problem given = emflow::detail::sdpa_problem(input, Operation::sdpa, ExecutionOptions{});
+    given.lse = output.lse != nullptr;
+    given.entropy = output.entropy != nullptr;
     return same_problem(planned, given, "", false);
+  } catch (...) {
+    return false;
+  }
+}
+
+namespace {
+
+// The first difference between a backward call's arrays and its plan's form: false, or an
+// invalid_argument naming it when `raise`.
+template <class T>
+bool same_backward_form(const emflow::detail::SdpaBackwardForm& planned,
+                        const UpstreamGradients<T>& upstream,
+                        const SdpaGradientOutput<T>& gradients, const char* op, bool raise) {
+  const bool planned_arrays[] = {planned.update, planned.lse, planned.entropy, planned.scale};
+  const bool given_arrays[] = {upstream.update != nullptr, upstream.lse != nullptr,
+                               upstream.entropy != nullptr, gradients.scale != nullptr};
+  const char* const names[] = {"upstream.update", "upstream.lse", "upstream.entropy",
+                               "gradients.scale"};
+  for (int k = 0; k < 4; ++k) {
+    if (given_arrays[k] == planned_arrays[k]) continue;
+    if (!raise) return false;
+    fail_argument(op, names[k], "is ", presence(given_arrays[k]),
+                  ", but the plan was made with it ", presence(planned_arrays[k]));
+  }
+  return true;
+}
+
+}  // namespace
+
+template <class T>
+bool AttentionPlan<T>::matches(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
+                               const UpstreamGradients<T>& upstream,
+                               const SdpaGradientOutput<T>& gradients) const noexcept {
+  if (!state_) return false;
+  const Problem& planned = state_->problem;
+  if (planned.operation != Operation::sdpa_backward || gradients.queries == nullptr ||
+      gradients.keys == nullptr || gradients.values == nullptr || saved.lse == nullptr ||
+      (upstream.update != nullptr && saved.output == nullptr) ||
+      (upstream.entropy != nullptr && saved.entropy == nullptr)) {
+    return false;
+  }
+  try {  // an allocation failure of a message's strings reads as no match
+    return same_problem(
+               planned,
+               emflow::detail::sdpa_problem(input, Operation::sdpa_backward, ExecutionOptions{}),
+               "", false) &&
+           same_backward_form(state_->backward, upstream, gradients, "", false);
   } catch (...) {
     return false;
   }
@@ -652,6 +781,38 @@ void AttentionPlan<T>::run(const SdpaInput<T>& input, const SdpaOutput<T>& outpu
   enqueue(s, call, workspace, workspace_bytes, stream);
 }
 
+// The SDPA backward: the blocking form's checks for device arrays (integer compares; the gradients
+// and the saved arrays a given upstream gradient needs not null), then the match with the plan.
+template <class T>
+void AttentionPlan<T>::run(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
+                           const UpstreamGradients<T>& upstream,
+                           const SdpaGradientOutput<T>& gradients, void* workspace,
+                           std::size_t workspace_bytes, Stream stream) const {
+  const detail::PlanState<T>& s = state_of(state_);
+  const char* const op = s.operation.c_str();
+  check_form(s.problem, Operation::sdpa_backward, Form::factored, op);
+  emflow::detail::check_sdpa(input, gradients.queries, op, emflow::detail::Lengths::device);
+  emflow::detail::expect_not_null(op, "gradients.keys", gradients.keys);
+  emflow::detail::expect_not_null(op, "gradients.values", gradients.values);
+  emflow::detail::expect_not_null(op, "saved.lse", saved.lse);
+  if (upstream.update != nullptr) {
+    emflow::detail::expect_not_null(op, "saved.output", saved.output);
+  }
+  if (upstream.entropy != nullptr) {
+    emflow::detail::expect_not_null(op, "saved.entropy", saved.entropy);
+  }
+  same_problem(s.problem,
+               emflow::detail::sdpa_problem(input, Operation::sdpa_backward, ExecutionOptions{}),
+               op, true);
+  same_backward_form(s.backward, upstream, gradients, op, true);
+  emflow::detail::PlanCall<T> call;
+  call.sdpa = &input;
+  call.saved = &saved;
+  call.upstream = &upstream;
+  call.gradients = &gradients;
+  enqueue(s, call, workspace, workspace_bytes, stream);
+}
+
 template class AttentionPlan<float>;
 template class AttentionPlan<double>;
 template class AttentionPlan<bfloat16>;
@@ -723,6 +884,27 @@ std::size_t PlanAccess::workspace_size(const char* operation, const SdpaInput<T>
       ->strategy->workspace_bytes();
 }
 
+template <class T>
+AttentionPlan<T> PlanAccess::make(const char* operation, const SdpaInput<T>& input,
+                                  const UpstreamGradients<T>& upstream,
+                                  const SdpaGradientOutput<T>& gradients,
+                                  const SdpaBackwardOptions& options) {
+  emflow::detail::SdpaBackwardForm form;
+  const Problem p = checked_problem(operation, input, upstream, gradients, options, &form);
+  return AttentionPlan<T>(make_state<T>(operation, p, PlanOptions{}, Purpose::run, form));
+}
+
+template <class T>
+std::size_t PlanAccess::workspace_size(const char* operation, const SdpaInput<T>& input,
+                                       const UpstreamGradients<T>& upstream,
+                                       const SdpaGradientOutput<T>& gradients,
+                                       const SdpaBackwardOptions& options) {
+  emflow::detail::SdpaBackwardForm form;
+  const Problem p = checked_problem(operation, input, upstream, gradients, options, &form);
+  return make_state<T>(operation, p, PlanOptions{}, Purpose::size, form)
+      ->strategy->workspace_bytes();
+}
+
 AttentionPlan<float> PlanAccess::decode(const char* operation,
                                         const emflow::detail::DecodeShape& shape) {
   emflow::detail::expect_positive(operation, "dim", shape.dim);
@@ -781,7 +963,13 @@ void PlanAccess::run_decode(const AttentionPlan<float>& plan,
   template AttentionPlan<T> PlanAccess::make<T>(const char*, const SdpaInput<T>&,                  \
                                                 const SdpaOutput<T>&, const PlanOptions&);         \
   template std::size_t PlanAccess::workspace_size<T>(const char*, const SdpaInput<T>&,             \
-                                                     const SdpaOutput<T>&, const PlanOptions&);
+                                                     const SdpaOutput<T>&, const PlanOptions&);    \
+  template AttentionPlan<T> PlanAccess::make<T>(                                                   \
+      const char*, const SdpaInput<T>&, const UpstreamGradients<T>&, const SdpaGradientOutput<T>&, \
+      const SdpaBackwardOptions&);                                                                 \
+  template std::size_t PlanAccess::workspace_size<T>(                                              \
+      const char*, const SdpaInput<T>&, const UpstreamGradients<T>&, const SdpaGradientOutput<T>&, \
+      const SdpaBackwardOptions&);
 EMFLOW_PLAN_ACCESS(float)
 EMFLOW_PLAN_ACCESS(double)
 EMFLOW_PLAN_ACCESS(bfloat16)

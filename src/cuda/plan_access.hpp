@@ -29,6 +29,11 @@ struct PlanAccess {
   template <class T>
   static AttentionPlan<T> make(const char* operation, const SdpaInput<T>& input,
                                const SdpaOutput<T>& output, const PlanOptions& options);
+  template <class T>
+  static AttentionPlan<T> make(const char* operation, const SdpaInput<T>& input,
+                               const UpstreamGradients<T>& upstream,
+                               const SdpaGradientOutput<T>& gradients,
+                               const SdpaBackwardOptions& options);
 
   /// AttentionPlan::get_workspace_size, its errors naming `operation`.
   template <class T>
@@ -44,6 +49,11 @@ struct PlanAccess {
   template <class T>
   static std::size_t workspace_size(const char* operation, const SdpaInput<T>& input,
                                     const SdpaOutput<T>& output, const PlanOptions& options);
+  template <class T>
+  static std::size_t workspace_size(const char* operation, const SdpaInput<T>& input,
+                                    const UpstreamGradients<T>& upstream,
+                                    const SdpaGradientOutput<T>& gradients,
+                                    const SdpaBackwardOptions& options);
 
   /// The plan of a device decode cache of `shape` on the current device: route() asked for
   /// Operation::decode, the fused kernel readied there, the workspace laid out for the capacity.

@@ -13,6 +13,7 @@
 //                     against its keys, split and merged (flash-decoding)
 //   SdpaStrategy      (sdpa_strategy.hpp)      float, bfloat16, float16: the SDPA-shaped
 //                     operator's forward pass on the caller's projected queries, keys and values
+//   SdpaBackwardStrategy (sdpa_strategy.hpp)   float, bfloat16, float16: its backward pass
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,7 +31,8 @@ namespace emflow::detail {
 
 /// The arrays of one run, which the plan has matched against the Problem it was made for: the
 /// input, the factored layer (the factored form) and where the run writes (an update or a
-/// partial state); or, for the SDPA-shaped operator, its input and output alone.
+/// partial state); or, for the SDPA-shaped operator, its input and output (the forward pass) or
+/// its saved forward, upstream gradients and gradients (the backward pass).
 template <class T>
 struct PlanCall {
   const AttentionInput<T>* input = nullptr;
@@ -39,6 +41,20 @@ struct PlanCall {
   const PartialOutput<T>* partial = nullptr;
   const SdpaInput<T>* sdpa = nullptr;
   const SdpaOutput<T>* sdpa_output = nullptr;
+  const SdpaSaved<T>* saved = nullptr;
+  const UpstreamGradients<T>* upstream = nullptr;
+  const SdpaGradientOutput<T>* gradients = nullptr;
+};
+
+/// What an SDPA backward plan is made with beyond its Problem (Operation::sdpa_backward): which
+/// upstream gradients are given, whether dscale is asked for, and how dQ is formed
+/// (cuda::SdpaBackwardOptions::deterministic). Its runs must give the same arrays.
+struct SdpaBackwardForm {
+  bool update = false;   ///< upstream.update (dO)
+  bool lse = false;      ///< upstream.lse
+  bool entropy = false;  ///< upstream.entropy (dH)
+  bool scale = false;    ///< gradients.scale (dscale)
+  bool deterministic = true;
 };
 
 template <class T>

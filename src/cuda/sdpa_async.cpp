@@ -1,9 +1,9 @@
 // The SDPA-shaped operator on the caller's device arrays and stream (cuda.hpp), which the
 // blocking forms run on device copies of host arrays (src/cuda/sdpa.cpp); no synchronisation.
-// Forward: SdpaStrategy (sdpa_strategy.hpp), the plan strategy of the SDPA form, and
-// sdpa_attend_async / sdpa_workspace_size as a plan made and run in one call: float with
-// Precision::fp32 on the float32 kernel (kernels/sdpa_backward.cu), else the tensor-core attention
-// kernel, the 16-bit output rounded by a kernel. Backward (sdpa_backward_async): the row terms'
+// The plan strategies of both passes (sdpa_strategy.hpp), and sdpa_attend_async /
+// sdpa_backward_async and their workspace sizes as a plan made and run in one call. Forward:
+// float with Precision::fp32 on the float32 kernel (kernels/sdpa_backward.cu), else the
+// tensor-core attention kernel, the 16-bit output rounded by a kernel. Backward: the row terms'
 // kernel, then the backward kernels (kernels/sdpa_backward.cu: float32 for float, the tensor cores
 // for 16-bit storage), the gradients rounded and the dscale terms summed by kernels. The checks
 // and the route are the blocking forms' (core/sdpa_checks.hpp, route()), the lengths trusted on
@@ -34,72 +34,10 @@ namespace {
 using emflow::detail::expect_device_pointer;
 using emflow::detail::expect_workspace;
 using emflow::detail::MemoryRange;
-using emflow::detail::WorkspaceCursor;
-
-// The route of the call on the GPU: refused with route()'s reason when no kernel computes it.
-// `device_needed`: false for the workspace sizes, which answer for a device that is present.
-template <class T>
-Route gpu_route(const SdpaInput<T>& input, Operation operation, const PlanOptions& options,
-                bool device_needed, const char* op) {
-  ExecutionOptions execution;
-  execution.device = Device::cuda;
-  execution.precision = options.precision;
-  emflow::detail::check_precision<T>(execution, op);
-  Problem problem = emflow::detail::sdpa_problem(input, operation, execution);
-  problem.algorithm = options.algorithm;
-  if (device_needed) return require_route(problem, Device::cuda, op);
-  Machine present = this_machine();
-  present.cuda_built = present.cuda_device = true;
-  const Route r = route(problem, Device::cuda, present, op);
-  if (!r.supported) emflow::detail::fail(ErrorCode::unsupported, r.reason);
-  return r;
-}
 
 std::size_t rows_of(std::int64_t batch, std::int64_t heads, std::int64_t tokens) {
   return static_cast<std::size_t>(batch * heads * tokens);
 }
-
-// The backward pass's workspace: the three gradients in float32 for 16-bit storage (the tensor
-// cores read Q, K and V as they are), the row arrays, the dscale terms (one per query block, or
-// per key block in the atomics mode).
-template <class T>
-struct BackwardPieces {
-  float *query_gradient = nullptr, *key_gradient = nullptr, *value_gradient = nullptr;
-  float *output_gradient = nullptr, *lse = nullptr, *row_term = nullptr;
-  float *entropy_gradient = nullptr, *scale_terms = nullptr;
-  int blocks = 0;  // of the kernel that writes the dscale terms
-  std::size_t bytes = 0;
-
-  BackwardPieces(const SdpaInput<T>& in, const UpstreamGradients<T>& upstream,
-                 const SdpaGradientOutput<T>& gradients, const SdpaBackwardOptions& options,
-                 void* base, const char* op) {
-    const std::size_t rows = rows_of(in.batch, in.query_heads, in.query_tokens);
-    const std::size_t kv = rows_of(in.batch, in.kv_heads, in.tokens);
-    const auto r = static_cast<std::size_t>(in.rank);
-    const auto rv = static_cast<std::size_t>(in.value_rank);
-    constexpr std::int64_t kTile = emflow::detail::kSdpaBackwardTile;
-    blocks = static_cast<int>(
-        options.deterministic ? (in.query_tokens + kTile - 1) / kTile * in.query_heads * in.batch
-                              : (in.tokens + kTile - 1) / kTile * in.kv_heads * in.batch);
-    WorkspaceCursor at(op);
-    auto* const bytes_at = static_cast<unsigned char*>(base);
-    if (!std::is_same_v<T, float>) {
-      query_gradient = at.take_array<float>(bytes_at, rows * r, "query_gradient");
-      key_gradient = at.take_array<float>(bytes_at, kv * r, "key_gradient");
-      value_gradient = at.take_array<float>(bytes_at, kv * rv, "value_gradient");
-    }
-    output_gradient = at.take_array<float>(bytes_at, rows * rv, "output_gradient");
-    lse = at.take_array<float>(bytes_at, rows, "lse");
-    row_term = at.take_array<float>(bytes_at, rows, "row_term");
-    if (upstream.entropy != nullptr) {
-      entropy_gradient = at.take_array<float>(bytes_at, rows, "entropy_gradient");
-    }
-    if (gradients.scale != nullptr) {
-      scale_terms = at.take_array<float>(bytes_at, static_cast<std::size_t>(blocks), "scale_terms");
-    }
-    bytes = at.aligned_total();
-  }
-};
 
 template <class T>
 emflow::detail::KernelMask device_mask(const SdpaInput<T>& in) {
@@ -247,9 +185,130 @@ void SdpaStrategy<T>::run(const PlanCall<T>& call, unsigned char* base, cudaStre
   }
 }
 
+template <class T>
+SdpaBackwardStrategy<T>::SdpaBackwardStrategy(const Problem& problem, const SdpaBackwardForm& form,
+                                              const char* operation)
+    : form_(form), width_(static_cast<int>(std::max(problem.rank, problem.dim))) {
+  const auto rows =
+      static_cast<std::int64_t>(cuda::rows_of(problem.batch, problem.heads, problem.query_tokens));
+  const auto kv =
+      static_cast<std::int64_t>(cuda::rows_of(problem.batch, problem.kv_heads, problem.tokens));
+  const std::int64_t r = problem.rank, rv = problem.dim;
+  constexpr std::int64_t kTile = kSdpaBackwardTile;
+  // One dscale term per query tile (the queries' kernel), or per key tile with atomics.
+  blocks_ = static_cast<int>(
+      form.deterministic
+          ? (problem.query_tokens + kTile - 1) / kTile * problem.heads * problem.batch
+          : (problem.tokens + kTile - 1) / kTile * problem.kv_heads * problem.batch);
+  WorkspaceCursor at(operation);
+  if (!std::is_same_v<T, float>) {  // the tensor cores read Q, K and V as they are
+    query_gradient_ = at.take(rows * r, sizeof(float), "query_gradient");
+    key_gradient_ = at.take(kv * r, sizeof(float), "key_gradient");
+    value_gradient_ = at.take(kv * rv, sizeof(float), "value_gradient");
+  }
+  output_gradient_ = at.take(rows * rv, sizeof(float), "output_gradient");
+  lse_ = at.take(rows, sizeof(float), "lse");
+  row_term_ = at.take(rows, sizeof(float), "row_term");
+  if (form.entropy) entropy_gradient_ = at.take(rows, sizeof(float), "entropy_gradient");
+  if (form.scale) scale_terms_ = at.take(blocks_, sizeof(float), "scale_terms");
+  bytes_ = at.aligned_total();
+}
+
+template <class T>
+void SdpaBackwardStrategy<T>::bind(int device, bool prepare, const char* operation) {
+  if constexpr (std::is_same_v<T, float>) {
+    expect_shared_memory(operation, "the float32 SDPA backward kernels",
+                         sdpa_backward_shared_bytes(width_), device,
+                         shared_memory_limit(device, operation), "use device 'cpu'");
+    if (prepare) prepare_sdpa_backward(width_, operation);
+  } else {
+    if (prepare) prepare_sdpa_backward_tc<T>(width_, operation);
+  }
+}
+
+template <class T>
+void SdpaBackwardStrategy<T>::run(const PlanCall<T>& call, unsigned char* base, cudaStream_t stream,
+                                  const char* operation) const {
+  const SdpaInput<T>& input = *call.sdpa;
+  const SdpaSaved<T>& saved = *call.saved;
+  const UpstreamGradients<T>& upstream = *call.upstream;
+  const SdpaGradientOutput<T>& gradients = *call.gradients;
+  auto at = [base](std::size_t offset) { return reinterpret_cast<float*>(base + offset); };
+  const std::size_t rows = cuda::rows_of(input.batch, input.query_heads, input.query_tokens);
+  const std::size_t kv = cuda::rows_of(input.batch, input.kv_heads, input.tokens);
+  const auto r = static_cast<std::size_t>(input.rank);
+  const auto rv = static_cast<std::size_t>(input.value_rank);
+  SdpaBackwardArgs args;
+  if constexpr (std::is_same_v<T, float>) {
+    args.query = input.queries;
+    args.key = input.keys;
+    args.value = input.values;
+    args.query_gradient = gradients.queries;
+    args.key_gradient = gradients.keys;
+    args.value_gradient = gradients.values;
+  } else {
+    args.query_gradient = at(query_gradient_);
+    args.key_gradient = at(key_gradient_);
+    args.value_gradient = at(value_gradient_);
+  }
+  const KernelMask mask = cuda::device_mask(input);
+  SdpaRowTermsArgs<T> terms;
+  terms.output = saved.output;
+  terms.output_gradient = upstream.update;
+  terms.lse = saved.lse;
+  terms.entropy = saved.entropy;
+  terms.lse_gradient = upstream.lse;
+  terms.entropy_gradient = upstream.entropy;
+  terms.output_gradient32 = at(output_gradient_);
+  terms.lse32 = at(lse_);
+  terms.row_term = at(row_term_);
+  terms.entropy_gradient32 = form_.entropy ? at(entropy_gradient_) : nullptr;
+  terms.batch = static_cast<int>(input.batch);
+  terms.heads = static_cast<int>(input.query_heads);
+  terms.queries = static_cast<int>(input.query_tokens);
+  terms.tokens = static_cast<int>(input.tokens);
+  terms.value_rank = static_cast<int>(input.value_rank);
+  terms.mask = mask;
+  launch_sdpa_row_terms(terms, stream, operation);
+
+  args.output_gradient = terms.output_gradient32;
+  args.lse = terms.lse32;
+  args.row_term = terms.row_term;
+  args.entropy_gradient = terms.entropy_gradient32;
+  args.scale_terms = form_.scale ? at(scale_terms_) : nullptr;
+  args.scale = static_cast<float>(input.scale);
+  args.batch = terms.batch;
+  args.heads = terms.heads;
+  args.kv_heads = static_cast<int>(input.kv_heads);
+  args.queries = terms.queries;
+  args.tokens = terms.tokens;
+  args.rank = static_cast<int>(input.rank);
+  args.value_rank = terms.value_rank;
+  args.mask = mask;
+  args.atomic_queries = !form_.deterministic;
+  if (args.atomic_queries) {  // the atomics add to zeros
+    check_cuda(cudaMemsetAsync(args.query_gradient, 0, rows * r * sizeof(float), stream), operation,
+               "cudaMemsetAsync");
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    launch_sdpa_backward(args, stream, operation);
+  } else {  // the tensor cores on Q, K and V as stored
+    launch_sdpa_backward_tc(args, input.queries, input.keys, input.values, stream, operation);
+    launch_narrow(args.query_gradient, gradients.queries, rows * r, stream, operation);
+    launch_narrow(args.key_gradient, gradients.keys, kv * r, stream, operation);
+    launch_narrow(args.value_gradient, gradients.values, kv * rv, stream, operation);
+  }
+  if (form_.scale) {
+    launch_sdpa_scale_sum(args.scale_terms, blocks_, gradients.scale, stream, operation);
+  }
+}
+
 template class SdpaStrategy<float>;
 template class SdpaStrategy<bfloat16>;
 template class SdpaStrategy<float16>;
+template class SdpaBackwardStrategy<float>;
+template class SdpaBackwardStrategy<bfloat16>;
+template class SdpaBackwardStrategy<float16>;
 
 }  // namespace emflow::detail
 
@@ -291,14 +350,11 @@ std::size_t sdpa_backward_workspace_size(const SdpaInput<T>& input,
                                          const UpstreamGradients<T>& upstream,
                                          const SdpaGradientOutput<T>& gradients,
                                          const SdpaBackwardOptions& options) {
-  const char* const op = "sdpa_backward_workspace_size";
-  T stand_in{};
-  emflow::detail::check_sdpa(input, gradients.queries != nullptr ? gradients.queries : &stand_in,
-                             op, emflow::detail::Lengths::device);
-  gpu_route(input, Operation::sdpa_backward, {}, false, op);
-  return BackwardPieces<T>(input, upstream, gradients, options, nullptr, op).bytes;
+  return detail::PlanAccess::workspace_size("sdpa_backward_workspace_size", input, upstream,
+                                            gradients, options);
 }
 
+// As sdpa_attend_async: a plan made and run in one call after the pointer and overlap checks.
 template <class T>
 void sdpa_backward_async(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
                          const UpstreamGradients<T>& upstream,
@@ -306,19 +362,8 @@ void sdpa_backward_async(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
                          std::size_t workspace_bytes, Stream stream,
                          const SdpaBackwardOptions& options) {
   const char* const op = "sdpa_backward_async";
-  emflow::detail::check_sdpa(input, gradients.queries, op, emflow::detail::Lengths::device);
-  emflow::detail::expect_not_null(op, "gradients.keys", gradients.keys);
-  emflow::detail::expect_not_null(op, "gradients.values", gradients.values);
-  emflow::detail::expect_not_null(op, "saved.lse", saved.lse);
-  if (upstream.update != nullptr) {
-    emflow::detail::expect_not_null(op, "saved.output", saved.output);
-  }
-  if (upstream.entropy != nullptr) {
-    emflow::detail::expect_not_null(op, "saved.entropy", saved.entropy);
-  }
-  gpu_route(input, Operation::sdpa_backward, {}, true, op);
-  const int device = emflow::detail::current_device(op);
-  emflow::detail::expect_stream_of(op, stream, device);
+  const AttentionPlan<T> plan = detail::PlanAccess::make(op, input, upstream, gradients, options);
+  const int device = plan.device();
   expect_input_on_device(input, op, device);
   const char* const names[] = {"saved.output",      "saved.lse",      "saved.entropy",
                                "upstream.update",   "upstream.lse",   "upstream.entropy",
@@ -330,8 +375,7 @@ void sdpa_backward_async(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
   for (std::size_t k = 0; k < std::size(names); ++k) {
     expect_device_pointer(op, names[k], pointers[k], device);
   }
-  const BackwardPieces<T> need(input, upstream, gradients, options, nullptr, op);
-  expect_workspace(op, workspace, workspace_bytes, need.bytes, device);
+  expect_workspace(op, workspace, workspace_bytes, plan.workspace_size(), device);
   const std::size_t rows = rows_of(input.batch, input.query_heads, input.query_tokens);
   const std::size_t kv = rows_of(input.batch, input.kv_heads, input.tokens);
   const auto r = static_cast<std::size_t>(input.rank);
@@ -348,78 +392,9 @@ void sdpa_backward_async(const SdpaInput<T>& input, const SdpaSaved<T>& saved,
                                range("gradients.values", gradients.values, kv * rv, true),
                                range("gradients.scale", gradients.scale, 1, true),
                                range("workspace", static_cast<const unsigned char*>(workspace),
-                                     need.bytes, true)});
+                                     plan.workspace_size(), true)});
   emflow::detail::check_disjoint(ranges.data(), ranges.size(), op);
-
-  const BackwardPieces<T> w(input, upstream, gradients, options, workspace, op);
-  emflow::detail::SdpaBackwardArgs args;
-  if constexpr (std::is_same_v<T, float>) {
-    args.query = input.queries;
-    args.key = input.keys;
-    args.value = input.values;
-    args.query_gradient = gradients.queries;
-    args.key_gradient = gradients.keys;
-    args.value_gradient = gradients.values;
-  } else {
-    args.query_gradient = w.query_gradient;
-    args.key_gradient = w.key_gradient;
-    args.value_gradient = w.value_gradient;
-  }
-  const emflow::detail::KernelMask mask = device_mask(input);
-  emflow::detail::SdpaRowTermsArgs<T> terms;
-  terms.output = saved.output;
-  terms.output_gradient = upstream.update;
-  terms.lse = saved.lse;
-  terms.entropy = saved.entropy;
-  terms.lse_gradient = upstream.lse;
-  terms.entropy_gradient = upstream.entropy;
-  terms.output_gradient32 = w.output_gradient;
-  terms.lse32 = w.lse;
-  terms.row_term = w.row_term;
-  terms.entropy_gradient32 = w.entropy_gradient;
-  terms.batch = static_cast<int>(input.batch);
-  terms.heads = static_cast<int>(input.query_heads);
-  terms.queries = static_cast<int>(input.query_tokens);
-  terms.tokens = static_cast<int>(input.tokens);
-  terms.value_rank = static_cast<int>(input.value_rank);
-  terms.mask = mask;
-  emflow::detail::launch_sdpa_row_terms(terms, stream, op);
-
-  args.output_gradient = w.output_gradient;
-  args.lse = w.lse;
-  args.row_term = w.row_term;
-  args.entropy_gradient = w.entropy_gradient;
-  args.scale_terms = w.scale_terms;
-  args.scale = static_cast<float>(input.scale);
-  args.batch = terms.batch;
-  args.heads = terms.heads;
-  args.kv_heads = static_cast<int>(input.kv_heads);
-  args.queries = terms.queries;
-  args.tokens = terms.tokens;
-  args.rank = static_cast<int>(input.rank);
-  args.value_rank = terms.value_rank;
-  args.mask = mask;
-  args.atomic_queries = !options.deterministic;
-  if (args.atomic_queries) {  // the atomics add to zeros
-    emflow::detail::check_cuda(
-        cudaMemsetAsync(args.query_gradient, 0, rows * r * sizeof(float), stream), op,
-        "cudaMemsetAsync");
-  }
-  const int width = args.rank > args.value_rank ? args.rank : args.value_rank;
-  if constexpr (std::is_same_v<T, float>) {
-    emflow::detail::prepare_sdpa_backward(width, op);
-    emflow::detail::launch_sdpa_backward(args, stream, op);
-  } else {  // the tensor cores on Q, K and V as stored
-    emflow::detail::prepare_sdpa_backward_tc<T>(width, op);
-    emflow::detail::launch_sdpa_backward_tc(args, input.queries, input.keys, input.values, stream,
-                                            op);
-    emflow::detail::launch_narrow(w.query_gradient, gradients.queries, rows * r, stream, op);
-    emflow::detail::launch_narrow(w.key_gradient, gradients.keys, kv * r, stream, op);
-    emflow::detail::launch_narrow(w.value_gradient, gradients.values, kv * rv, stream, op);
-  }
-  if (gradients.scale != nullptr) {
-    emflow::detail::launch_sdpa_scale_sum(w.scale_terms, w.blocks, gradients.scale, stream, op);
-  }
+  plan.run(input, saved, upstream, gradients, workspace, workspace_bytes, stream);
 }
 
 #define EMFLOW_CUDA_SDPA(T)                                                                       \

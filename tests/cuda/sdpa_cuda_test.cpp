@@ -628,6 +628,27 @@ TYPED_TEST(SdpaCuda, StreamOrderedFormsGiveTheBlockingFormsBits) {
     EXPECT_EQ(bits_of(to_host(dV, s)), bits_of(gV)) << "dV";
     EXPECT_EQ(to_host(dscale, s)[0], gscale) << "dscale";
 
+    // The backward as a plan (cuda::AttentionPlan from the shapes with null arrays), run twice on
+    // one workspace into gradients filled with NaN first: the same bits each time.
+    SdpaInput<T> shapes = device;
+    shapes.queries = shapes.keys = shapes.values = nullptr;
+    const cuda::AttentionPlan<T> plan(shapes, upstream, gradients);
+    ASSERT_TRUE(plan.matches(device, saved, upstream, gradients));
+    EXPECT_FALSE(plan.matches(device, saved, UpstreamGradients<T>{up_dO.data()}, gradients));
+    EXPECT_EQ(plan.workspace_size(), workspace.bytes());
+    for (int run = 0; run < 2; ++run) {
+      SCOPED_TRACE("backward plan, run " + std::to_string(run));
+      ASSERT_EQ(cudaMemsetAsync(dQ.data(), 0xFF, dQ.bytes(), s), cudaSuccess);
+      ASSERT_EQ(cudaMemsetAsync(dK.data(), 0xFF, dK.bytes(), s), cudaSuccess);
+      ASSERT_EQ(cudaMemsetAsync(dV.data(), 0xFF, dV.bytes(), s), cudaSuccess);
+      ASSERT_EQ(cudaMemsetAsync(dscale.data(), 0xFF, dscale.bytes(), s), cudaSuccess);
+      plan.run(device, saved, upstream, gradients, workspace.data(), workspace.bytes(), s);
+      EXPECT_EQ(bits_of(to_host(dQ, s)), bits_of(gQ)) << "dQ";
+      EXPECT_EQ(bits_of(to_host(dK, s)), bits_of(gK)) << "dK";
+      EXPECT_EQ(bits_of(to_host(dV, s)), bits_of(gV)) << "dV";
+      EXPECT_EQ(to_host(dscale, s)[0], gscale) << "dscale";
+    }
+
     // The atomics mode (dQ added by the keys' kernel): dK and dV the same bits, dQ within a
     // rounding of the storage type (its sums in another order) and exactly 0 where it is 0,
     // dscale (summed over key blocks instead of query blocks) to float rounding.
@@ -750,7 +771,8 @@ TYPED_TEST(SdpaCuda, APlanMadeOnceRunsTwiceAsTheBlockingForm) {
 }
 
 // What an SDPA plan refuses, by name: a call that is not its plan's (another shape, an output not
-// asked for at planning, an attention layer's input), storage the GPU does not compute
+// asked for at planning, an attention layer's input, the other pass; for the backward an upstream
+// gradient not given at planning), storage the GPU does not compute
 // (can_implement says why without throwing); and a plan that needs no workspace runs with none.
 TEST(SdpaCudaPlan, RefusesCallsThatAreNotItsOwnAndRunsWithoutAWorkspaceWhenItNeedsNone) {
   EMFLOW_REQUIRE_CUDA();
@@ -793,6 +815,34 @@ TEST(SdpaCudaPlan, RefusesCallsThatAreNotItsOwnAndRunsWithoutAWorkspaceWhenItNee
       throws_error([&] { plan.run(in, where, workspace.data(), workspace.bytes() - 1, nullptr); },
                    ErrorCode::invalid_argument, {"'workspace_bytes'"}));
   EXPECT_FALSE(plan.matches(fewer, where));
+
+  // The backward's plan, made for dO and lse's gradient: the forward's call, or dH given, are
+  // not its calls; the forward's plan refuses the backward's call.
+  cuda::DeviceBuffer<bfloat16> dO(N * r), dQ(N * r), dK(N * r), dV(N * r);
+  cuda::DeviceBuffer<float> dlse(N), dH(N), entropy(N);
+  const UpstreamGradients<bfloat16> upstream{dO.data(), dlse.data()};
+  const SdpaGradientOutput<bfloat16> gradients{dQ.data(), dK.data(), dV.data()};
+  const SdpaSaved<bfloat16> saved{out.data(), lse.data(), entropy.data()};
+  const cuda::AttentionPlan<bfloat16> backward(in, upstream, gradients);
+  cuda::DeviceBuffer<unsigned char> backward_workspace(backward.workspace_size());
+  EXPECT_TRUE(throws_error(
+      [&] {
+        backward.run(in, saved, UpstreamGradients<bfloat16>{dO.data(), dlse.data(), dH.data()},
+                     gradients, backward_workspace.data(), backward_workspace.bytes(), nullptr);
+      },
+      ErrorCode::invalid_argument, {"'upstream.entropy'", "given", "null"}));
+  EXPECT_TRUE(
+      throws_error([&] { backward.run(in, where, workspace.data(), workspace.bytes(), nullptr); },
+                   ErrorCode::invalid_argument, {"'plan'", "backward pass"}));
+  EXPECT_TRUE(throws_error(
+      [&] {
+        plan.run(in, saved, upstream, gradients, backward_workspace.data(),
+                 backward_workspace.bytes(), nullptr);
+      },
+      ErrorCode::invalid_argument, {"'plan'", "forward pass"}));
+  EXPECT_TRUE(backward.matches(in, saved, upstream, gradients));
+  EXPECT_FALSE(backward.matches(fewer, saved, upstream, gradients));
+  EXPECT_EQ(backward.workspace_size(), cuda::sdpa_backward_workspace_size(in, upstream, gradients));
 
   // float64: no GPU kernel; can_implement says so without throwing, the constructor throws it.
   SdpaInput<double> wide;
