@@ -19,15 +19,23 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${1:-${EMFLOW_VENV:-.venv}}
 python=${PYTHON:-python3}
-if [ ! -x "$venv/bin/python" ]; then
-  "$python" -m venv "$venv" 2>/dev/null || {
+# An environment is reused only when its pip runs: one whose creation was interrupted has a python
+# but no pip, and is made again (--clear) rather than failing on every later run.
+if [ -x "$venv/bin/python" ] && ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
+  echo "emflow setup-python: $venv has no working pip (an interrupted setup?); making it again" >&2
+  venv_args=(--clear)
+else
+  venv_args=()
+fi
+if [ ! -x "$venv/bin/python" ] || [ ${#venv_args[@]} -gt 0 ]; then
+  "$python" -m venv "${venv_args[@]}" "$venv" 2>/dev/null || {
     echo "emflow setup-python: '$python -m venv' failed; installing python3-venv" >&2
     sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
       python3-venv python3-dev >/dev/null
-    "$python" -m venv "$venv"
+    "$python" -m venv "${venv_args[@]}" "$venv"
   }
 fi
 # No cache: the wheels (torch and its CUDA libraries, about 3 GB) would be kept twice on disk.
