@@ -63,6 +63,8 @@ std::vector<std::string> cpu_feature_names();
 /// comma-separated list of cpu_feature_names(); another name is invalid_argument naming it)
 /// asks not to take.
 CpuProbe probe_cpu(const char* disabled);
+/// The extensions of `probe` that its `disabled` leaves: those a path may use.
+std::vector<std::string> usable_cpu_features(const CpuProbe& probe);
 /// The names of `required` that `found` lacks, space-separated ("" when none).
 std::string cpu_missing_features(const std::vector<std::string>& required,
                                  const std::vector<std::string>& found);

@@ -444,13 +444,8 @@ Machine probe_machine() {
   m.cpu_name = cpu.name;
   m.cpu_features = cpu.features;
   m.cpu_disabled = cpu.disabled;
-  std::vector<std::string> usable;
-  for (const std::string& name : m.cpu_features) {
-    if (std::find(m.cpu_disabled.begin(), m.cpu_disabled.end(), name) == m.cpu_disabled.end()) {
-      usable.push_back(name);
-    }
-  }
-  const detail::CpuPath path = detail::choose_cpu_path(usable, std::getenv("EMFLOW_CPU_PATH"));
+  const detail::CpuPath path =
+      detail::choose_cpu_path(detail::usable_cpu_features(cpu), std::getenv("EMFLOW_CPU_PATH"));
   m.cpu_paths = path.built;
   m.cpu_instruction_set = path.name;
   m.cpu_compiled_for = path.required;

@@ -127,6 +127,16 @@ CpuProbe probe_cpu(const char* disabled) {
   return probe;
 }
 
+std::vector<std::string> usable_cpu_features(const CpuProbe& probe) {
+  std::vector<std::string> usable;
+  for (const std::string& name : probe.features) {
+    if (std::find(probe.disabled.begin(), probe.disabled.end(), name) == probe.disabled.end()) {
+      usable.push_back(name);
+    }
+  }
+  return usable;
+}
+
 std::string cpu_missing_features(const std::vector<std::string>& required,
                                  const std::vector<std::string>& found) {
   std::string missing;

@@ -5,12 +5,51 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <system_error>
 #include <utility>
 
 #include "core/backends.hpp"
 
 namespace emflow::testing {
+namespace {
+
+// ctest runs the CPU engine's suites again with EMFLOW_CPU_PATH naming each path of the build
+// (tests/CMakeLists.txt, emflow_test_on_path, which sets EMFLOW_TEST_ON_PATH=1). Where the
+// processor lacks that path, or the path is the one the process takes without the variable (so
+// the suite's own run has tested it), the run is skipped as a whole, with the reason, before any
+// case computes its references: every case would otherwise fail at its first engine call, or
+// repeat the suite's run case for case.
+class ForcedCpuPath : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    const char* forced = std::getenv("EMFLOW_CPU_PATH");
+    const char* on_path = std::getenv("EMFLOW_TEST_ON_PATH");
+    if (forced == nullptr || on_path == nullptr || std::string(on_path) != "1") return;
+    const std::vector<std::string> usable =
+        detail::usable_cpu_features(detail::probe_cpu(std::getenv("EMFLOW_CPU_DISABLE")));
+    const detail::CpuPath by_default = detail::choose_cpu_path(usable, nullptr);
+    // A name this build does not hold is left to fail in every case, with the library's error.
+    if (std::find(by_default.built.begin(), by_default.built.end(), forced) ==
+        by_default.built.end()) {
+      return;
+    }
+    try {
+      (void)detail::choose_cpu_path(usable, forced);
+    } catch (const Error& e) {
+      GTEST_SKIP() << e.what();  // "... which needs <extensions> that this processor lacks"
+    }
+    if (by_default.name == forced) {
+      GTEST_SKIP() << "EMFLOW_CPU_PATH names '" << forced
+                   << "', the path this processor takes by default: the suite's own run tests it";
+    }
+  }
+};
+
+[[maybe_unused]] ::testing::Environment* const forced_cpu_path =
+    ::testing::AddGlobalTestEnvironment(new ForcedCpuPath);
+
+}  // namespace
 
 std::vector<double> uniform(std::size_t count, std::uint64_t seed, double lo, double hi) {
   std::mt19937_64 engine(seed);
