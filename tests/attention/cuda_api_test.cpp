@@ -5,6 +5,10 @@
 // other backend's (attention_test.cpp, properties_test.cpp).
 #include <gtest/gtest.h>
 
+#if defined(EMFLOW_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
+
 #include <string>
 #include <vector>
 
@@ -43,6 +47,22 @@ TEST(CudaWithoutDevice, AsyncApiReportsTheSameUnsupportedError) {
   EXPECT_TRUE(throws_error(
       [&] { cuda::attend_async(b.input, b.output, not_a_device_workspace.data(), bytes, nullptr); },
       ErrorCode::unsupported, {"attend_async", reason}));
+}
+
+// The runtime's own text for a machine without a driver is "CUDA driver version is insufficient
+// for CUDA runtime version", the same as for a driver too old: the reason tells the two apart.
+TEST(CudaWithoutDevice, TheReasonSaysWhetherADriverIsInstalled) {
+  std::string reason;
+  if (cuda::device_available(&reason)) {
+    GTEST_SKIP() << "a CUDA device is present; this checks its absence";
+  }
+  int driver = -1;
+  ASSERT_EQ(cudaDriverGetVersion(&driver), cudaSuccess);
+  if (driver == 0) {
+    EXPECT_NE(reason.find("no NVIDIA driver is installed"), std::string::npos) << reason;
+  } else {
+    EXPECT_EQ(reason.find("no NVIDIA driver"), std::string::npos) << reason;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

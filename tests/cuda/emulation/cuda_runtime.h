@@ -292,6 +292,15 @@ inline cudaError_t cudaGetDeviceCount(int* n) {
   *n = emu::device_count();
   return cudaSuccess;
 }
+// The emulated driver and runtime are the toolkit's own version (13.0): never a driver mismatch.
+inline cudaError_t cudaDriverGetVersion(int* v) {
+  *v = 13000;
+  return cudaSuccess;
+}
+inline cudaError_t cudaRuntimeGetVersion(int* v) {
+  *v = 13000;
+  return cudaSuccess;
+}
 inline cudaError_t cudaGetDevice(int* d) {
   *d = emu::current_device;
   return cudaSuccess;
