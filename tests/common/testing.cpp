@@ -14,8 +14,8 @@
 namespace emflow::testing {
 namespace {
 
-// ctest runs the CPU engine's suites again with EMFLOW_CPU_PATH naming each path of the build
-// (tests/CMakeLists.txt, emflow_test_on_path, which sets EMFLOW_TEST_ON_PATH=1). Where the
+// ctest runs the CPU engine's suites again with EMFLOW_CPU_PATH naming each lower path, avx2 and
+// avx512 (tests/CMakeLists.txt, emflow_test_on_path, which sets EMFLOW_TEST_ON_PATH=1). Where the
 // processor lacks that path, or the path is the one the process takes without the variable (so
 // the suite's own run has tested it), the run is skipped as a whole, with the reason, before any
 // case computes its references: every case would otherwise fail at its first engine call, or
